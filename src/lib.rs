@@ -1,0 +1,15 @@
+//! RaftLock: a distributed lock service with FIFO locks, leases and fencing tokens, built on a
+//! pure Raft core.
+//!
+//! ```text
+//!   clients ──► server (I/O shell) ──► raft (pure core) ──► storage (durable log + state)
+//!                      │                      │
+//!                      └──────── lock (pure state machine, applied in log order)
+//! ```
+//!
+//! `raft` and `lock` never touch the network, the disk, the clock or an unseeded random source;
+//! that is what lets `sim` run whole clusters deterministically from a seed.
+
+#![forbid(unsafe_code)]
+
+pub mod raft;
