@@ -13,3 +13,4 @@
 #![forbid(unsafe_code)]
 
 pub mod raft;
+pub mod sim;

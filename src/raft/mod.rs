@@ -9,3 +9,13 @@
 pub mod types;
 
 pub use types::*;
+pub mod config;
+pub mod log;
+pub mod message;
+pub mod node;
+pub mod progress;
+
+pub use config::{Config, ConfigError};
+pub use message::{Message, MessageBody};
+pub use node::{CoreStats, InitialState, ProposeError, Raft, ReadState, Ready, Role, SoftState};
+pub use progress::ProgressState;

@@ -36,6 +36,11 @@ pub enum EntryPayload {
     Noop,
     /// An opaque application command (a lock operation, encoded by `crate::lock`).
     Command(Bytes),
+    /// The full initial configuration. Only ever entry 1, term 0: every server bootstrapped with
+    /// `--initial-cluster` (or `--bootstrap`) writes the identical entry, so it is committed
+    /// everywhere from the start, and a server that joins later learns the base configuration
+    /// from it (or from a snapshot that covers it).
+    Config(Membership),
     /// A single-server membership change (dissertation §4.1). It takes effect on each server as soon
     /// as it is appended to that server's log, committed or not.
     Membership(MembershipChange),
@@ -59,6 +64,7 @@ impl Entry {
                 EntryPayload::Noop => 0,
                 EntryPayload::Command(data) => data.len(),
                 EntryPayload::Membership(_) => 16,
+                EntryPayload::Config(m) => 8 * (m.voters.len() + m.learners.len()),
             }
     }
 }
@@ -107,7 +113,10 @@ pub struct Membership {
 
 impl Membership {
     pub fn with_voters(voters: impl IntoIterator<Item = NodeId>) -> Self {
-        Membership { voters: voters.into_iter().collect(), learners: BTreeSet::new() }
+        Membership {
+            voters: voters.into_iter().collect(),
+            learners: BTreeSet::new(),
+        }
     }
 
     pub fn is_voter(&self, id: NodeId) -> bool {
@@ -191,16 +200,35 @@ mod tests {
         assert_eq!(m.quorum(), 2);
         let m = m.apply(MembershipChange::AddLearner(4)).unwrap();
         assert!(m.learners.contains(&4) && !m.is_voter(4));
-        assert_eq!(m.quorum(), 2, "learners do not count toward quorum (§4.2.1)");
-        assert_eq!(m.apply(MembershipChange::AddLearner(4)), Err(MembershipError::AlreadyMember(4)));
-        assert_eq!(m.apply(MembershipChange::PromoteLearner(3)), Err(MembershipError::NotLearner(3)));
+        assert_eq!(
+            m.quorum(),
+            2,
+            "learners do not count toward quorum (§4.2.1)"
+        );
+        assert_eq!(
+            m.apply(MembershipChange::AddLearner(4)),
+            Err(MembershipError::AlreadyMember(4))
+        );
+        assert_eq!(
+            m.apply(MembershipChange::PromoteLearner(3)),
+            Err(MembershipError::NotLearner(3))
+        );
         let m = m.apply(MembershipChange::PromoteLearner(4)).unwrap();
         assert_eq!(m.quorum(), 3);
         let m = m.apply(MembershipChange::RemoveServer(1)).unwrap();
         assert_eq!(m.voters.iter().copied().collect::<Vec<_>>(), vec![2, 3, 4]);
-        assert_eq!(m.apply(MembershipChange::RemoveServer(9)), Err(MembershipError::NotMember(9)));
+        assert_eq!(
+            m.apply(MembershipChange::RemoveServer(9)),
+            Err(MembershipError::NotMember(9))
+        );
         let single = Membership::with_voters([7]);
-        assert_eq!(single.apply(MembershipChange::RemoveServer(7)), Err(MembershipError::LastVoter(7)));
-        assert_eq!(single.apply(MembershipChange::AddLearner(0)), Err(MembershipError::InvalidNodeId));
+        assert_eq!(
+            single.apply(MembershipChange::RemoveServer(7)),
+            Err(MembershipError::LastVoter(7))
+        );
+        assert_eq!(
+            single.apply(MembershipChange::AddLearner(0)),
+            Err(MembershipError::InvalidNodeId)
+        );
     }
 }

@@ -1,0 +1,219 @@
+//! The core's in-memory copy of the Raft log since the last snapshot.
+//!
+//! The durable copy lives in `crate::storage`; this one tracks which suffix has not yet been handed
+//! to the driver for persistence (`unstable_from`), what is committed and what has been handed out
+//! for applying. Entries at or below the snapshot index are gone; only the snapshot's index and term
+//! remain, which is all the log-matching check needs.
+
+use super::types::{Entry, Index, Term};
+
+#[derive(Debug, Default)]
+pub struct RaftLog {
+    /// Index and term of the last entry covered by the snapshot (0, 0 when there is none).
+    snapshot_index: Index,
+    snapshot_term: Term,
+    /// `entries[i].index == snapshot_index + 1 + i`.
+    entries: Vec<Entry>,
+    /// First index not yet handed to the driver in a `Ready` for persisting.
+    unstable_from: Index,
+    /// Last index the driver has confirmed durable.
+    stable: Index,
+    pub(crate) committed: Index,
+    /// Last index handed to the driver for applying.
+    pub(crate) applied: Index,
+}
+
+impl RaftLog {
+    /// A log recovered from storage: everything given here is already durable.
+    pub fn restore(
+        snapshot_index: Index,
+        snapshot_term: Term,
+        entries: Vec<Entry>,
+        committed: Index,
+        applied: Index,
+    ) -> Self {
+        let mut log = RaftLog {
+            snapshot_index,
+            snapshot_term,
+            entries: Vec::new(),
+            unstable_from: 0,
+            stable: 0,
+            committed: 0,
+            applied: 0,
+        };
+        // Keep only a contiguous run starting right after the snapshot.
+        for entry in entries {
+            if entry.index == log.last_index() + 1 {
+                log.entries.push(entry);
+            } else if entry.index > log.last_index() + 1 {
+                break;
+            }
+        }
+        let last = log.last_index();
+        log.unstable_from = last + 1;
+        log.stable = last;
+        log.committed = committed.clamp(snapshot_index, last);
+        log.applied = applied.clamp(snapshot_index, log.committed);
+        log
+    }
+
+    pub fn snapshot_index(&self) -> Index {
+        self.snapshot_index
+    }
+
+    pub fn first_index(&self) -> Index {
+        self.snapshot_index + 1
+    }
+
+    pub fn last_index(&self) -> Index {
+        self.snapshot_index + self.entries.len() as Index
+    }
+
+    pub fn last_term(&self) -> Term {
+        self.entries.last().map_or(self.snapshot_term, |e| e.term)
+    }
+
+    pub fn stable_index(&self) -> Index {
+        self.stable
+    }
+
+    /// The term of the entry at `index`: `Some(0)` for index 0, `None` if compacted or missing.
+    pub fn term(&self, index: Index) -> Option<Term> {
+        if index == self.snapshot_index {
+            return Some(self.snapshot_term);
+        }
+        if index < self.snapshot_index || index > self.last_index() {
+            return None;
+        }
+        Some(self.entries[(index - self.snapshot_index - 1) as usize].term)
+    }
+
+    pub fn entry(&self, index: Index) -> Option<&Entry> {
+        if index <= self.snapshot_index || index > self.last_index() {
+            return None;
+        }
+        Some(&self.entries[(index - self.snapshot_index - 1) as usize])
+    }
+
+    /// Entries `lo..=hi` that are still in memory (clamped).
+    pub fn slice(&self, lo: Index, hi: Index) -> &[Entry] {
+        let lo = lo.max(self.first_index());
+        let hi = hi.min(self.last_index());
+        if lo > hi {
+            return &[];
+        }
+        let start = (lo - self.snapshot_index - 1) as usize;
+        let end = (hi - self.snapshot_index) as usize;
+        &self.entries[start..end]
+    }
+
+    /// Entries from `lo` up to `max_bytes` (always at least one if any exist).
+    pub fn entries_from(&self, lo: Index, max_bytes: usize) -> Vec<Entry> {
+        let mut out = Vec::new();
+        let mut bytes = 0usize;
+        for entry in self.slice(lo, self.last_index()) {
+            bytes += entry.size_bytes();
+            if !out.is_empty() && bytes > max_bytes {
+                break;
+            }
+            out.push(entry.clone());
+        }
+        out
+    }
+
+    /// True if the log holds an entry at `index` with `term` (or it is the snapshot point).
+    pub fn matches(&self, index: Index, term: Term) -> bool {
+        self.term(index) == Some(term)
+    }
+
+    /// Is a log ending at (`last_index`, `last_term`) at least as up-to-date as ours (§5.4.1)?
+    pub fn is_up_to_date(&self, last_index: Index, last_term: Term) -> bool {
+        last_term > self.last_term()
+            || (last_term == self.last_term() && last_index >= self.last_index())
+    }
+
+    /// Appends at the end. The caller guarantees contiguity.
+    pub fn append(&mut self, entry: Entry) {
+        debug_assert_eq!(entry.index, self.last_index() + 1);
+        self.entries.push(entry);
+    }
+
+    /// Removes every entry at or after `index`. Committed entries are never truncated; the caller
+    /// checks before calling.
+    pub fn truncate_from(&mut self, index: Index) {
+        debug_assert!(index > self.committed, "truncating committed entries");
+        if index > self.last_index() || index <= self.snapshot_index {
+            return;
+        }
+        self.entries
+            .truncate((index - self.snapshot_index - 1) as usize);
+        self.unstable_from = self.unstable_from.min(index);
+        self.stable = self.stable.min(index - 1);
+    }
+
+    /// Entries not yet handed out for persisting; marks them handed out.
+    pub fn take_unstable(&mut self) -> Vec<Entry> {
+        let out = self.slice(self.unstable_from, self.last_index()).to_vec();
+        self.unstable_from = self.last_index() + 1;
+        out
+    }
+
+    pub fn has_unstable(&self) -> bool {
+        self.unstable_from <= self.last_index()
+    }
+
+    /// The driver has made everything up to (`index`, `term`) durable.
+    pub fn stable_to(&mut self, index: Index, term: Term) {
+        if self.term(index) == Some(term) && index < self.unstable_from {
+            self.stable = self.stable.max(index);
+        }
+    }
+
+    /// Committed entries not yet handed out for applying.
+    pub fn has_next_committed(&self) -> bool {
+        self.committed > self.applied
+    }
+
+    pub fn take_committed(&mut self, max_bytes: usize) -> Vec<Entry> {
+        let out = self.entries_from(self.applied + 1, max_bytes);
+        let out: Vec<Entry> = out
+            .into_iter()
+            .take_while(|e| e.index <= self.committed)
+            .collect();
+        if let Some(last) = out.last() {
+            self.applied = last.index;
+        }
+        out
+    }
+
+    /// Drops entries up to `index` behind a snapshot the driver took (index <= applied).
+    pub fn compact(&mut self, index: Index) {
+        if index <= self.snapshot_index || index > self.applied {
+            return;
+        }
+        let Some(term) = self.term(index) else { return };
+        let drop = (index - self.snapshot_index) as usize;
+        self.entries.drain(..drop);
+        self.snapshot_index = index;
+        self.snapshot_term = term;
+    }
+
+    /// Installs a snapshot received from the leader (§5.7): keep the suffix after it if our log
+    /// already holds the snapshot's last entry, otherwise discard the whole log.
+    pub fn install_snapshot(&mut self, index: Index, term: Term) {
+        if self.matches(index, term) && index <= self.last_index() && index > self.snapshot_index {
+            let drop = (index - self.snapshot_index) as usize;
+            self.entries.drain(..drop);
+            self.stable = self.stable.max(index);
+        } else {
+            self.entries.clear();
+            self.unstable_from = index + 1;
+            self.stable = index;
+        }
+        self.snapshot_index = index;
+        self.snapshot_term = term;
+        self.unstable_from = self.unstable_from.max(index + 1);
+        self.committed = self.committed.max(index);
+        self.applied = self.applied.max(index);
+    }
+}

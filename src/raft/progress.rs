@@ -1,0 +1,93 @@
+//! The leader's view of one follower's log (§5.3 nextIndex/matchIndex), plus the flow control
+//! that makes replication pipelined but bounded.
+//!
+//! ```text
+//!   Probe ──(append accepted)──► Replicate ──(append rejected)──► Probe
+//!     │                                                             ▲
+//!     └──(needed entries compacted)──► Snapshot ──(installed)───────┘
+//! ```
+//! In `Probe` one append is outstanding at a time; in `Replicate` up to `max_inflight_appends`
+//! are, and `next_index` advances optimistically as they are sent.
+
+use std::collections::VecDeque;
+
+use super::types::Index;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProgressState {
+    Probe,
+    Replicate,
+    Snapshot,
+}
+
+#[derive(Clone, Debug)]
+pub struct Progress {
+    pub match_index: Index,
+    pub next_index: Index,
+    pub state: ProgressState,
+    /// In `Probe`: an append is outstanding, wait for its answer (or the next heartbeat answer).
+    pub probe_sent: bool,
+    /// In `Replicate`: the last index of every append still unacknowledged, oldest first.
+    pub inflight: VecDeque<Index>,
+    /// Heard from since the last CheckQuorum round (§6.2).
+    pub recent_active: bool,
+    /// Highest ReadIndex sequence this follower acknowledged (§6.4).
+    pub read_ack: u64,
+    /// In `Snapshot`: which snapshot is being sent and where the next chunk starts.
+    pub snapshot_index: Index,
+    pub snapshot_offset: u64,
+}
+
+impl Progress {
+    pub fn new(next_index: Index) -> Self {
+        Progress {
+            match_index: 0,
+            next_index,
+            state: ProgressState::Probe,
+            probe_sent: false,
+            inflight: VecDeque::new(),
+            recent_active: false,
+            read_ack: 0,
+            snapshot_index: 0,
+            snapshot_offset: 0,
+        }
+    }
+
+    pub fn become_probe(&mut self, next_index: Index) {
+        self.state = ProgressState::Probe;
+        self.next_index = next_index.max(self.match_index + 1);
+        self.probe_sent = false;
+        self.inflight.clear();
+    }
+
+    pub fn become_replicate(&mut self) {
+        self.state = ProgressState::Replicate;
+        self.next_index = self.match_index + 1;
+        self.probe_sent = false;
+        self.inflight.clear();
+    }
+
+    pub fn become_snapshot(&mut self, snapshot_index: Index) {
+        self.state = ProgressState::Snapshot;
+        self.snapshot_index = snapshot_index;
+        self.snapshot_offset = 0;
+        self.inflight.clear();
+    }
+
+    /// Records an acknowledged match; returns true if it moved forward.
+    pub fn update_match(&mut self, index: Index) -> bool {
+        let advanced = index > self.match_index;
+        if advanced {
+            self.match_index = index;
+        }
+        self.next_index = self.next_index.max(index + 1);
+        while self.inflight.front().is_some_and(|&last| last <= index) {
+            self.inflight.pop_front();
+        }
+        advanced
+    }
+
+    pub fn inflight_full(&self, max_inflight: usize) -> bool {
+        self.inflight.len() >= max_inflight
+    }
+}

@@ -1,0 +1,1 @@
+//! Simulator tests: healthy cores pass, deliberately broken cores are caught.
