@@ -23,7 +23,9 @@ const FORBIDDEN: &[(&str, &str)] = &[
 ];
 
 fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    let Ok(read) = std::fs::read_dir(dir) else { return };
+    let Ok(read) = std::fs::read_dir(dir) else {
+        return;
+    };
     for entry in read.flatten() {
         let path = entry.path();
         if path.is_dir() {
@@ -65,7 +67,10 @@ fn violations_under(root: &Path) -> Vec<String> {
             if let Some(start) = code.find("std::{") {
                 let group = &code[start..];
                 for banned in ["time", "net", "fs", "thread"] {
-                    if group.split(|c: char| !c.is_alphanumeric() && c != '_').any(|w| w == banned) {
+                    if group
+                        .split(|c: char| !c.is_alphanumeric() && c != '_')
+                        .any(|w| w == banned)
+                    {
                         found.push(format!("{}:{line_no}: `std::{{{banned}}}`", file.display()));
                     }
                 }
@@ -78,13 +83,21 @@ fn violations_under(root: &Path) -> Vec<String> {
 #[test]
 fn raft_core_is_pure() {
     let found = violations_in("src/raft");
-    assert!(found.is_empty(), "src/raft must stay pure:\n{}", found.join("\n"));
+    assert!(
+        found.is_empty(),
+        "src/raft must stay pure:\n{}",
+        found.join("\n")
+    );
 }
 
 #[test]
 fn lock_state_machine_is_pure() {
     let found = violations_in("src/lock");
-    assert!(found.is_empty(), "src/lock must stay pure:\n{}", found.join("\n"));
+    assert!(
+        found.is_empty(),
+        "src/lock must stay pure:\n{}",
+        found.join("\n")
+    );
 }
 
 #[test]
@@ -92,8 +105,15 @@ fn the_check_catches_an_impure_import() {
     // Guard against a checker that can never fail: feed it a file that breaks the rule.
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("purity-probe/src/raft");
     std::fs::create_dir_all(&dir).expect("temp dir");
-    std::fs::write(dir.join("bad.rs"), "use std::time::Instant;\nuse std::{fs, io};\n")
-        .expect("write probe");
+    std::fs::write(
+        dir.join("bad.rs"),
+        "use std::time::Instant;\nuse std::{fs, io};\n",
+    )
+    .expect("write probe");
     let found = violations_under(&dir);
-    assert_eq!(found.len(), 3, "Instant, std::time and std::{{fs}} must be flagged: {found:?}");
+    assert_eq!(
+        found.len(),
+        3,
+        "Instant, std::time and std::{{fs}} must be flagged: {found:?}"
+    );
 }

@@ -8,6 +8,9 @@
 
 pub mod types;
 
+#[cfg(test)]
+mod tests;
+
 pub use types::*;
 pub mod config;
 pub mod log;

@@ -182,6 +182,9 @@ pub struct Raft {
     /// Set between `ready()` and `advance()` for the entries handed out.
     handed_out_last: Option<(Index, Term)>,
     stats: CoreStats,
+    /// Test-only home of vote replies sent before their flush (the `vote_before_persist` bug).
+    #[cfg(test)]
+    early_vote_replies: Vec<Message>,
 }
 
 impl Raft {
@@ -243,6 +246,8 @@ impl Raft {
             prev_hard: HardState { commit: 0, ..hs },
             handed_out_last: None,
             stats: CoreStats::default(),
+            #[cfg(test)]
+            early_vote_replies: Vec::new(),
             cfg,
         };
         raft.prev_hard.commit = raft.log.committed;
@@ -341,6 +346,11 @@ impl Raft {
     /// appended but not committed: it can hold the only up-to-date copy of that entry (a leader
     /// that removed itself and then lost contact), and without it the remaining voters could never
     /// elect anyone. Its candidacy counts only the voters of its latest configuration.
+    #[cfg(test)]
+    pub(crate) fn set_snapshot_chunk_bytes(&mut self, bytes: usize) {
+        self.cfg.snapshot_chunk_bytes = bytes;
+    }
+
     fn promotable(&self) -> bool {
         if self.membership.is_voter(self.id) {
             return true;
@@ -575,6 +585,8 @@ impl Raft {
             messages = messages_now;
             messages_now = Vec::new();
         }
+        #[cfg(test)]
+        messages_now.append(&mut self.early_vote_replies);
         let ready = Ready {
             soft_state: (soft != self.prev_soft).then_some(soft),
             hard_state: (hard != self.prev_hard).then_some(hard),
@@ -863,11 +875,12 @@ impl Raft {
             term: reply_term,
             body,
         };
-        if self.bug(|b| b.vote_before_persist) {
-            self.messages_now.push(msg);
-        } else {
-            self.messages.push(msg);
+        #[cfg(test)]
+        if self.cfg.bugs.vote_before_persist {
+            self.early_vote_replies.push(msg);
+            return;
         }
+        self.messages.push(msg);
     }
 
     fn handle_vote_response(&mut self, from: NodeId, term: Term, pre_vote: bool, granted: bool) {

@@ -45,6 +45,8 @@ pub struct SimConfig {
     pub snapshot_padding_bytes: usize,
     /// Simulated time allowed after healing for a leader to commit a new entry.
     pub liveness_budget_us: u64,
+    /// Multiplies the crash rate (1 = default).
+    pub crash_intensity: u32,
     /// Print elections, votes and membership changes to stderr (for replaying one seed).
     pub trace: bool,
     #[cfg(test)]
@@ -63,6 +65,7 @@ impl SimConfig {
             snapshot_every: 48,
             snapshot_padding_bytes: 1_500,
             liveness_budget_us: 5_000_000,
+            crash_intensity: 1,
             trace: false,
             #[cfg(test)]
             bugs: Default::default(),
@@ -144,6 +147,27 @@ impl Disk {
     }
 }
 
+#[derive(Clone, Copy, Debug)]
+enum Action {
+    Propose,
+    Read,
+    Partition,
+    Heal,
+    Crash,
+    Restart,
+    Membership,
+    Transfer,
+}
+
+/// Where a mid-Ready crash strikes.
+#[derive(Clone, Copy, Debug)]
+struct CrashPoint {
+    /// Only in a Ready that records a new vote (otherwise: the next one that must flush).
+    on_vote_only: bool,
+    /// Restart the process at once, as a supervisor would.
+    restart_at_once: bool,
+}
+
 struct SimNode {
     id: NodeId,
     raft: Option<Raft>,
@@ -155,8 +179,8 @@ struct SimNode {
     digest: u64,
     tick_us: u64,
     next_tick_us: u64,
-    /// Crash inside the next Ready that needs a flush: after `messages_now` left, before flush.
-    crash_mid_ready: bool,
+    /// Crash inside a coming Ready, after `messages_now` left but before the flush.
+    crash_mid_ready: Option<CrashPoint>,
     /// Removed from the cluster and shut down for good.
     decommissioned: bool,
     last_commit: Index,
@@ -177,6 +201,10 @@ pub struct Cluster {
     /// For each outstanding read: the highest committed index when it was requested.
     reads: HashMap<(NodeId, u64), Index>,
     min_voters: usize,
+    /// Flow-control settings drawn per seed, so runs cover one-entry appends through large
+    /// pipelined batches.
+    max_inflight_appends: usize,
+    max_batch_bytes: usize,
 }
 
 const MAX_MEMBERS: usize = 7;
@@ -196,8 +224,13 @@ impl Cluster {
         } else {
             NetworkFaults::calm()
         };
+        let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
+        let max_inflight_appends = *[1, 2, 4, 16].choose(&mut rng).expect("non-empty");
+        let max_batch_bytes = *[1, 100, 512, 4096].choose(&mut rng).expect("non-empty");
         let mut cluster = Cluster {
-            rng: ChaCha8Rng::seed_from_u64(cfg.seed),
+            max_inflight_appends,
+            max_batch_bytes,
+            rng,
             now_us: 0,
             nodes: BTreeMap::new(),
             network: Network::new(faults),
@@ -229,7 +262,7 @@ impl Cluster {
             digest: 0,
             tick_us,
             next_tick_us: self.now_us + self.rng.random_range(0..tick_us),
-            crash_mid_ready: false,
+            crash_mid_ready: None,
             decommissioned: false,
             last_commit: 0,
             incarnation_elections: 0,
@@ -241,8 +274,8 @@ impl Cluster {
     fn raft_config(&self, id: NodeId, incarnation_seed: u64) -> Config {
         let mut cfg = Config::new(id, incarnation_seed);
         cfg.pre_vote = self.cfg.pre_vote;
-        cfg.max_inflight_appends = 4;
-        cfg.max_batch_bytes = 512;
+        cfg.max_inflight_appends = self.max_inflight_appends;
+        cfg.max_batch_bytes = self.max_batch_bytes;
         cfg.snapshot_chunk_bytes = 512;
         #[cfg(test)]
         {
@@ -272,7 +305,7 @@ impl Cluster {
         node.incarnation_elections = 0;
         let term = raft.term();
         node.raft = Some(raft);
-        node.crash_mid_ready = false;
+        node.crash_mid_ready = None;
         self.checker.on_restart(id, term);
     }
 
@@ -285,7 +318,7 @@ impl Cluster {
             self.stats.crashes += 1;
         }
         node.staged = node.durable.clone();
-        node.crash_mid_ready = false;
+        node.crash_mid_ready = None;
     }
 
     fn alive_ids(&self) -> Vec<NodeId> {
@@ -314,7 +347,7 @@ impl Cluster {
     pub fn run(mut self) -> SimOutcome {
         let mut violation_step = None;
         for step in 0..self.cfg.steps {
-            self.inject(step);
+            self.inject();
             if !self.process_next_event() {
                 break;
             }
@@ -446,8 +479,21 @@ impl Cluster {
                 node.staged.hard_state = hs;
             }
             node.staged.append(&ready.entries);
-            if must_sync && node.crash_mid_ready {
+            let crash_now = match node.crash_mid_ready {
+                Some(CrashPoint {
+                    on_vote_only: true, ..
+                }) => ready
+                    .hard_state
+                    .is_some_and(|hs| hs.vote != node.durable.hard_state.vote),
+                Some(_) => must_sync,
+                None => false,
+            };
+            if crash_now {
+                let restart = node.crash_mid_ready.is_some_and(|c| c.restart_at_once);
                 self.crash_node(id);
+                if restart {
+                    self.start_node(id);
+                }
                 return;
             }
             if must_sync {
@@ -579,21 +625,51 @@ impl Cluster {
 
     // ----- faults and clients ----------------------------------------------------------------
 
-    fn inject(&mut self, step: u64) {
-        let roll: u32 = self.rng.random_range(0..1_000_000);
+    /// Draws at most one fault or client action for this step. Weights are per million steps.
+    fn inject(&mut self) {
         let faults = self.cfg.faults;
-        match roll {
-            0..=39_999 => self.client_propose(),
-            40_000..=44_999 => self.client_read(),
-            45_000..=47_999 if faults => self.start_partition(),
-            48_000..=52_999 if faults && self.network.is_partitioned() => self.network.heal(),
-            53_000..=54_999 if faults => self.crash_random(),
-            55_000..=64_999 if faults => self.restart_random(),
-            65_000..=67_999 if self.cfg.membership_changes => self.change_membership(),
-            68_000..=68_499 => self.transfer_leadership(),
-            _ => {}
+        let crash = if faults {
+            2_000 * self.cfg.crash_intensity
+        } else {
+            0
+        };
+        let table: [(u32, Action); 8] = [
+            (40_000, Action::Propose),
+            (5_000, Action::Read),
+            (if faults { 3_000 } else { 0 }, Action::Partition),
+            (if faults { 5_000 } else { 0 }, Action::Heal),
+            (crash, Action::Crash),
+            (if faults { 10_000 } else { 0 }, Action::Restart),
+            (
+                if self.cfg.membership_changes {
+                    3_000
+                } else {
+                    0
+                },
+                Action::Membership,
+            ),
+            (500, Action::Transfer),
+        ];
+        let mut roll: u32 = self.rng.random_range(0..1_000_000);
+        let action = table.iter().find_map(|&(weight, action)| {
+            if roll < weight {
+                Some(action)
+            } else {
+                roll -= weight;
+                None
+            }
+        });
+        match action {
+            Some(Action::Propose) => self.client_propose(),
+            Some(Action::Read) => self.client_read(),
+            Some(Action::Partition) => self.start_partition(),
+            Some(Action::Heal) => self.network.heal(),
+            Some(Action::Crash) => self.crash_random(),
+            Some(Action::Restart) => self.restart_random(),
+            Some(Action::Membership) => self.change_membership(),
+            Some(Action::Transfer) => self.transfer_leadership(),
+            None => {}
         }
-        let _ = step;
     }
 
     fn client_propose(&mut self) {
@@ -682,7 +758,11 @@ impl Cluster {
             return;
         };
         if self.rng.random_bool(0.5) {
-            self.nodes.get_mut(&victim).expect("exists").crash_mid_ready = true;
+            let point = CrashPoint {
+                on_vote_only: self.rng.random_bool(0.3),
+                restart_at_once: self.rng.random_bool(0.5),
+            };
+            self.nodes.get_mut(&victim).expect("exists").crash_mid_ready = Some(point);
         } else {
             self.crash_node(victim);
         }
@@ -822,7 +902,7 @@ impl Cluster {
             self.start_node(id);
         }
         for node in self.nodes.values_mut() {
-            node.crash_mid_ready = false;
+            node.crash_mid_ready = None;
         }
         let deadline = self.now_us + self.cfg.liveness_budget_us;
         let mut marker: Option<(NodeId, Index, u64)> = None;

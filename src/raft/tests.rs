@@ -1,0 +1,714 @@
+//! Unit tests of the core against a tiny synchronous network. Each names the section of the Raft
+//! paper or dissertation whose rule it checks.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use bytes::Bytes;
+
+use super::*;
+
+/// A synchronous in-memory network: messages queue up and are delivered in order on demand.
+struct Net {
+    nodes: BTreeMap<NodeId, Raft>,
+    queue: VecDeque<Message>,
+    blocked: BTreeSet<NodeId>,
+    applied: BTreeMap<NodeId, Vec<Entry>>,
+    reads: BTreeMap<NodeId, Vec<ReadState>>,
+    installed_snapshots: BTreeMap<NodeId, u64>,
+    /// Messages seen, for assertions.
+    log: Vec<Message>,
+}
+
+fn config(id: NodeId, pre_vote: bool) -> Config {
+    let mut cfg = Config::new(id, 42);
+    cfg.pre_vote = pre_vote;
+    cfg
+}
+
+impl Net {
+    fn new(n: u64, pre_vote: bool) -> Net {
+        let membership = Membership::with_voters(1..=n);
+        let nodes = (1..=n)
+            .map(|id| {
+                let initial = InitialState {
+                    initial_membership: membership.clone(),
+                    ..Default::default()
+                };
+                (id, Raft::new(config(id, pre_vote), initial).unwrap())
+            })
+            .collect();
+        let mut net = Net {
+            nodes,
+            queue: VecDeque::new(),
+            blocked: BTreeSet::new(),
+            applied: BTreeMap::new(),
+            reads: BTreeMap::new(),
+            installed_snapshots: BTreeMap::new(),
+            log: Vec::new(),
+        };
+        for id in 1..=n {
+            net.process(id);
+        }
+        net
+    }
+
+    fn raft(&mut self, id: NodeId) -> &mut Raft {
+        self.nodes.get_mut(&id).unwrap()
+    }
+
+    fn process(&mut self, id: NodeId) {
+        for _ in 0..100 {
+            let raft = self.nodes.get_mut(&id).unwrap();
+            if !raft.has_ready() {
+                return;
+            }
+            let ready = raft.ready();
+            self.queue.extend(ready.messages_now.iter().cloned());
+            self.queue.extend(ready.messages.iter().cloned());
+            if let Some(s) = &ready.snapshot {
+                self.installed_snapshots.insert(id, s.meta.index);
+            }
+            self.applied
+                .entry(id)
+                .or_default()
+                .extend(ready.committed_entries.iter().cloned());
+            self.reads
+                .entry(id)
+                .or_default()
+                .extend(ready.read_states.iter().copied());
+            self.nodes.get_mut(&id).unwrap().advance(ready);
+        }
+    }
+
+    fn deliver_all(&mut self) {
+        for _ in 0..100_000 {
+            let Some(msg) = self.queue.pop_front() else {
+                return;
+            };
+            if self.blocked.contains(&msg.from) || self.blocked.contains(&msg.to) {
+                continue;
+            }
+            self.log.push(msg.clone());
+            let to = msg.to;
+            if let Some(raft) = self.nodes.get_mut(&to) {
+                raft.step(msg);
+                self.process(to);
+            }
+        }
+        panic!("network did not quiesce");
+    }
+
+    fn tick_all(&mut self, ticks: u32) {
+        for _ in 0..ticks {
+            let ids: Vec<NodeId> = self.nodes.keys().copied().collect();
+            for id in ids {
+                self.raft(id).tick();
+                self.process(id);
+            }
+            self.deliver_all();
+        }
+    }
+
+    fn elect(&mut self, id: NodeId) {
+        self.raft(id).campaign_now();
+        self.process(id);
+        self.deliver_all();
+        assert!(self.raft(id).is_leader(), "node {id} should have won");
+    }
+
+    fn propose(&mut self, id: NodeId, data: &'static [u8]) -> Index {
+        let index = self
+            .raft(id)
+            .propose(vec![Bytes::from_static(data)])
+            .unwrap();
+        self.process(id);
+        self.deliver_all();
+        index
+    }
+
+    fn leaders(&self) -> Vec<NodeId> {
+        self.nodes
+            .values()
+            .filter(|r| r.is_leader())
+            .map(|r| r.id())
+            .collect()
+    }
+}
+
+fn vote_request(
+    from: NodeId,
+    to: NodeId,
+    term: Term,
+    last_index: Index,
+    last_term: Term,
+) -> Message {
+    Message {
+        from,
+        to,
+        term,
+        body: MessageBody::Vote {
+            pre_vote: false,
+            last_log_index: last_index,
+            last_log_term: last_term,
+            leadership_transfer: false,
+        },
+    }
+}
+
+fn granted_votes(raft: &mut Raft) -> Vec<bool> {
+    let ready = raft.ready();
+    let out = ready
+        .messages
+        .iter()
+        .filter_map(|m| match m.body {
+            MessageBody::VoteResponse { granted, .. } => Some(granted),
+            _ => None,
+        })
+        .collect();
+    raft.advance(ready);
+    out
+}
+
+/// A voter whose log ends at (index 3, term 2).
+fn voter_with_log() -> Raft {
+    let entries = (1..=3)
+        .map(|i| Entry {
+            term: if i == 1 { 0 } else { 2 },
+            index: i,
+            payload: EntryPayload::Noop,
+        })
+        .collect::<Vec<_>>();
+    let mut entries = entries;
+    entries[0].payload = EntryPayload::Config(Membership::with_voters([1, 2, 3]));
+    let initial = InitialState {
+        hard_state: HardState {
+            term: 2,
+            vote: 0,
+            commit: 1,
+        },
+        entries,
+        ..Default::default()
+    };
+    let mut raft = Raft::new(config(1, false), initial).unwrap();
+    let ready = raft.ready();
+    raft.advance(ready);
+    raft
+}
+
+// Reference: §5.2 and §5.4.1 — a vote is granted only to a candidate whose log is at least as
+// up-to-date (compare last term, then length), and only once per term.
+#[test]
+fn vote_rules() {
+    // (candidate last index, candidate last term, granted?)
+    let table = [
+        (3, 2, true),  // identical
+        (4, 2, true),  // same term, longer
+        (2, 2, false), // same term, shorter
+        (1, 3, true),  // later term wins even if shorter
+        (9, 1, false), // earlier term loses even if longer
+    ];
+    for (last_index, last_term, want) in table {
+        let mut voter = voter_with_log();
+        voter.step(vote_request(2, 1, 3, last_index, last_term));
+        assert_eq!(
+            granted_votes(&mut voter),
+            vec![want],
+            "candidate log ({last_index}, {last_term})"
+        );
+    }
+    // One vote per term: after voting for 2 in term 3, node 3 is refused in term 3 ...
+    let mut voter = voter_with_log();
+    voter.step(vote_request(2, 1, 3, 3, 2));
+    assert_eq!(granted_votes(&mut voter), vec![true]);
+    voter.step(vote_request(3, 1, 3, 3, 2));
+    assert_eq!(granted_votes(&mut voter), vec![false]);
+    // ... but a repeated request from 2 is granted again (idempotent), and so is 3 in term 4.
+    voter.step(vote_request(2, 1, 3, 3, 2));
+    assert_eq!(granted_votes(&mut voter), vec![true]);
+    voter.step(vote_request(3, 1, 4, 3, 2));
+    assert_eq!(granted_votes(&mut voter), vec![true]);
+    assert_eq!(voter.hard_state().vote, 3);
+    assert_eq!(voter.term(), 4);
+}
+
+#[test]
+fn vote_is_persisted_before_the_reply_leaves() {
+    // Figure 2: the reply must wait for the flush of the hard state that records the vote.
+    let mut voter = voter_with_log();
+    voter.step(vote_request(2, 1, 3, 3, 2));
+    let ready = voter.ready();
+    assert!(ready.must_sync());
+    assert_eq!(ready.hard_state.map(|h| (h.term, h.vote)), Some((3, 2)));
+    assert!(
+        ready.messages_now.is_empty(),
+        "no reply may leave before the flush"
+    );
+    assert_eq!(ready.messages.len(), 1);
+}
+
+// Reference: seed design "recovery index/term", case (i): follower log shorter.
+#[test]
+fn backtracking_when_follower_log_is_shorter() {
+    let mut net = Net::new(3, true);
+    net.elect(1);
+    net.blocked.insert(3);
+    for _ in 0..20 {
+        net.propose(1, b"x");
+    }
+    net.blocked.clear();
+    net.log.clear();
+    net.tick_all(3); // heartbeat response from 3 triggers a probe
+    let rejection = net.log.iter().find_map(|m| match m.body {
+        MessageBody::AppendResponse {
+            success: false,
+            recovery_index,
+            recovery_term,
+            ..
+        } if m.from == 3 => Some((recovery_index, recovery_term)),
+        _ => None,
+    });
+    // Node 3 holds entries 1 (config) and 2 (the leader's no-op): its length is 2.
+    assert_eq!(rejection, Some((2, 0)));
+    // One rejection was enough: the next append starts right after the follower's log.
+    let rejections = net
+        .log
+        .iter()
+        .filter(|m| matches!(m.body, MessageBody::AppendResponse { success: false, .. }))
+        .count();
+    assert_eq!(rejections, 1);
+    assert_eq!(net.raft(3).last_index(), net.raft(1).last_index());
+}
+
+// Reference: seed design case (ii): conflicting term; the follower reports the term and the last
+// index before it, and the leader skips the whole term at once.
+#[test]
+fn backtracking_over_a_conflicting_term() {
+    let mut net = Net::new(3, true);
+    net.elect(1);
+    net.propose(1, b"a"); // index 3, everyone has it
+                          // Node 1 appends five entries nobody else receives, then loses leadership.
+    net.blocked.insert(1);
+    for _ in 0..5 {
+        let _ = net.raft(1).propose(vec![Bytes::from_static(b"lost")]);
+        net.process(1);
+    }
+    net.queue.clear();
+    // The others elect a new leader among themselves once node 1's lease has run out.
+    net.tick_all(60);
+    let new_leader = *net
+        .leaders()
+        .iter()
+        .find(|&&l| l != 1)
+        .expect("2 or 3 leads");
+    for _ in 0..3 {
+        net.propose(new_leader, b"b");
+    }
+    // Hand leadership to the third node: its guess for node 1's next index is past the conflict.
+    let third = if new_leader == 2 { 3 } else { 2 };
+    net.raft(new_leader).transfer_leader(third).unwrap();
+    net.process(new_leader);
+    net.deliver_all();
+    assert_eq!(net.leaders(), vec![third]);
+    let new_leader = third;
+    net.blocked.clear();
+    net.log.clear();
+    net.tick_all(3);
+    let rejection = net.log.iter().find_map(|m| match m.body {
+        MessageBody::AppendResponse {
+            success: false,
+            recovery_index,
+            recovery_term,
+            rejected_index,
+            ..
+        } if m.from == 1 => Some((recovery_index, recovery_term, rejected_index)),
+        _ => None,
+    });
+    let (recovery_index, recovery_term, _) = rejection.expect("node 1 rejects once");
+    let leader_term_1 = net.raft(new_leader).term_at(3).unwrap();
+    assert_eq!(
+        recovery_term, leader_term_1,
+        "conflicting entries are from node 1's term"
+    );
+    assert_eq!(
+        recovery_index, 3,
+        "last index before the conflicting run (4..=8)"
+    );
+    // The conflicting suffix was replaced and logs now match.
+    assert_eq!(net.raft(1).last_index(), net.raft(new_leader).last_index());
+    for i in 1..=net.raft(new_leader).last_index() {
+        assert_eq!(
+            net.raft(1).term_at(i),
+            net.raft(new_leader).term_at(i),
+            "index {i}"
+        );
+    }
+}
+
+// Reference: §5.4.2 — a leader never commits an entry of an earlier term by counting replicas;
+// it commits it only together with an entry of its own term.
+#[test]
+fn commit_rule_counts_only_current_term_entries() {
+    // Node 1 restarts holding entry 3 from term 1 that was never committed.
+    let mut entries = vec![
+        Entry {
+            term: 0,
+            index: 1,
+            payload: EntryPayload::Config(Membership::with_voters([1, 2, 3])),
+        },
+        Entry {
+            term: 1,
+            index: 2,
+            payload: EntryPayload::Noop,
+        },
+        Entry {
+            term: 1,
+            index: 3,
+            payload: EntryPayload::Command(Bytes::from_static(b"old")),
+        },
+    ];
+    let initial = InitialState {
+        hard_state: HardState {
+            term: 1,
+            vote: 1,
+            commit: 2,
+        },
+        entries: entries.clone(),
+        ..Default::default()
+    };
+    entries.truncate(2);
+    let mut leader = Raft::new(config(1, true), initial).unwrap();
+    let drain = |raft: &mut Raft| {
+        let ready = raft.ready();
+        raft.advance(ready);
+    };
+    drain(&mut leader);
+    leader.campaign_now();
+    let msg = |body| Message {
+        from: 2,
+        to: 1,
+        term: 2,
+        body,
+    };
+    leader.step(msg(MessageBody::VoteResponse {
+        pre_vote: true,
+        granted: true,
+    }));
+    leader.step(msg(MessageBody::VoteResponse {
+        pre_vote: false,
+        granted: true,
+    }));
+    assert!(leader.is_leader());
+    assert_eq!(leader.term(), 2);
+    drain(&mut leader); // the no-op (index 4, term 2) is now durable on the leader
+    assert_eq!(leader.term_at(4), Some(2));
+    let ack = |match_index| {
+        msg(MessageBody::AppendResponse {
+            success: true,
+            match_index,
+            rejected_index: 0,
+            recovery_index: 0,
+            recovery_term: 0,
+        })
+    };
+    // Entry 3 (term 1) is now on a majority (nodes 1 and 2) — still not committed.
+    leader.step(ack(3));
+    assert_eq!(
+        leader.commit_index(),
+        2,
+        "an earlier-term entry must not commit by counting"
+    );
+    // Once the term-2 no-op is on a majority, both commit.
+    leader.step(ack(4));
+    assert_eq!(leader.commit_index(), 4);
+}
+
+// Reference: dissertation §4.1 — one membership change at a time, and (§4.1 bug fix) not before
+// the leader has committed an entry of its own term.
+#[test]
+fn one_membership_change_at_a_time() {
+    let mut net = Net::new(3, true);
+    net.raft(1).campaign_now();
+    net.process(1);
+    // Deliver only the votes, not the no-op acknowledgements.
+    while let Some(msg) = net.queue.pop_front() {
+        let to = msg.to;
+        let is_vote = matches!(
+            msg.body,
+            MessageBody::Vote { .. } | MessageBody::VoteResponse { .. }
+        );
+        if is_vote {
+            net.raft(to).step(msg);
+            if to == 1 {
+                net.process(1);
+            } else {
+                let ready = net.raft(to).ready();
+                net.queue.extend(
+                    ready
+                        .messages
+                        .iter()
+                        .filter(|m| matches!(m.body, MessageBody::VoteResponse { .. }))
+                        .cloned(),
+                );
+                net.raft(to).advance(ready);
+            }
+        }
+    }
+    assert!(net.raft(1).is_leader());
+    assert_eq!(
+        net.raft(1)
+            .propose_membership(MembershipChange::AddLearner(4)),
+        Err(ProposeError::LeaderNotReady)
+    );
+    net.tick_all(3);
+    assert!(net.raft(1).committed_in_current_term());
+    net.raft(1)
+        .propose_membership(MembershipChange::AddLearner(4))
+        .unwrap();
+    assert!(
+        net.raft(1).membership().learners.contains(&4),
+        "takes effect when appended"
+    );
+    net.blocked.insert(2);
+    net.blocked.insert(3);
+    net.process(1);
+    assert_eq!(
+        net.raft(1)
+            .propose_membership(MembershipChange::AddLearner(5)),
+        Err(ProposeError::MembershipChangePending)
+    );
+    net.blocked.clear();
+    net.tick_all(3);
+    net.raft(1)
+        .propose_membership(MembershipChange::AddLearner(5))
+        .unwrap();
+    assert_eq!(
+        net.raft(1)
+            .propose_membership(MembershipChange::RemoveServer(9)),
+        Err(ProposeError::MembershipChangePending)
+    );
+}
+
+// Reference: dissertation §3.10 — leadership transfer with TimeoutNow.
+#[test]
+fn leadership_transfer() {
+    let mut net = Net::new(3, true);
+    net.elect(1);
+    net.propose(1, b"a");
+    net.raft(1).transfer_leader(3).unwrap();
+    assert_eq!(
+        net.raft(1).propose(vec![Bytes::from_static(b"b")]),
+        Err(ProposeError::TransferInProgress)
+    );
+    net.process(1);
+    net.deliver_all();
+    assert_eq!(net.leaders(), vec![3]);
+    assert!(net
+        .log
+        .iter()
+        .any(|m| m.body == MessageBody::TimeoutNow && m.to == 3));
+    assert_eq!(net.raft(1).leader_id(), 3);
+    // Transfer to a non-voter is refused.
+    assert_eq!(
+        net.raft(3).transfer_leader(9),
+        Err(ProposeError::NotVoter(9))
+    );
+}
+
+// Reference: dissertation §6.4 — ReadIndex answers only after a quorum confirms leadership, and
+// never writes to the log.
+#[test]
+fn read_index() {
+    let mut net = Net::new(3, true);
+    net.elect(1);
+    net.propose(1, b"a");
+    let last = net.raft(1).last_index();
+    net.raft(1).read_index(7).unwrap();
+    assert_eq!(
+        net.raft(1).last_index(),
+        last,
+        "reads are not written to the log"
+    );
+    net.process(1);
+    assert!(
+        net.reads.get(&1).is_none_or(|r| r.is_empty()),
+        "not before a quorum answered"
+    );
+    net.deliver_all();
+    let commit = net.raft(1).commit_index();
+    assert_eq!(
+        net.reads[&1],
+        vec![ReadState {
+            ctx: 7,
+            index: commit
+        }]
+    );
+
+    // A leader cut off from the quorum cannot serve a read.
+    net.blocked.insert(2);
+    net.blocked.insert(3);
+    net.raft(1).read_index(8).unwrap();
+    net.process(1);
+    net.deliver_all();
+    assert_eq!(net.reads[&1].len(), 1);
+    // Followers refuse and name the leader.
+    assert_eq!(
+        net.raft(2).read_index(9),
+        Err(ProposeError::NotLeader { leader_id: 1 })
+    );
+}
+
+// Reference: §5.7 — a follower whose next entry was compacted away gets a snapshot, in chunks.
+#[test]
+fn snapshot_install_for_a_lagging_follower() {
+    let mut net = Net::new(3, true);
+    // Small chunks so the snapshot travels in several messages.
+    net.raft(1).set_snapshot_chunk_bytes(1024);
+    net.elect(1);
+    net.blocked.insert(3);
+    for _ in 0..30 {
+        net.propose(1, b"x");
+    }
+    let applied = net.raft(1).applied_index();
+    let data = Bytes::from(vec![7u8; 3 * 1024 + 5]);
+    assert!(net.raft(1).compact(applied, data.clone()));
+    assert_eq!(net.raft(1).snapshot_index(), applied);
+    net.blocked.clear();
+    net.log.clear();
+    net.tick_all(4);
+    let chunks = net
+        .log
+        .iter()
+        .filter(|m| matches!(m.body, MessageBody::InstallSnapshot { .. }) && m.to == 3)
+        .count();
+    assert!(chunks >= 4, "expected at least 4 chunks, saw {chunks}");
+    assert_eq!(net.installed_snapshots.get(&3), Some(&applied));
+    assert_eq!(net.raft(3).snapshot_index(), applied);
+    assert_eq!(net.raft(3).last_index(), net.raft(1).last_index());
+    assert_eq!(net.nodes[&3].membership(), net.nodes[&1].membership());
+    assert_eq!(
+        net.raft(3).latest_snapshot().map(|s| s.data.clone()),
+        Some(data)
+    );
+}
+
+// Reference: dissertation §9.6 — with PreVote a node rejoining after a partition does not make a
+// healthy leader step down; without PreVote it does (its term grew while it was cut off).
+#[test]
+fn prevote_keeps_a_rejoining_node_from_deposing_the_leader() {
+    for pre_vote in [true, false] {
+        let mut net = Net::new(3, pre_vote);
+        net.elect(1);
+        net.propose(1, b"a");
+        let term = net.raft(1).term();
+        net.blocked.insert(3);
+        net.tick_all(100); // node 3 times out again and again while isolated
+        assert!(net.raft(1).is_leader());
+        net.blocked.clear();
+        net.tick_all(30);
+        let leader_kept = net.raft(1).is_leader() && net.raft(1).term() == term;
+        if pre_vote {
+            assert!(leader_kept, "with PreVote the leader keeps its term");
+            assert_eq!(net.raft(3).term(), term);
+        } else {
+            assert!(
+                !leader_kept,
+                "without PreVote the rejoining node disrupts the leader"
+            );
+        }
+    }
+}
+
+// Reference: §6.2 — CheckQuorum: a leader that cannot reach a quorum steps down within an
+// election timeout.
+#[test]
+fn check_quorum_steps_down_isolated_leader() {
+    let mut net = Net::new(3, true);
+    net.elect(1);
+    net.blocked.insert(1);
+    net.tick_all(2 * 10 + 1);
+    assert!(!net.raft(1).is_leader());
+}
+
+// Reference: dissertation §4.2.2 — a leader removed from the configuration steps down once the
+// removal commits, and the rest elect a new leader.
+#[test]
+fn removed_leader_steps_down() {
+    let mut net = Net::new(3, true);
+    net.elect(1);
+    net.raft(1)
+        .propose_membership(MembershipChange::RemoveServer(1))
+        .unwrap();
+    net.process(1);
+    net.deliver_all();
+    assert!(!net.raft(1).is_leader());
+    net.blocked.insert(1);
+    net.tick_all(40);
+    let leaders = net.leaders();
+    assert_eq!(leaders.len(), 1);
+    assert_ne!(leaders[0], 1);
+    assert_eq!(
+        net.raft(leaders[0]).membership().voters,
+        BTreeSet::from([2, 3])
+    );
+}
+
+#[test]
+fn garbage_from_peers_does_not_panic() {
+    let mut net = Net::new(3, true);
+    net.elect(1);
+    let bodies = vec![
+        MessageBody::Append {
+            prev_log_index: u64::MAX - 1,
+            prev_log_term: 9,
+            entries: vec![],
+            leader_commit: u64::MAX,
+        },
+        MessageBody::Append {
+            prev_log_index: 0,
+            prev_log_term: 0,
+            entries: vec![Entry {
+                term: 1,
+                index: 7,
+                payload: EntryPayload::Noop,
+            }],
+            leader_commit: 5,
+        },
+        MessageBody::AppendResponse {
+            success: true,
+            match_index: u64::MAX,
+            rejected_index: 0,
+            recovery_index: 0,
+            recovery_term: 0,
+        },
+        MessageBody::AppendResponse {
+            success: false,
+            match_index: 0,
+            rejected_index: u64::MAX,
+            recovery_index: u64::MAX,
+            recovery_term: u64::MAX,
+        },
+        MessageBody::InstallSnapshotResponse {
+            snapshot_index: 99,
+            next_offset: u64::MAX,
+            done: false,
+        },
+        MessageBody::Heartbeat {
+            commit: u64::MAX,
+            read_seq: u64::MAX,
+        },
+    ];
+    for body in bodies {
+        for (from, to) in [(2, 1), (1, 2), (9, 1)] {
+            let term = net.raft(to).term();
+            net.raft(to).step(Message {
+                from,
+                to,
+                term,
+                body: body.clone(),
+            });
+            net.process(to);
+        }
+    }
+    let last = net.raft(2).last_index();
+    assert!(net.raft(2).commit_index() <= last);
+}
