@@ -12,5 +12,11 @@
 
 #![forbid(unsafe_code)]
 
+pub mod client;
+pub mod datastore;
+pub mod lock;
 pub mod raft;
+pub mod server;
 pub mod sim;
+pub mod storage;
+pub mod telemetry;

@@ -1,0 +1,284 @@
+//! The data store: the resource RaftLock protects. It accepts a write only with a fencing token at
+//! least as high as any it has seen for that lock key (equal = the same holder writing again), so
+//! a paused or partitioned former holder cannot overwrite the work of the next one.
+//!
+//! Every accepted write is appended to a text file and flushed before the answer; on restart the
+//! file rebuilds the highest token per key. One line per write:
+//! `<key>\t<token>\t<clientID>\t<data as JSON string>`.
+
+use std::collections::HashMap;
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use axum::extract::{Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use prometheus::{IntCounterVec, Opts, Registry};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+/// Limits on what one write may carry.
+#[derive(Clone, Debug)]
+pub struct DataStoreLimits {
+    pub max_key_bytes: usize,
+    pub max_client_id_bytes: usize,
+    pub max_data_bytes: usize,
+    pub max_keys: usize,
+}
+
+impl Default for DataStoreLimits {
+    fn default() -> Self {
+        DataStoreLimits {
+            max_key_bytes: 512,
+            max_client_id_bytes: 256,
+            max_data_bytes: 64 * 1024,
+            max_keys: 1_000_000,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DataStoreError {
+    #[error("cannot open {path}: {source}")]
+    Open {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path} line {line} is malformed: {reason}")]
+    Corrupt {
+        path: PathBuf,
+        line: usize,
+        reason: String,
+    },
+}
+
+struct Inner {
+    highest: HashMap<String, u64>,
+    file: std::fs::File,
+    /// Last `max_recent` accepted writes, for `GET /data`.
+    recent: std::collections::VecDeque<Value>,
+}
+
+/// Shared state of the service. The mutex is a std one: the critical section is a map lookup and
+/// one append+flush, and it must not be held across an await.
+#[derive(Clone)]
+pub struct DataStore {
+    inner: Arc<Mutex<Inner>>,
+    limits: DataStoreLimits,
+    writes: IntCounterVec,
+    registry: Registry,
+}
+
+const MAX_RECENT: usize = 10_000;
+
+impl DataStore {
+    /// Opens (or creates) the write log at `path` and rebuilds the highest token per key.
+    pub fn open(path: &Path, limits: DataStoreLimits) -> Result<Self, DataStoreError> {
+        let open_err = |source| DataStoreError::Open {
+            path: path.to_path_buf(),
+            source,
+        };
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(open_err)?;
+        }
+        let mut highest = HashMap::new();
+        let mut recent = std::collections::VecDeque::new();
+        if path.exists() {
+            let file = std::fs::File::open(path).map_err(open_err)?;
+            for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
+                let line = line.map_err(open_err)?;
+                if line.is_empty() {
+                    continue;
+                }
+                let corrupt = |reason: &str| DataStoreError::Corrupt {
+                    path: path.to_path_buf(),
+                    line: i + 1,
+                    reason: reason.to_string(),
+                };
+                let mut parts = line.splitn(4, '\t');
+                let (Some(key), Some(token), Some(client), Some(data)) =
+                    (parts.next(), parts.next(), parts.next(), parts.next())
+                else {
+                    return Err(corrupt("expected 4 tab-separated fields"));
+                };
+                let token: u64 = token
+                    .parse()
+                    .map_err(|_| corrupt("token is not a number"))?;
+                let data: String =
+                    serde_json::from_str(data).map_err(|_| corrupt("data is not a JSON string"))?;
+                let entry = highest.entry(key.to_string()).or_insert(0);
+                *entry = (*entry).max(token);
+                recent.push_back(
+                    json!({"key": key, "fencingToken": token, "clientID": client, "data": data}),
+                );
+                if recent.len() > MAX_RECENT {
+                    recent.pop_front();
+                }
+            }
+        }
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(open_err)?;
+        let registry = Registry::new();
+        let writes = IntCounterVec::new(
+            Opts::new(
+                "raftlock_datastore_writes_total",
+                "Writes by result: accepted, stale, invalid.",
+            ),
+            &["result"],
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(writes.clone()))
+            .expect("unique metric");
+        Ok(DataStore {
+            inner: Arc::new(Mutex::new(Inner {
+                highest,
+                file,
+                recent,
+            })),
+            limits,
+            writes,
+            registry,
+        })
+    }
+
+    pub fn router(self) -> Router {
+        Router::new()
+            .route("/write", post(write))
+            .route("/data", get(read_data))
+            .route("/healthz", get(|| async { "ok" }))
+            .route("/metrics", get(metrics))
+            .with_state(self)
+    }
+
+    /// The highest token accepted for `key`.
+    pub fn highest(&self, key: &str) -> Option<u64> {
+        self.inner.lock().ok()?.highest.get(key).copied()
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WriteRequest {
+    #[serde(rename = "clientID")]
+    client_id: String,
+    #[serde(rename = "fencingToken")]
+    fencing_token: Token,
+    data: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Token {
+    key: String,
+    value: u64,
+}
+
+fn bad_request(store: &DataStore, reason: String) -> Response {
+    store.writes.with_label_values(&["invalid"]).inc();
+    (
+        StatusCode::BAD_REQUEST,
+        Json(json!({"success": false, "error": reason})),
+    )
+        .into_response()
+}
+
+async fn write(State(store): State<DataStore>, body: axum::body::Bytes) -> Response {
+    let request: WriteRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(err) => return bad_request(&store, format!("malformed write: {err}")),
+    };
+    let l = &store.limits;
+    let key = request.fencing_token.key;
+    if key.is_empty() || key.len() > l.max_key_bytes || key.contains(['\t', '\n']) {
+        return bad_request(
+            &store,
+            format!(
+                "fencingToken.key must be 1..={} bytes without tabs or newlines",
+                l.max_key_bytes
+            ),
+        );
+    }
+    if request.client_id.is_empty()
+        || request.client_id.len() > l.max_client_id_bytes
+        || request.client_id.contains(['\t', '\n'])
+    {
+        return bad_request(
+            &store,
+            "clientID must be 1..=256 bytes without tabs or newlines".into(),
+        );
+    }
+    if request.data.len() > l.max_data_bytes {
+        return bad_request(&store, format!("data exceeds {} bytes", l.max_data_bytes));
+    }
+    let token = request.fencing_token.value;
+    let Ok(mut inner) = store.inner.lock() else {
+        return (StatusCode::INTERNAL_SERVER_ERROR, "state poisoned").into_response();
+    };
+    let current = inner.highest.get(&key).copied();
+    if let Some(current) = current {
+        if token < current {
+            drop(inner);
+            store.writes.with_label_values(&["stale"]).inc();
+            return (
+                StatusCode::CONFLICT,
+                Json(json!({"success": false, "error": "stale fencing token", "current": current})),
+            )
+                .into_response();
+        }
+    } else if inner.highest.len() >= l.max_keys {
+        drop(inner);
+        return bad_request(&store, "too many distinct keys".into());
+    }
+    let data_json = serde_json::to_string(&request.data).unwrap_or_else(|_| "\"\"".into());
+    let line = format!("{key}\t{token}\t{}\t{data_json}\n", request.client_id);
+    let durable = inner
+        .file
+        .write_all(line.as_bytes())
+        .and_then(|_| inner.file.sync_data());
+    if let Err(err) = durable {
+        return (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            Json(json!({"success": false, "error": format!("write failed: {err}")})),
+        )
+            .into_response();
+    }
+    inner.highest.insert(key.clone(), token);
+    inner.recent.push_back(json!({"key": key, "fencingToken": token, "clientID": request.client_id, "data": request.data}));
+    if inner.recent.len() > MAX_RECENT {
+        inner.recent.pop_front();
+    }
+    drop(inner);
+    store.writes.with_label_values(&["accepted"]).inc();
+    Json(json!({"success": true})).into_response()
+}
+
+#[derive(Deserialize)]
+struct DataQuery {
+    key: Option<String>,
+}
+
+async fn read_data(State(store): State<DataStore>, Query(q): Query<DataQuery>) -> Response {
+    let Ok(inner) = store.inner.lock() else {
+        return (StatusCode::INTERNAL_SERVER_ERROR, "state poisoned").into_response();
+    };
+    let writes: Vec<&Value> = inner
+        .recent
+        .iter()
+        .filter(|w| q.key.as_deref().is_none_or(|k| w["key"] == k))
+        .collect();
+    Json(json!({"writes": writes, "highest": inner.highest})).into_response()
+}
+
+async fn metrics(State(store): State<DataStore>) -> Response {
+    use prometheus::Encoder;
+    let mut buf = Vec::new();
+    let _ = prometheus::TextEncoder::new().encode(&store.registry.gather(), &mut buf);
+    String::from_utf8(buf).unwrap_or_default().into_response()
+}

@@ -1,0 +1,866 @@
+//! [`LockStateMachine`]: the replicated lock state, a pure and deterministic function of the
+//! committed log.
+//!
+//! ```text
+//!   committed entry ──decode──► Command ──apply(index)──► Applied { outcome, events }
+//!                                              │
+//!                                              └──► dirty keys ──take_changes()──► storage batch
+//! ```
+//! State lives in one key space: `lock/<key>` (holder, token, ttl, FIFO waiters), `data/<key>`
+//! (replicated values), `meta/seq` (the one fencing sequence), `meta/applied` and
+//! `meta/dedupe/<n>` (the bounded exactly-once table). Only ordered maps are iterated, so the same
+//! log always yields byte-identical state. Time never enters: lease deadlines are tracked by the
+//! leader, which proposes `Expire` with the token it saw.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+
+use serde::{Deserialize, Serialize};
+
+use super::command::{decode_plain, encode_plain, Command, DecodeError, FencingToken};
+use super::limits::Limits;
+use super::outcome::{Applied, Event, Outcome, RejectCode};
+
+const LOCK_PREFIX: &str = "lock/";
+const DATA_PREFIX: &str = "data/";
+const META_SEQ: &str = "meta/seq";
+const META_APPLIED: &str = "meta/applied";
+const META_DEDUPE_PREFIX: &str = "meta/dedupe/";
+const META_DEDUPE_NEXT: &str = "meta/dedupe_next";
+const SNAPSHOT_VERSION: u8 = 1;
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct Holder {
+    client_id: String,
+    request_id: String,
+    token: u64,
+    ttl_ms: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct Waiter {
+    client_id: String,
+    request_id: String,
+    ttl_ms: u64,
+    wait_timeout_ms: Option<u64>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+struct LockEntry {
+    holder: Option<Holder>,
+    waiters: VecDeque<Waiter>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct DedupeRecord {
+    client_id: String,
+    request_id: String,
+    outcome: Outcome,
+}
+
+/// A held lock, as the leader needs it to rebuild lease deadlines.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HeldLock {
+    pub key: String,
+    pub client_id: String,
+    pub request_id: String,
+    pub token: u64,
+    pub ttl_ms: u64,
+}
+
+/// A queued waiter, in queue order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WaiterInfo {
+    pub key: String,
+    pub client_id: String,
+    pub request_id: String,
+    pub wait_timeout_ms: Option<u64>,
+}
+
+/// The lock service's replicated state machine.
+#[derive(Clone, Debug, Default)]
+pub struct LockStateMachine {
+    limits: Limits,
+    applied_index: u64,
+    /// The one cluster-wide fencing sequence: the last token handed out.
+    fencing_seq: u64,
+    locks: BTreeMap<String, LockEntry>,
+    data: BTreeMap<String, Vec<u8>>,
+    /// Dedupe records by insertion number (oldest first, evicted first).
+    dedupe: BTreeMap<u64, DedupeRecord>,
+    /// (client, request) -> insertion number.
+    dedupe_index: HashMap<(String, String), u64>,
+    dedupe_next: u64,
+    locks_held: usize,
+    waiters: usize,
+    /// State keys changed since the last `take_changes`.
+    dirty: BTreeSet<String>,
+}
+
+impl PartialEq for LockStateMachine {
+    fn eq(&self, other: &Self) -> bool {
+        self.to_kv() == other.to_kv()
+    }
+}
+
+impl LockStateMachine {
+    pub fn new(limits: Limits) -> Self {
+        LockStateMachine {
+            limits,
+            ..Default::default()
+        }
+    }
+
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    pub fn set_limits(&mut self, limits: Limits) {
+        self.limits = limits;
+    }
+
+    pub fn applied_index(&self) -> u64 {
+        self.applied_index
+    }
+
+    /// The last fencing token value handed out (0 before the first grant).
+    pub fn fencing_sequence(&self) -> u64 {
+        self.fencing_seq
+    }
+
+    pub fn locks_held(&self) -> usize {
+        self.locks_held
+    }
+
+    pub fn waiter_count(&self) -> usize {
+        self.waiters
+    }
+
+    pub fn dedupe_len(&self) -> usize {
+        self.dedupe.len()
+    }
+
+    pub fn get(&self, key: &str) -> Option<&[u8]> {
+        self.data.get(key).map(Vec::as_slice)
+    }
+
+    pub fn holder(&self, key: &str) -> Option<HeldLock> {
+        let h = self.locks.get(key)?.holder.as_ref()?;
+        Some(HeldLock {
+            key: key.to_string(),
+            client_id: h.client_id.clone(),
+            request_id: h.request_id.clone(),
+            token: h.token,
+            ttl_ms: h.ttl_ms,
+        })
+    }
+
+    /// Every held lock, in key order.
+    pub fn held_locks(&self) -> Vec<HeldLock> {
+        self.locks.keys().filter_map(|k| self.holder(k)).collect()
+    }
+
+    /// Every waiter, by key and then queue order.
+    pub fn waiters(&self) -> Vec<WaiterInfo> {
+        self.locks
+            .iter()
+            .flat_map(|(key, entry)| {
+                entry.waiters.iter().map(move |w| WaiterInfo {
+                    key: key.clone(),
+                    client_id: w.client_id.clone(),
+                    request_id: w.request_id.clone(),
+                    wait_timeout_ms: w.wait_timeout_ms,
+                })
+            })
+            .collect()
+    }
+
+    /// Waiters of one key in queue order.
+    pub fn waiters_of(&self, key: &str) -> Vec<WaiterInfo> {
+        self.waiters()
+            .into_iter()
+            .filter(|w| w.key == key)
+            .collect()
+    }
+
+    // ----- apply -----------------------------------------------------------------------------
+
+    /// Applies the command committed at `index`. Deterministic; never panics; an outcome other
+    /// than a *recorded* one changed nothing but the applied index.
+    pub fn apply(&mut self, index: u64, command: &Command) -> Applied {
+        if index <= self.applied_index {
+            let outcome = Outcome::rejected(
+                RejectCode::AlreadyApplied,
+                format!(
+                    "index {index} is not above the applied index {}",
+                    self.applied_index
+                ),
+            );
+            return Applied {
+                index,
+                outcome,
+                events: Vec::new(),
+            };
+        }
+        self.applied_index = index;
+        self.dirty.insert(META_APPLIED.to_string());
+        let mut events = Vec::new();
+        let outcome = self.apply_inner(command, &mut events);
+        Applied {
+            index,
+            outcome,
+            events,
+        }
+    }
+
+    fn apply_inner(&mut self, command: &Command, events: &mut Vec<Event>) -> Outcome {
+        if let Err(rejection) = self.validate(command) {
+            return rejection;
+        }
+        // Exactly-once: a retried request gets its original outcome back (dissertation §6.3).
+        if let Some((client, request)) = dedupe_id(command) {
+            if let Some(&n) = self
+                .dedupe_index
+                .get(&(client.to_string(), request.to_string()))
+            {
+                let recorded = self.dedupe[&n].outcome.clone();
+                return match recorded {
+                    Outcome::Queued { .. } => {
+                        // Still waiting: answer with the current position.
+                        let position = self.position_of(command.key(), client, request);
+                        position.map_or(recorded, |p| Outcome::Queued { position: p })
+                    }
+                    other => other,
+                };
+            }
+        }
+        let outcome = match command {
+            Command::Acquire {
+                key,
+                client_id,
+                request_id,
+                ttl_ms,
+                wait_timeout_ms,
+            } => self.acquire(key, client_id, request_id, *ttl_ms, *wait_timeout_ms),
+            Command::Release {
+                key,
+                client_id,
+                token,
+                ..
+            } => self.release(key, client_id, token.value, events),
+            Command::Renew {
+                key,
+                client_id,
+                token,
+                ttl_ms,
+                ..
+            } => self.renew(key, client_id, token.value, *ttl_ms),
+            Command::CancelWait {
+                key,
+                client_id,
+                request_id,
+            } => self.cancel_wait(key, client_id, request_id, events),
+            Command::Put {
+                key, value, guard, ..
+            } => self.put(key, value, guard.as_ref()),
+            Command::Delete { key, guard, .. } => self.delete(key, guard.as_ref()),
+            Command::Expire { key, token } => self.expire(key, *token, events),
+        };
+        if outcome.is_recorded() {
+            if let Some((client, request)) = dedupe_id(command) {
+                self.record(client, request, outcome.clone());
+            }
+        }
+        outcome
+    }
+
+    fn validate(&self, command: &Command) -> Result<(), Outcome> {
+        let l = &self.limits;
+        let key = command.key();
+        if key.is_empty() {
+            return Err(Outcome::rejected(
+                RejectCode::InvalidRequest,
+                "key must not be empty",
+            ));
+        }
+        if key.len() > l.key_bytes_max {
+            return Err(Outcome::rejected(
+                RejectCode::TooLarge,
+                format!(
+                    "key is {} bytes; the limit is {}",
+                    key.len(),
+                    l.key_bytes_max
+                ),
+            ));
+        }
+        let ids: &[&str] = match command {
+            Command::Acquire {
+                client_id,
+                request_id,
+                ..
+            }
+            | Command::Release {
+                client_id,
+                request_id,
+                ..
+            }
+            | Command::Renew {
+                client_id,
+                request_id,
+                ..
+            }
+            | Command::CancelWait {
+                client_id,
+                request_id,
+                ..
+            }
+            | Command::Put {
+                client_id,
+                request_id,
+                ..
+            }
+            | Command::Delete {
+                client_id,
+                request_id,
+                ..
+            } => &[client_id, request_id],
+            Command::Expire { .. } => &[],
+        };
+        if ids.iter().any(|id| id.len() > l.id_bytes_max) {
+            return Err(Outcome::rejected(
+                RejectCode::TooLarge,
+                format!(
+                    "client and request ids are limited to {} bytes",
+                    l.id_bytes_max
+                ),
+            ));
+        }
+        match command {
+            Command::Acquire {
+                client_id,
+                ttl_ms,
+                wait_timeout_ms,
+                ..
+            } => {
+                if client_id.is_empty() {
+                    return Err(Outcome::rejected(
+                        RejectCode::InvalidRequest,
+                        "clientId is required",
+                    ));
+                }
+                check_ttl(*ttl_ms, l)?;
+                if wait_timeout_ms.is_some_and(|w| w > l.wait_timeout_ms_max) {
+                    return Err(Outcome::rejected(
+                        RejectCode::InvalidRequest,
+                        format!("wait timeout is limited to {} ms", l.wait_timeout_ms_max),
+                    ));
+                }
+            }
+            Command::Renew { ttl_ms, token, .. } => {
+                check_ttl(*ttl_ms, l)?;
+                check_token_key(token, key)?;
+            }
+            Command::Release { token, .. } => check_token_key(token, key)?,
+            Command::Put { value, guard, .. } => {
+                if value.len() > l.value_bytes_max {
+                    return Err(Outcome::rejected(
+                        RejectCode::TooLarge,
+                        format!(
+                            "value is {} bytes; the limit is {}",
+                            value.len(),
+                            l.value_bytes_max
+                        ),
+                    ));
+                }
+                check_guard(guard.as_ref(), l)?;
+            }
+            Command::Delete { guard, .. } => check_guard(guard.as_ref(), l)?,
+            Command::CancelWait { .. } | Command::Expire { .. } => {}
+        }
+        Ok(())
+    }
+
+    fn position_of(&self, key: &str, client: &str, request: &str) -> Option<u32> {
+        let entry = self.locks.get(key)?;
+        entry
+            .waiters
+            .iter()
+            .position(|w| w.client_id == client && w.request_id == request)
+            .map(|p| p as u32 + 1)
+    }
+
+    fn acquire(
+        &mut self,
+        key: &str,
+        client_id: &str,
+        request_id: &str,
+        ttl_ms: u64,
+        wait_timeout_ms: Option<u64>,
+    ) -> Outcome {
+        let exists = self.locks.contains_key(key);
+        if !exists && self.locks.len() >= self.limits.locks_held_max {
+            return Outcome::rejected(RejectCode::LimitReached, "too many locks in use");
+        }
+        let waiters_max = self.limits.waiters_per_key_max;
+        let entry = self.locks.entry(key.to_string()).or_default();
+        match &entry.holder {
+            None => {
+                self.fencing_seq += 1;
+                let token = self.fencing_seq;
+                entry.holder = Some(Holder {
+                    client_id: client_id.to_string(),
+                    request_id: request_id.to_string(),
+                    token,
+                    ttl_ms,
+                });
+                self.locks_held += 1;
+                self.mark_lock(key);
+                self.dirty.insert(META_SEQ.to_string());
+                Outcome::Granted {
+                    token: FencingToken {
+                        key: key.to_string(),
+                        value: token,
+                    },
+                    ttl_ms,
+                }
+            }
+            Some(holder) if holder.client_id == client_id => Outcome::AlreadyHeld {
+                token: FencingToken {
+                    key: key.to_string(),
+                    value: holder.token,
+                },
+                ttl_ms: holder.ttl_ms,
+            },
+            Some(_) => {
+                if let Some(p) = entry.waiters.iter().position(|w| w.client_id == client_id) {
+                    return Outcome::AlreadyQueued {
+                        position: p as u32 + 1,
+                    };
+                }
+                if wait_timeout_ms == Some(0) {
+                    return Outcome::Busy;
+                }
+                if entry.waiters.len() >= waiters_max {
+                    return Outcome::rejected(
+                        RejectCode::QueueFull,
+                        format!("{waiters_max} waiters already queue for this key"),
+                    );
+                }
+                entry.waiters.push_back(Waiter {
+                    client_id: client_id.to_string(),
+                    request_id: request_id.to_string(),
+                    ttl_ms,
+                    wait_timeout_ms,
+                });
+                let position = entry.waiters.len() as u32;
+                self.waiters += 1;
+                self.mark_lock(key);
+                Outcome::Queued { position }
+            }
+        }
+    }
+
+    /// Checks that `token` holds `key` for `client_id`.
+    fn check_holder(&self, key: &str, client_id: &str, token: u64) -> Result<(), Outcome> {
+        let holder = self.locks.get(key).and_then(|e| e.holder.as_ref());
+        match holder {
+            None => Err(Outcome::StaleToken { current: None }),
+            Some(h) if h.token != token => Err(Outcome::StaleToken {
+                current: Some(h.token),
+            }),
+            Some(h) if h.client_id != client_id => Err(Outcome::NotHolder),
+            Some(_) => Ok(()),
+        }
+    }
+
+    fn release(
+        &mut self,
+        key: &str,
+        client_id: &str,
+        token: u64,
+        events: &mut Vec<Event>,
+    ) -> Outcome {
+        if let Err(refusal) = self.check_holder(key, client_id, token) {
+            return refusal;
+        }
+        self.vacate(key, events);
+        Outcome::Released
+    }
+
+    fn renew(&mut self, key: &str, client_id: &str, token: u64, ttl_ms: u64) -> Outcome {
+        if let Err(refusal) = self.check_holder(key, client_id, token) {
+            return refusal;
+        }
+        if let Some(holder) = self.locks.get_mut(key).and_then(|e| e.holder.as_mut()) {
+            holder.ttl_ms = ttl_ms;
+        }
+        self.mark_lock(key);
+        Outcome::Renewed {
+            token: FencingToken {
+                key: key.to_string(),
+                value: token,
+            },
+            ttl_ms,
+        }
+    }
+
+    fn expire(&mut self, key: &str, token: u64, events: &mut Vec<Event>) -> Outcome {
+        let holder = self.locks.get(key).and_then(|e| e.holder.clone());
+        match holder {
+            Some(h) if h.token == token => {
+                events.push(Event::Expired {
+                    client_id: h.client_id.clone(),
+                    token: FencingToken {
+                        key: key.to_string(),
+                        value: token,
+                    },
+                });
+                self.vacate(key, events);
+                Outcome::Expired {
+                    client_id: h.client_id,
+                }
+            }
+            Some(h) => Outcome::StaleToken {
+                current: Some(h.token),
+            },
+            None => Outcome::StaleToken { current: None },
+        }
+    }
+
+    /// The holder leaves; the next waiter (if any) is granted in the same apply.
+    fn vacate(&mut self, key: &str, events: &mut Vec<Event>) {
+        let Some(entry) = self.locks.get_mut(key) else {
+            return;
+        };
+        if entry.holder.take().is_some() {
+            self.locks_held -= 1;
+        }
+        if let Some(next) = entry.waiters.pop_front() {
+            self.waiters -= 1;
+            self.fencing_seq += 1;
+            let token = self.fencing_seq;
+            entry.holder = Some(Holder {
+                client_id: next.client_id.clone(),
+                request_id: next.request_id.clone(),
+                token,
+                ttl_ms: next.ttl_ms,
+            });
+            self.locks_held += 1;
+            self.dirty.insert(META_SEQ.to_string());
+            let token = FencingToken {
+                key: key.to_string(),
+                value: token,
+            };
+            let granted = Outcome::Granted {
+                token: token.clone(),
+                ttl_ms: next.ttl_ms,
+            };
+            self.update_record(&next.client_id, &next.request_id, granted);
+            events.push(Event::Granted {
+                client_id: next.client_id,
+                request_id: next.request_id,
+                token,
+                ttl_ms: next.ttl_ms,
+            });
+        }
+        self.mark_lock(key);
+    }
+
+    fn cancel_wait(
+        &mut self,
+        key: &str,
+        client_id: &str,
+        request_id: &str,
+        events: &mut Vec<Event>,
+    ) -> Outcome {
+        let Some(entry) = self.locks.get_mut(key) else {
+            return Outcome::NotWaiting;
+        };
+        let Some(pos) = entry
+            .waiters
+            .iter()
+            .position(|w| w.client_id == client_id && w.request_id == request_id)
+        else {
+            return Outcome::NotWaiting;
+        };
+        entry.waiters.remove(pos);
+        self.waiters -= 1;
+        self.mark_lock(key);
+        self.update_record(client_id, request_id, Outcome::WaitCancelled);
+        events.push(Event::WaiterRemoved {
+            key: key.to_string(),
+            client_id: client_id.to_string(),
+            request_id: request_id.to_string(),
+        });
+        Outcome::WaitCancelled
+    }
+
+    fn guard_holds(&self, guard: Option<&FencingToken>) -> Result<(), Outcome> {
+        let Some(guard) = guard else { return Ok(()) };
+        let current = self
+            .locks
+            .get(&guard.key)
+            .and_then(|e| e.holder.as_ref())
+            .map(|h| h.token);
+        if current == Some(guard.value) {
+            Ok(())
+        } else {
+            Err(Outcome::GuardRejected { current })
+        }
+    }
+
+    fn put(&mut self, key: &str, value: &[u8], guard: Option<&FencingToken>) -> Outcome {
+        if let Err(refusal) = self.guard_holds(guard) {
+            return refusal;
+        }
+        if !self.data.contains_key(key) && self.data.len() >= self.limits.data_entries_max {
+            return Outcome::rejected(RejectCode::LimitReached, "too many data keys");
+        }
+        self.data.insert(key.to_string(), value.to_vec());
+        self.dirty.insert(format!("{DATA_PREFIX}{key}"));
+        Outcome::Stored
+    }
+
+    fn delete(&mut self, key: &str, guard: Option<&FencingToken>) -> Outcome {
+        if let Err(refusal) = self.guard_holds(guard) {
+            return refusal;
+        }
+        let existed = self.data.remove(key).is_some();
+        if existed {
+            self.dirty.insert(format!("{DATA_PREFIX}{key}"));
+        }
+        Outcome::Deleted { existed }
+    }
+
+    fn mark_lock(&mut self, key: &str) {
+        if self
+            .locks
+            .get(key)
+            .is_some_and(|e| e.holder.is_none() && e.waiters.is_empty())
+        {
+            self.locks.remove(key);
+        }
+        self.dirty.insert(format!("{LOCK_PREFIX}{key}"));
+    }
+
+    // ----- exactly-once table ----------------------------------------------------------------
+
+    fn record(&mut self, client_id: &str, request_id: &str, outcome: Outcome) {
+        let n = self.dedupe_next;
+        self.dedupe_next += 1;
+        self.dedupe.insert(
+            n,
+            DedupeRecord {
+                client_id: client_id.into(),
+                request_id: request_id.into(),
+                outcome,
+            },
+        );
+        self.dedupe_index
+            .insert((client_id.into(), request_id.into()), n);
+        self.dirty.insert(dedupe_key(n));
+        self.dirty.insert(META_DEDUPE_NEXT.to_string());
+        // Bounded and deterministic: evict the oldest records first.
+        while self.dedupe.len() > self.limits.dedupe_entries_max {
+            let Some((old, rec)) = self.dedupe.pop_first() else {
+                break;
+            };
+            self.dedupe_index.remove(&(rec.client_id, rec.request_id));
+            self.dirty.insert(dedupe_key(old));
+        }
+    }
+
+    /// A queued acquire's answer changed (granted or cancelled): a retry must now see that.
+    fn update_record(&mut self, client_id: &str, request_id: &str, outcome: Outcome) {
+        let id = (client_id.to_string(), request_id.to_string());
+        if let Some(&n) = self.dedupe_index.get(&id) {
+            if let Some(rec) = self.dedupe.get_mut(&n) {
+                rec.outcome = outcome;
+                self.dirty.insert(dedupe_key(n));
+            }
+        }
+    }
+
+    // ----- persistence -----------------------------------------------------------------------
+
+    /// The value stored under a state key now, or None if it is absent.
+    fn value_of(&self, key: &str) -> Option<Vec<u8>> {
+        if let Some(k) = key.strip_prefix(LOCK_PREFIX) {
+            return self.locks.get(k).map(encode_plain);
+        }
+        if let Some(k) = key.strip_prefix(DATA_PREFIX) {
+            return self.data.get(k).cloned();
+        }
+        if let Some(n) = key.strip_prefix(META_DEDUPE_PREFIX) {
+            let n: u64 = n.parse().ok()?;
+            return self.dedupe.get(&n).map(encode_plain);
+        }
+        match key {
+            META_SEQ => Some(self.fencing_seq.to_be_bytes().to_vec()),
+            META_APPLIED => Some(self.applied_index.to_be_bytes().to_vec()),
+            META_DEDUPE_NEXT => Some(self.dedupe_next.to_be_bytes().to_vec()),
+            _ => None,
+        }
+    }
+
+    /// State writes since the last call: `(key, Some(value))` puts, `(key, None)` deletes.
+    pub fn take_changes(&mut self) -> Vec<(Vec<u8>, Option<Vec<u8>>)> {
+        let dirty = std::mem::take(&mut self.dirty);
+        dirty
+            .into_iter()
+            .map(|k| (k.clone().into_bytes(), self.value_of(&k)))
+            .collect()
+    }
+
+    /// The full state as key-value pairs in key order.
+    pub fn to_kv(&self) -> Vec<(Vec<u8>, Vec<u8>)> {
+        let mut keys: Vec<String> = Vec::new();
+        keys.extend(self.locks.keys().map(|k| format!("{LOCK_PREFIX}{k}")));
+        keys.extend(self.data.keys().map(|k| format!("{DATA_PREFIX}{k}")));
+        keys.extend(self.dedupe.keys().map(|&n| dedupe_key(n)));
+        keys.extend([META_SEQ, META_APPLIED, META_DEDUPE_NEXT].map(String::from));
+        keys.sort();
+        keys.into_iter()
+            .filter_map(|k| self.value_of(&k).map(|v| (k.into_bytes(), v)))
+            .collect()
+    }
+
+    /// Rebuilds the state from the full set of persisted pairs (any order).
+    pub fn from_kv(
+        pairs: impl IntoIterator<Item = (Vec<u8>, Vec<u8>)>,
+    ) -> Result<Self, DecodeError> {
+        Self::from_kv_with_limits(pairs, Limits::default())
+    }
+
+    pub fn from_kv_with_limits(
+        pairs: impl IntoIterator<Item = (Vec<u8>, Vec<u8>)>,
+        limits: Limits,
+    ) -> Result<Self, DecodeError> {
+        let mut sm = LockStateMachine::new(limits);
+        let u64_of = |v: &[u8], what: &str| -> Result<u64, DecodeError> {
+            let bytes: [u8; 8] = v
+                .try_into()
+                .map_err(|_| DecodeError::InvalidState(format!("{what} is not 8 bytes")))?;
+            Ok(u64::from_be_bytes(bytes))
+        };
+        for (key, value) in pairs {
+            let key = String::from_utf8(key)
+                .map_err(|_| DecodeError::InvalidState("state key is not UTF-8".into()))?;
+            if let Some(k) = key.strip_prefix(LOCK_PREFIX) {
+                let entry: LockEntry = decode_plain(&value)?;
+                sm.locks_held += usize::from(entry.holder.is_some());
+                sm.waiters += entry.waiters.len();
+                sm.locks.insert(k.to_string(), entry);
+            } else if let Some(k) = key.strip_prefix(DATA_PREFIX) {
+                sm.data.insert(k.to_string(), value);
+            } else if let Some(n) = key.strip_prefix(META_DEDUPE_PREFIX) {
+                let n: u64 = n
+                    .parse()
+                    .map_err(|_| DecodeError::InvalidState(format!("bad dedupe key {key}")))?;
+                let rec: DedupeRecord = decode_plain(&value)?;
+                sm.dedupe_index
+                    .insert((rec.client_id.clone(), rec.request_id.clone()), n);
+                sm.dedupe.insert(n, rec);
+            } else {
+                match key.as_str() {
+                    META_SEQ => sm.fencing_seq = u64_of(&value, "meta/seq")?,
+                    META_APPLIED => sm.applied_index = u64_of(&value, "meta/applied")?,
+                    META_DEDUPE_NEXT => sm.dedupe_next = u64_of(&value, "meta/dedupe_next")?,
+                    other => {
+                        return Err(DecodeError::InvalidState(format!(
+                            "unknown state key {other}"
+                        )))
+                    }
+                }
+            }
+        }
+        let max_token = sm
+            .locks
+            .values()
+            .filter_map(|e| e.holder.as_ref())
+            .map(|h| h.token)
+            .max();
+        if max_token.is_some_and(|t| t > sm.fencing_seq) {
+            return Err(DecodeError::InvalidState(
+                "a held token is above the fencing sequence".into(),
+            ));
+        }
+        Ok(sm)
+    }
+
+    /// The whole state as one deterministic blob: byte-identical for identical state.
+    pub fn snapshot(&self) -> Vec<u8> {
+        super::command::encode_versioned(SNAPSHOT_VERSION, &self.to_kv())
+    }
+
+    pub fn restore(bytes: &[u8], limits: Limits) -> Result<Self, DecodeError> {
+        let pairs: Vec<(Vec<u8>, Vec<u8>)> =
+            super::command::decode_versioned(SNAPSHOT_VERSION, bytes)?;
+        Self::from_kv_with_limits(pairs, limits)
+    }
+}
+
+fn dedupe_key(n: u64) -> String {
+    // Zero-padded so key order is insertion order.
+    format!("{META_DEDUPE_PREFIX}{n:020}")
+}
+
+fn dedupe_id(command: &Command) -> Option<(&str, &str)> {
+    match command {
+        Command::Acquire {
+            client_id,
+            request_id,
+            ..
+        }
+        | Command::Release {
+            client_id,
+            request_id,
+            ..
+        }
+        | Command::Renew {
+            client_id,
+            request_id,
+            ..
+        }
+        | Command::Put {
+            client_id,
+            request_id,
+            ..
+        }
+        | Command::Delete {
+            client_id,
+            request_id,
+            ..
+        } if !request_id.is_empty() => Some((client_id, request_id)),
+        _ => None,
+    }
+}
+
+fn check_ttl(ttl_ms: u64, l: &Limits) -> Result<(), Outcome> {
+    if ttl_ms == 0 || ttl_ms > l.ttl_ms_max {
+        return Err(Outcome::rejected(
+            RejectCode::InvalidRequest,
+            format!("ttl must be 1..={} ms", l.ttl_ms_max),
+        ));
+    }
+    Ok(())
+}
+
+fn check_token_key(token: &FencingToken, key: &str) -> Result<(), Outcome> {
+    if token.key != key {
+        return Err(Outcome::rejected(
+            RejectCode::InvalidRequest,
+            format!("the fencing token is for key {:?}, not {key:?}", token.key),
+        ));
+    }
+    Ok(())
+}
+
+fn check_guard(guard: Option<&FencingToken>, l: &Limits) -> Result<(), Outcome> {
+    match guard {
+        Some(g) if g.key.is_empty() || g.key.len() > l.key_bytes_max => Err(Outcome::rejected(
+            RejectCode::InvalidRequest,
+            "the guard token's key is empty or too long",
+        )),
+        _ => Ok(()),
+    }
+}

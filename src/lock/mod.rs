@@ -1,0 +1,19 @@
+//! The lock state machine: FIFO locks with TTLs, one cluster-wide fencing sequence, exactly-once
+//! requests and a replicated key-value store — a pure, deterministic function of the committed
+//! log (DESIGN.md §4).
+//!
+//! It never does I/O, never reads a clock and never draws randomness: every replica applying the
+//! same log reaches byte-identical state. Leases are enforced by the leader proposing `Expire`.
+
+mod command;
+mod limits;
+mod machine;
+mod outcome;
+
+#[cfg(test)]
+mod tests;
+
+pub use command::{Command, DecodeError, FencingToken};
+pub use limits::Limits;
+pub use machine::{HeldLock, LockStateMachine, WaiterInfo};
+pub use outcome::{Applied, Event, Outcome, RejectCode};

@@ -1,0 +1,132 @@
+//! What applying one command produced: the [`Outcome`] for whoever proposed it and the
+//! [`Event`]s for other parties (a waiter granted by a hand-off, a lease holder whose lock expired,
+//! a waiter removed from a queue).
+//!
+//! ```text
+//!   apply(index, cmd) ──► Applied { outcome ──► the proposer's pending request (by index),
+//!                                   events  ──► other clients' connections (by client/request id) }
+//! ```
+//!
+//! Expected refusals ("held by someone else", "stale token") are outcomes, not errors. The server
+//! translates them to wire error codes in one place; this module never does I/O.
+
+use serde::{Deserialize, Serialize};
+
+use super::command::FencingToken;
+
+/// Result of one `apply`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Applied {
+    /// The log index that was applied.
+    pub index: u64,
+    /// The answer for the proposer of the command.
+    pub outcome: Outcome,
+    /// Notifications for parties other than the proposer, in the order they happened.
+    pub events: Vec<Event>,
+}
+
+/// The answer to one command. Variants marked *recorded* changed state; they are remembered in
+/// the dedupe table so that a retried request gets them back instead of acting twice. All other
+/// variants changed nothing, so re-evaluating a retry of them still acts at most once.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Outcome {
+    /// *Recorded.* The caller holds the lock with `token` for a lease of `ttl_ms`.
+    Granted { token: FencingToken, ttl_ms: u64 },
+    /// *Recorded.* The caller is waiting; `position` is 1-based (1 = next in line). A retry while
+    /// still waiting answers with the current position.
+    Queued { position: u32 },
+    /// The caller already holds this lock (acquired with another request id). Nothing changed:
+    /// no new token, lease not extended (use `Renew`). Locks are not re-entrant.
+    AlreadyHeld { token: FencingToken, ttl_ms: u64 },
+    /// The caller already waits for this lock under another request id. Nothing changed.
+    AlreadyQueued { position: u32 },
+    /// The lock is held and the acquire asked not to wait (`wait_timeout_ms == Some(0)`).
+    Busy,
+    /// *Recorded.* The lock was released (and handed to the next waiter, if any).
+    Released,
+    /// *Recorded.* The lease now lasts `ttl_ms` from the leader's apply.
+    Renewed { token: FencingToken, ttl_ms: u64 },
+    /// The token holds the lock but the client id is not the holder's.
+    NotHolder,
+    /// The token does not hold the lock (released, expired, or superseded). `current` is the
+    /// holder's token value, if the lock is held at all.
+    StaleToken { current: Option<u64> },
+    /// *Recorded* (for the cancelled acquire). The waiter left the queue.
+    WaitCancelled,
+    /// `CancelWait` found no such waiter (already granted, cancelled, or never queued).
+    NotWaiting,
+    /// The lease ran out: `client_id` no longer holds the lock.
+    Expired { client_id: String },
+    /// *Recorded.* The key-value pair was written.
+    Stored,
+    /// *Recorded.* The key was deleted; `existed` says whether it had a value.
+    Deleted { existed: bool },
+    /// The guard token no longer holds the named lock; nothing was written. `current` is the
+    /// guard lock's holder token value, if held.
+    GuardRejected { current: Option<u64> },
+    /// Input beyond a limit or invalid; nothing changed.
+    Rejected { code: RejectCode, message: String },
+}
+
+impl Outcome {
+    /// Whether the dedupe table remembers this outcome for the request that produced it.
+    pub fn is_recorded(&self) -> bool {
+        matches!(
+            self,
+            Outcome::Granted { .. }
+                | Outcome::Queued { .. }
+                | Outcome::Released
+                | Outcome::Renewed { .. }
+                | Outcome::WaitCancelled
+                | Outcome::Stored
+                | Outcome::Deleted { .. }
+        )
+    }
+
+    pub(crate) fn rejected(code: RejectCode, message: impl Into<String>) -> Outcome {
+        Outcome::Rejected {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+/// Why a command was rejected. A closed set; the server maps it to wire error codes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum RejectCode {
+    /// Malformed or contradictory input (empty key, zero ttl, token for another key, bad bytes).
+    InvalidRequest,
+    /// A key, value or id is longer than its limit.
+    TooLarge,
+    /// The key's wait queue is full.
+    QueueFull,
+    /// A state-wide bound (held locks, data entries) is reached.
+    LimitReached,
+    /// The log index was not above the applied index; the entry was applied before.
+    AlreadyApplied,
+}
+
+/// A notification for a party other than the proposer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// A queued acquire was granted by a release or an expiry of the previous holder, in the
+    /// same apply (one commit per hand-off).
+    Granted {
+        client_id: String,
+        request_id: String,
+        token: FencingToken,
+        ttl_ms: u64,
+    },
+    /// A held lock's lease ran out (`Expire` applied); `client_id` must stop using `token`.
+    Expired {
+        client_id: String,
+        token: FencingToken,
+    },
+    /// A waiter left the queue without being granted (`CancelWait`: timeout, disconnect, or the
+    /// client's own cancel).
+    WaiterRemoved {
+        key: String,
+        client_id: String,
+        request_id: String,
+    },
+}

@@ -1,0 +1,283 @@
+//! `lock-node` settings: defaults, then a TOML file (`--config`), then `RAFTLOCK_*` environment
+//! variables, then command-line flags — each layer overriding the one before. Durations are
+//! written like `150ms` or `10s`.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer};
+
+use crate::raft::NodeId;
+
+/// The effective configuration of one lock node.
+#[derive(Clone, Debug, Deserialize)]
+pub struct NodeConfig {
+    /// This node's id (>= 1). When 0, derived from a StatefulSet hostname `<name>-N` as N+1.
+    pub node_id: NodeId,
+    pub data_dir: PathBuf,
+    /// Where to listen for peers (Raft and membership RPCs).
+    pub peer_listen: SocketAddr,
+    /// Where to listen for clients (WebSocket, gRPC and HTTP).
+    pub client_listen: SocketAddr,
+    /// Peer address other nodes use to reach this one (default: `peer_listen`).
+    #[serde(default)]
+    pub advertise_peer: String,
+    /// Client address clients are redirected to (default: `client_listen`).
+    #[serde(default)]
+    pub advertise_client: String,
+    /// Start a one-node cluster (only if the data directory is empty).
+    #[serde(default)]
+    pub bootstrap: bool,
+    /// `1=host:8081,2=host:8082,...` — peer addresses of the initial voters.
+    #[serde(default)]
+    pub initial_cluster: String,
+    /// `host:port[,host:port]` — peers to ask when joining a running cluster.
+    #[serde(default)]
+    pub join: String,
+    /// Shared secret every peer must present; empty disables the check.
+    #[serde(default)]
+    pub cluster_token: String,
+    #[serde(deserialize_with = "duration")]
+    pub tick: Duration,
+    pub election_ticks: u32,
+    pub heartbeat_ticks: u32,
+    /// Take a snapshot and compact the log after this many applied entries.
+    pub snapshot_entries: u64,
+    /// Queued waiters whose connection has been gone longer than this are cancelled.
+    #[serde(deserialize_with = "duration")]
+    pub waiter_reclaim: Duration,
+    pub max_connections: usize,
+    pub max_inflight_per_connection: usize,
+    pub max_message_bytes: usize,
+    pub max_key_bytes: usize,
+    pub max_value_bytes: usize,
+    pub max_waiters_per_key: usize,
+    #[serde(deserialize_with = "duration")]
+    pub max_ttl: Duration,
+    #[serde(deserialize_with = "duration")]
+    pub default_ttl: Duration,
+    /// Bound of the queue from the client API to the node driver.
+    pub max_pending_requests: usize,
+    /// `text` or `json`.
+    pub log_format: String,
+}
+
+pub const DEFAULTS: &[(&str, &str)] = &[
+    ("node_id", "0"),
+    ("data_dir", "./raftlock-data"),
+    ("peer_listen", "0.0.0.0:8080"),
+    ("client_listen", "0.0.0.0:50050"),
+    ("tick", "10ms"),
+    ("election_ticks", "15"),
+    ("heartbeat_ticks", "3"),
+    ("snapshot_entries", "10000"),
+    ("waiter_reclaim", "10s"),
+    ("max_connections", "10000"),
+    ("max_inflight_per_connection", "1024"),
+    ("max_message_bytes", "1048576"),
+    ("max_key_bytes", "512"),
+    ("max_value_bytes", "65536"),
+    ("max_waiters_per_key", "10000"),
+    ("max_ttl", "1h"),
+    ("default_ttl", "10s"),
+    ("max_pending_requests", "65536"),
+    ("log_format", "text"),
+];
+
+fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    let text = String::deserialize(d)?;
+    humantime::parse_duration(&text).map_err(serde::de::Error::custom)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("configuration: {0}")]
+    Load(#[from] config::ConfigError),
+    #[error("invalid setting `{setting}`: {reason}")]
+    Invalid {
+        setting: &'static str,
+        reason: String,
+    },
+}
+
+impl NodeConfig {
+    /// Layers defaults, the optional TOML file, `RAFTLOCK_*` environment variables and the
+    /// given overrides (from flags), then validates.
+    pub fn load(
+        file: Option<&std::path::Path>,
+        overrides: &[(&str, String)],
+    ) -> Result<Self, ConfigError> {
+        let mut builder = config::Config::builder();
+        for (key, value) in DEFAULTS {
+            builder = builder.set_default(*key, *value)?;
+        }
+        if let Some(file) = file {
+            builder = builder.add_source(config::File::from(file.to_path_buf()));
+        }
+        builder =
+            builder.add_source(config::Environment::with_prefix("RAFTLOCK").try_parsing(false));
+        for (key, value) in overrides {
+            builder = builder.set_override(*key, value.clone())?;
+        }
+        let mut cfg: NodeConfig = builder.build()?.try_deserialize()?;
+        if cfg.node_id == 0 {
+            cfg.node_id = node_id_from_hostname().ok_or(ConfigError::Invalid {
+                setting: "node_id",
+                reason: "not set and the hostname does not end in -<ordinal>".into(),
+            })?;
+        }
+        if cfg.advertise_peer.is_empty() {
+            cfg.advertise_peer = cfg.peer_listen.to_string();
+        }
+        if cfg.advertise_client.is_empty() {
+            cfg.advertise_client = cfg.client_listen.to_string();
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |setting, reason: &str| {
+            Err(ConfigError::Invalid {
+                setting,
+                reason: reason.into(),
+            })
+        };
+        if self.heartbeat_ticks == 0 || self.election_ticks <= self.heartbeat_ticks {
+            return invalid(
+                "election_ticks",
+                "must exceed heartbeat_ticks, which must be >= 1",
+            );
+        }
+        if self.tick.is_zero() {
+            return invalid("tick", "must be positive");
+        }
+        let modes = [
+            self.bootstrap,
+            !self.initial_cluster.is_empty(),
+            !self.join.is_empty(),
+        ];
+        if modes.iter().filter(|&&m| m).count() > 1 {
+            return invalid(
+                "bootstrap",
+                "choose one of --bootstrap, --initial-cluster, --join",
+            );
+        }
+        self.initial_members()?;
+        if self.max_connections == 0 || self.max_message_bytes < 1024 {
+            return invalid(
+                "max_connections",
+                "limits must be positive (max_message_bytes >= 1024)",
+            );
+        }
+        Ok(())
+    }
+
+    /// The `--initial-cluster` voters: id -> peer address.
+    pub fn initial_members(&self) -> Result<BTreeMap<NodeId, String>, ConfigError> {
+        let mut members = BTreeMap::new();
+        for part in self
+            .initial_cluster
+            .split(',')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+        {
+            let (id, addr) = part.split_once('=').ok_or(ConfigError::Invalid {
+                setting: "initial_cluster",
+                reason: format!("`{part}` is not id=host:port"),
+            })?;
+            let id: NodeId =
+                id.trim()
+                    .parse()
+                    .ok()
+                    .filter(|&id| id > 0)
+                    .ok_or(ConfigError::Invalid {
+                        setting: "initial_cluster",
+                        reason: format!("`{id}` is not a node id >= 1"),
+                    })?;
+            members.insert(id, addr.trim().to_string());
+        }
+        if !members.is_empty() && !members.contains_key(&self.node_id) {
+            return Err(ConfigError::Invalid {
+                setting: "initial_cluster",
+                reason: format!("does not include this node's id {}", self.node_id),
+            });
+        }
+        Ok(members)
+    }
+
+    pub fn join_peers(&self) -> Vec<String> {
+        self.join
+            .split(',')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+            .map(String::from)
+            .collect()
+    }
+}
+
+/// `raftlock-2` -> 3: a StatefulSet pod's ordinal plus one.
+pub fn node_id_from_hostname() -> Option<NodeId> {
+    let host = std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/etc/hostname").ok())?;
+    ordinal_id(host.trim())
+}
+
+pub fn ordinal_id(host: &str) -> Option<NodeId> {
+    let (_, ordinal) = host.rsplit_once('-')?;
+    ordinal.parse::<NodeId>().ok().map(|n| n + 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layers_and_durations() {
+        let cfg = NodeConfig::load(
+            None,
+            &[
+                ("node_id", "2".into()),
+                ("tick", "20ms".into()),
+                (
+                    "initial_cluster",
+                    "1=127.0.0.1:8081, 2=127.0.0.1:8082".into(),
+                ),
+            ],
+        )
+        .unwrap();
+        assert_eq!(cfg.tick, Duration::from_millis(20));
+        assert_eq!(cfg.default_ttl, Duration::from_secs(10));
+        assert_eq!(cfg.initial_members().unwrap().len(), 2);
+        assert_eq!(cfg.advertise_client, "0.0.0.0:50050");
+    }
+
+    #[test]
+    fn bad_settings_are_named() {
+        let err = NodeConfig::load(None, &[("node_id", "1".into()), ("tick", "fast".into())])
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("tick") || err.to_string().contains("fast"),
+            "{err}"
+        );
+        let err = NodeConfig::load(
+            None,
+            &[
+                ("node_id", "3".into()),
+                ("initial_cluster", "1=a:1,2=b:2".into()),
+            ],
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("initial_cluster"), "{err}");
+    }
+
+    #[test]
+    fn statefulset_ordinals() {
+        assert_eq!(ordinal_id("raftlock-0"), Some(1));
+        assert_eq!(ordinal_id("raftlock-12"), Some(13));
+        assert_eq!(ordinal_id("raftlock"), None);
+    }
+}

@@ -1,0 +1,436 @@
+//! gRPC services: the public `LockService` (client port) and the `Peer` service (peer port).
+
+use tokio::sync::{mpsc, oneshot};
+use tonic::{Request, Response, Status, Streaming};
+use tracing::debug;
+
+use super::api::{ApiError, ClientOp, ClientReply, ErrorCode};
+use super::convert::message_from_pb;
+use super::driver::Input;
+use super::http::AppState;
+use super::proto::lock as lpb;
+use super::proto::peer as ppb;
+use super::transport::{
+    AddressBook, CLIENT_ADDR_HEADER, NODE_ID_HEADER, PEER_ADDR_HEADER, TOKEN_HEADER,
+};
+
+pub struct LockApi {
+    pub state: AppState,
+}
+
+fn new_request_id() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    format!(
+        "grpc-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+fn check_key(state: &AppState, key: &str, owner: &str) -> Result<(), ApiError> {
+    if key.is_empty() || owner.is_empty() {
+        return Err(ApiError::new(
+            ErrorCode::InvalidRequest,
+            "resource_name and owner_id are required",
+        ));
+    }
+    if key.len() > state.limits.max_key_bytes {
+        return Err(ApiError::new(
+            ErrorCode::TooLarge,
+            "resource_name exceeds the key limit",
+        ));
+    }
+    Ok(())
+}
+
+#[tonic::async_trait]
+impl lpb::lock_service_server::LockService for LockApi {
+    async fn acquire_lock(
+        &self,
+        request: Request<lpb::AcquireLockRequest>,
+    ) -> Result<Response<lpb::AcquireLockResponse>, Status> {
+        let r = request.into_inner();
+        let mut out = lpb::AcquireLockResponse::default();
+        let fail = |out: &mut lpb::AcquireLockResponse, e: ApiError| {
+            out.error_code = e.code.as_str().into();
+            out.error_message = e.message;
+            out.leader_id = e.leader_id;
+            out.leader_addr = e.leader_addr;
+        };
+        if let Err(e) = check_key(&self.state, &r.resource_name, &r.owner_id) {
+            fail(&mut out, e);
+            return Ok(Response::new(out));
+        }
+        let ttl_ms = if r.ttl_ms == 0 {
+            self.state.limits.default_ttl_ms
+        } else {
+            r.ttl_ms
+        };
+        if ttl_ms > self.state.limits.max_ttl_ms || r.client_timeout_ms < 0 {
+            fail(
+                &mut out,
+                ApiError::new(
+                    ErrorCode::InvalidRequest,
+                    "ttl_ms or client_timeout_ms out of range",
+                ),
+            );
+            return Ok(Response::new(out));
+        }
+        let op = ClientOp::Acquire {
+            key: r.resource_name,
+            client_id: r.owner_id,
+            request_id: if r.request_id.is_empty() {
+                new_request_id()
+            } else {
+                r.request_id
+            },
+            ttl_ms,
+            wait_timeout_ms: Some(r.client_timeout_ms as u64),
+        };
+        match super::ws::execute(op, 0, &self.state).await {
+            ClientReply::Granted {
+                token,
+                expires_in_ms,
+            } => {
+                out.acquired = true;
+                out.lease_id = token.value.to_string();
+                out.expires_in_ms = expires_in_ms;
+                out.fencing_token = Some(lpb::FencingToken {
+                    key: token.key,
+                    value: token.value,
+                });
+            }
+            ClientReply::Error(e) => fail(&mut out, e),
+            other => fail(
+                &mut out,
+                ApiError::new(ErrorCode::Unavailable, format!("unexpected {other:?}")),
+            ),
+        }
+        Ok(Response::new(out))
+    }
+
+    async fn release_lock(
+        &self,
+        request: Request<lpb::ReleaseLockRequest>,
+    ) -> Result<Response<lpb::ReleaseLockResponse>, Status> {
+        let r = request.into_inner();
+        let mut out = lpb::ReleaseLockResponse::default();
+        if let Err(e) = check_key(&self.state, &r.resource_name, &r.owner_id) {
+            out.error_code = e.code.as_str().into();
+            out.error_message = e.message;
+            return Ok(Response::new(out));
+        }
+        let op = ClientOp::Release {
+            key: r.resource_name,
+            client_id: r.owner_id,
+            request_id: if r.request_id.is_empty() {
+                new_request_id()
+            } else {
+                r.request_id
+            },
+            token: r.fencing_token,
+        };
+        match super::ws::execute(op, 0, &self.state).await {
+            ClientReply::Released => out.released = true,
+            ClientReply::Error(e) => {
+                out.error_code = e.code.as_str().into();
+                out.error_message = e.message;
+                out.leader_id = e.leader_id;
+                out.leader_addr = e.leader_addr;
+            }
+            other => out.error_message = format!("unexpected {other:?}"),
+        }
+        Ok(Response::new(out))
+    }
+
+    async fn renew_lock(
+        &self,
+        request: Request<lpb::RenewLockRequest>,
+    ) -> Result<Response<lpb::RenewLockResponse>, Status> {
+        let r = request.into_inner();
+        let mut out = lpb::RenewLockResponse::default();
+        if let Err(e) = check_key(&self.state, &r.resource_name, &r.owner_id) {
+            out.error_code = e.code.as_str().into();
+            out.error_message = e.message;
+            return Ok(Response::new(out));
+        }
+        let op = ClientOp::Renew {
+            key: r.resource_name,
+            client_id: r.owner_id,
+            request_id: if r.request_id.is_empty() {
+                new_request_id()
+            } else {
+                r.request_id
+            },
+            token: r.fencing_token,
+            ttl_ms: if r.ttl_ms == 0 {
+                self.state.limits.default_ttl_ms
+            } else {
+                r.ttl_ms
+            },
+        };
+        match super::ws::execute(op, 0, &self.state).await {
+            ClientReply::Renewed { expires_in_ms, .. } => {
+                out.renewed = true;
+                out.expires_in_ms = expires_in_ms;
+            }
+            ClientReply::Error(e) => {
+                out.error_code = e.code.as_str().into();
+                out.error_message = e.message;
+                out.leader_id = e.leader_id;
+                out.leader_addr = e.leader_addr;
+            }
+            other => out.error_message = format!("unexpected {other:?}"),
+        }
+        Ok(Response::new(out))
+    }
+
+    async fn get_status(
+        &self,
+        _request: Request<lpb::StatusRequest>,
+    ) -> Result<Response<lpb::StatusResponse>, Status> {
+        let s = self.state.status.borrow().clone();
+        Ok(Response::new(lpb::StatusResponse {
+            id: s.id,
+            role: s.role,
+            term: s.term,
+            leader_id: s.leader_id,
+            leader_addr: s.leader_addr,
+            commit_index: s.commit_index,
+            applied_index: s.applied_index,
+            voters: s.voters,
+            learners: s.learners,
+        }))
+    }
+
+    async fn list_members(
+        &self,
+        _request: Request<lpb::MembersRequest>,
+    ) -> Result<Response<lpb::MembersResponse>, Status> {
+        let s = self.state.status.borrow().clone();
+        let book = self.state.addresses.all();
+        let member = |id: u64, voter: bool| {
+            let a = book.get(&id).cloned().unwrap_or_default();
+            lpb::Member {
+                id,
+                voter,
+                peer_addr: a.peer,
+                client_addr: a.client,
+            }
+        };
+        let members = s
+            .voters
+            .iter()
+            .map(|&id| member(id, true))
+            .chain(s.learners.iter().map(|&id| member(id, false)))
+            .collect();
+        Ok(Response::new(lpb::MembersResponse {
+            members,
+            leader_id: s.leader_id,
+        }))
+    }
+}
+
+/// The peer-port service: Raft streams and the seed design's membership RPCs.
+pub struct PeerApi {
+    pub driver: mpsc::Sender<Input>,
+    pub addresses: AddressBook,
+    pub cluster_token: String,
+    pub status: tokio::sync::watch::Receiver<super::driver::NodeStatus>,
+}
+
+impl PeerApi {
+    fn authorize<T>(&self, request: &Request<T>) -> Result<(), Status> {
+        if self.cluster_token.is_empty() {
+            return Ok(());
+        }
+        let presented = request
+            .metadata()
+            .get(TOKEN_HEADER)
+            .and_then(|v| v.to_str().ok());
+        if presented == Some(self.cluster_token.as_str()) {
+            Ok(())
+        } else {
+            Err(Status::unauthenticated("missing or wrong cluster token"))
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl ppb::peer_server::Peer for PeerApi {
+    async fn raft(
+        &self,
+        request: Request<Streaming<ppb::RaftMessage>>,
+    ) -> Result<Response<ppb::RaftStreamClosed>, Status> {
+        self.authorize(&request)?;
+        let md = request.metadata();
+        let header = |name: &str| {
+            md.get(name)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("")
+                .to_string()
+        };
+        let from: u64 = header(NODE_ID_HEADER).parse().unwrap_or(0);
+        self.addresses
+            .learn(from, &header(PEER_ADDR_HEADER), &header(CLIENT_ADDR_HEADER));
+        let mut stream = request.into_inner();
+        while let Some(next) = stream.message().await? {
+            match message_from_pb(next) {
+                Ok(msg) if msg.from == from || from == 0 => {
+                    // Never block the stream on a busy driver: Raft tolerates loss.
+                    let _ = self.driver.try_send(Input::Peer(msg));
+                }
+                Ok(msg) => debug!(
+                    claimed = msg.from,
+                    stream = from,
+                    "dropping message with a forged sender"
+                ),
+                Err(err) => debug!(peer = from, cause = %err, "dropping malformed raft message"),
+            }
+        }
+        Ok(Response::new(ppb::RaftStreamClosed {}))
+    }
+
+    async fn join_cluster(
+        &self,
+        request: Request<ppb::JoinClusterRequest>,
+    ) -> Result<Response<ppb::JoinClusterReply>, Status> {
+        self.authorize(&request)?;
+        let r = request.into_inner();
+        if r.server_id == 0 || r.server_addr.is_empty() {
+            return Err(Status::invalid_argument(
+                "server_id and server_addr are required",
+            ));
+        }
+        let (tx, rx) = oneshot::channel();
+        let input = Input::Join {
+            id: r.server_id,
+            peer_addr: r.server_addr,
+            client_addr: r.client_addr,
+            reply: tx,
+        };
+        self.driver
+            .send(input)
+            .await
+            .map_err(|_| Status::unavailable("shutting down"))?;
+        let reply = rx.await.map_err(|_| Status::unavailable("shutting down"))?;
+        Ok(Response::new(ppb::JoinClusterReply {
+            success: reply.success,
+            leader_id: reply.leader_id,
+            leader_addr: reply.leader_peer_addr,
+            term: reply.term,
+            error: reply.error,
+        }))
+    }
+
+    async fn fetch_peer_list(
+        &self,
+        request: Request<ppb::FetchPeerListRequest>,
+    ) -> Result<Response<ppb::FetchPeerListReply>, Status> {
+        self.authorize(&request)?;
+        let s = self.status.borrow().clone();
+        let book = self.addresses.all();
+        let peer_set: Vec<u64> = s.voters.iter().chain(s.learners.iter()).copied().collect();
+        let peer_address = peer_set
+            .iter()
+            .filter_map(|id| book.get(id).map(|a| (*id, a.peer.clone())))
+            .collect();
+        Ok(Response::new(ppb::FetchPeerListReply {
+            success: s.leader_id != 0,
+            term: s.term,
+            leader_id: s.leader_id,
+            leader_addr: book
+                .get(&s.leader_id)
+                .map(|a| a.peer.clone())
+                .unwrap_or_default(),
+            peer_set,
+            peer_address,
+        }))
+    }
+
+    async fn remove_server(
+        &self,
+        request: Request<ppb::RemoveServerRequest>,
+    ) -> Result<Response<ppb::RemoveServerReply>, Status> {
+        self.authorize(&request)?;
+        let id = request.into_inner().server_id;
+        let (tx, rx) = oneshot::channel();
+        self.driver
+            .send(Input::Remove { id, reply: tx })
+            .await
+            .map_err(|_| Status::unavailable("shutting down"))?;
+        let result = rx.await.map_err(|_| Status::unavailable("shutting down"))?;
+        let s = self.status.borrow().clone();
+        let leader_addr = self
+            .addresses
+            .get(s.leader_id)
+            .map(|a| a.peer)
+            .unwrap_or_default();
+        Ok(Response::new(match result {
+            Ok(()) => ppb::RemoveServerReply {
+                success: true,
+                leader_id: s.leader_id,
+                leader_addr,
+                error: String::new(),
+            },
+            Err(e) => ppb::RemoveServerReply {
+                success: false,
+                leader_id: e.leader_id,
+                leader_addr,
+                error: e.message,
+            },
+        }))
+    }
+
+    async fn append_data(
+        &self,
+        request: Request<ppb::AppendDataRequest>,
+    ) -> Result<Response<ppb::AppendDataReply>, Status> {
+        self.authorize(&request)?;
+        let r = request.into_inner();
+        let op = if r.delete {
+            ClientOp::Delete {
+                key: r.key,
+                guard: None,
+                client_id: r.client_id,
+                request_id: r.request_id,
+            }
+        } else {
+            ClientOp::Put {
+                key: r.key,
+                value: r.value,
+                guard: None,
+                client_id: r.client_id,
+                request_id: r.request_id,
+            }
+        };
+        let (tx, rx) = oneshot::channel();
+        self.driver
+            .send(Input::Client {
+                op,
+                conn: 0,
+                reply: tx,
+            })
+            .await
+            .map_err(|_| Status::unavailable("shutting down"))?;
+        let reply = rx.await.map_err(|_| Status::unavailable("shutting down"))?;
+        Ok(Response::new(match reply {
+            ClientReply::Stored | ClientReply::Deleted { .. } => ppb::AppendDataReply {
+                success: true,
+                ..Default::default()
+            },
+            ClientReply::Error(e) => ppb::AppendDataReply {
+                success: false,
+                leader_id: e.leader_id,
+                leader_addr: e.leader_addr,
+                error: e.message,
+            },
+            other => ppb::AppendDataReply {
+                success: false,
+                error: format!("unexpected {other:?}"),
+                ..Default::default()
+            },
+        }))
+    }
+}

@@ -1,0 +1,162 @@
+//! The client port: WebSocket `/ws`, the gRPC `LockService`, and HTTP health, status, metrics
+//! and admin endpoints, all on one axum router.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, Query, State, WebSocketUpgrade};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use serde::Deserialize;
+use serde_json::json;
+use tokio::sync::{mpsc, oneshot, watch, Semaphore};
+
+use super::api::{ClientOp, ClientReply};
+use super::driver::{Input, NodeStatus};
+use super::transport::AddressBook;
+use crate::telemetry::NodeMetrics;
+
+/// Bounds applied at the edge, before anything reaches the driver.
+#[derive(Clone, Debug)]
+pub struct ClientLimits {
+    pub max_connections: usize,
+    pub max_inflight_per_connection: usize,
+    pub max_message_bytes: usize,
+    pub max_key_bytes: usize,
+    pub max_value_bytes: usize,
+    pub max_ttl_ms: u64,
+    pub default_ttl_ms: u64,
+}
+
+#[derive(Clone)]
+pub struct AppState {
+    pub driver: mpsc::Sender<Input>,
+    pub status: watch::Receiver<NodeStatus>,
+    pub metrics: NodeMetrics,
+    pub limits: Arc<ClientLimits>,
+    pub connections: Arc<Semaphore>,
+    pub addresses: AddressBook,
+}
+
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/ws", get(ws_upgrade))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .route("/leader", get(leader))
+        .route("/status", get(status))
+        .route("/members", get(members))
+        .route("/metrics", get(metrics))
+        .route("/locks", get(locks))
+        .route("/kv/{key}", get(kv_get))
+        .with_state(state)
+}
+
+async fn ws_upgrade(ws: WebSocketUpgrade, State(state): State<AppState>) -> Response {
+    let Ok(permit) = state.connections.clone().try_acquire_owned() else {
+        return (StatusCode::SERVICE_UNAVAILABLE, "too many connections").into_response();
+    };
+    let max = state.limits.max_message_bytes;
+    ws.max_message_size(max)
+        .max_frame_size(max)
+        .on_upgrade(move |socket| async move {
+            super::ws::serve_socket(socket, state).await;
+            drop(permit);
+        })
+}
+
+async fn readyz(State(state): State<AppState>) -> Response {
+    let status = state.status.borrow().clone();
+    if status.is_ready() {
+        (StatusCode::OK, "ready").into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not ready: no leader, not a member, or catching up",
+        )
+            .into_response()
+    }
+}
+
+async fn leader(State(state): State<AppState>) -> Json<serde_json::Value> {
+    let status = state.status.borrow().clone();
+    Json(json!({"leaderId": status.leader_id, "leaderAddr": status.leader_addr}))
+}
+
+async fn status(State(state): State<AppState>) -> Json<NodeStatus> {
+    Json(state.status.borrow().clone())
+}
+
+async fn members(State(state): State<AppState>) -> Json<serde_json::Value> {
+    let status = state.status.borrow().clone();
+    let book = state.addresses.all();
+    let describe = |id: &u64, voter: bool| {
+        let addrs = book.get(id).cloned().unwrap_or_default();
+        json!({"id": id, "voter": voter, "peerAddr": addrs.peer, "clientAddr": addrs.client})
+    };
+    let members: Vec<_> = status
+        .voters
+        .iter()
+        .map(|id| describe(id, true))
+        .chain(status.learners.iter().map(|id| describe(id, false)))
+        .collect();
+    Json(json!({"leaderId": status.leader_id, "members": members}))
+}
+
+async fn metrics(State(state): State<AppState>) -> Response {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4",
+        )],
+        state.metrics.render(),
+    )
+        .into_response()
+}
+
+#[derive(Deserialize)]
+struct LocksQuery {
+    #[serde(default)]
+    prefix: String,
+}
+
+async fn locks(State(state): State<AppState>, Query(q): Query<LocksQuery>) -> Response {
+    let (tx, rx) = oneshot::channel();
+    if state
+        .driver
+        .try_send(Input::Locks {
+            prefix: q.prefix,
+            reply: tx,
+        })
+        .is_err()
+    {
+        return (StatusCode::SERVICE_UNAVAILABLE, "busy").into_response();
+    }
+    match rx.await {
+        Ok(locks) => Json(json!({"locks": locks})).into_response(),
+        Err(_) => (StatusCode::SERVICE_UNAVAILABLE, "shutting down").into_response(),
+    }
+}
+
+async fn kv_get(State(state): State<AppState>, Path(key): Path<String>) -> Response {
+    if key.len() > state.limits.max_key_bytes {
+        return (StatusCode::PAYLOAD_TOO_LARGE, "key too long").into_response();
+    }
+    match super::ws::execute(ClientOp::Get { key: key.clone() }, 0, &state).await {
+        ClientReply::Value(v) => Json(json!({
+            "key": key,
+            "value": v.map(|b| String::from_utf8_lossy(&b).into_owned()),
+        }))
+        .into_response(),
+        ClientReply::Error(e) => {
+            let code = if e.code.is_retryable() {
+                StatusCode::SERVICE_UNAVAILABLE
+            } else {
+                StatusCode::BAD_REQUEST
+            };
+            (code, Json(json!({"error": {"code": e.code.as_str(), "message": e.message, "leaderId": e.leader_id, "leaderAddr": e.leader_addr}}))).into_response()
+        }
+        other => (StatusCode::INTERNAL_SERVER_ERROR, format!("{other:?}")).into_response(),
+    }
+}

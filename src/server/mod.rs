@@ -1,0 +1,13 @@
+//! The I/O shell around the pure core: the node driver loop, the peer transport, the client API
+//! and membership bootstrap. Everything here may do I/O; nothing here decides Raft or lock rules.
+
+pub mod api;
+pub mod config;
+pub mod convert;
+pub mod driver;
+pub mod grpc;
+pub mod http;
+pub mod node;
+pub mod proto;
+pub mod transport;
+pub mod ws;

@@ -1,0 +1,303 @@
+//! Starting a lock node: open storage and recover, build the core and the state machine, start
+//! the driver, serve peers and clients, join a cluster if asked, and stop cleanly.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, watch, Semaphore};
+use tokio_stream::wrappers::TcpListenerStream;
+use tracing::{info, warn};
+
+use super::config::NodeConfig;
+use super::driver::{Driver, DriverConfig, NodeStatus};
+use super::grpc::{LockApi, PeerApi};
+use super::http::{router, AppState, ClientLimits};
+use super::proto::lock::lock_service_server::LockServiceServer;
+use super::proto::peer::peer_client::PeerClient;
+use super::proto::peer::peer_server::PeerServer;
+use super::proto::peer::JoinClusterRequest;
+use super::transport::{AddressBook, LocalIdentity, PeerTransport, TOKEN_HEADER};
+use crate::lock::{Limits, LockStateMachine};
+use crate::raft::{Config, InitialState, Membership, Raft};
+use crate::storage::{SledStorage, Storage};
+use crate::telemetry::NodeMetrics;
+
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error("storage: {0}")]
+    Storage(#[from] crate::storage::StorageError),
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("state machine state does not decode: {0}")]
+    State(String),
+    #[error("{0}")]
+    Config(String),
+    #[error("server: {0}")]
+    Serve(String),
+}
+
+/// Addresses a running node actually listens on (useful with port 0 in tests).
+#[derive(Clone, Debug)]
+pub struct BoundAddrs {
+    pub peer: SocketAddr,
+    pub client: SocketAddr,
+}
+
+/// Runs a node until `shutdown` turns true; returns after a graceful stop.
+pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result<(), NodeError> {
+    let peer_listener =
+        TcpListener::bind(cfg.peer_listen)
+            .await
+            .map_err(|source| NodeError::Listen {
+                addr: cfg.peer_listen,
+                source,
+            })?;
+    let client_listener = TcpListener::bind(cfg.client_listen)
+        .await
+        .map_err(|source| NodeError::Listen {
+            addr: cfg.client_listen,
+            source,
+        })?;
+
+    std::fs::create_dir_all(&cfg.data_dir)
+        .map_err(|e| NodeError::Config(format!("cannot create {}: {e}", cfg.data_dir.display())))?;
+    let storage = SledStorage::open(cfg.data_dir.join("raft"))?;
+    let recovered = storage.recover()?;
+    let fresh = recovered.last_index() == 0 && recovered.hard_state.term == 0;
+    let initial_members = cfg
+        .initial_members()
+        .map_err(|e| NodeError::Config(e.to_string()))?;
+
+    let addresses = AddressBook::default();
+    addresses.learn(cfg.node_id, &cfg.advertise_peer, &cfg.advertise_client);
+    for (id, peer) in &initial_members {
+        addresses.learn(*id, peer, "");
+    }
+    let initial_membership = if !fresh {
+        Membership::default()
+    } else if cfg.bootstrap {
+        Membership::with_voters([cfg.node_id])
+    } else if !initial_members.is_empty() {
+        Membership::with_voters(initial_members.keys().copied())
+    } else {
+        Membership::default()
+    };
+
+    let snapshot = if recovered.snapshot_meta.index > 0 {
+        Some(storage.build_snapshot()?)
+    } else {
+        None
+    };
+    let sm =
+        LockStateMachine::from_kv_with_limits(recovered.applied_state.clone(), lock_limits(&cfg))
+            .map_err(|e| NodeError::State(e.to_string()))?;
+    let mut raft_cfg = Config::new(cfg.node_id, seed_from_clock(cfg.node_id));
+    raft_cfg.election_ticks = cfg.election_ticks;
+    raft_cfg.heartbeat_ticks = cfg.heartbeat_ticks;
+    raft_cfg.max_batch_bytes = (cfg.max_message_bytes / 2).max(64 * 1024);
+    raft_cfg.snapshot_chunk_bytes = (cfg.max_message_bytes / 2).max(64 * 1024);
+    let initial = InitialState {
+        hard_state: recovered.hard_state,
+        snapshot,
+        entries: recovered.entries,
+        applied: recovered.applied_index,
+        initial_membership,
+    };
+    let raft = Raft::new(raft_cfg, initial).map_err(|e| NodeError::Config(e.to_string()))?;
+    info!(
+        node = cfg.node_id,
+        term = raft.term(),
+        last_index = raft.last_index(),
+        applied = raft.applied_index(),
+        voters = ?raft.membership().voters,
+        "recovered"
+    );
+
+    let metrics = NodeMetrics::new();
+    let transport = PeerTransport::new(
+        LocalIdentity {
+            id: cfg.node_id,
+            peer_addr: cfg.advertise_peer.clone(),
+            client_addr: cfg.advertise_client.clone(),
+            cluster_token: cfg.cluster_token.clone(),
+        },
+        addresses.clone(),
+        metrics.clone(),
+        cfg.max_message_bytes,
+    );
+    let (input_tx, input_rx) = mpsc::channel(cfg.max_pending_requests);
+    let (status_tx, status_rx) = watch::channel(NodeStatus::default());
+    let driver = Driver::new(
+        raft,
+        Box::new(storage),
+        sm,
+        transport,
+        metrics.clone(),
+        DriverConfig {
+            tick: cfg.tick,
+            snapshot_entries: cfg.snapshot_entries,
+            waiter_reclaim: cfg.waiter_reclaim,
+            max_batch_inputs: 1024,
+        },
+        input_rx,
+        status_tx,
+    );
+    let single_fresh_voter = fresh && cfg.bootstrap;
+    let driver_shutdown = shutdown.clone();
+    let driver_task = tokio::spawn(driver.run(driver_shutdown));
+    if single_fresh_voter {
+        info!("bootstrapped a one-node cluster");
+    }
+
+    // Peer port.
+    let peer_api = PeerApi {
+        driver: input_tx.clone(),
+        addresses: addresses.clone(),
+        cluster_token: cfg.cluster_token.clone(),
+        status: status_rx.clone(),
+    };
+    let peer_service = PeerServer::new(peer_api)
+        .max_decoding_message_size(cfg.max_message_bytes)
+        .max_encoding_message_size(cfg.max_message_bytes);
+    let mut peer_shutdown = shutdown.clone();
+    let peer_server = tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .add_service(peer_service)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(peer_listener), async move {
+            let _ = peer_shutdown.wait_for(|s| *s).await;
+        });
+    let peer_task = tokio::spawn(peer_server);
+
+    // Client port: WebSocket + HTTP + gRPC LockService on one listener.
+    let state = AppState {
+        driver: input_tx.clone(),
+        status: status_rx.clone(),
+        metrics: metrics.clone(),
+        limits: Arc::new(ClientLimits {
+            max_connections: cfg.max_connections,
+            max_inflight_per_connection: cfg.max_inflight_per_connection,
+            max_message_bytes: cfg.max_message_bytes,
+            max_key_bytes: cfg.max_key_bytes,
+            max_value_bytes: cfg.max_value_bytes,
+            max_ttl_ms: cfg.max_ttl.as_millis() as u64,
+            default_ttl_ms: cfg.default_ttl.as_millis() as u64,
+        }),
+        connections: Arc::new(Semaphore::new(cfg.max_connections)),
+        addresses: addresses.clone(),
+    };
+    let lock_service = LockServiceServer::new(LockApi {
+        state: state.clone(),
+    })
+    .max_decoding_message_size(cfg.max_message_bytes);
+    let grpc_routes = tonic::service::Routes::new(lock_service).into_axum_router();
+    let app = router(state).merge(grpc_routes);
+    let mut client_shutdown = shutdown.clone();
+    let client_task = tokio::spawn(async move {
+        axum::serve(client_listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = client_shutdown.wait_for(|s| *s).await;
+            })
+            .await
+    });
+
+    if fresh && !cfg.join_peers().is_empty() {
+        let join_cfg = cfg.clone();
+        let join_shutdown = shutdown.clone();
+        tokio::spawn(async move { join_cluster(join_cfg, join_shutdown).await });
+    }
+
+    let _ = shutdown.wait_for(|s| *s).await;
+    info!("shutting down");
+    let _ = driver_task.await;
+    drop(input_tx);
+    let _ = tokio::time::timeout(Duration::from_secs(5), peer_task).await;
+    let _ = tokio::time::timeout(Duration::from_secs(5), client_task).await;
+    Ok(())
+}
+
+/// Asks the listed peers to add this node, hopping to the leader they name (at most five hops per
+/// round), and retries rounds with backoff until it is accepted or the node shuts down.
+async fn join_cluster(cfg: NodeConfig, shutdown: watch::Receiver<bool>) {
+    let peers = cfg.join_peers();
+    let mut backoff = Duration::from_millis(100);
+    for round in 0..120u32 {
+        if *shutdown.borrow() {
+            return;
+        }
+        for start in &peers {
+            let mut target = start.clone();
+            for hop in 0..5 {
+                match ask_to_join(&cfg, &target).await {
+                    Ok(reply) if reply.success => {
+                        info!(via = %target, hop, "joined the cluster as a learner");
+                        return;
+                    }
+                    Ok(reply) if !reply.leader_addr.is_empty() && reply.leader_addr != target => {
+                        info!(from = %target, to = %reply.leader_addr, "join redirected to the leader");
+                        target = reply.leader_addr;
+                    }
+                    Ok(reply) => {
+                        warn!(via = %target, error = %reply.error, "join refused");
+                        break;
+                    }
+                    Err(err) => {
+                        warn!(via = %target, cause = %err, "join attempt failed");
+                        break;
+                    }
+                }
+            }
+        }
+        warn!(round, "could not join yet; retrying");
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+}
+
+async fn ask_to_join(
+    cfg: &NodeConfig,
+    target: &str,
+) -> Result<super::proto::peer::JoinClusterReply, Box<dyn std::error::Error + Send + Sync>> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{target}"))?
+        .connect_timeout(Duration::from_secs(1))
+        .timeout(Duration::from_secs(5))
+        .connect()
+        .await?;
+    let mut client = PeerClient::new(channel);
+    let mut request = tonic::Request::new(JoinClusterRequest {
+        server_id: cfg.node_id,
+        server_addr: cfg.advertise_peer.clone(),
+        client_addr: cfg.advertise_client.clone(),
+    });
+    if !cfg.cluster_token.is_empty() {
+        request
+            .metadata_mut()
+            .insert(TOKEN_HEADER, cfg.cluster_token.parse()?);
+    }
+    Ok(client.join_cluster(request).await?.into_inner())
+}
+
+/// Election timeouts only need to differ between nodes and restarts; this is the I/O shell, so
+/// it may read the clock.
+fn seed_from_clock(id: u64) -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    nanos ^ id.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
+/// Default lock limits derived from the node configuration.
+pub fn lock_limits(cfg: &NodeConfig) -> Limits {
+    Limits {
+        key_bytes_max: cfg.max_key_bytes,
+        value_bytes_max: cfg.max_value_bytes,
+        ttl_ms_max: cfg.max_ttl.as_millis() as u64,
+        waiters_per_key_max: cfg.max_waiters_per_key,
+        ..Limits::default()
+    }
+}

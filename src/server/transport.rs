@@ -1,0 +1,266 @@
+//! Peer transport: one long-lived gRPC stream per peer carrying Raft messages, with reconnect and
+//! backoff, plus the server side that feeds incoming messages to the node driver.
+//!
+//! ```text
+//!   driver ─send(msg)─► per-peer bounded queue ─► sender task ─► Peer.Raft stream ─► peer
+//!   peer ─► Peer.Raft stream ─► PeerService ─► driver input queue
+//! ```
+//! A full queue or a peer that is down drops messages: Raft retransmits what matters. Nothing here
+//! blocks the driver.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::metadata::MetadataValue;
+use tonic::transport::{Channel, Endpoint};
+use tracing::{debug, warn};
+
+use super::convert::message_to_pb;
+use super::proto::peer::peer_client::PeerClient;
+use super::proto::peer::RaftMessage;
+use crate::raft::{Message, NodeId};
+use crate::telemetry::NodeMetrics;
+
+pub const TOKEN_HEADER: &str = "x-raftlock-cluster-token";
+pub const NODE_ID_HEADER: &str = "x-raftlock-node-id";
+pub const PEER_ADDR_HEADER: &str = "x-raftlock-peer-addr";
+pub const CLIENT_ADDR_HEADER: &str = "x-raftlock-client-addr";
+
+/// Messages queued per peer before new ones are dropped.
+const PEER_QUEUE_MESSAGES: usize = 4096;
+const BACKOFF_MIN: Duration = Duration::from_millis(20);
+const BACKOFF_MAX: Duration = Duration::from_secs(1);
+
+/// Where each member can be reached.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MemberAddrs {
+    pub peer: String,
+    pub client: String,
+}
+
+/// The addresses this node knows, learned from configuration, joins and peers' stream headers.
+#[derive(Clone, Debug, Default)]
+pub struct AddressBook {
+    inner: Arc<RwLock<BTreeMap<NodeId, MemberAddrs>>>,
+}
+
+impl AddressBook {
+    pub fn get(&self, id: NodeId) -> Option<MemberAddrs> {
+        self.inner.read().ok()?.get(&id).cloned()
+    }
+
+    pub fn all(&self) -> BTreeMap<NodeId, MemberAddrs> {
+        self.inner.read().map(|m| m.clone()).unwrap_or_default()
+    }
+
+    /// Records what is known; empty fields keep the previous value.
+    pub fn learn(&self, id: NodeId, peer: &str, client: &str) {
+        if id == 0 {
+            return;
+        }
+        if let Ok(mut map) = self.inner.write() {
+            let entry = map.entry(id).or_default();
+            if !peer.is_empty() {
+                entry.peer = peer.to_string();
+            }
+            if !client.is_empty() {
+                entry.client = client.to_string();
+            }
+        }
+    }
+}
+
+/// This node's identity, sent with every outgoing stream so peers learn its addresses.
+#[derive(Clone, Debug)]
+pub struct LocalIdentity {
+    pub id: NodeId,
+    pub peer_addr: String,
+    pub client_addr: String,
+    pub cluster_token: String,
+}
+
+/// Sends Raft messages to peers over long-lived streams.
+#[derive(Clone)]
+pub struct PeerTransport {
+    identity: LocalIdentity,
+    addresses: AddressBook,
+    peers: Arc<RwLock<BTreeMap<NodeId, mpsc::Sender<RaftMessage>>>>,
+    metrics: NodeMetrics,
+    max_message_bytes: usize,
+}
+
+impl std::fmt::Debug for PeerTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerTransport")
+            .field("id", &self.identity.id)
+            .finish()
+    }
+}
+
+impl PeerTransport {
+    pub fn new(
+        identity: LocalIdentity,
+        addresses: AddressBook,
+        metrics: NodeMetrics,
+        max_message_bytes: usize,
+    ) -> Self {
+        PeerTransport {
+            identity,
+            addresses,
+            peers: Arc::default(),
+            metrics,
+            max_message_bytes,
+        }
+    }
+
+    pub fn addresses(&self) -> &AddressBook {
+        &self.addresses
+    }
+
+    /// Queues `msg` for its peer, starting the peer's sender task on first use. Never blocks.
+    pub fn send(&self, msg: &Message) {
+        let to = msg.to;
+        let pb = message_to_pb(msg);
+        let sender = self.peers.read().ok().and_then(|p| p.get(&to).cloned());
+        let sender = match sender {
+            Some(s) if !s.is_closed() => s,
+            _ => self.start_peer(to),
+        };
+        if sender.try_send(pb).is_err() {
+            self.metrics
+                .peer_messages_dropped_total
+                .with_label_values(&[&to.to_string()])
+                .inc();
+        }
+    }
+
+    /// Stops sending to peers that are no longer members.
+    pub fn retain(&self, members: impl Fn(NodeId) -> bool) {
+        if let Ok(mut peers) = self.peers.write() {
+            peers.retain(|id, _| members(*id));
+        }
+    }
+
+    fn start_peer(&self, to: NodeId) -> mpsc::Sender<RaftMessage> {
+        let (tx, rx) = mpsc::channel(PEER_QUEUE_MESSAGES);
+        if let Ok(mut peers) = self.peers.write() {
+            peers.insert(to, tx.clone());
+        }
+        let task = PeerSender {
+            to,
+            identity: self.identity.clone(),
+            addresses: self.addresses.clone(),
+            max_message_bytes: self.max_message_bytes,
+        };
+        tokio::spawn(task.run(rx));
+        tx
+    }
+}
+
+struct PeerSender {
+    to: NodeId,
+    identity: LocalIdentity,
+    addresses: AddressBook,
+    max_message_bytes: usize,
+}
+
+impl PeerSender {
+    /// Connects, streams, and reconnects with exponential backoff until the queue is dropped.
+    async fn run(self, mut queue: mpsc::Receiver<RaftMessage>) {
+        let mut backoff = BACKOFF_MIN;
+        loop {
+            let Some(addr) = self
+                .addresses
+                .get(self.to)
+                .map(|a| a.peer)
+                .filter(|a| !a.is_empty())
+            else {
+                // Unknown address: drop what is queued and wait for it to be learned.
+                if !drain_for(&mut queue, backoff).await {
+                    return;
+                }
+                backoff = (backoff * 2).min(BACKOFF_MAX);
+                continue;
+            };
+            match self.stream_once(&addr, &mut queue).await {
+                Ok(StreamEnd::QueueClosed) => return,
+                Ok(StreamEnd::Disconnected) => backoff = BACKOFF_MIN,
+                Err(err) => {
+                    debug!(peer = self.to, %addr, cause = %err, "peer connection failed");
+                    if !drain_for(&mut queue, backoff).await {
+                        return;
+                    }
+                    backoff = (backoff * 2).min(BACKOFF_MAX);
+                }
+            }
+        }
+    }
+
+    async fn stream_once(
+        &self,
+        addr: &str,
+        queue: &mut mpsc::Receiver<RaftMessage>,
+    ) -> Result<StreamEnd, Box<dyn std::error::Error + Send + Sync>> {
+        let endpoint = Endpoint::from_shared(format!("http://{addr}"))?
+            .connect_timeout(Duration::from_millis(500))
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(Duration::from_secs(5))
+            .keep_alive_timeout(Duration::from_secs(5));
+        let channel: Channel = endpoint.connect().await?;
+        let mut client = PeerClient::new(channel)
+            .max_decoding_message_size(self.max_message_bytes)
+            .max_encoding_message_size(self.max_message_bytes);
+        let (tx, rx) = mpsc::channel::<RaftMessage>(256);
+        let mut request = tonic::Request::new(ReceiverStream::new(rx));
+        let md = request.metadata_mut();
+        md.insert(NODE_ID_HEADER, MetadataValue::from(self.identity.id));
+        if let Ok(v) = self.identity.peer_addr.parse() {
+            md.insert(PEER_ADDR_HEADER, v);
+        }
+        if let Ok(v) = self.identity.client_addr.parse() {
+            md.insert(CLIENT_ADDR_HEADER, v);
+        }
+        if !self.identity.cluster_token.is_empty() {
+            if let Ok(v) = self.identity.cluster_token.parse() {
+                md.insert(TOKEN_HEADER, v);
+            }
+        }
+        let mut call = Box::pin(client.raft(request));
+        loop {
+            tokio::select! {
+                result = &mut call => {
+                    if let Err(status) = result {
+                        warn!(peer = self.to, code = ?status.code(), message = status.message(), "peer closed the raft stream");
+                    }
+                    return Ok(StreamEnd::Disconnected);
+                }
+                next = queue.recv() => {
+                    let Some(msg) = next else { return Ok(StreamEnd::QueueClosed) };
+                    if tx.send(msg).await.is_err() {
+                        return Ok(StreamEnd::Disconnected);
+                    }
+                }
+            }
+        }
+    }
+}
+
+enum StreamEnd {
+    QueueClosed,
+    Disconnected,
+}
+
+/// Discards queued messages for `wait`; false if the queue was closed.
+async fn drain_for(queue: &mut mpsc::Receiver<RaftMessage>, wait: Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        match tokio::time::timeout_at(deadline, queue.recv()).await {
+            Ok(Some(_)) => continue,
+            Ok(None) => return false,
+            Err(_) => return true,
+        }
+    }
+}

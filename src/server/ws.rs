@@ -1,0 +1,318 @@
+//! The WebSocket client API at `/ws`: the seed design's JSON messages, unchanged, with optional
+//! extensions. Many requests may be in flight on one connection; every reply carries `key` and
+//! `requestId`. Bad input is answered with an error code and changes nothing; the connection
+//! stays usable.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use axum::extract::ws::{Message as WsMessage, WebSocket};
+use futures::{SinkExt, StreamExt};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, oneshot, Semaphore};
+
+use super::api::{ApiError, ClientOp, ClientReply, ErrorCode};
+use super::driver::Input;
+use super::http::AppState;
+
+static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
+
+/// Command types of the seed design, plus extensions.
+pub const APPEND_DATA: u64 = 2;
+pub const LOCK_ACQUIRE: u64 = 3;
+pub const LOCK_RELEASE: u64 = 4;
+pub const LOCK_RENEW: u64 = 5;
+pub const CANCEL_WAIT: u64 = 6;
+pub const READ: u64 = 7;
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct WsRequest {
+    command_type: u64,
+    key: String,
+    #[serde(default)]
+    client_id: Option<String>,
+    #[serde(default)]
+    request_id: Option<String>,
+    #[serde(default)]
+    ttl: Option<u64>,
+    #[serde(default)]
+    wait_timeout: Option<u64>,
+    #[serde(default)]
+    fencing_token: Option<WsToken>,
+    /// AppendData: the value to store (absent with `delete: true`).
+    #[serde(default)]
+    value: Option<String>,
+    #[serde(default)]
+    delete: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WsToken {
+    #[serde(default)]
+    #[allow(dead_code)]
+    key: Option<String>,
+    value: u64,
+}
+
+/// Serves one WebSocket connection until it closes.
+pub async fn serve_socket(socket: WebSocket, state: AppState) {
+    let conn = NEXT_CONN.fetch_add(1, Ordering::Relaxed);
+    state.metrics.client_connections.inc();
+    let (mut sink, mut stream) = socket.split();
+    let (out_tx, mut out_rx) = mpsc::channel::<String>(state.limits.max_inflight_per_connection);
+    let writer = tokio::spawn(async move {
+        while let Some(text) = out_rx.recv().await {
+            if sink.send(WsMessage::Text(text.into())).await.is_err() {
+                break;
+            }
+        }
+        let _ = sink.close().await;
+    });
+    let inflight = Arc::new(Semaphore::new(state.limits.max_inflight_per_connection));
+    while let Some(Ok(frame)) = stream.next().await {
+        let text = match frame {
+            WsMessage::Text(t) => t.to_string(),
+            WsMessage::Binary(b) => match String::from_utf8(b.to_vec()) {
+                Ok(t) => t,
+                Err(_) => {
+                    let reply = error_json(
+                        &Value::Null,
+                        &ApiError::new(
+                            ErrorCode::InvalidRequest,
+                            "binary frames must be UTF-8 JSON",
+                        ),
+                    );
+                    let _ = out_tx.send(reply).await;
+                    continue;
+                }
+            },
+            WsMessage::Close(_) => break,
+            _ => continue,
+        };
+        let Ok(permit) = inflight.clone().try_acquire_owned() else {
+            let raw: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+            let err = ApiError::new(
+                ErrorCode::Busy,
+                "too many requests in flight on this connection",
+            );
+            let _ = out_tx.send(error_json(&raw, &err)).await;
+            continue;
+        };
+        let state = state.clone();
+        let out = out_tx.clone();
+        tokio::spawn(async move {
+            let reply = handle_text(&text, conn, &state).await;
+            if let Some(reply) = reply {
+                let _ = out.send(reply).await;
+            }
+            drop(permit);
+        });
+    }
+    let _ = state.driver.send(Input::Disconnected { conn }).await;
+    drop(out_tx);
+    let _ = writer.await;
+    state.metrics.client_connections.dec();
+}
+
+/// Parses, validates and executes one request; returns the JSON reply.
+pub async fn handle_text(text: &str, conn: u64, state: &AppState) -> Option<String> {
+    let raw: Value = match serde_json::from_str(text) {
+        Ok(v) => v,
+        Err(err) => {
+            let e = ApiError::new(ErrorCode::InvalidRequest, format!("malformed JSON: {err}"));
+            return Some(error_json(&Value::Null, &e));
+        }
+    };
+    let request: WsRequest = match serde_json::from_value(raw.clone()) {
+        Ok(r) => r,
+        Err(err) => {
+            let e = ApiError::new(ErrorCode::InvalidRequest, format!("invalid request: {err}"));
+            return Some(error_json(&raw, &e));
+        }
+    };
+    let op = match to_op(request, state) {
+        Ok(op) => op,
+        Err(e) => return Some(error_json(&raw, &e)),
+    };
+    let release = matches!(op, ClientOp::Release { .. });
+    let reply = execute(op, conn, state).await;
+    Some(reply_json(&raw, &reply, release))
+}
+
+/// Sends `op` to the driver and waits for its answer.
+pub async fn execute(op: ClientOp, conn: u64, state: &AppState) -> ClientReply {
+    let (tx, rx) = oneshot::channel();
+    let name = op.name();
+    let input = Input::Client {
+        op,
+        conn,
+        reply: tx,
+    };
+    if state.driver.try_send(input).is_err() {
+        state
+            .metrics
+            .requests_total
+            .with_label_values(&[name, "BUSY"])
+            .inc();
+        return ClientReply::error(ErrorCode::Busy, "the node's request queue is full");
+    }
+    rx.await
+        .unwrap_or_else(|_| ClientReply::error(ErrorCode::Unavailable, "node is shutting down"))
+}
+
+fn to_op(r: WsRequest, state: &AppState) -> Result<ClientOp, ApiError> {
+    let limits = &state.limits;
+    let invalid = |m: &str| ApiError::new(ErrorCode::InvalidRequest, m);
+    if r.key.is_empty() {
+        return Err(invalid("`key` must not be empty"));
+    }
+    if r.key.len() > limits.max_key_bytes {
+        return Err(ApiError::new(
+            ErrorCode::TooLarge,
+            format!(
+                "key is {} bytes; the limit is {}",
+                r.key.len(),
+                limits.max_key_bytes
+            ),
+        ));
+    }
+    let client_id = r.client_id.unwrap_or_default();
+    let needs_client = r.command_type != READ;
+    if needs_client && client_id.is_empty() {
+        return Err(invalid("`clientId` is required"));
+    }
+    let request_id = r.request_id.unwrap_or_default();
+    let token = r.fencing_token.map(|t| t.value);
+    Ok(match r.command_type {
+        LOCK_ACQUIRE => {
+            let ttl_ms = r.ttl.unwrap_or(limits.default_ttl_ms);
+            if ttl_ms == 0 || ttl_ms > limits.max_ttl_ms {
+                return Err(invalid(&format!(
+                    "`ttl` must be 1..={} ms",
+                    limits.max_ttl_ms
+                )));
+            }
+            ClientOp::Acquire {
+                key: r.key,
+                client_id,
+                request_id,
+                ttl_ms,
+                wait_timeout_ms: r.wait_timeout,
+            }
+        }
+        LOCK_RELEASE => ClientOp::Release {
+            key: r.key,
+            client_id,
+            request_id,
+            token: token.ok_or_else(|| invalid("`fencingToken` is required to release"))?,
+        },
+        LOCK_RENEW => ClientOp::Renew {
+            key: r.key,
+            client_id,
+            request_id,
+            token: token.ok_or_else(|| invalid("`fencingToken` is required to renew"))?,
+            ttl_ms: r.ttl.unwrap_or(limits.default_ttl_ms),
+        },
+        CANCEL_WAIT => ClientOp::CancelWait {
+            key: r.key,
+            client_id,
+            request_id,
+        },
+        APPEND_DATA => {
+            if r.delete.unwrap_or(false) {
+                ClientOp::Delete {
+                    key: r.key,
+                    guard: token,
+                    client_id,
+                    request_id,
+                }
+            } else {
+                let value = r.value.ok_or_else(|| invalid("`value` is required"))?;
+                if value.len() > limits.max_value_bytes {
+                    return Err(ApiError::new(
+                        ErrorCode::TooLarge,
+                        "value exceeds the limit",
+                    ));
+                }
+                ClientOp::Put {
+                    key: r.key,
+                    value: value.into_bytes(),
+                    guard: token,
+                    client_id,
+                    request_id,
+                }
+            }
+        }
+        READ => ClientOp::Get { key: r.key },
+        0 | 1 => {
+            return Err(invalid(
+                "membership commands are for peers and admins, not clients",
+            ))
+        }
+        other => return Err(invalid(&format!("unknown commandType {other}"))),
+    })
+}
+
+fn echo_fields(raw: &Value) -> (Value, Value) {
+    (
+        raw.get("key").cloned().unwrap_or(Value::Null),
+        raw.get("requestId").cloned().unwrap_or(Value::Null),
+    )
+}
+
+pub fn error_json(raw: &Value, e: &ApiError) -> String {
+    let (key, request_id) = echo_fields(raw);
+    let mut error = json!({"code": e.code.as_str(), "message": e.message});
+    if e.leader_id != 0 {
+        error["leaderId"] = json!(e.leader_id);
+        error["leaderAddr"] = json!(e.leader_addr);
+    }
+    json!({"success": false, "key": key, "requestId": request_id, "error": error}).to_string()
+}
+
+fn reply_json(raw: &Value, reply: &ClientReply, release: bool) -> String {
+    let (key, request_id) = echo_fields(raw);
+    let value = match reply {
+        ClientReply::Granted {
+            token,
+            expires_in_ms,
+        } => json!({
+            "success": true,
+            "fencingToken": {"key": token.key, "value": token.value},
+            "requestId": request_id, "key": key, "expiresInMs": expires_in_ms,
+        }),
+        ClientReply::Released => {
+            json!({"success": true, "released": true, "key": key, "requestId": request_id})
+        }
+        ClientReply::Renewed {
+            token,
+            expires_in_ms,
+        } => json!({
+            "success": true, "renewed": true,
+            "fencingToken": {"key": token.key, "value": token.value},
+            "key": key, "requestId": request_id, "expiresInMs": expires_in_ms,
+        }),
+        ClientReply::WaitCancelled => {
+            json!({"success": true, "cancelled": true, "key": key, "requestId": request_id})
+        }
+        ClientReply::Stored => json!({"success": true, "key": key, "requestId": request_id}),
+        ClientReply::Deleted { existed } => {
+            json!({"success": true, "deleted": existed, "key": key, "requestId": request_id})
+        }
+        ClientReply::Value(v) => json!({
+            "success": true, "key": key, "requestId": request_id,
+            "value": v.as_ref().map(|b| String::from_utf8_lossy(b).into_owned()),
+        }),
+        ClientReply::Error(e) => {
+            let mut text: Value = serde_json::from_str(&error_json(raw, e)).unwrap_or(Value::Null);
+            if release {
+                text["released"] = json!(false);
+            }
+            return text.to_string();
+        }
+    };
+    value.to_string()
+}

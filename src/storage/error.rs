@@ -1,0 +1,136 @@
+//! The one error type of the storage API.
+//!
+//! Sits between the storage engines and the node driver. Corruption variants name the tree, the
+//! key and what is wrong so an operator can act on the message alone; misuse by the caller (an
+//! append with a gap, a compaction past the applied index) has its own variants so that a bug in
+//! the driver is never mistaken for a bad disk. Nothing here may hide the underlying cause.
+
+use crate::raft::{Index, MembershipError};
+
+/// Why a storage operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StorageError {
+    /// The operating system refused a read, write or sync.
+    #[error("storage I/O failed while {action}: {source}")]
+    Io {
+        action: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// The storage engine (sled) reported an error other than plain I/O.
+    #[error("storage engine failed while {action}: {detail}")]
+    Engine {
+        action: &'static str,
+        detail: String,
+    },
+
+    /// The storage engine panicked (sled may panic on a damaged file); caught and reported.
+    #[error("storage engine panicked while {action}: {message}")]
+    EnginePanic {
+        action: &'static str,
+        message: String,
+    },
+
+    /// A stored record does not decode or breaks an invariant.
+    #[error("corrupt record in tree `{tree}` at key {key}: {problem}")]
+    Corrupt {
+        tree: &'static str,
+        key: String,
+        problem: String,
+    },
+
+    /// A stored log entry does not match its checksum.
+    #[error(
+        "log entry {index} fails its checksum (stored {stored_crc:#010x}, computed \
+         {computed_crc:#010x}): the entry was damaged on disk"
+    )]
+    ChecksumMismatch {
+        index: Index,
+        stored_crc: u32,
+        computed_crc: u32,
+    },
+
+    /// The stored log has a hole.
+    #[error("stored log is not contiguous: expected entry {expected_index}, found {found_index}")]
+    LogGap {
+        expected_index: Index,
+        found_index: Index,
+    },
+
+    /// A membership entry in the stored log is not a valid step from the configuration before it.
+    #[error("membership entry {index} cannot be applied: {source}")]
+    Membership {
+        index: Index,
+        #[source]
+        source: MembershipError,
+    },
+
+    /// The requested entry lies at or before the snapshot point and is gone.
+    #[error("entry {index} is compacted (the log starts after snapshot index {snapshot_index})")]
+    Compacted { index: Index, snapshot_index: Index },
+
+    /// The requested entry is after the last stored entry.
+    #[error("entry {index} is not stored (last index is {last_index})")]
+    Unavailable { index: Index, last_index: Index },
+
+    /// `append` was asked to leave a gap or to rewrite compacted entries.
+    #[error(
+        "cannot append entries starting at {first_index}: the log holds ({snapshot_index}, \
+         {last_index}]"
+    )]
+    AppendOutOfRange {
+        first_index: Index,
+        snapshot_index: Index,
+        last_index: Index,
+    },
+
+    /// `append` was given entries that are not consecutive.
+    #[error("entries to append are not contiguous: {next_index} follows {previous_index}")]
+    AppendNotContiguous {
+        previous_index: Index,
+        next_index: Index,
+    },
+
+    /// `apply` was asked to move the applied index backwards.
+    #[error("applied index cannot go back from {applied_index} to {requested_index}")]
+    AppliedIndexRegress {
+        applied_index: Index,
+        requested_index: Index,
+    },
+
+    /// `compact` was asked to drop entries the applied state does not cover yet.
+    #[error("cannot compact to {upto}: only entries up to {applied_index} are applied")]
+    CompactBeyondApplied { upto: Index, applied_index: Index },
+
+    /// A snapshot chunk arrived out of order.
+    #[error(
+        "snapshot chunk at offset {offset} is out of order: expected offset {expected_offset}"
+    )]
+    SnapshotChunkOutOfOrder { offset: u64, expected_offset: u64 },
+
+    /// A snapshot chunk or finish arrived with no transfer begun.
+    #[error("no snapshot transfer is in progress")]
+    NoSnapshotInProgress,
+
+    /// Snapshot data does not decode.
+    #[error("snapshot data is invalid: {problem}")]
+    SnapshotData { problem: String },
+}
+
+impl StorageError {
+    /// Wraps a sled error, keeping I/O errors as I/O.
+    pub(crate) fn sled(action: &'static str, error: sled::Error) -> StorageError {
+        match error {
+            sled::Error::Io(source) => StorageError::Io { action, source },
+            sled::Error::Corruption { at, .. } => StorageError::Engine {
+                action,
+                detail: format!("sled detected corruption in its files at {at:?}"),
+            },
+            other => StorageError::Engine {
+                action,
+                detail: other.to_string(),
+            },
+        }
+    }
+}

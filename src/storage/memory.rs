@@ -1,0 +1,256 @@
+//! [`MemStorage`]: an in-memory model of a disk for tests and the simulator.
+//!
+//! Writes land in a working copy; [`Storage::flush`] makes them durable; [`MemStorage::crash`]
+//! throws away everything written since the last flush, as a power cut would. Deterministic: no
+//! I/O, no clock, no randomness.
+
+use std::collections::BTreeMap;
+
+use super::{
+    check_append, check_recovered, decode_snapshot_data, encode_snapshot_data, membership_after,
+    KvChange, RecoveredState, Storage, StorageError,
+};
+use crate::raft::{Entry, HardState, Index, Membership, Snapshot, SnapshotMeta, Term};
+
+#[derive(Clone, Debug, Default)]
+struct DiskImage {
+    hard_state: HardState,
+    snapshot_meta: SnapshotMeta,
+    log: BTreeMap<Index, Entry>,
+    applied_index: Index,
+    state: BTreeMap<Vec<u8>, Vec<u8>>,
+    staging: Option<(SnapshotMeta, Vec<u8>)>,
+}
+
+/// In-memory storage that models crashes.
+#[derive(Clone, Debug, Default)]
+pub struct MemStorage {
+    current: DiskImage,
+    durable: DiskImage,
+}
+
+impl MemStorage {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Loses every write since the last flush.
+    pub fn crash(&mut self) {
+        self.current = self.durable.clone();
+    }
+
+    fn membership_at(&self, index: Index) -> Result<Membership, StorageError> {
+        let img = &self.current;
+        let entries: Vec<Entry> = img.log.range(..=index).map(|(_, e)| e.clone()).collect();
+        membership_after(&img.snapshot_meta.membership, &entries)
+    }
+
+    fn install(&mut self, meta: &SnapshotMeta, data: &[u8]) -> Result<(), StorageError> {
+        let pairs = decode_snapshot_data(data)?;
+        let img = &mut self.current;
+        let keep = img
+            .log
+            .get(&meta.index)
+            .is_some_and(|e| e.term == meta.term);
+        if keep {
+            img.log = img.log.split_off(&(meta.index + 1));
+        } else {
+            img.log.clear();
+        }
+        img.snapshot_meta = meta.clone();
+        img.applied_index = meta.index;
+        img.state = pairs.into_iter().collect();
+        Ok(())
+    }
+}
+
+impl Storage for MemStorage {
+    fn recover(&self) -> Result<RecoveredState, StorageError> {
+        let img = &self.current;
+        let entries: Vec<Entry> = img.log.values().cloned().collect();
+        let membership = membership_after(&img.snapshot_meta.membership, &entries)?;
+        let state = RecoveredState {
+            hard_state: img.hard_state,
+            snapshot_meta: img.snapshot_meta.clone(),
+            entries,
+            membership,
+            applied_index: img.applied_index,
+            applied_state: img
+                .state
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+        };
+        check_recovered(&state)?;
+        Ok(state)
+    }
+
+    fn append(&mut self, entries: &[Entry]) -> Result<(), StorageError> {
+        check_append(entries, self.current.snapshot_meta.index, self.last_index())?;
+        let Some(first) = entries.first() else {
+            return Ok(());
+        };
+        self.current.log.split_off(&first.index);
+        for entry in entries {
+            self.current.log.insert(entry.index, entry.clone());
+        }
+        Ok(())
+    }
+
+    fn set_hard_state(&mut self, hard_state: HardState) -> Result<(), StorageError> {
+        self.current.hard_state = hard_state;
+        Ok(())
+    }
+
+    fn apply(&mut self, applied_index: Index, changes: &[KvChange]) -> Result<(), StorageError> {
+        if applied_index < self.current.applied_index {
+            return Err(StorageError::AppliedIndexRegress {
+                applied_index: self.current.applied_index,
+                requested_index: applied_index,
+            });
+        }
+        for (key, value) in changes {
+            match value {
+                Some(v) => self.current.state.insert(key.clone(), v.clone()),
+                None => self.current.state.remove(key),
+            };
+        }
+        self.current.applied_index = applied_index;
+        Ok(())
+    }
+
+    fn install_snapshot(&mut self, meta: &SnapshotMeta, data: &[u8]) -> Result<(), StorageError> {
+        self.install(meta, data)
+    }
+
+    fn begin_snapshot(&mut self, meta: &SnapshotMeta) -> Result<(), StorageError> {
+        self.current.staging = Some((meta.clone(), Vec::new()));
+        Ok(())
+    }
+
+    fn write_snapshot_chunk(&mut self, offset: u64, chunk: &[u8]) -> Result<(), StorageError> {
+        let Some((_, data)) = self.current.staging.as_mut() else {
+            return Err(StorageError::NoSnapshotInProgress);
+        };
+        if offset != data.len() as u64 {
+            return Err(StorageError::SnapshotChunkOutOfOrder {
+                offset,
+                expected_offset: data.len() as u64,
+            });
+        }
+        data.extend_from_slice(chunk);
+        Ok(())
+    }
+
+    fn finish_snapshot(&mut self) -> Result<SnapshotMeta, StorageError> {
+        let Some((meta, data)) = self.current.staging.take() else {
+            return Err(StorageError::NoSnapshotInProgress);
+        };
+        self.install(&meta, &data)?;
+        Ok(meta)
+    }
+
+    fn build_snapshot(&self) -> Result<Snapshot, StorageError> {
+        let index = self.current.applied_index;
+        let meta = SnapshotMeta {
+            index,
+            term: self.term(index)?,
+            membership: self.membership_at(index)?,
+        };
+        let data = encode_snapshot_data(
+            self.current
+                .state
+                .iter()
+                .map(|(k, v)| (k.as_slice(), v.as_slice())),
+        );
+        Ok(Snapshot { meta, data })
+    }
+
+    fn compact(&mut self, upto: Index) -> Result<(), StorageError> {
+        if upto <= self.current.snapshot_meta.index {
+            return Ok(());
+        }
+        if upto > self.current.applied_index {
+            return Err(StorageError::CompactBeyondApplied {
+                upto,
+                applied_index: self.current.applied_index,
+            });
+        }
+        let term = self.term(upto)?;
+        let membership = self.membership_at(upto)?;
+        let img = &mut self.current;
+        img.log = img.log.split_off(&(upto + 1));
+        img.snapshot_meta = SnapshotMeta {
+            index: upto,
+            term,
+            membership,
+        };
+        Ok(())
+    }
+
+    fn entries(&self, lo: Index, hi: Index) -> Result<Vec<Entry>, StorageError> {
+        let snapshot_index = self.current.snapshot_meta.index;
+        if lo <= snapshot_index {
+            return Err(StorageError::Compacted {
+                index: lo,
+                snapshot_index,
+            });
+        }
+        let last_index = self.last_index();
+        if hi > last_index + 1 {
+            return Err(StorageError::Unavailable {
+                index: hi - 1,
+                last_index,
+            });
+        }
+        Ok(self
+            .current
+            .log
+            .range(lo..hi)
+            .map(|(_, e)| e.clone())
+            .collect())
+    }
+
+    fn term(&self, index: Index) -> Result<Term, StorageError> {
+        let meta = &self.current.snapshot_meta;
+        if index == meta.index {
+            return Ok(meta.term);
+        }
+        if index < meta.index {
+            return Err(StorageError::Compacted {
+                index,
+                snapshot_index: meta.index,
+            });
+        }
+        self.current
+            .log
+            .get(&index)
+            .map(|e| e.term)
+            .ok_or(StorageError::Unavailable {
+                index,
+                last_index: self.last_index(),
+            })
+    }
+
+    fn first_index(&self) -> Index {
+        self.current.snapshot_meta.index + 1
+    }
+
+    fn last_index(&self) -> Index {
+        self.current
+            .log
+            .keys()
+            .next_back()
+            .copied()
+            .unwrap_or(self.current.snapshot_meta.index)
+    }
+
+    fn applied_index(&self) -> Index {
+        self.current.applied_index
+    }
+
+    fn flush(&mut self) -> Result<(), StorageError> {
+        self.durable = self.current.clone();
+        Ok(())
+    }
+}

@@ -1,0 +1,228 @@
+//! Durable storage for one Raft node: the log, the hard state, the membership at the snapshot
+//! point, and the applied state machine with its applied index.
+//!
+//! ```text
+//!   raft core ──Ready──► node driver ──append / set_hard_state──► Storage ──flush (once per Ready)
+//!                             │                                     ▲
+//!                             └── apply(applied_index, changes) ────┘ (one atomic batch)
+//! ```
+//!
+//! The node driver is the only caller. It writes a whole `Ready` (entries and hard state), calls
+//! [`Storage::flush`] once (group commit), and only then lets votes and append replies leave
+//! (DESIGN.md §5). Two implementations follow the same [`Storage`] trait and pass one conformance
+//! suite: [`SledStorage`] on disk and [`MemStorage`], an in-memory model of a disk that loses
+//! everything not flushed when [`MemStorage::crash`] is called (used by the simulator).
+//!
+//! Storage never panics on bad data read back from disk: a checksum mismatch, a gap in the log or
+//! an undecodable record is a [`StorageError`] that names the tree, the key and what is wrong. It
+//! never silently drops or repairs data either; repairs are for an operator to decide.
+
+mod codec;
+mod error;
+mod memory;
+mod sled_store;
+
+pub use codec::{decode_snapshot_data, encode_snapshot_data};
+pub use error::StorageError;
+pub use memory::MemStorage;
+pub use sled_store::SledStorage;
+
+use crate::raft::{
+    Entry, EntryPayload, HardState, Index, Membership, Snapshot, SnapshotMeta, Term,
+};
+
+/// One key-value pair of the applied state. Keys are opaque bytes (the lock state machine
+/// prefixes them `lock/…`, `data/…`, `meta/…`).
+pub type KvPair = (Vec<u8>, Vec<u8>);
+
+/// One write of the state machine: `Some(value)` puts, `None` deletes.
+pub type KvChange = (Vec<u8>, Option<Vec<u8>>);
+
+/// Everything a node needs to restart, as read back from storage by [`Storage::recover`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RecoveredState {
+    pub hard_state: HardState,
+    /// The point the log starts after: the last installed snapshot or the last compaction,
+    /// whichever is later. `index == 0` means the log was never compacted. Its `membership` is
+    /// the configuration in effect at `index`.
+    pub snapshot_meta: SnapshotMeta,
+    /// Every log entry after `snapshot_meta.index`, contiguous, checksums verified.
+    pub entries: Vec<Entry>,
+    /// The configuration in effect at the end of the log: `snapshot_meta.membership` with every
+    /// membership entry of `entries` applied in order (dissertation §4.1: a change takes effect
+    /// when appended).
+    pub membership: Membership,
+    /// Highest log index whose effects are in `applied_state`.
+    pub applied_index: Index,
+    /// The applied state machine, in key order.
+    pub applied_state: Vec<KvPair>,
+}
+
+impl RecoveredState {
+    /// Index of the last log entry, or of the snapshot point when the log is empty.
+    pub fn last_index(&self) -> Index {
+        self.entries
+            .last()
+            .map_or(self.snapshot_meta.index, |entry| entry.index)
+    }
+}
+
+/// What the node driver (and the simulator) needs from durable storage.
+///
+/// Writes become visible to reads at once but are durable only after [`Storage::flush`]. Every
+/// single write call is atomic: after a crash either all of it or none of it is there, and a
+/// crash keeps a prefix of the write calls made since the last flush (never a later write
+/// without an earlier one).
+///
+/// Object safe, so a driver can hold a `Box<dyn Storage>`.
+pub trait Storage {
+    /// Reads back and verifies everything durable (and everything written since). Checksums,
+    /// log contiguity and the applied index are checked; any problem is an error.
+    fn recover(&self) -> Result<RecoveredState, StorageError>;
+
+    /// Removes every stored entry with index >= `entries[0].index`, then stores `entries`.
+    /// `entries` must be contiguous, start after the snapshot point and at most one past the
+    /// last index. An empty slice does nothing.
+    fn append(&mut self, entries: &[Entry]) -> Result<(), StorageError>;
+
+    /// Replaces the stored hard state.
+    fn set_hard_state(&mut self, hard_state: HardState) -> Result<(), StorageError>;
+
+    /// Applies state machine writes and records `applied_index`, in one atomic batch: a restart
+    /// never sees the writes without the index or the index without the writes. The applied
+    /// index must not go backwards.
+    fn apply(&mut self, applied_index: Index, changes: &[KvChange]) -> Result<(), StorageError>;
+
+    /// Replaces the applied state with a snapshot's, atomically: applied index becomes
+    /// `meta.index`, the snapshot point becomes `meta`, and the log keeps the entries after
+    /// `meta.index` only if the entry at `meta.index` has term `meta.term` (Raft §7); otherwise
+    /// the whole log is dropped. `data` is the [`Snapshot::data`] encoding
+    /// ([`encode_snapshot_data`]).
+    fn install_snapshot(&mut self, meta: &SnapshotMeta, data: &[u8]) -> Result<(), StorageError>;
+
+    /// Starts receiving a snapshot in chunks (InstallSnapshot), discarding any transfer in
+    /// progress. Nothing visible changes until [`Storage::finish_snapshot`].
+    fn begin_snapshot(&mut self, meta: &SnapshotMeta) -> Result<(), StorageError>;
+
+    /// Stages one chunk of the snapshot data. Chunks must arrive in order: `offset` is the
+    /// number of bytes staged so far.
+    fn write_snapshot_chunk(&mut self, offset: u64, chunk: &[u8]) -> Result<(), StorageError>;
+
+    /// Installs the staged snapshot exactly as [`Storage::install_snapshot`] does and clears the
+    /// staging area. Returns the installed meta.
+    fn finish_snapshot(&mut self) -> Result<SnapshotMeta, StorageError>;
+
+    /// Serializes the applied state at the applied index. `meta.term` is the term of the entry at
+    /// the applied index, `meta.membership` the configuration in effect there.
+    fn build_snapshot(&self) -> Result<Snapshot, StorageError>;
+
+    /// Drops log entries <= `upto` and makes `upto` the snapshot point, remembering its term and
+    /// the membership in effect there. `upto` must not exceed the applied index (the applied
+    /// state covers what is dropped). Compacting to or below the current point does nothing.
+    fn compact(&mut self, upto: Index) -> Result<(), StorageError>;
+
+    /// Log entries in `[lo, hi)`, checksums verified. `lo` must be after the snapshot point and
+    /// `hi` at most `last_index() + 1`.
+    fn entries(&self, lo: Index, hi: Index) -> Result<Vec<Entry>, StorageError>;
+
+    /// Term of the entry at `index`; the snapshot point's term for `index == snapshot index`.
+    fn term(&self, index: Index) -> Result<Term, StorageError>;
+
+    /// Index of the first entry the log can hold: snapshot index + 1.
+    fn first_index(&self) -> Index;
+
+    /// Index of the last entry, or the snapshot index when the log is empty.
+    fn last_index(&self) -> Index;
+
+    /// Highest index whose effects are in the applied state.
+    fn applied_index(&self) -> Index;
+
+    /// Makes everything written so far durable. Nothing may be acknowledged before it returns.
+    fn flush(&mut self) -> Result<(), StorageError>;
+}
+
+/// Folds the membership entries of `entries` into `base`. Used by recovery and compaction of
+/// both implementations so that they agree.
+fn membership_after(base: &Membership, entries: &[Entry]) -> Result<Membership, StorageError> {
+    let mut membership = base.clone();
+    for entry in entries {
+        match &entry.payload {
+            EntryPayload::Membership(change) => {
+                membership =
+                    membership
+                        .apply(*change)
+                        .map_err(|source| StorageError::Membership {
+                            index: entry.index,
+                            source,
+                        })?;
+            }
+            EntryPayload::Config(config) => membership = config.clone(),
+            _ => {}
+        }
+    }
+    Ok(membership)
+}
+
+/// Checks that `entries` are contiguous and that they can be appended to a log whose snapshot
+/// point is `snapshot_index` and whose last index is `last_index`.
+fn check_append(
+    entries: &[Entry],
+    snapshot_index: Index,
+    last_index: Index,
+) -> Result<(), StorageError> {
+    let Some(first) = entries.first() else {
+        return Ok(());
+    };
+    if first.index <= snapshot_index || first.index > last_index + 1 {
+        return Err(StorageError::AppendOutOfRange {
+            first_index: first.index,
+            snapshot_index,
+            last_index,
+        });
+    }
+    for pair in entries.windows(2) {
+        if pair[1].index != pair[0].index + 1 {
+            return Err(StorageError::AppendNotContiguous {
+                previous_index: pair[0].index,
+                next_index: pair[1].index,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Checks a recovered state for the invariants both implementations guarantee.
+fn check_recovered(state: &RecoveredState) -> Result<(), StorageError> {
+    let mut previous_term = state.snapshot_meta.term;
+    for (expected, entry) in (state.snapshot_meta.index + 1..).zip(&state.entries) {
+        if entry.index != expected {
+            return Err(StorageError::LogGap {
+                expected_index: expected,
+                found_index: entry.index,
+            });
+        }
+        if entry.term < previous_term {
+            return Err(StorageError::Corrupt {
+                tree: "log",
+                key: entry.index.to_string(),
+                problem: format!(
+                    "term {} is lower than the previous term {previous_term}",
+                    entry.term
+                ),
+            });
+        }
+        previous_term = entry.term;
+    }
+    let last_index = state.last_index();
+    if state.applied_index < state.snapshot_meta.index || state.applied_index > last_index {
+        return Err(StorageError::Corrupt {
+            tree: "meta",
+            key: "applied_index".to_string(),
+            problem: format!(
+                "applied index {} is outside the log [{}, {last_index}]",
+                state.applied_index, state.snapshot_meta.index
+            ),
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,461 @@
+//! [`SledStorage`]: the on-disk implementation on sled 0.34.
+//!
+//! Four trees: `log` (big-endian index → checksummed entry), `meta` (hard state, snapshot point,
+//! membership at the snapshot point, applied index), `state` (the applied state machine) and
+//! `staging` (chunks of an incoming snapshot). Writes that must be atomic across trees — applying
+//! state with its index, compaction, snapshot install — run as one sled transaction; an append is
+//! one batch on the log tree. Nothing is durable before [`Storage::flush`].
+
+use std::path::Path;
+
+use sled::transaction::{ConflictableTransactionError, TransactionError};
+use sled::Transactional;
+
+use super::codec::{
+    decode_entry, decode_hard_state, decode_index_key, decode_index_term, decode_membership,
+    decode_u64, encode_entry, encode_hard_state, encode_index_term, encode_membership, encode_u64,
+    index_key,
+};
+use super::{
+    check_append, check_recovered, decode_snapshot_data, encode_snapshot_data, membership_after,
+    KvChange, RecoveredState, Storage, StorageError,
+};
+use crate::raft::{Entry, HardState, Index, Membership, Snapshot, SnapshotMeta, Term};
+
+const HARD_STATE: &[u8] = b"hard_state";
+const SNAPSHOT_POINT: &[u8] = b"snapshot_point";
+const SNAPSHOT_MEMBERSHIP: &[u8] = b"snapshot_membership";
+const APPLIED_INDEX: &[u8] = b"applied_index";
+const STAGING_META: &[u8] = b"staging_meta";
+
+pub struct SledStorage {
+    db: sled::Db,
+    log: sled::Tree,
+    meta: sled::Tree,
+    state: sled::Tree,
+    staging: sled::Tree,
+    /// Cached copies of what is in `meta` and the log's bounds.
+    snapshot_meta: SnapshotMeta,
+    last_index: Index,
+    applied_index: Index,
+}
+
+impl std::fmt::Debug for SledStorage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SledStorage")
+            .field("snapshot_index", &self.snapshot_meta.index)
+            .field("last_index", &self.last_index)
+            .field("applied_index", &self.applied_index)
+            .finish()
+    }
+}
+
+fn tx_err(action: &'static str, e: TransactionError<StorageError>) -> StorageError {
+    match e {
+        TransactionError::Abort(err) => err,
+        TransactionError::Storage(err) => StorageError::sled(action, err),
+    }
+}
+
+impl SledStorage {
+    /// Opens (or creates) the store in `dir`. A damaged store is an error, never a panic.
+    pub fn open(dir: impl AsRef<Path>) -> Result<Self, StorageError> {
+        let dir = dir.as_ref().to_path_buf();
+        let opened = std::panic::catch_unwind(move || sled::Config::new().path(dir).open());
+        let db = match opened {
+            Ok(Ok(db)) => db,
+            Ok(Err(err)) => return Err(StorageError::sled("opening the store", err)),
+            Err(panic) => {
+                let message = panic
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "unknown panic".into());
+                return Err(StorageError::EnginePanic {
+                    action: "opening the store",
+                    message,
+                });
+            }
+        };
+        let tree = |name: &'static str| {
+            db.open_tree(name)
+                .map_err(|e| StorageError::sled("opening a tree", e))
+        };
+        let mut storage = SledStorage {
+            log: tree("log")?,
+            meta: tree("meta")?,
+            state: tree("state")?,
+            staging: tree("staging")?,
+            db,
+            snapshot_meta: SnapshotMeta::default(),
+            last_index: 0,
+            applied_index: 0,
+        };
+        storage.load_cache()?;
+        Ok(storage)
+    }
+
+    fn load_cache(&mut self) -> Result<(), StorageError> {
+        let (index, term) = match self.get_meta(SNAPSHOT_POINT)? {
+            Some(v) => decode_index_term(&v).map_err(|e| e.at("meta", "snapshot_point".into()))?,
+            None => (0, 0),
+        };
+        let membership = match self.get_meta(SNAPSHOT_MEMBERSHIP)? {
+            Some(v) => {
+                decode_membership(&v).map_err(|e| e.at("meta", "snapshot_membership".into()))?
+            }
+            None => Membership::default(),
+        };
+        self.snapshot_meta = SnapshotMeta {
+            index,
+            term,
+            membership,
+        };
+        self.applied_index = match self.get_meta(APPLIED_INDEX)? {
+            Some(v) => decode_u64(&v).map_err(|e| e.at("meta", "applied_index".into()))?,
+            None => 0,
+        };
+        self.last_index = match self
+            .log
+            .last()
+            .map_err(|e| StorageError::sled("reading the log", e))?
+        {
+            Some((k, _)) => decode_index_key(&k).map_err(|e| e.at("log", format!("{k:?}")))?,
+            None => index,
+        };
+        Ok(())
+    }
+
+    fn get_meta(&self, key: &[u8]) -> Result<Option<sled::IVec>, StorageError> {
+        self.meta
+            .get(key)
+            .map_err(|e| StorageError::sled("reading meta", e))
+    }
+
+    fn read_entries(&self, lo: Index, hi: Index) -> Result<Vec<Entry>, StorageError> {
+        let mut out = Vec::new();
+        for item in self.log.range(index_key(lo)..index_key(hi)) {
+            let (k, v) = item.map_err(|e| StorageError::sled("reading the log", e))?;
+            let index = decode_index_key(&k).map_err(|e| e.at("log", format!("{k:?}")))?;
+            out.push(decode_entry(index, &v)?);
+        }
+        Ok(out)
+    }
+
+    fn membership_at(&self, index: Index) -> Result<Membership, StorageError> {
+        let entries = self.read_entries(self.snapshot_meta.index + 1, index + 1)?;
+        membership_after(&self.snapshot_meta.membership, &entries)
+    }
+
+    fn install(&mut self, meta: &SnapshotMeta, data: &[u8]) -> Result<(), StorageError> {
+        let pairs = decode_snapshot_data(data)?;
+        let keep = self.term(meta.index).ok() == Some(meta.term) && meta.index <= self.last_index;
+        let log_remove: Vec<sled::IVec> = if keep {
+            self.log
+                .range(..=index_key(meta.index))
+                .keys()
+                .collect::<Result<_, _>>()
+        } else {
+            self.log.iter().keys().collect::<Result<_, _>>()
+        }
+        .map_err(|e| StorageError::sled("scanning the log", e))?;
+        let state_remove: Vec<sled::IVec> = self
+            .state
+            .iter()
+            .keys()
+            .collect::<Result<_, _>>()
+            .map_err(|e| StorageError::sled("scanning the state", e))?;
+        let point = encode_index_term(meta.index, meta.term);
+        let membership = encode_membership(&meta.membership);
+        let applied = encode_u64(meta.index);
+        (&self.log, &self.meta, &self.state)
+            .transaction(|(log, m, state)| {
+                for k in &log_remove {
+                    log.remove(k)?;
+                }
+                for k in &state_remove {
+                    state.remove(k)?;
+                }
+                for (k, v) in &pairs {
+                    state.insert(k.as_slice(), v.as_slice())?;
+                }
+                m.insert(SNAPSHOT_POINT, point.as_slice())?;
+                m.insert(SNAPSHOT_MEMBERSHIP, membership.as_slice())?;
+                m.insert(APPLIED_INDEX, applied.as_slice())?;
+                Ok::<(), ConflictableTransactionError<StorageError>>(())
+            })
+            .map_err(|e| tx_err("installing a snapshot", e))?;
+        self.snapshot_meta = meta.clone();
+        self.applied_index = meta.index;
+        if !keep {
+            self.last_index = meta.index;
+        }
+        self.last_index = self.last_index.max(meta.index);
+        Ok(())
+    }
+}
+
+impl Storage for SledStorage {
+    fn recover(&self) -> Result<RecoveredState, StorageError> {
+        let hard_state = match self.get_meta(HARD_STATE)? {
+            Some(v) => decode_hard_state(&v).map_err(|e| e.at("meta", "hard_state".into()))?,
+            None => HardState::default(),
+        };
+        let entries = self.read_entries(self.snapshot_meta.index + 1, Index::MAX)?;
+        let membership = membership_after(&self.snapshot_meta.membership, &entries)?;
+        let mut applied_state = Vec::new();
+        for item in self.state.iter() {
+            let (k, v) = item.map_err(|e| StorageError::sled("reading the state", e))?;
+            applied_state.push((k.to_vec(), v.to_vec()));
+        }
+        let state = RecoveredState {
+            hard_state,
+            snapshot_meta: self.snapshot_meta.clone(),
+            entries,
+            membership,
+            applied_index: self.applied_index,
+            applied_state,
+        };
+        check_recovered(&state)?;
+        Ok(state)
+    }
+
+    fn append(&mut self, entries: &[Entry]) -> Result<(), StorageError> {
+        check_append(entries, self.snapshot_meta.index, self.last_index)?;
+        let Some(first) = entries.first() else {
+            return Ok(());
+        };
+        let mut batch = sled::Batch::default();
+        for index in first.index..=self.last_index {
+            batch.remove(&index_key(index));
+        }
+        for entry in entries {
+            batch.insert(&index_key(entry.index), encode_entry(entry));
+        }
+        self.log
+            .apply_batch(batch)
+            .map_err(|e| StorageError::sled("appending entries", e))?;
+        self.last_index = entries.last().map_or(self.last_index, |e| e.index);
+        Ok(())
+    }
+
+    fn set_hard_state(&mut self, hard_state: HardState) -> Result<(), StorageError> {
+        self.meta
+            .insert(HARD_STATE, encode_hard_state(&hard_state))
+            .map_err(|e| StorageError::sled("writing the hard state", e))?;
+        Ok(())
+    }
+
+    fn apply(&mut self, applied_index: Index, changes: &[KvChange]) -> Result<(), StorageError> {
+        if applied_index < self.applied_index {
+            return Err(StorageError::AppliedIndexRegress {
+                applied_index: self.applied_index,
+                requested_index: applied_index,
+            });
+        }
+        let applied = encode_u64(applied_index);
+        (&self.state, &self.meta)
+            .transaction(|(state, m)| {
+                for (k, v) in changes {
+                    match v {
+                        Some(v) => {
+                            state.insert(k.as_slice(), v.as_slice())?;
+                        }
+                        None => {
+                            state.remove(k.as_slice())?;
+                        }
+                    }
+                }
+                m.insert(APPLIED_INDEX, applied.as_slice())?;
+                Ok::<(), ConflictableTransactionError<StorageError>>(())
+            })
+            .map_err(|e| tx_err("applying state", e))?;
+        self.applied_index = applied_index;
+        Ok(())
+    }
+
+    fn install_snapshot(&mut self, meta: &SnapshotMeta, data: &[u8]) -> Result<(), StorageError> {
+        self.install(meta, data)
+    }
+
+    fn begin_snapshot(&mut self, meta: &SnapshotMeta) -> Result<(), StorageError> {
+        self.staging
+            .clear()
+            .map_err(|e| StorageError::sled("clearing staging", e))?;
+        let mut record = encode_index_term(meta.index, meta.term);
+        record.extend_from_slice(&encode_membership(&meta.membership));
+        self.staging
+            .insert(STAGING_META, record)
+            .map_err(|e| StorageError::sled("starting a snapshot", e))?;
+        Ok(())
+    }
+
+    fn write_snapshot_chunk(&mut self, offset: u64, chunk: &[u8]) -> Result<(), StorageError> {
+        if self.staging.get(STAGING_META).ok().flatten().is_none() {
+            return Err(StorageError::NoSnapshotInProgress);
+        }
+        let staged: u64 = self
+            .staging
+            .iter()
+            .filter_map(|r| r.ok())
+            .filter(|(k, _)| k.as_ref() != STAGING_META)
+            .map(|(_, v)| v.len() as u64)
+            .sum();
+        if offset != staged {
+            return Err(StorageError::SnapshotChunkOutOfOrder {
+                offset,
+                expected_offset: staged,
+            });
+        }
+        let mut key = b"chunk/".to_vec();
+        key.extend_from_slice(&offset.to_be_bytes());
+        self.staging
+            .insert(key, chunk)
+            .map_err(|e| StorageError::sled("staging a chunk", e))?;
+        Ok(())
+    }
+
+    fn finish_snapshot(&mut self) -> Result<SnapshotMeta, StorageError> {
+        let Some(meta_record) = self
+            .staging
+            .get(STAGING_META)
+            .map_err(|e| StorageError::sled("reading staging", e))?
+        else {
+            return Err(StorageError::NoSnapshotInProgress);
+        };
+        let (point, membership) = meta_record.split_at(meta_record.len().min(20));
+        let (index, term) = decode_index_term(point).map_err(|e| e.at("staging", "meta".into()))?;
+        let membership =
+            decode_membership(membership).map_err(|e| e.at("staging", "meta".into()))?;
+        let mut data = Vec::new();
+        for item in self.staging.scan_prefix(b"chunk/") {
+            let (_, v) = item.map_err(|e| StorageError::sled("reading staging", e))?;
+            data.extend_from_slice(&v);
+        }
+        let meta = SnapshotMeta {
+            index,
+            term,
+            membership,
+        };
+        self.install(&meta, &data)?;
+        self.staging
+            .clear()
+            .map_err(|e| StorageError::sled("clearing staging", e))?;
+        Ok(meta)
+    }
+
+    fn build_snapshot(&self) -> Result<Snapshot, StorageError> {
+        let index = self.applied_index;
+        let meta = SnapshotMeta {
+            index,
+            term: self.term(index)?,
+            membership: self.membership_at(index)?,
+        };
+        // sled iterators see a consistent view of each key; the driver calls this between applies,
+        // so the state is exactly the state at `index`.
+        let mut pairs = Vec::new();
+        for item in self.state.iter() {
+            let (k, v) = item.map_err(|e| StorageError::sled("reading the state", e))?;
+            pairs.push((k, v));
+        }
+        let data = encode_snapshot_data(pairs.iter().map(|(k, v)| (k.as_ref(), v.as_ref())));
+        Ok(Snapshot { meta, data })
+    }
+
+    fn compact(&mut self, upto: Index) -> Result<(), StorageError> {
+        if upto <= self.snapshot_meta.index {
+            return Ok(());
+        }
+        if upto > self.applied_index {
+            return Err(StorageError::CompactBeyondApplied {
+                upto,
+                applied_index: self.applied_index,
+            });
+        }
+        let term = self.term(upto)?;
+        let membership = self.membership_at(upto)?;
+        let remove: Vec<sled::IVec> = self
+            .log
+            .range(..=index_key(upto))
+            .keys()
+            .collect::<Result<_, _>>()
+            .map_err(|e| StorageError::sled("scanning the log", e))?;
+        let point = encode_index_term(upto, term);
+        let membership_record = encode_membership(&membership);
+        (&self.log, &self.meta)
+            .transaction(|(log, m)| {
+                for k in &remove {
+                    log.remove(k)?;
+                }
+                m.insert(SNAPSHOT_POINT, point.as_slice())?;
+                m.insert(SNAPSHOT_MEMBERSHIP, membership_record.as_slice())?;
+                Ok::<(), ConflictableTransactionError<StorageError>>(())
+            })
+            .map_err(|e| tx_err("compacting the log", e))?;
+        self.snapshot_meta = SnapshotMeta {
+            index: upto,
+            term,
+            membership,
+        };
+        self.last_index = self.last_index.max(upto);
+        Ok(())
+    }
+
+    fn entries(&self, lo: Index, hi: Index) -> Result<Vec<Entry>, StorageError> {
+        if lo <= self.snapshot_meta.index {
+            return Err(StorageError::Compacted {
+                index: lo,
+                snapshot_index: self.snapshot_meta.index,
+            });
+        }
+        if hi > self.last_index + 1 {
+            return Err(StorageError::Unavailable {
+                index: hi - 1,
+                last_index: self.last_index,
+            });
+        }
+        self.read_entries(lo, hi)
+    }
+
+    fn term(&self, index: Index) -> Result<Term, StorageError> {
+        if index == self.snapshot_meta.index {
+            return Ok(self.snapshot_meta.term);
+        }
+        if index < self.snapshot_meta.index {
+            return Err(StorageError::Compacted {
+                index,
+                snapshot_index: self.snapshot_meta.index,
+            });
+        }
+        match self
+            .log
+            .get(index_key(index))
+            .map_err(|e| StorageError::sled("reading the log", e))?
+        {
+            Some(v) => Ok(decode_entry(index, &v)?.term),
+            None => Err(StorageError::Unavailable {
+                index,
+                last_index: self.last_index,
+            }),
+        }
+    }
+
+    fn first_index(&self) -> Index {
+        self.snapshot_meta.index + 1
+    }
+
+    fn last_index(&self) -> Index {
+        self.last_index
+    }
+
+    fn applied_index(&self) -> Index {
+        self.applied_index
+    }
+
+    fn flush(&mut self) -> Result<(), StorageError> {
+        self.db
+            .flush()
+            .map_err(|e| StorageError::sled("flushing", e))?;
+        Ok(())
+    }
+}

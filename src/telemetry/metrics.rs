@@ -1,0 +1,222 @@
+//! The Prometheus metrics of a lock node (DESIGN.md §8). Names are fixed: the Grafana dashboard
+//! and alert rules in `deploy/` use exactly these. Base units, `_total` for counters, prefix
+//! `raftlock_`.
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
+};
+
+/// Every metric a lock node exports, registered in one registry.
+#[derive(Clone)]
+pub struct NodeMetrics {
+    pub registry: Registry,
+    pub term: IntGauge,
+    pub is_leader: IntGauge,
+    pub has_leader: IntGauge,
+    pub leader_changes_total: IntCounter,
+    pub elections_total: IntCounter,
+    pub commit_index: IntGauge,
+    pub applied_index: IntGauge,
+    pub last_log_index: IntGauge,
+    pub replication_lag_entries: IntGaugeVec,
+    pub peer_rtt_seconds: HistogramVec,
+    pub proposals_committed_total: IntCounter,
+    pub proposals_failed_total: IntCounter,
+    pub proposals_pending: IntGauge,
+    pub fsync_duration_seconds: Histogram,
+    pub snapshots_total: IntCounterVec,
+    pub locks_held: IntGauge,
+    pub lock_waiters: IntGauge,
+    pub lock_wait_seconds: Histogram,
+    pub lock_hold_seconds: Histogram,
+    pub lock_grants_total: IntCounter,
+    pub lock_releases_total: IntCounter,
+    pub lock_expirations_total: IntCounter,
+    pub lock_renewals_total: IntCounter,
+    pub client_connections: IntGauge,
+    pub requests_total: IntCounterVec,
+    pub peer_messages_dropped_total: IntCounterVec,
+}
+
+impl std::fmt::Debug for NodeMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("NodeMetrics")
+    }
+}
+
+const LATENCY_BUCKETS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0,
+];
+const LOCK_TIME_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0,
+];
+
+impl NodeMetrics {
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        macro_rules! reg {
+            ($m:expr) => {{
+                let m = $m.expect("metric definition is valid");
+                registry
+                    .register(Box::new(m.clone()))
+                    .expect("metric names are unique");
+                m
+            }};
+        }
+        let gauge = |name: &str, help: &str| IntGauge::new(name, help);
+        let counter = |name: &str, help: &str| IntCounter::new(name, help);
+        let hist = |name: &str, help: &str, buckets: &[f64]| {
+            Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets.to_vec()))
+        };
+        NodeMetrics {
+            term: reg!(gauge("raftlock_term", "Current Raft term.")),
+            is_leader: reg!(gauge("raftlock_is_leader", "1 if this node is the leader.")),
+            has_leader: reg!(gauge(
+                "raftlock_has_leader",
+                "1 if this node knows a leader."
+            )),
+            leader_changes_total: reg!(counter(
+                "raftlock_leader_changes_total",
+                "Times this node saw the leader change."
+            )),
+            elections_total: reg!(counter(
+                "raftlock_elections_total",
+                "Elections this node started (after a successful PreVote)."
+            )),
+            commit_index: reg!(gauge(
+                "raftlock_commit_index",
+                "Highest committed log index."
+            )),
+            applied_index: reg!(gauge(
+                "raftlock_applied_index",
+                "Highest applied log index."
+            )),
+            last_log_index: reg!(gauge("raftlock_last_log_index", "Last index in the log.")),
+            replication_lag_entries: reg!(IntGaugeVec::new(
+                Opts::new(
+                    "raftlock_replication_lag_entries",
+                    "Leader only: entries a peer is behind the leader's last index."
+                ),
+                &["peer"]
+            )),
+            peer_rtt_seconds: reg!(HistogramVec::new(
+                HistogramOpts::new(
+                    "raftlock_peer_rtt_seconds",
+                    "Round trip of a heartbeat to a peer and its answer."
+                )
+                .buckets(LATENCY_BUCKETS.to_vec()),
+                &["peer"]
+            )),
+            proposals_committed_total: reg!(counter(
+                "raftlock_proposals_committed_total",
+                "Client proposals committed and applied."
+            )),
+            proposals_failed_total: reg!(counter(
+                "raftlock_proposals_failed_total",
+                "Client proposals refused or dropped (not leader, busy, leadership lost)."
+            )),
+            proposals_pending: reg!(gauge(
+                "raftlock_proposals_pending",
+                "Client proposals waiting to commit."
+            )),
+            fsync_duration_seconds: reg!(hist(
+                "raftlock_fsync_duration_seconds",
+                "Duration of one storage flush (covers a whole Raft Ready).",
+                LATENCY_BUCKETS
+            )),
+            snapshots_total: reg!(IntCounterVec::new(
+                Opts::new(
+                    "raftlock_snapshots_total",
+                    "Snapshots taken, sent and installed."
+                ),
+                &["kind"]
+            )),
+            locks_held: reg!(gauge("raftlock_locks_held", "Locks currently held.")),
+            lock_waiters: reg!(gauge(
+                "raftlock_lock_waiters",
+                "Waiters queued on all keys."
+            )),
+            lock_wait_seconds: reg!(hist(
+                "raftlock_lock_wait_seconds",
+                "Time from enqueue to grant, measured on the leader.",
+                LOCK_TIME_BUCKETS
+            )),
+            lock_hold_seconds: reg!(hist(
+                "raftlock_lock_hold_seconds",
+                "Time from grant to release or expiry, measured on the leader.",
+                LOCK_TIME_BUCKETS
+            )),
+            lock_grants_total: reg!(counter("raftlock_lock_grants_total", "Locks granted.")),
+            lock_releases_total: reg!(counter("raftlock_lock_releases_total", "Locks released.")),
+            lock_expirations_total: reg!(counter(
+                "raftlock_lock_expirations_total",
+                "Locks expired because their lease ran out."
+            )),
+            lock_renewals_total: reg!(counter("raftlock_lock_renewals_total", "Leases renewed.")),
+            client_connections: reg!(gauge(
+                "raftlock_client_connections",
+                "Open client WebSocket connections."
+            )),
+            requests_total: reg!(IntCounterVec::new(
+                Opts::new(
+                    "raftlock_requests_total",
+                    "Client requests by operation and result."
+                ),
+                &["op", "result"]
+            )),
+            peer_messages_dropped_total: reg!(IntCounterVec::new(
+                Opts::new(
+                    "raftlock_peer_messages_dropped_total",
+                    "Raft messages dropped because a peer's send queue was full or it was down."
+                ),
+                &["peer"]
+            )),
+            registry,
+        }
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        let encoder = TextEncoder::new();
+        if encoder.encode(&self.registry.gather(), &mut buf).is_err() {
+            return String::new();
+        }
+        String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+impl Default for NodeMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_the_documented_names() {
+        let m = NodeMetrics::new();
+        m.term.set(3);
+        m.requests_total
+            .with_label_values(&["acquire", "granted"])
+            .inc();
+        m.replication_lag_entries.with_label_values(&["2"]).set(5);
+        let text = m.render();
+        for name in [
+            "raftlock_term 3",
+            "raftlock_is_leader",
+            "raftlock_leader_changes_total",
+            "raftlock_fsync_duration_seconds_bucket",
+            "raftlock_lock_wait_seconds_bucket",
+            "raftlock_requests_total{op=\"acquire\",result=\"granted\"} 1",
+            "raftlock_replication_lag_entries{peer=\"2\"} 5",
+        ] {
+            assert!(text.contains(name), "missing {name} in:\n{text}");
+        }
+    }
+}

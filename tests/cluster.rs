@@ -1,0 +1,366 @@
+//! Three real `lock-node` processes on 127.0.0.1: locks over WebSocket and gRPC, redirects, FIFO
+//! hand-off with increasing tokens, TTL expiry, SIGKILL of the leader, joining and removing a
+//! node, and bad input.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use raftlock::server::proto::lock::lock_service_client::LockServiceClient;
+use raftlock::server::proto::lock::{AcquireLockRequest, ReleaseLockRequest};
+use serde_json::{json, Value};
+
+const LEADER_TIMEOUT: Duration = Duration::from_secs(20);
+
+fn acquire(key: &str, client: &str, request: &str, ttl: u64) -> Value {
+    json!({"commandType": 3, "key": key, "clientId": client, "requestId": request, "ttl": ttl})
+}
+
+fn release(key: &str, client: &str, request: &str, token: u64) -> Value {
+    json!({"commandType": 4, "key": key, "clientId": client, "requestId": request,
+           "fencingToken": {"key": key, "value": token}})
+}
+
+fn token_of(reply: &Value) -> u64 {
+    reply["fencingToken"]["value"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no token in {reply}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn locks_over_websocket_and_grpc_with_redirects() {
+    let cluster = Cluster::start(3);
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let leader_addr = cluster.nodes[(leader - 1) as usize].client_addr();
+
+    // A follower redirects to the leader's client address.
+    let follower = cluster.nodes.iter().find(|n| n.id != leader).unwrap();
+    let mut ws = ws_connect(&follower.client_addr()).await;
+    let reply = ws_request(&mut ws, &acquire("orders", "w1", "r1", 10_000)).await;
+    assert_eq!(reply["success"], false, "{reply}");
+    assert_eq!(reply["error"]["code"], "NOT_LEADER", "{reply}");
+    assert_eq!(reply["error"]["leaderId"], leader, "{reply}");
+    assert_eq!(
+        reply["error"]["leaderAddr"],
+        leader_addr.as_str(),
+        "{reply}"
+    );
+
+    // The seed's LockRequest / LockAcquireReply, unchanged.
+    let mut ws = ws_connect(&leader_addr).await;
+    let granted = ws_request(&mut ws, &acquire("orders", "w1", "r1", 10_000)).await;
+    assert_eq!(granted["success"], true, "{granted}");
+    assert_eq!(granted["key"], "orders");
+    assert_eq!(granted["requestId"], "r1");
+    assert_eq!(granted["expiresInMs"], 10_000);
+    let token = token_of(&granted);
+    // A retry of the same request returns the same grant, not a second one.
+    let again = ws_request(&mut ws, &acquire("orders", "w1", "r1", 10_000)).await;
+    assert_eq!(token_of(&again), token, "{again}");
+    let released = ws_request(&mut ws, &release("orders", "w1", "r2", token)).await;
+    assert_eq!(released["success"], true, "{released}");
+    assert_eq!(released["released"], true, "{released}");
+
+    // gRPC LockService on the same port.
+    let mut grpc = LockServiceClient::connect(format!("http://{leader_addr}"))
+        .await
+        .unwrap();
+    let r = grpc
+        .acquire_lock(AcquireLockRequest {
+            resource_name: "batch".into(),
+            owner_id: "g1".into(),
+            client_timeout_ms: 1_000,
+            request_id: "g-r1".into(),
+            ttl_ms: 5_000,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(r.acquired, "{r:?}");
+    let grpc_token = r.fencing_token.unwrap().value;
+    assert!(
+        grpc_token > token,
+        "one cluster-wide sequence: {grpc_token} > {token}"
+    );
+    assert_eq!(r.lease_id, grpc_token.to_string());
+    let rel = grpc
+        .release_lock(ReleaseLockRequest {
+            resource_name: "batch".into(),
+            owner_id: "g1".into(),
+            fencing_token: grpc_token,
+            request_id: "g-r2".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(rel.released, "{rel:?}");
+    // A stale release is refused with a reason.
+    let stale = ws_request(&mut ws, &release("orders", "w1", "r3", token)).await;
+    assert_eq!(stale["success"], false, "{stale}");
+    assert!(
+        ["NOT_HOLDER", "STALE_TOKEN"].contains(&stale["error"]["code"].as_str().unwrap_or("")),
+        "{stale}"
+    );
+
+    // HTTP endpoints.
+    let status = http_json(&leader_addr, "/status").await.unwrap();
+    assert_eq!(status["role"], "leader");
+    assert_eq!(status["voters"].as_array().unwrap().len(), 3);
+    let (code, body) = http_get(&leader_addr, "/readyz").await.unwrap();
+    assert_eq!(code, 200, "{body}");
+    let (code, metrics) = http_get(&leader_addr, "/metrics").await.unwrap();
+    assert_eq!(code, 200);
+    assert!(metrics.contains("raftlock_is_leader 1"), "{metrics}");
+    assert!(metrics.contains("raftlock_lock_grants_total"), "{metrics}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifo_waiters_and_ttl_expiry_hand_off() {
+    let cluster = Cluster::start(3);
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let addr = cluster.nodes[(leader - 1) as usize].client_addr();
+    let mut holder = ws_connect(&addr).await;
+    let first = ws_request(&mut holder, &acquire("q", "holder", "h1", 30_000)).await;
+    let mut last_token = token_of(&first);
+
+    // Three waiters queue in order.
+    let mut waiters = Vec::new();
+    for i in 0..3 {
+        let mut ws = ws_connect(&addr).await;
+        ws_send(
+            &mut ws,
+            &acquire("q", &format!("w{i}"), &format!("w{i}-r"), 30_000),
+        )
+        .await;
+        // Give each request time to be queued before the next one.
+        assert!(
+            ws_recv(&mut ws, Duration::from_millis(300)).await.is_none(),
+            "w{i} must wait"
+        );
+        waiters.push(ws);
+    }
+    // Release: w0 is granted, then w1, then w2 — strictly increasing tokens.
+    let mut current_holder = ("holder".to_string(), "h2".to_string(), holder);
+    for (i, mut ws) in waiters.into_iter().enumerate() {
+        let (client, req, mut hws) = current_holder;
+        let r = ws_request(&mut hws, &release("q", &client, &req, last_token)).await;
+        assert_eq!(r["success"], true, "{r}");
+        let grant = ws_recv(&mut ws, Duration::from_secs(5))
+            .await
+            .expect("granted in order");
+        assert_eq!(grant["success"], true, "{grant}");
+        assert_eq!(grant["requestId"], format!("w{i}-r"));
+        let token = token_of(&grant);
+        assert!(token > last_token, "token {token} must exceed {last_token}");
+        last_token = token;
+        current_holder = (format!("w{i}"), format!("w{i}-rel"), ws);
+    }
+
+    // TTL expiry hands the lock to the next waiter without a release.
+    let mut a = ws_connect(&addr).await;
+    let ga = ws_request(&mut a, &acquire("ttl", "a", "a1", 500)).await;
+    let ta = token_of(&ga);
+    let mut b = ws_connect(&addr).await;
+    ws_send(&mut b, &acquire("ttl", "b", "b1", 5_000)).await;
+    let gb = ws_recv(&mut b, Duration::from_secs(5))
+        .await
+        .expect("b granted after a's lease ran out");
+    assert_eq!(gb["success"], true, "{gb}");
+    assert!(token_of(&gb) > ta);
+    // a's late release is refused.
+    let late = ws_request(&mut a, &release("ttl", "a", "a2", ta)).await;
+    assert_eq!(late["success"], false, "{late}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leader_sigkill_keeps_locks_and_queue() {
+    let mut cluster = Cluster::start(3);
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let addr = cluster.node(leader).client_addr();
+    let mut holder = ws_connect(&addr).await;
+    let held = ws_request(&mut holder, &acquire("k", "holder", "h1", 60_000)).await;
+    let held_token = token_of(&held);
+    let mut w = ws_connect(&addr).await;
+    ws_send(&mut w, &acquire("k", "waiter", "w1", 60_000)).await;
+    assert!(ws_recv(&mut w, Duration::from_millis(300)).await.is_none());
+
+    cluster.node(leader).kill();
+    let new_leader = {
+        let deadline = std::time::Instant::now() + LEADER_TIMEOUT;
+        loop {
+            let l = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+            if l != leader {
+                break l;
+            }
+            assert!(std::time::Instant::now() < deadline, "no new leader");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    let new_addr = cluster.node(new_leader).client_addr();
+    let locks = http_json(&new_addr, "/locks").await.unwrap();
+    let entry = &locks["locks"][0];
+    assert_eq!(entry["key"], "k", "{locks}");
+    assert_eq!(entry["holder"], "holder", "{locks}");
+    assert_eq!(entry["fencingToken"], held_token, "{locks}");
+    assert_eq!(entry["waiters"][0], "waiter", "{locks}");
+
+    // The waiter re-attaches with the same request id, the holder releases, the waiter is next.
+    let mut w = ws_connect(&new_addr).await;
+    ws_send(&mut w, &acquire("k", "waiter", "w1", 60_000)).await;
+    let mut h = ws_connect(&new_addr).await;
+    let r = ws_request(&mut h, &release("k", "holder", "h2", held_token)).await;
+    assert_eq!(r["success"], true, "{r}");
+    let g = ws_recv(&mut w, Duration::from_secs(5))
+        .await
+        .expect("waiter granted");
+    assert_eq!(g["success"], true, "{g}");
+    assert!(token_of(&g) > held_token);
+
+    // The killed node restarts and catches up.
+    cluster.node(leader).start();
+    let target = http_json(&new_addr, "/status").await.unwrap()["commitIndex"]
+        .as_u64()
+        .unwrap();
+    let old_addr = cluster.node(leader).client_addr();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Ok(s) = http_json(&old_addr, "/status").await {
+            if s["appliedIndex"].as_u64().unwrap_or(0) >= target {
+                break;
+            }
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "restarted node did not catch up"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn join_through_a_follower_then_remove() {
+    let mut cluster = Cluster::start(3);
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let follower = cluster
+        .nodes
+        .iter()
+        .find(|n| n.id != leader)
+        .unwrap()
+        .peer_addr();
+    let mut fourth = NodeProc {
+        id: 4,
+        peer_port: free_port(),
+        client_port: free_port(),
+        data_dir: cluster.dir.path().join("node4"),
+        child: None,
+        extra_args: vec!["--join".into(), follower],
+    };
+    fourth.start();
+    let leader_addr = cluster.node(leader).client_addr();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = http_json(&leader_addr, "/status").await.unwrap();
+        let voters: Vec<u64> = s["voters"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|v| v.as_u64())
+            .collect();
+        if voters.contains(&4) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "node 4 never became a voter: {s}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Remove it through the peer RPC (what `lockctl members remove` calls).
+    let mut peer = raftlock::server::proto::peer::peer_client::PeerClient::connect(format!(
+        "http://{}",
+        cluster.node(leader).peer_addr()
+    ))
+    .await
+    .unwrap();
+    let reply = peer
+        .remove_server(raftlock::server::proto::peer::RemoveServerRequest { server_id: 4 })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(reply.success, "{reply:?}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = http_json(&leader_addr, "/status").await.unwrap();
+        if s["voters"].as_array().unwrap().len() == 3
+            && s["learners"].as_array().unwrap().is_empty()
+        {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "cluster not back to three: {s}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    fourth.kill();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_errors_and_changes_nothing() {
+    let cluster = Cluster::start(3);
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let addr = cluster.nodes[(leader - 1) as usize].client_addr();
+    let before = http_json(&addr, "/status").await.unwrap()["commitIndex"]
+        .as_u64()
+        .unwrap();
+    let mut ws = ws_connect(&addr).await;
+    let cases: Vec<(String, &str)> = vec![
+        ("{not json".into(), "INVALID_REQUEST"),
+        (
+            json!({"commandType": 99, "key": "k", "clientId": "c"}).to_string(),
+            "INVALID_REQUEST",
+        ),
+        (
+            json!({"commandType": 3, "key": "k".repeat(100_000), "clientId": "c"}).to_string(),
+            "TOO_LARGE",
+        ),
+        (
+            json!({"commandType": "three", "key": "k", "clientId": "c"}).to_string(),
+            "INVALID_REQUEST",
+        ),
+        (
+            json!({"commandType": 3, "key": "k", "clientId": "c", "ttl": -5}).to_string(),
+            "INVALID_REQUEST",
+        ),
+        (
+            json!({"commandType": 4, "key": "k", "clientId": "c"}).to_string(),
+            "INVALID_REQUEST",
+        ),
+        (
+            json!({"commandType": 0, "key": "k", "clientId": "c"}).to_string(),
+            "INVALID_REQUEST",
+        ),
+    ];
+    for (text, code) in &cases {
+        ws_send_raw(&mut ws, text).await;
+        let reply = ws_recv(&mut ws, Duration::from_secs(5))
+            .await
+            .expect("an error reply");
+        assert_eq!(reply["success"], false, "{reply}");
+        assert_eq!(
+            reply["error"]["code"],
+            *code,
+            "for {}: {reply}",
+            &text[..text.len().min(60)]
+        );
+    }
+    // Nothing was proposed.
+    let after = http_json(&addr, "/status").await.unwrap()["commitIndex"]
+        .as_u64()
+        .unwrap();
+    assert_eq!(before, after, "bad input must not reach the log");
+    // The connection still works.
+    let ok = ws_request(&mut ws, &acquire("fine", "c", "r", 1_000)).await;
+    assert_eq!(ok["success"], true, "{ok}");
+}

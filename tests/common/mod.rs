@@ -1,0 +1,268 @@
+//! Test harness: real `lock-node` processes on 127.0.0.1, killed with SIGKILL when a test says so.
+//! Every wait is bounded.
+
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use futures::{SinkExt, StreamExt};
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_tungstenite::tungstenite::Message as WsMessage;
+
+pub type Ws =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
+}
+
+pub struct NodeProc {
+    pub id: u64,
+    pub peer_port: u16,
+    pub client_port: u16,
+    pub data_dir: PathBuf,
+    pub child: Option<Child>,
+    pub extra_args: Vec<String>,
+}
+
+impl NodeProc {
+    pub fn client_addr(&self) -> String {
+        format!("127.0.0.1:{}", self.client_port)
+    }
+    pub fn peer_addr(&self) -> String {
+        format!("127.0.0.1:{}", self.peer_port)
+    }
+
+    pub fn start(&mut self) {
+        let log = std::fs::File::create(self.data_dir.with_extension("log")).expect("log file");
+        let child = Command::new(env!("CARGO_BIN_EXE_lock-node"))
+            .args(["--node-id", &self.id.to_string()])
+            .args(["--data-dir", &self.data_dir.display().to_string()])
+            .args(["--peer-listen", &self.peer_addr()])
+            .args(["--client-listen", &self.client_addr()])
+            .args([
+                "--tick",
+                "10ms",
+                "--election-ticks",
+                "15",
+                "--heartbeat-ticks",
+                "3",
+            ])
+            .args(&self.extra_args)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start lock-node");
+        self.child = Some(child);
+    }
+
+    /// SIGKILL: no chance to flush or hand over leadership.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGTERM and wait for a clean exit.
+    pub fn terminate(&mut self) -> Option<std::process::ExitStatus> {
+        let mut child = self.child.take()?;
+        let _ = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = child.kill();
+        child.wait().ok()
+    }
+}
+
+impl Drop for NodeProc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+pub struct Cluster {
+    pub nodes: Vec<NodeProc>,
+    pub dir: tempfile::TempDir,
+}
+
+impl Cluster {
+    pub fn start(n: u64) -> Cluster {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut nodes: Vec<NodeProc> = (1..=n)
+            .map(|id| NodeProc {
+                id,
+                peer_port: free_port(),
+                client_port: free_port(),
+                data_dir: dir.path().join(format!("node{id}")),
+                child: None,
+                extra_args: Vec::new(),
+            })
+            .collect();
+        let initial = nodes
+            .iter()
+            .map(|n| format!("{}={}", n.id, n.peer_addr()))
+            .collect::<Vec<_>>()
+            .join(",");
+        for node in &mut nodes {
+            node.extra_args = vec!["--initial-cluster".into(), initial.clone()];
+            node.start();
+        }
+        Cluster { nodes, dir }
+    }
+
+    pub fn node(&mut self, id: u64) -> &mut NodeProc {
+        self.nodes
+            .iter_mut()
+            .find(|n| n.id == id)
+            .expect("node exists")
+    }
+
+    /// Waits until a running node reports itself leader and the others agree; returns its id.
+    pub async fn wait_for_leader(&self, timeout: Duration) -> u64 {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            for node in self.nodes.iter().filter(|n| n.child.is_some()) {
+                if let Ok(status) = http_json(&node.client_addr(), "/status").await {
+                    if status["role"] == "leader" {
+                        return node.id;
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!(
+            "no leader within {timeout:?}; logs in {}",
+            self.dir.path().display()
+        );
+    }
+
+    pub fn log_of(&self, id: u64) -> String {
+        std::fs::read_to_string(self.dir.path().join(format!("node{id}.log"))).unwrap_or_default()
+    }
+}
+
+/// A minimal HTTP/1.1 GET returning the parsed JSON body.
+pub async fn http_json(addr: &str, path: &str) -> Result<Value, String> {
+    let (status, body) = http_get(addr, path).await?;
+    if status != 200 {
+        return Err(format!("HTTP {status}: {body}"));
+    }
+    serde_json::from_str(&body).map_err(|e| e.to_string())
+}
+
+pub async fn http_get(addr: &str, path: &str) -> Result<(u16, String), String> {
+    let fut = async {
+        let mut stream = tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(|e| e.to_string())?;
+        let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+        stream
+            .write_all(request.as_bytes())
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut buf = Vec::new();
+        stream
+            .read_to_end(&mut buf)
+            .await
+            .map_err(|e| e.to_string())?;
+        let text = String::from_utf8_lossy(&buf).into_owned();
+        let (head, body) = text.split_once("\r\n\r\n").ok_or("no body")?;
+        let status: u16 = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .ok_or("no status")?;
+        let body = if head
+            .to_ascii_lowercase()
+            .contains("transfer-encoding: chunked")
+        {
+            dechunk(body)
+        } else {
+            body.to_string()
+        };
+        Ok((status, body))
+    };
+    tokio::time::timeout(Duration::from_secs(5), fut)
+        .await
+        .map_err(|_| "timeout".to_string())?
+}
+
+fn dechunk(body: &str) -> String {
+    let mut out = String::new();
+    let mut rest = body;
+    while let Some((size, after)) = rest.split_once("\r\n") {
+        let Ok(n) = usize::from_str_radix(size.trim(), 16) else {
+            break;
+        };
+        if n == 0 || after.len() < n {
+            break;
+        }
+        out.push_str(&after[..n]);
+        rest = after[n..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+pub async fn ws_connect(addr: &str) -> Ws {
+    let url = format!("ws://{addr}/ws");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match tokio_tungstenite::connect_async(url.as_str()).await {
+            Ok((ws, _)) => return ws,
+            Err(err) if Instant::now() < deadline => {
+                let _ = err;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(err) => panic!("cannot connect to {url}: {err}"),
+        }
+    }
+}
+
+pub async fn ws_send(ws: &mut Ws, value: &Value) {
+    ws.send(WsMessage::Text(value.to_string().into()))
+        .await
+        .expect("ws send");
+}
+
+pub async fn ws_send_raw(ws: &mut Ws, text: &str) {
+    ws.send(WsMessage::Text(text.to_string().into()))
+        .await
+        .expect("ws send");
+}
+
+/// Next JSON reply, or None after `timeout`.
+pub async fn ws_recv(ws: &mut Ws, timeout: Duration) -> Option<Value> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let next = tokio::time::timeout_at(deadline, ws.next()).await.ok()??;
+        match next {
+            Ok(WsMessage::Text(t)) => return serde_json::from_str(&t).ok(),
+            Ok(_) => continue,
+            Err(_) => return None,
+        }
+    }
+}
+
+pub async fn ws_request(ws: &mut Ws, value: &Value) -> Value {
+    ws_send(ws, value).await;
+    ws_recv(ws, Duration::from_secs(10))
+        .await
+        .expect("a reply within 10s")
+}
