@@ -34,6 +34,9 @@ struct Args {
     /// Disable membership changes.
     #[arg(long)]
     no_membership: bool,
+    /// Multiply the crash rate (1 = default; higher values stress crash recovery).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
+    crash_intensity: u32,
 }
 
 fn main() -> ExitCode {
@@ -46,6 +49,7 @@ fn main() -> ExitCode {
         cfg.pre_vote = !args.no_pre_vote;
         cfg.faults = !args.no_faults;
         cfg.membership_changes = !args.no_membership;
+        cfg.crash_intensity = args.crash_intensity;
         cfg.trace = std::env::var_os("RAFTLOCK_SIM_TRACE").is_some();
         let outcome = run_seed(cfg.clone());
         total.add(&outcome.stats);
@@ -60,7 +64,7 @@ fn main() -> ExitCode {
         }
     }
     println!(
-        "sim: seeds={} violations={} elections={} leader_changes={} partitions={} crashes={} membership_changes={} committed={} snapshots={} compactions={} reads={} transfers={}",
+        "sim: seeds={} violations={} elections={} leader_changes={} partitions={} crashes={} membership_changes={} committed={} grants={} expiries={} snapshots={} compactions={} reads={} transfers={}",
         args.seeds,
         violations,
         total.elections,
@@ -69,6 +73,8 @@ fn main() -> ExitCode {
         total.crashes,
         total.membership_changes,
         total.committed,
+        total.grants,
+        total.expiries,
         total.snapshots_sent,
         total.compactions,
         total.reads,

@@ -62,6 +62,13 @@ impl Default for Fnv {
     }
 }
 
+/// FNV-1a of a byte string.
+pub fn fnv(bytes: &[u8]) -> u64 {
+    let mut h = Fnv::new();
+    h.write(bytes);
+    h.finish()
+}
+
 /// The chained digest of a state machine after applying `entry` on top of `prev`.
 pub fn chain(prev: u64, entry: &Entry) -> u64 {
     let mut h = Fnv::new();

@@ -20,7 +20,9 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::checker::{chain, Checker, Violation};
+use super::locks::{LockChecker, SimClients};
 use super::network::{Network, NetworkFaults};
+use crate::lock::{Command, Event, Limits, LockStateMachine, Outcome};
 use crate::raft::{
     Config, Entry, EntryPayload, HardState, Index, InitialState, Membership, MembershipChange,
     NodeId, Raft, Ready, Role, Snapshot,
@@ -86,6 +88,8 @@ pub struct SimStats {
     pub compactions: u64,
     pub reads: u64,
     pub transfers: u64,
+    pub grants: u64,
+    pub expiries: u64,
 }
 
 impl SimStats {
@@ -100,6 +104,8 @@ impl SimStats {
         self.compactions += other.compactions;
         self.reads += other.reads;
         self.transfers += other.transfers;
+        self.grants += other.grants;
+        self.expiries += other.expiries;
     }
 }
 
@@ -118,9 +124,10 @@ struct Disk {
     hard_state: HardState,
     snapshot: Option<Snapshot>,
     entries: Vec<Entry>,
-    /// State machine (applied index, digest), written atomically.
+    /// State machine (applied index, digest, lock state), written atomically.
     applied: Index,
     digest: u64,
+    locks: Vec<u8>,
 }
 
 impl Disk {
@@ -130,7 +137,13 @@ impl Disk {
         self.entries.extend_from_slice(entries);
     }
 
-    fn install_snapshot(&mut self, snapshot: &Snapshot, applied: Index, digest: u64) {
+    fn install_snapshot(
+        &mut self,
+        snapshot: &Snapshot,
+        applied: Index,
+        digest: u64,
+        locks: Vec<u8>,
+    ) {
         let meta = &snapshot.meta;
         let keep = self
             .entries
@@ -144,6 +157,7 @@ impl Disk {
         self.snapshot = Some(snapshot.clone());
         self.applied = applied;
         self.digest = digest;
+        self.locks = locks;
     }
 }
 
@@ -177,6 +191,10 @@ struct SimNode {
     /// In-memory state machine.
     applied: Index,
     digest: u64,
+    locks: LockStateMachine,
+    /// Leader only: key -> (token, lease deadline) and waiter -> (key, cancel deadline).
+    leases: HashMap<String, (u64, u64)>,
+    wait_deadlines: HashMap<(String, String), (String, u64)>,
     tick_us: u64,
     next_tick_us: u64,
     /// Crash inside a coming Ready, after `messages_now` left but before the flush.
@@ -196,7 +214,6 @@ pub struct Cluster {
     checker: Checker,
     stats: SimStats,
     next_node_id: NodeId,
-    next_payload: u64,
     next_read_ctx: u64,
     /// For each outstanding read: the highest committed index when it was requested.
     reads: HashMap<(NodeId, u64), Index>,
@@ -205,6 +222,12 @@ pub struct Cluster {
     /// pipelined batches.
     max_inflight_appends: usize,
     max_batch_bytes: usize,
+    clients: SimClients,
+    locks: LockChecker,
+    /// Set once every fault is healed for the final liveness check.
+    healed: bool,
+    /// Digest of the lock state after each (sampled) index: replicas must agree.
+    lock_state_at: HashMap<Index, u64>,
 }
 
 const MAX_MEMBERS: usize = 7;
@@ -228,6 +251,10 @@ impl Cluster {
         let max_inflight_appends = *[1, 2, 4, 16].choose(&mut rng).expect("non-empty");
         let max_batch_bytes = *[1, 100, 512, 4096].choose(&mut rng).expect("non-empty");
         let mut cluster = Cluster {
+            clients: SimClients::new(4, 3),
+            locks: LockChecker::default(),
+            lock_state_at: HashMap::new(),
+            healed: false,
             max_inflight_appends,
             max_batch_bytes,
             rng,
@@ -237,7 +264,6 @@ impl Cluster {
             checker: Checker::default(),
             stats: SimStats::default(),
             next_node_id: nodes_count + 1,
-            next_payload: 0,
             next_read_ctx: 0,
             reads: HashMap::new(),
             min_voters: (nodes_count as usize).min(3),
@@ -260,6 +286,9 @@ impl Cluster {
             durable: Disk::default(),
             applied: 0,
             digest: 0,
+            locks: LockStateMachine::new(sim_lock_limits()),
+            leases: HashMap::new(),
+            wait_deadlines: HashMap::new(),
             tick_us,
             next_tick_us: self.now_us + self.rng.random_range(0..tick_us),
             crash_mid_ready: None,
@@ -300,6 +329,13 @@ impl Cluster {
         };
         node.applied = disk.applied;
         node.digest = disk.digest;
+        node.locks = if disk.locks.is_empty() {
+            LockStateMachine::new(sim_lock_limits())
+        } else {
+            LockStateMachine::restore(&disk.locks, sim_lock_limits()).expect("own snapshot decodes")
+        };
+        node.leases.clear();
+        node.wait_deadlines.clear();
         let raft = Raft::new(cfg, initial).expect("simulator config is valid");
         node.last_commit = raft.commit_index();
         node.incarnation_elections = 0;
@@ -354,6 +390,7 @@ impl Cluster {
             if step % 64 == 0 {
                 self.check_all_logs();
             }
+            self.checker.violations.append(&mut self.locks.violations);
             if !self.checker.ok() {
                 violation_step = Some(step);
                 break;
@@ -371,7 +408,13 @@ impl Cluster {
                 self.stats.elections += raft.stats().elections_started;
             }
         }
+        self.checker.violations.append(&mut self.locks.violations);
+        if violation_step.is_none() && !self.checker.ok() {
+            violation_step = Some(self.cfg.steps);
+        }
         self.stats.committed = self.checker.max_committed();
+        self.stats.grants = self.locks.grants;
+        self.stats.expiries = self.locks.expiries;
         let violation = violation_step
             .map(|step| (step, self.checker.violations.first().cloned().expect("set")));
         SimOutcome {
@@ -408,6 +451,7 @@ impl Cluster {
                     raft.tick();
                 }
                 self.handle_ready(id);
+                self.leader_duties(id);
                 true
             }
         }
@@ -467,6 +511,7 @@ impl Cluster {
                 self.stats.leader_changes += 1;
                 let raft = self.nodes[&id].raft.as_ref().expect("alive");
                 self.checker.on_leader(id, term, raft);
+                self.rebuild_leases(id);
             }
             for msg in &ready.messages_now {
                 self.checker.on_send(id, msg);
@@ -515,13 +560,20 @@ impl Cluster {
 
     fn apply_ready(&mut self, id: NodeId, ready: &Ready) {
         let padding = self.cfg.snapshot_padding_bytes;
+        let now_us = self.now_us;
         let node = self.nodes.get_mut(&id).expect("exists");
         if let Some(snapshot) = &ready.snapshot {
-            match decode_snapshot(&snapshot.data, padding) {
-                Some((index, digest)) if index == snapshot.meta.index => {
+            let decoded =
+                decode_snapshot(&snapshot.data, padding).and_then(|(index, digest, locks)| {
+                    let sm = LockStateMachine::restore(&locks, sim_lock_limits()).ok()?;
+                    Some((index, digest, locks, sm))
+                });
+            match decoded {
+                Some((index, digest, locks, sm)) if index == snapshot.meta.index => {
                     node.applied = index;
                     node.digest = digest;
-                    node.staged.install_snapshot(snapshot, index, digest);
+                    node.locks = sm;
+                    node.staged.install_snapshot(snapshot, index, digest, locks);
                     node.durable = node.staged.clone();
                     self.checker.on_apply(id, index, digest);
                 }
@@ -531,6 +583,7 @@ impl Cluster {
                 }),
             }
         }
+        let is_leader = node.raft.as_ref().is_some_and(|r| r.is_leader());
         let mut removed = Vec::new();
         for entry in &ready.committed_entries {
             if entry.index != node.applied + 1 {
@@ -546,10 +599,42 @@ impl Cluster {
             node.digest = chain(node.digest, entry);
             node.applied = entry.index;
             self.checker.on_apply(id, entry.index, node.digest);
-            if let EntryPayload::Membership(MembershipChange::RemoveServer(gone)) = entry.payload {
-                removed.push(gone);
+            match &entry.payload {
+                EntryPayload::Command(data) => match Command::decode(data) {
+                    Ok(command) => {
+                        let applied = node.locks.apply(entry.index, &command);
+                        self.locks.on_apply(id, entry.index, &command, &applied);
+                        if is_leader {
+                            track_leases(node, now_us, &command, &applied);
+                            self.clients.observe(&command, &applied);
+                        }
+                    }
+                    Err(_) => self.locks.on_other_entry(entry.index),
+                },
+                EntryPayload::Membership(MembershipChange::RemoveServer(gone)) => {
+                    removed.push(*gone);
+                    self.locks.on_other_entry(entry.index);
+                }
+                _ => self.locks.on_other_entry(entry.index),
+            }
+            if entry.index % 8 == 0 {
+                let digest = super::checker::fnv(&node.locks.snapshot());
+                if let Some(&seen) = self.lock_state_at.get(&entry.index) {
+                    if seen != digest {
+                        self.checker.violations.push(Violation {
+                            invariant: "replica lock state",
+                            detail: format!(
+                                "node {id} lock state differs at index {}",
+                                entry.index
+                            ),
+                        });
+                    }
+                } else {
+                    self.lock_state_at.insert(entry.index, digest);
+                }
             }
         }
+        node.staged.locks = node.locks.snapshot();
         node.staged.applied = node.applied;
         node.staged.digest = node.digest;
         for read in &ready.read_states {
@@ -605,13 +690,23 @@ impl Cluster {
             node.last_commit = commit;
             let raft = node.raft.as_ref().expect("alive");
             self.checker.on_commit(id, raft, from, commit);
+            // Adversarial crash point: a leader dies right after advancing its commit index,
+            // before followers learn of it — where commit-rule bugs (Figure 8) do their damage.
+            if self.cfg.faults
+                && !self.healed
+                && raft.is_leader()
+                && self.rng.random_range(0..1_000_000u32) < 20_000 * self.cfg.crash_intensity
+            {
+                self.crash_node(id);
+                return;
+            }
         }
         let node = self.nodes.get_mut(&id).expect("exists");
         let raft = node.raft.as_mut().expect("alive");
         if node.applied >= raft.snapshot_index() + snapshot_every
             && node.applied == raft.applied_index()
         {
-            let data = encode_snapshot(node.applied, node.digest, padding);
+            let data = encode_snapshot(node.applied, node.digest, &node.locks.snapshot(), padding);
             if raft.compact(node.applied, data) {
                 let snapshot = raft.latest_snapshot().cloned().expect("just taken");
                 let index = snapshot.meta.index;
@@ -676,10 +771,7 @@ impl Cluster {
         let Some(leader) = self.leader() else { return };
         let count = self.rng.random_range(1..=3);
         let commands: Vec<Bytes> = (0..count)
-            .map(|_| {
-                self.next_payload += 1;
-                Bytes::from(format!("cmd-{}-{}", self.cfg.seed, self.next_payload))
-            })
+            .map(|_| Bytes::from(self.clients.next(&mut self.rng).encode()))
             .collect();
         let raft = self
             .nodes
@@ -689,6 +781,94 @@ impl Cluster {
         if raft.propose(commands).is_ok() {
             self.handle_ready(leader);
         }
+    }
+
+    /// The leader's lease and wait-timeout duties, in simulated time (DESIGN.md §4).
+    fn leader_duties(&mut self, id: NodeId) {
+        let now = self.now_us;
+        let Some(node) = self.nodes.get_mut(&id) else {
+            return;
+        };
+        let Some(raft) = node.raft.as_mut() else {
+            return;
+        };
+        if !raft.is_leader() {
+            node.leases.clear();
+            node.wait_deadlines.clear();
+            return;
+        }
+        let mut commands = Vec::new();
+        for (key, (token, deadline)) in &node.leases {
+            if *deadline <= now {
+                commands.push(Command::Expire {
+                    key: key.clone(),
+                    token: *token,
+                });
+            }
+        }
+        for ((client_id, request_id), (key, deadline)) in &node.wait_deadlines {
+            if *deadline <= now {
+                commands.push(Command::CancelWait {
+                    key: key.clone(),
+                    client_id: client_id.clone(),
+                    request_id: request_id.clone(),
+                });
+            }
+        }
+        if commands.is_empty() {
+            return;
+        }
+        // Proposed once; re-proposed a lease later if the first proposal is lost.
+        for cmd in &commands {
+            match cmd {
+                Command::Expire { key, .. } => {
+                    if let Some(lease) = node.leases.get_mut(key) {
+                        lease.1 = now + 200_000;
+                    }
+                }
+                Command::CancelWait {
+                    client_id,
+                    request_id,
+                    ..
+                } => {
+                    if let Some(w) = node
+                        .wait_deadlines
+                        .get_mut(&(client_id.clone(), request_id.clone()))
+                    {
+                        w.1 = now + 200_000;
+                    }
+                }
+                _ => {}
+            }
+        }
+        let encoded = commands.iter().map(|c| Bytes::from(c.encode())).collect();
+        if raft.propose(encoded).is_ok() {
+            self.handle_ready(id);
+        }
+    }
+
+    /// A new leader gives every held lock a full TTL from its election and every waiter a
+    /// reclaim window in which its client could re-attach.
+    fn rebuild_leases(&mut self, id: NodeId) {
+        let now = self.now_us;
+        let Some(node) = self.nodes.get_mut(&id) else {
+            return;
+        };
+        node.leases = node
+            .locks
+            .held_locks()
+            .into_iter()
+            .map(|h| (h.key, (h.token, now + h.ttl_ms * 1000)))
+            .collect();
+        node.wait_deadlines = node
+            .locks
+            .waiters()
+            .into_iter()
+            .map(|w| {
+                let wait_us = w.wait_timeout_ms.unwrap_or(500).max(500) * 1000;
+                ((w.client_id, w.request_id), (w.key, now + wait_us))
+            })
+            .collect();
     }
 
     fn client_read(&mut self) {
@@ -890,6 +1070,7 @@ impl Cluster {
 
     /// After every fault heals, a leader must emerge and commit a new entry within the budget.
     fn check_liveness(&mut self) {
+        self.healed = true;
         self.network.heal();
         self.network.faults = NetworkFaults::calm();
         let down: Vec<NodeId> = self
@@ -922,7 +1103,9 @@ impl Cluster {
                         let raft = raft.expect("leader");
                         if raft.committed_in_current_term() {
                             let term = raft.term();
-                            if let Ok(index) = raft.propose(vec![Bytes::from_static(b"liveness")]) {
+                            if let Ok(index) =
+                                raft.propose(vec![Bytes::from(liveness_marker().encode())])
+                            {
                                 marker = Some((leader, index, term));
                                 self.handle_ready(leader);
                             }
@@ -959,23 +1142,107 @@ impl Cluster {
     }
 }
 
-fn encode_snapshot(applied: Index, digest: u64, padding: usize) -> Bytes {
-    let mut data = Vec::with_capacity(16 + padding);
+fn encode_snapshot(applied: Index, digest: u64, locks: &[u8], padding: usize) -> Bytes {
+    let mut data = Vec::with_capacity(24 + locks.len() + padding);
     data.extend_from_slice(&applied.to_le_bytes());
     data.extend_from_slice(&digest.to_le_bytes());
+    data.extend_from_slice(&(locks.len() as u64).to_le_bytes());
+    data.extend_from_slice(locks);
     data.extend((0..padding).map(|i| (i as u64 ^ applied) as u8));
     Bytes::from(data)
 }
 
-fn decode_snapshot(data: &[u8], padding: usize) -> Option<(Index, u64)> {
-    if data.len() != 16 + padding {
-        return None;
+fn decode_snapshot(data: &[u8], padding: usize) -> Option<(Index, u64, Vec<u8>)> {
+    let applied = u64::from_le_bytes(data.get(0..8)?.try_into().ok()?);
+    let digest = u64::from_le_bytes(data.get(8..16)?.try_into().ok()?);
+    let len = u64::from_le_bytes(data.get(16..24)?.try_into().ok()?) as usize;
+    let locks = data.get(24..24usize.checked_add(len)?)?.to_vec();
+    let rest = &data[24 + len..];
+    let padding_ok = rest.len() == padding
+        && rest
+            .iter()
+            .enumerate()
+            .all(|(i, &b)| b == (i as u64 ^ applied) as u8);
+    padding_ok.then_some((applied, digest, locks))
+}
+
+fn liveness_marker() -> Command {
+    Command::Put {
+        key: "liveness".into(),
+        value: b"ok".to_vec(),
+        guard: None,
+        client_id: "simulator".into(),
+        request_id: String::new(),
     }
-    let applied = u64::from_le_bytes(data[0..8].try_into().ok()?);
-    let digest = u64::from_le_bytes(data[8..16].try_into().ok()?);
-    let padding_ok = data[16..]
-        .iter()
-        .enumerate()
-        .all(|(i, &b)| b == (i as u64 ^ applied) as u8);
-    padding_ok.then_some((applied, digest))
+}
+
+/// Small limits so the simulator exercises queue bounds and dedupe eviction.
+fn sim_lock_limits() -> Limits {
+    Limits {
+        waiters_per_key_max: 3,
+        dedupe_entries_max: 48,
+        ..Limits::default()
+    }
+}
+
+/// Leader bookkeeping in simulated time: lease deadlines and wait timeouts.
+fn track_leases(
+    node: &mut SimNode,
+    now_us: u64,
+    command: &Command,
+    applied: &crate::lock::Applied,
+) {
+    let grant = |key: &str, token: u64, ttl_ms: u64, leases: &mut HashMap<String, (u64, u64)>| {
+        leases.insert(key.to_string(), (token, now_us + ttl_ms * 1000));
+    };
+    match (command, &applied.outcome) {
+        (Command::Acquire { .. }, Outcome::Granted { token, ttl_ms })
+        | (Command::Renew { .. }, Outcome::Renewed { token, ttl_ms }) => {
+            grant(&token.key, token.value, *ttl_ms, &mut node.leases)
+        }
+        (
+            Command::Acquire {
+                key,
+                client_id,
+                request_id,
+                wait_timeout_ms: Some(ms),
+                ..
+            },
+            Outcome::Queued { .. },
+        ) => {
+            node.wait_deadlines.insert(
+                (client_id.clone(), request_id.clone()),
+                (key.clone(), now_us + ms * 1000),
+            );
+        }
+        (Command::Release { key, .. }, Outcome::Released) => {
+            node.leases.remove(key);
+        }
+        _ => {}
+    }
+    for event in &applied.events {
+        match event {
+            Event::Granted {
+                client_id,
+                request_id,
+                token,
+                ttl_ms,
+            } => {
+                node.wait_deadlines
+                    .remove(&(client_id.clone(), request_id.clone()));
+                grant(&token.key, token.value, *ttl_ms, &mut node.leases);
+            }
+            Event::Expired { token, .. } => {
+                node.leases.remove(&token.key);
+            }
+            Event::WaiterRemoved {
+                client_id,
+                request_id,
+                ..
+            } => {
+                node.wait_deadlines
+                    .remove(&(client_id.clone(), request_id.clone()));
+            }
+        }
+    }
 }

@@ -32,6 +32,10 @@ pub struct LockChecker {
     /// Next index the model expects (it consumes the reference strictly in log order).
     model_next: Index,
     last_global_token: u64,
+    /// Every (client, request) whose outcome the state machine recorded.
+    recorded: std::collections::HashSet<(String, String)>,
+    /// Every (client, request) ever granted, with its token.
+    granted: HashMap<(String, String), u64>,
     /// Indices of non-command entries not yet consumed by the model.
     skipped: Vec<Index>,
     pub grants: u64,
@@ -58,7 +62,8 @@ impl LockChecker {
                 }
             }
             None => {
-                self.reference.insert(index, (command.clone(), applied.clone()));
+                self.reference
+                    .insert(index, (command.clone(), applied.clone()));
                 self.advance_model();
             }
         }
@@ -81,7 +86,9 @@ impl LockChecker {
                 self.model_next = next + 1;
                 continue;
             }
-            let Some((command, applied)) = self.reference.get(&next).cloned() else { return };
+            let Some((command, applied)) = self.reference.get(&next).cloned() else {
+                return;
+            };
             self.model_next = next + 1;
             self.check_step(next, &command, &applied);
         }
@@ -89,17 +96,66 @@ impl LockChecker {
 
     fn check_step(&mut self, index: Index, command: &Command, applied: &Applied) {
         let key = command.key().to_string();
-        match (&command, &applied.outcome) {
-            (Command::Acquire { client_id, request_id, .. }, Outcome::Granted { token, .. }) => {
-                self.grant(index, &key, client_id, request_id, token.value, false);
+        // A retried request is answered from the exactly-once table and changes nothing.
+        if let Some(id) = request_id_of(command) {
+            if self.recorded.contains(&id) {
+                if !applied.events.is_empty() {
+                    self.fail(
+                        "exactly once",
+                        format!("index {index}: replay of {id:?} had effects"),
+                    );
+                }
+                return;
             }
-            (Command::Acquire { client_id, request_id, .. }, Outcome::Queued { .. }) => {
+            if applied.outcome.is_recorded() {
+                self.recorded.insert(id);
+            }
+        }
+        match (&command, &applied.outcome) {
+            (
+                Command::Acquire {
+                    client_id,
+                    request_id,
+                    ..
+                },
+                Outcome::Granted { token, .. },
+            ) => {
+                let id = (client_id.clone(), request_id.clone());
+                match self.granted.get(&id) {
+                    // A retried request answered from the exactly-once table: no new grant.
+                    Some(&earlier) if earlier == token.value => {}
+                    Some(&earlier) => self.fail(
+                        "exactly once",
+                        format!(
+                            "index {index}: {id:?} granted token {} after {earlier}",
+                            token.value
+                        ),
+                    ),
+                    None => {
+                        self.granted.insert(id, token.value);
+                        self.grant(index, &key, client_id, request_id, token.value, false);
+                    }
+                }
+            }
+            (
+                Command::Acquire {
+                    client_id,
+                    request_id,
+                    ..
+                },
+                Outcome::Queued { .. },
+            ) => {
                 let model = self.keys.entry(key.clone()).or_default();
                 if model.holder.is_none() {
-                    self.fail("no idle queue", format!("index {index}: {client_id} queued on free key {key}"));
+                    self.fail(
+                        "no idle queue",
+                        format!("index {index}: {client_id} queued on free key {key}"),
+                    );
                     return;
                 }
-                model.queue.push_back((client_id.clone(), request_id.clone()));
+                model
+                    .queue
+                    .push_back((client_id.clone(), request_id.clone()));
             }
             (Command::Release { .. }, Outcome::Released) => {
                 self.keys.entry(key.clone()).or_default().holder = None;
@@ -108,7 +164,12 @@ impl LockChecker {
         }
         for event in &applied.events {
             match event {
-                Event::Granted { client_id, request_id, token, .. } => {
+                Event::Granted {
+                    client_id,
+                    request_id,
+                    token,
+                    ..
+                } => {
                     let model = self.keys.entry(token.key.clone()).or_default();
                     // FIFO: the grant goes to the earliest waiter still queued.
                     let front = model.queue.front().cloned();
@@ -119,8 +180,12 @@ impl LockChecker {
                         );
                     }
                     let model = self.keys.entry(token.key.clone()).or_default();
-                    model.queue.retain(|w| w != &(client_id.clone(), request_id.clone()));
+                    model
+                        .queue
+                        .retain(|w| w != &(client_id.clone(), request_id.clone()));
                     model.holder = None;
+                    self.granted
+                        .insert((client_id.clone(), request_id.clone()), token.value);
                     let k = token.key.clone();
                     self.grant(index, &k, client_id, request_id, token.value, true);
                 }
@@ -131,40 +196,252 @@ impl LockChecker {
                         model.holder = None;
                     }
                 }
-                Event::WaiterRemoved { key, client_id, request_id } => {
+                Event::WaiterRemoved {
+                    key,
+                    client_id,
+                    request_id,
+                } => {
                     let model = self.keys.entry(key.clone()).or_default();
-                    model.queue.retain(|w| w != &(client_id.clone(), request_id.clone()));
+                    model
+                        .queue
+                        .retain(|w| w != &(client_id.clone(), request_id.clone()));
                 }
             }
         }
         if let (Command::Expire { .. }, Outcome::Expired { .. }) = (&command, &applied.outcome) {
             let model = self.keys.entry(key).or_default();
-            if !applied.events.iter().any(|e| matches!(e, Event::Granted { .. })) {
+            if !applied
+                .events
+                .iter()
+                .any(|e| matches!(e, Event::Granted { .. }))
+            {
                 model.holder = None;
             }
         }
     }
 
-    fn grant(&mut self, index: Index, key: &str, client: &str, request: &str, token: u64, from_queue: bool) {
+    fn grant(
+        &mut self,
+        index: Index,
+        key: &str,
+        client: &str,
+        request: &str,
+        token: u64,
+        from_queue: bool,
+    ) {
         self.grants += 1;
         let model = self.keys.entry(key.to_string()).or_default();
+        let mut failures = Vec::new();
         if let Some((holder, _, held)) = &model.holder {
             if !from_queue {
-                let detail = format!("index {index}: {client} granted {key} while {holder} holds token {held}");
-                self.fail("mutual exclusion", detail);
-                return;
+                failures.push((
+                    "mutual exclusion",
+                    format!(
+                        "index {index}: {client} granted {key} while {holder} holds token {held}"
+                    ),
+                ));
             }
         }
         if token <= model.last_token {
-            let detail = format!("index {index}: token {token} for {key} after {}", model.last_token);
-            self.fail("tokens increase per key", detail);
+            failures.push((
+                "tokens increase per key",
+                format!(
+                    "index {index}: token {token} for {key} after {}",
+                    model.last_token
+                ),
+            ));
         }
         model.last_token = token;
         model.holder = Some((client.to_string(), request.to_string(), token));
         if token <= self.last_global_token {
-            let detail = format!("index {index}: token {token} after {} elsewhere", self.last_global_token);
-            self.fail("tokens increase globally", detail);
+            failures.push((
+                "tokens increase globally",
+                format!(
+                    "index {index}: token {token} after {} elsewhere",
+                    self.last_global_token
+                ),
+            ));
         }
         self.last_global_token = token;
+        for (invariant, detail) in failures {
+            self.fail(invariant, detail);
+        }
+    }
+}
+
+fn request_id_of(command: &Command) -> Option<(String, String)> {
+    match command {
+        Command::Acquire {
+            client_id,
+            request_id,
+            ..
+        }
+        | Command::Release {
+            client_id,
+            request_id,
+            ..
+        }
+        | Command::Renew {
+            client_id,
+            request_id,
+            ..
+        }
+        | Command::Put {
+            client_id,
+            request_id,
+            ..
+        }
+        | Command::Delete {
+            client_id,
+            request_id,
+            ..
+        } if !request_id.is_empty() => Some((client_id.clone(), request_id.clone())),
+        _ => None,
+    }
+}
+
+/// Simulated clients: a few client ids contending for a few keys, with retries of earlier
+/// requests, stale tokens, guarded writes and cancels mixed in.
+pub struct SimClients {
+    clients: usize,
+    keys: usize,
+    next_request: u64,
+    /// The last command each client sent, for retries with the same request id.
+    last: Vec<Option<Command>>,
+    /// Tokens clients believe they hold: (client, key) -> token.
+    held: HashMap<(usize, usize), u64>,
+}
+
+impl SimClients {
+    pub fn new(clients: usize, keys: usize) -> Self {
+        SimClients {
+            clients,
+            keys,
+            next_request: 0,
+            last: vec![None; clients],
+            held: HashMap::new(),
+        }
+    }
+
+    fn client_name(c: usize) -> String {
+        format!("client-{c}")
+    }
+
+    fn key_name(k: usize) -> String {
+        format!("key-{k}")
+    }
+
+    /// The next command some client sends.
+    pub fn next(&mut self, rng: &mut impl rand::Rng) -> Command {
+        let c = rng.random_range(0..self.clients);
+        let k = rng.random_range(0..self.keys);
+        if rng.random_bool(0.1) {
+            if let Some(last) = self.last[c].clone() {
+                return last; // a retry after a lost answer: same request id
+            }
+        }
+        self.next_request += 1;
+        let client_id = Self::client_name(c);
+        let request_id = format!("r{}", self.next_request);
+        let key = Self::key_name(k);
+        let held = self.held.get(&(c, k)).copied();
+        let token = |value: u64| crate::lock::FencingToken {
+            key: key.clone(),
+            value,
+        };
+        let roll = rng.random_range(0..100);
+        let command = match (roll, held) {
+            (0..=39, _) => Command::Acquire {
+                key: key.clone(),
+                client_id,
+                request_id,
+                ttl_ms: rng.random_range(30..400),
+                wait_timeout_ms: match rng.random_range(0..4) {
+                    0 => None,
+                    1 => Some(0),
+                    _ => Some(rng.random_range(20..600)),
+                },
+            },
+            (40..=64, Some(t)) => Command::Release {
+                key: key.clone(),
+                client_id,
+                request_id,
+                token: token(t),
+            },
+            (65..=74, Some(t)) => Command::Renew {
+                key: key.clone(),
+                client_id,
+                request_id,
+                token: token(t),
+                ttl_ms: rng.random_range(30..400),
+            },
+            (75..=84, held) => Command::Put {
+                key: format!("data-{k}"),
+                value: vec![b'v'; rng.random_range(0..16)],
+                guard: held
+                    .map(token)
+                    .or_else(|| rng.random_bool(0.5).then(|| token(rng.random_range(1..50)))),
+                client_id,
+                request_id,
+            },
+            (85..=92, _) => {
+                // Cancel one of this client's earlier acquires (maybe no longer waiting).
+                let earlier = self.next_request.saturating_sub(rng.random_range(1..20));
+                Command::CancelWait {
+                    key: key.clone(),
+                    client_id,
+                    request_id: format!("r{earlier}"),
+                }
+            }
+            // A stale or made-up token.
+            _ => Command::Release {
+                key: key.clone(),
+                client_id,
+                request_id,
+                token: token(rng.random_range(1..50)),
+            },
+        };
+        self.last[c] = Some(command.clone());
+        command
+    }
+
+    /// Learns tokens from outcomes applied on the leader (what clients would be told).
+    pub fn observe(&mut self, command: &Command, applied: &Applied) {
+        let parse = |client: &str, key: &str| {
+            let c = client.strip_prefix("client-")?.parse().ok()?;
+            let k = key.strip_prefix("key-")?.parse().ok()?;
+            Some((c, k))
+        };
+        if let (Command::Acquire { key, client_id, .. }, Outcome::Granted { token, .. }) =
+            (command, &applied.outcome)
+        {
+            if let Some(id) = parse(client_id, key) {
+                self.held.insert(id, token.value);
+            }
+        }
+        if let (Command::Release { key, client_id, .. }, Outcome::Released) =
+            (command, &applied.outcome)
+        {
+            if let Some(id) = parse(client_id, key) {
+                self.held.remove(&id);
+            }
+        }
+        for event in &applied.events {
+            match event {
+                Event::Granted {
+                    client_id, token, ..
+                } => {
+                    if let Some(id) = parse(client_id, &token.key) {
+                        self.held.insert(id, token.value);
+                    }
+                }
+                Event::Expired { client_id, token } => {
+                    if let Some(id) = parse(client_id, &token.key) {
+                        self.held.remove(&id);
+                    }
+                }
+                Event::WaiterRemoved { .. } => {}
+            }
+        }
     }
 }

@@ -7,6 +7,7 @@
 
 pub mod checker;
 pub mod cluster;
+pub mod locks;
 pub mod network;
 
 #[cfg(test)]
@@ -22,8 +23,21 @@ pub fn run_seed(cfg: SimConfig) -> SimOutcome {
 
 /// The command that replays exactly one seed of a run configured like `cfg`.
 pub fn replay_command(cfg: &SimConfig) -> String {
-    format!(
+    let mut cmd = format!(
         "cargo run --release --bin raftlock-sim -- --seeds 1 --start-seed {} --nodes {} --steps {}",
         cfg.seed, cfg.nodes, cfg.steps
-    )
+    );
+    if !cfg.pre_vote {
+        cmd.push_str(" --no-pre-vote");
+    }
+    if !cfg.faults {
+        cmd.push_str(" --no-faults");
+    }
+    if !cfg.membership_changes {
+        cmd.push_str(" --no-membership");
+    }
+    if cfg.crash_intensity != 1 {
+        cmd.push_str(&format!(" --crash-intensity {}", cfg.crash_intensity));
+    }
+    cmd
 }
