@@ -48,6 +48,23 @@ enum Cmd {
 }
 
 fn main() -> ExitCode {
+    // `lockctl up` runs its nodes and data store as child processes of this same executable, so
+    // `cargo run --bin lockctl -- up` needs no other binary built first.
+    let mut argv = std::env::args_os();
+    let _program = argv.next();
+    match argv.next().as_ref().and_then(|a| a.to_str()) {
+        Some(INTERNAL_LOCK_NODE) => {
+            return raftlock::server::cli::lock_node_main(
+                std::iter::once("lock-node".into()).chain(argv),
+            )
+        }
+        Some(INTERNAL_DATA_STORE) => {
+            return raftlock::datastore::cli::data_store_main(
+                std::iter::once("data-store".into()).chain(argv),
+            )
+        }
+        _ => {}
+    }
     let args = Args::parse();
     let json = args.output == "json";
     let runtime = match tokio::runtime::Builder::new_multi_thread()
@@ -128,11 +145,12 @@ fn scalar(v: &Value) -> String {
     }
 }
 
-fn sibling_binary(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from(name));
-    exe.parent()
-        .map(|d| d.join(name))
-        .unwrap_or_else(|| PathBuf::from(name))
+/// Hidden first arguments that make `lockctl` run as a lock node or as the data store.
+const INTERNAL_LOCK_NODE: &str = "__lock-node";
+const INTERNAL_DATA_STORE: &str = "__data-store";
+
+fn self_exe() -> PathBuf {
+    std::env::current_exe().unwrap_or_else(|_| PathBuf::from("lockctl"))
 }
 
 struct Managed {
@@ -151,12 +169,7 @@ fn spawn(name: &str, program: &Path, args: &[String], log: &Path) -> Result<Mana
         .stdout(Stdio::null())
         .stderr(log_file)
         .spawn()
-        .map_err(|e| {
-            format!(
-                "cannot start {}: {e} (build it with `cargo build --release`)",
-                program.display()
-            )
-        })?;
+        .map_err(|e| format!("cannot start {}: {e}", program.display()))?;
     Ok(Managed {
         name: name.to_string(),
         child,
@@ -168,8 +181,7 @@ async fn up(nodes: u64, data_dir: &Path, data_store_port: u16) -> ExitCode {
         eprintln!("lockctl: cannot create {}: {err}", data_dir.display());
         return ExitCode::FAILURE;
     }
-    let lock_node = sibling_binary("lock-node");
-    let data_store = sibling_binary("data-store");
+    let exe = self_exe();
     let initial: Vec<String> = (1..=nodes)
         .map(|i| format!("{i}=127.0.0.1:{}", 8080 + i))
         .collect();
@@ -177,6 +189,7 @@ async fn up(nodes: u64, data_dir: &Path, data_store_port: u16) -> ExitCode {
     let mut children = Vec::new();
     for i in 1..=nodes {
         let args = vec![
+            INTERNAL_LOCK_NODE.into(),
             "--node-id".into(),
             i.to_string(),
             "--data-dir".into(),
@@ -190,7 +203,7 @@ async fn up(nodes: u64, data_dir: &Path, data_store_port: u16) -> ExitCode {
         ];
         match spawn(
             &format!("lock-node {i}"),
-            &lock_node,
+            &exe,
             &args,
             &data_dir.join(format!("node-{i}.log")),
         ) {
@@ -203,6 +216,7 @@ async fn up(nodes: u64, data_dir: &Path, data_store_port: u16) -> ExitCode {
         }
     }
     let ds_args = vec![
+        INTERNAL_DATA_STORE.into(),
         "--listen".into(),
         format!("127.0.0.1:{data_store_port}"),
         "--file".into(),
@@ -214,7 +228,7 @@ async fn up(nodes: u64, data_dir: &Path, data_store_port: u16) -> ExitCode {
     ];
     match spawn(
         "data-store",
-        &data_store,
+        &exe,
         &ds_args,
         &data_dir.join("data-store.log"),
     ) {

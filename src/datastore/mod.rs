@@ -6,6 +6,8 @@
 //! file rebuilds the highest token per key. One line per write:
 //! `<key>\t<token>\t<clientID>\t<data as JSON string>`.
 
+pub mod cli;
+
 use std::collections::HashMap;
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};

@@ -1,0 +1,192 @@
+//! The `lock-node` command line: one RaftLock cluster member.
+//!
+//! Settings come from defaults, then `--config FILE` (TOML), then `RAFTLOCK_*` environment
+//! variables (e.g. `RAFTLOCK_NODE_ID=2`), then these flags — each layer overriding the previous.
+//! Durations are written like `150ms` or `10s`.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use crate::server::config::NodeConfig;
+use clap::Parser;
+use tokio::sync::watch;
+
+#[derive(Parser, Debug)]
+#[command(name = "lock-node", version, about = "A RaftLock cluster member", long_about = None)]
+struct Args {
+    /// TOML file with any of the settings below (keys in snake_case).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Node id (>= 1). Default: derived from a StatefulSet hostname `<name>-N` as N+1.
+    #[arg(long)]
+    node_id: Option<u64>,
+    /// Directory for the Raft log, hard state and applied state (sled). Default ./raftlock-data
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// Listen address for peers (Raft and membership RPCs). Default 0.0.0.0:8080
+    #[arg(long)]
+    peer_listen: Option<String>,
+    /// Listen address for clients (WebSocket /ws, gRPC LockService, HTTP). Default 0.0.0.0:50050
+    #[arg(long)]
+    client_listen: Option<String>,
+    /// Peer address other nodes use to reach this one. Default: --peer-listen
+    #[arg(long)]
+    advertise_peer: Option<String>,
+    /// Client address that redirects point to. Default: --client-listen
+    #[arg(long)]
+    advertise_client: Option<String>,
+    /// Start a one-node cluster (only when the data directory is empty).
+    #[arg(long)]
+    bootstrap: bool,
+    /// Initial voters: `1=host:8081,2=host:8082,3=host:8083` (peer addresses).
+    #[arg(long)]
+    initial_cluster: Option<String>,
+    /// Join a running cluster through these peers: `host:port[,host:port]`.
+    #[arg(long)]
+    join: Option<String>,
+    /// Shared secret peers must present (x-raftlock-cluster-token). Empty disables the check.
+    #[arg(long)]
+    cluster_token: Option<String>,
+    /// Raft tick. Default 10ms
+    #[arg(long)]
+    tick: Option<String>,
+    /// Minimum election timeout in ticks (randomized up to twice this). Default 15
+    #[arg(long)]
+    election_ticks: Option<u32>,
+    /// Heartbeat interval in ticks. Default 3
+    #[arg(long)]
+    heartbeat_ticks: Option<u32>,
+    /// Snapshot and compact the log every this many applied entries. Default 10000
+    #[arg(long)]
+    snapshot_entries: Option<u64>,
+    /// Cancel queued waiters whose client has been gone this long. Default 10s
+    #[arg(long)]
+    waiter_reclaim: Option<String>,
+    /// Maximum client connections. Default 10000
+    #[arg(long)]
+    max_connections: Option<usize>,
+    /// Maximum requests in flight per client connection. Default 1024
+    #[arg(long)]
+    max_inflight_per_connection: Option<usize>,
+    /// Maximum bytes of one client or peer message. Default 1048576
+    #[arg(long)]
+    max_message_bytes: Option<usize>,
+    /// Maximum key length in bytes. Default 512
+    #[arg(long)]
+    max_key_bytes: Option<usize>,
+    /// Maximum KV value size in bytes. Default 65536
+    #[arg(long)]
+    max_value_bytes: Option<usize>,
+    /// Maximum waiters queued on one key. Default 10000
+    #[arg(long)]
+    max_waiters_per_key: Option<usize>,
+    /// Longest TTL a client may ask for. Default 1h
+    #[arg(long)]
+    max_ttl: Option<String>,
+    /// TTL when a request names none. Default 10s
+    #[arg(long)]
+    default_ttl: Option<String>,
+    /// Bound of the queue between the client API and the Raft driver. Default 65536
+    #[arg(long)]
+    max_pending_requests: Option<usize>,
+    /// Log format: text or json. Default text (filter with RUST_LOG)
+    #[arg(long)]
+    log_format: Option<String>,
+}
+
+impl Args {
+    fn overrides(&self) -> Vec<(&'static str, String)> {
+        let mut o = Vec::new();
+        macro_rules! put {
+            ($($field:ident),*) => {$(
+                if let Some(v) = &self.$field { o.push((stringify!($field), v.to_string())); }
+            )*};
+        }
+        put!(
+            node_id,
+            peer_listen,
+            client_listen,
+            advertise_peer,
+            advertise_client,
+            initial_cluster,
+            join,
+            cluster_token,
+            tick,
+            election_ticks,
+            heartbeat_ticks,
+            snapshot_entries,
+            waiter_reclaim,
+            max_connections,
+            max_inflight_per_connection,
+            max_message_bytes,
+            max_key_bytes,
+            max_value_bytes,
+            max_waiters_per_key,
+            max_ttl,
+            default_ttl,
+            max_pending_requests,
+            log_format
+        );
+        if let Some(dir) = &self.data_dir {
+            o.push(("data_dir", dir.display().to_string()));
+        }
+        if self.bootstrap {
+            o.push(("bootstrap", "true".into()));
+        }
+        o
+    }
+}
+
+/// Runs a lock node with the given command line (the first item is the program name).
+pub fn lock_node_main<I, T>(argv: I) -> ExitCode
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let args = Args::parse_from(argv);
+    let cfg = match NodeConfig::load(args.config.as_deref(), &args.overrides()) {
+        Ok(cfg) => cfg,
+        Err(err) => {
+            eprintln!("lock-node: {err}");
+            return ExitCode::from(2);
+        }
+    };
+    crate::telemetry::init_logging(cfg.log_format == "json", "info");
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(err) => {
+            eprintln!("lock-node: cannot start the runtime: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(async move {
+        let (shutdown_tx, shutdown_rx) = watch::channel(false);
+        tokio::spawn(async move {
+            wait_for_signal().await;
+            let _ = shutdown_tx.send(true);
+        });
+        match crate::server::node::run(cfg, shutdown_rx).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(err) => {
+                tracing::error!(cause = %err, "lock-node failed");
+                ExitCode::FAILURE
+            }
+        }
+    })
+}
+
+async fn wait_for_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let Ok(mut term) = signal(SignalKind::terminate()) else {
+        let _ = tokio::signal::ctrl_c().await;
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
