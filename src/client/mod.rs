@@ -1,4 +1,99 @@
-//! Client-side pieces: a small HTTP client for RaftLock's JSON endpoints. The full SDK
-//! (`RaftLockClient`, `AdminClient`, `AdvancedClient`) is not built yet.
+//! The Rust SDK: [`RaftLockClient`] (acquire, try-acquire, release, renew, KV), [`AdminClient`]
+//! (status, members, health), [`AdvancedClient`] (queue a waiter, cancel a wait, per-call retry
+//! policy), [`LockHandle`] and [`AutoRenewer`].
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), raftlock::client::ClientError> {
+//! use std::time::Duration;
+//! use raftlock::client::RaftLockClient;
+//!
+//! let client = RaftLockClient::builder()
+//!     .endpoints(["127.0.0.1:50051", "127.0.0.1:50052", "127.0.0.1:50053"])
+//!     .build()?;
+//! let lock = client.acquire("orders").await?;
+//! let mut renewer = lock.auto_renew();
+//! tokio::select! {
+//!     _ = async { /* work, sending lock.fencing_token() with every write */ } => {}
+//!     reason = renewer.lost() => eprintln!("stop: {reason}"),
+//! }
+//! lock.release().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! The client talks to any node, follows `NOT_LEADER` redirects to the leader, and retries only
+//! retryable failures (`NOT_LEADER`, `NO_LEADER`, `UNAVAILABLE`, `BUSY`, a lost connection) with
+//! exponential backoff and jitter, resending the same `requestId` so nothing is applied twice.
 
+pub mod admin;
+mod conn;
+pub mod error;
 pub mod http;
+pub mod lock;
+
+use std::time::Duration;
+
+pub use admin::AdminClient;
+pub use error::ClientError;
+pub use lock::{
+    AdvancedClient, AutoRenewer, ClientBuilder, LockHandle, LossReason, PendingAcquire,
+    RaftLockClient,
+};
+
+/// How retryable failures are retried: exponential backoff with jitter, bounded in attempts
+/// and in total time.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RetryPolicy {
+    pub min_delay: Duration,
+    pub max_delay: Duration,
+    pub factor: f32,
+    pub max_attempts: usize,
+    /// Give up once this much time has passed since the first attempt.
+    pub max_elapsed: Duration,
+    pub jitter: bool,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            min_delay: Duration::from_millis(20),
+            max_delay: Duration::from_secs(1),
+            factor: 2.0,
+            max_attempts: 40,
+            max_elapsed: Duration::from_secs(30),
+            jitter: true,
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// No retries at all: the first failure is returned.
+    pub fn none() -> Self {
+        RetryPolicy {
+            max_attempts: 0,
+            ..Default::default()
+        }
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), String> {
+        if self.factor < 1.0 || !self.factor.is_finite() {
+            return Err(format!("retry factor {} must be >= 1", self.factor));
+        }
+        if self.min_delay > self.max_delay {
+            return Err("retry min_delay must not exceed max_delay".into());
+        }
+        Ok(())
+    }
+
+    pub(crate) fn builder(&self) -> backon::ExponentialBuilder {
+        let b = backon::ExponentialBuilder::default()
+            .with_min_delay(self.min_delay)
+            .with_max_delay(self.max_delay)
+            .with_factor(self.factor.max(1.0))
+            .with_max_times(self.max_attempts);
+        if self.jitter {
+            b.with_jitter()
+        } else {
+            b
+        }
+    }
+}

@@ -113,13 +113,15 @@ pub enum ClientOp {
     Put {
         key: String,
         value: Vec<u8>,
-        guard: Option<u64>,
+        /// Applies only while this token holds the lock it names.
+        guard: Option<FencingToken>,
         client_id: String,
         request_id: String,
     },
     Delete {
         key: String,
-        guard: Option<u64>,
+        /// Applies only while this token holds the lock it names.
+        guard: Option<FencingToken>,
         client_id: String,
         request_id: String,
     },

@@ -441,10 +441,7 @@ impl Driver {
                 client_id,
                 request_id,
             } => Command::Put {
-                guard: guard.map(|value| FencingToken {
-                    key: key.clone(),
-                    value,
-                }),
+                guard,
                 key,
                 value,
                 client_id,
@@ -456,10 +453,7 @@ impl Driver {
                 client_id,
                 request_id,
             } => Command::Delete {
-                guard: guard.map(|value| FencingToken {
-                    key: key.clone(),
-                    value,
-                }),
+                guard,
                 key,
                 client_id,
                 request_id,

@@ -15,6 +15,7 @@ use tokio::sync::{mpsc, oneshot, Semaphore};
 use super::api::{ApiError, ClientOp, ClientReply, ErrorCode};
 use super::driver::Input;
 use super::http::AppState;
+use crate::lock::FencingToken;
 
 static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
 
@@ -51,8 +52,8 @@ struct WsRequest {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct WsToken {
+    /// The lock the token belongs to (defaults to the request's key).
     #[serde(default)]
-    #[allow(dead_code)]
     key: Option<String>,
     value: u64,
 }
@@ -185,6 +186,20 @@ fn to_op(r: WsRequest, state: &AppState) -> Result<ClientOp, ApiError> {
         return Err(invalid("`clientId` is required"));
     }
     let request_id = r.request_id.unwrap_or_default();
+    // A guarded write names the lock whose token guards it; other commands use the key itself.
+    let guard = r.fencing_token.as_ref().map(|t| FencingToken {
+        key: t.key.clone().unwrap_or_else(|| r.key.clone()),
+        value: t.value,
+    });
+    if guard
+        .as_ref()
+        .is_some_and(|g| g.key.len() > limits.max_key_bytes)
+    {
+        return Err(ApiError::new(
+            ErrorCode::TooLarge,
+            "the fencing token's key exceeds the key limit",
+        ));
+    }
     let token = r.fencing_token.map(|t| t.value);
     Ok(match r.command_type {
         LOCK_ACQUIRE => {
@@ -225,7 +240,7 @@ fn to_op(r: WsRequest, state: &AppState) -> Result<ClientOp, ApiError> {
             if r.delete.unwrap_or(false) {
                 ClientOp::Delete {
                     key: r.key,
-                    guard: token,
+                    guard: guard.clone(),
                     client_id,
                     request_id,
                 }
@@ -240,7 +255,7 @@ fn to_op(r: WsRequest, state: &AppState) -> Result<ClientOp, ApiError> {
                 ClientOp::Put {
                     key: r.key,
                     value: value.into_bytes(),
-                    guard: token,
+                    guard: guard.clone(),
                     client_id,
                     request_id,
                 }

@@ -104,6 +104,11 @@ pub struct Cluster {
 
 impl Cluster {
     pub fn start(n: u64) -> Cluster {
+        Cluster::start_with(n, |_| Vec::new())
+    }
+
+    /// Starts `n` nodes, each with the extra flags `extra(node)` returns.
+    pub fn start_with(n: u64, extra: impl Fn(&NodeProc) -> Vec<String>) -> Cluster {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut nodes: Vec<NodeProc> = (1..=n)
             .map(|id| NodeProc {
@@ -122,6 +127,8 @@ impl Cluster {
             .join(",");
         for node in &mut nodes {
             node.extra_args = vec!["--initial-cluster".into(), initial.clone()];
+            let more = extra(node);
+            node.extra_args.extend(more);
             node.start();
         }
         Cluster { nodes, dir }
@@ -265,4 +272,113 @@ pub async fn ws_request(ws: &mut Ws, value: &Value) -> Value {
     ws_recv(ws, Duration::from_secs(10))
         .await
         .expect("a reply within 10s")
+}
+
+/// Client addresses of all nodes.
+pub fn endpoints(cluster: &Cluster) -> Vec<String> {
+    cluster.nodes.iter().map(|n| n.client_addr()).collect()
+}
+
+/// A TCP proxy on 127.0.0.1 that can cut every connection through it (a client partitioned
+/// from the cluster) and stays cut until `heal`.
+pub struct Proxy {
+    pub addr: String,
+    cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Proxy {
+    pub async fn start(listen_port: u16, target: String) -> Proxy {
+        use std::sync::atomic::Ordering;
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", listen_port))
+            .await
+            .expect("bind proxy");
+        let addr = format!("127.0.0.1:{listen_port}");
+        let cut = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = cut.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((inbound, _)) = listener.accept().await else {
+                    return;
+                };
+                if flag.load(Ordering::SeqCst) {
+                    continue;
+                }
+                let target = target.clone();
+                let flag = flag.clone();
+                tokio::spawn(async move {
+                    let Ok(outbound) = tokio::net::TcpStream::connect(&target).await else {
+                        return;
+                    };
+                    let (mut ri, mut wi) = inbound.into_split();
+                    let (mut ro, mut wo) = outbound.into_split();
+                    let watch = async {
+                        while !flag.load(Ordering::SeqCst) {
+                            tokio::time::sleep(Duration::from_millis(5)).await;
+                        }
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy(&mut ri, &mut wo) => {}
+                        _ = tokio::io::copy(&mut ro, &mut wi) => {}
+                        _ = watch => {}
+                    }
+                });
+            }
+        });
+        Proxy { addr, cut, task }
+    }
+
+    /// Drops every connection through the proxy and refuses new ones.
+    pub fn cut(&self) {
+        self.cut.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    pub fn heal(&self) {
+        self.cut.store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// The data store as a child process on a free port.
+pub struct DataStoreProc {
+    pub addr: String,
+    child: Child,
+    pub dir: tempfile::TempDir,
+}
+
+impl DataStoreProc {
+    pub async fn start() -> DataStoreProc {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let addr = format!("127.0.0.1:{}", free_port());
+        let child = Command::new(env!("CARGO_BIN_EXE_data-store"))
+            .args(["--listen", &addr])
+            .args([
+                "--file",
+                &dir.path().join("writes.log").display().to_string(),
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start data-store");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if http_get(&addr, "/healthz").await.is_ok() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        DataStoreProc { addr, child, dir }
+    }
+}
+
+impl Drop for DataStoreProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

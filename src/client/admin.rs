@@ -1,0 +1,74 @@
+//! `AdminClient`: cluster status, members and health over the nodes' HTTP endpoints.
+
+use std::time::Duration;
+
+use serde_json::Value;
+
+use super::error::ClientError;
+use super::http::{get_json, request};
+
+/// Read-only cluster administration. Any node answers; `status` is that node's own view.
+#[derive(Clone, Debug)]
+pub struct AdminClient {
+    endpoints: Vec<String>,
+}
+
+impl AdminClient {
+    pub fn new<I: IntoIterator<Item = S>, S: Into<String>>(
+        endpoints: I,
+    ) -> Result<Self, ClientError> {
+        let endpoints: Vec<String> = endpoints.into_iter().map(Into::into).collect();
+        if endpoints.is_empty() {
+            return Err(ClientError::Config(
+                "at least one endpoint is required".into(),
+            ));
+        }
+        Ok(AdminClient { endpoints })
+    }
+
+    async fn get(&self, path: &str) -> Result<Value, ClientError> {
+        let mut last = String::new();
+        for addr in &self.endpoints {
+            match get_json(addr, path).await {
+                Ok((200, v)) => return Ok(v),
+                Ok((status, v)) => last = format!("{addr}{path}: HTTP {status}: {v}"),
+                Err(e) => last = e.to_string(),
+            }
+        }
+        Err(ClientError::Unavailable {
+            attempts: self.endpoints.len() as u32,
+            elapsed: Duration::ZERO,
+            last,
+        })
+    }
+
+    /// The first reachable node's view: id, role, term, leader, commit/applied index, members.
+    pub async fn status(&self) -> Result<Value, ClientError> {
+        self.get("/status").await
+    }
+
+    /// Members with their roles and addresses.
+    pub async fn members(&self) -> Result<Value, ClientError> {
+        self.get("/members").await
+    }
+
+    /// Held locks and their waiters, optionally under a key prefix.
+    pub async fn locks(&self, prefix: &str) -> Result<Value, ClientError> {
+        self.get(&format!("/locks?prefix={prefix}")).await
+    }
+
+    /// Health of every endpoint: (address, alive, ready).
+    pub async fn health(&self) -> Vec<(String, bool, bool)> {
+        let mut out = Vec::new();
+        for addr in &self.endpoints {
+            let t = Duration::from_secs(2);
+            let alive = matches!(
+                request(addr, "GET", "/healthz", None, t).await,
+                Ok((200, _))
+            );
+            let ready = matches!(request(addr, "GET", "/readyz", None, t).await, Ok((200, _)));
+            out.push((addr.clone(), alive, ready));
+        }
+        out
+    }
+}

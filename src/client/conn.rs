@@ -1,0 +1,393 @@
+//! One multiplexed WebSocket connection to a node, and the session that finds the leader, follows
+//! redirects and retries with backoff.
+//!
+//! Many requests share one connection; replies are matched by `requestId`. A retried request
+//! keeps its `requestId`, so the cluster's exactly-once table answers a retry of an operation that
+//! was already applied with the original outcome instead of applying it twice.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex as StdMutex};
+use std::time::{Duration, Instant};
+
+use backon::BackoffBuilder;
+use futures::{SinkExt, StreamExt};
+use serde_json::Value;
+use tokio::sync::{mpsc, oneshot, Mutex};
+use tokio::task::JoinHandle;
+use tokio_tungstenite::tungstenite::Message;
+
+use super::error::{is_retryable_code, ClientError};
+use super::RetryPolicy;
+
+/// Which reply a waiting caller expects, for the one case where two replies share a
+/// `requestId`: cancelling a queued acquire answers both the cancel and the acquire.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ReplyKind {
+    Normal,
+    Cancel,
+}
+
+struct Slot {
+    kind: ReplyKind,
+    tx: oneshot::Sender<Value>,
+}
+
+type Pending = Arc<StdMutex<HashMap<String, Vec<Slot>>>>;
+
+/// Why a call on one connection did not produce a reply.
+#[derive(Debug)]
+pub(crate) enum CallError {
+    /// The connection closed before the reply arrived (the request may or may not have been
+    /// applied; resend it with the same request id).
+    Lost(String),
+    /// No reply within the call timeout.
+    Timeout,
+    /// Too many requests in flight on this connection.
+    Busy,
+}
+
+pub(crate) struct Conn {
+    pub addr: String,
+    out: mpsc::Sender<String>,
+    pending: Pending,
+    closed: Arc<AtomicBool>,
+    max_inflight: usize,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+impl Conn {
+    pub async fn connect(
+        addr: &str,
+        timeout: Duration,
+        max_inflight: usize,
+        max_message_bytes: usize,
+    ) -> Result<Conn, String> {
+        let url = format!("ws://{addr}/ws");
+        let mut config = tokio_tungstenite::tungstenite::protocol::WebSocketConfig::default();
+        config.max_message_size = Some(max_message_bytes);
+        config.max_frame_size = Some(max_message_bytes);
+        let connect =
+            tokio_tungstenite::connect_async_with_config(url.as_str(), Some(config), true);
+        let (socket, _) = match tokio::time::timeout(timeout, connect).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => return Err(format!("cannot connect to {addr}: {e}")),
+            Err(_) => return Err(format!("connecting to {addr} timed out after {timeout:?}")),
+        };
+        let (mut sink, mut stream) = socket.split();
+        let (out, mut out_rx) = mpsc::channel::<String>(max_inflight.max(1));
+        let pending: Pending = Arc::default();
+        let closed = Arc::new(AtomicBool::new(false));
+        let writer_closed = closed.clone();
+        let writer = tokio::spawn(async move {
+            while let Some(text) = out_rx.recv().await {
+                if sink.send(Message::text(text)).await.is_err() {
+                    break;
+                }
+            }
+            writer_closed.store(true, Ordering::SeqCst);
+            let _ = sink.close().await;
+        });
+        let reader_pending = pending.clone();
+        let reader_closed = closed.clone();
+        let reader = tokio::spawn(async move {
+            while let Some(Ok(msg)) = stream.next().await {
+                let text = match msg {
+                    Message::Text(t) => t.to_string(),
+                    Message::Binary(b) => String::from_utf8_lossy(&b).into_owned(),
+                    Message::Close(_) => break,
+                    _ => continue,
+                };
+                let Ok(value) = serde_json::from_str::<Value>(&text) else {
+                    continue;
+                };
+                let Some(request_id) = value.get("requestId").and_then(Value::as_str) else {
+                    continue;
+                };
+                let kind = if value.get("cancelled").is_some()
+                    || value["error"]["code"].as_str() == Some("NOT_WAITING")
+                {
+                    ReplyKind::Cancel
+                } else {
+                    ReplyKind::Normal
+                };
+                let slot = {
+                    let mut map = reader_pending.lock().unwrap_or_else(|p| p.into_inner());
+                    let slot = map.get_mut(request_id).and_then(|slots| {
+                        let at = slots
+                            .iter()
+                            .position(|s| s.kind == kind)
+                            .or(if slots.is_empty() { None } else { Some(0) })?;
+                        Some(slots.remove(at))
+                    });
+                    if map.get(request_id).is_some_and(Vec::is_empty) {
+                        map.remove(request_id);
+                    }
+                    slot
+                };
+                if let Some(slot) = slot {
+                    let _ = slot.tx.send(value);
+                }
+            }
+            reader_closed.store(true, Ordering::SeqCst);
+            // Dropping the senders wakes every waiting caller with "connection lost".
+            reader_pending
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clear();
+        });
+        Ok(Conn {
+            addr: addr.to_string(),
+            out,
+            pending,
+            closed,
+            max_inflight,
+            tasks: vec![writer, reader],
+        })
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::SeqCst)
+    }
+
+    /// Sends one request and waits for the reply carrying its `requestId`.
+    pub async fn call(
+        &self,
+        request_id: &str,
+        kind: ReplyKind,
+        body: &Value,
+        timeout: Option<Duration>,
+    ) -> Result<Value, CallError> {
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut map = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+            let inflight: usize = map.values().map(Vec::len).sum();
+            if inflight >= self.max_inflight {
+                return Err(CallError::Busy);
+            }
+            map.entry(request_id.to_string())
+                .or_default()
+                .push(Slot { kind, tx });
+        }
+        if self.is_closed() || self.out.send(body.to_string()).await.is_err() {
+            self.forget(request_id);
+            return Err(CallError::Lost(format!(
+                "connection to {} closed",
+                self.addr
+            )));
+        }
+        let result = match timeout {
+            Some(t) => match tokio::time::timeout(t, rx).await {
+                Ok(r) => r,
+                Err(_) => {
+                    self.forget(request_id);
+                    return Err(CallError::Timeout);
+                }
+            },
+            None => rx.await,
+        };
+        result.map_err(|_| CallError::Lost(format!("connection to {} lost", self.addr)))
+    }
+
+    fn forget(&self, request_id: &str) {
+        let mut map = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        map.remove(request_id);
+    }
+}
+
+/// Client settings shared by every call.
+#[derive(Clone, Debug)]
+pub(crate) struct SessionConfig {
+    pub endpoints: Vec<String>,
+    pub connect_timeout: Duration,
+    pub request_timeout: Duration,
+    pub retry: RetryPolicy,
+    pub max_inflight: usize,
+    pub max_message_bytes: usize,
+}
+
+struct SessionState {
+    leader_hint: Option<String>,
+    conn: Option<Arc<Conn>>,
+    next_endpoint: usize,
+}
+
+/// Leader discovery, redirects and retries over one shared connection.
+pub(crate) struct Session {
+    pub cfg: SessionConfig,
+    state: Mutex<SessionState>,
+}
+
+/// Most redirects followed in a row before backing off (a leader election in progress can
+/// bounce a client between two nodes that each believe the other leads).
+const MAX_REDIRECTS_IN_A_ROW: u32 = 3;
+
+impl Session {
+    pub fn new(cfg: SessionConfig) -> Session {
+        Session {
+            cfg,
+            state: Mutex::new(SessionState {
+                leader_hint: None,
+                conn: None,
+                next_endpoint: 0,
+            }),
+        }
+    }
+
+    /// The open connection, or a new one: to the last known leader first, then to each
+    /// configured endpoint in turn.
+    async fn connection(&self) -> Result<Arc<Conn>, String> {
+        let mut st = self.state.lock().await;
+        if let Some(c) = &st.conn {
+            if !c.is_closed() {
+                return Ok(c.clone());
+            }
+        }
+        st.conn = None;
+        let mut candidates = Vec::new();
+        if let Some(hint) = st.leader_hint.take() {
+            candidates.push(hint);
+        }
+        let n = self.cfg.endpoints.len();
+        for i in 0..n {
+            candidates.push(self.cfg.endpoints[(st.next_endpoint + i) % n].clone());
+        }
+        st.next_endpoint = (st.next_endpoint + 1) % n.max(1);
+        let mut last = String::from("no endpoints");
+        for addr in candidates {
+            match Conn::connect(
+                &addr,
+                self.cfg.connect_timeout,
+                self.cfg.max_inflight,
+                self.cfg.max_message_bytes,
+            )
+            .await
+            {
+                Ok(c) => {
+                    let c = Arc::new(c);
+                    st.conn = Some(c.clone());
+                    return Ok(c);
+                }
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
+    }
+
+    async fn redirect(&self, from: &Arc<Conn>, leader_addr: Option<String>) {
+        let mut st = self.state.lock().await;
+        if st.conn.as_ref().is_some_and(|c| Arc::ptr_eq(c, from)) {
+            st.conn = None;
+        }
+        st.leader_hint = leader_addr;
+    }
+
+    /// The address of the node the session currently talks to, if connected.
+    pub async fn current_addr(&self) -> Option<String> {
+        let st = self.state.lock().await;
+        st.conn
+            .as_ref()
+            .filter(|c| !c.is_closed())
+            .map(|c| c.addr.clone())
+    }
+
+    /// Sends `body` (which carries `request_id`) until a final answer: success, or an error that
+    /// retrying cannot fix. Redirects are followed at once; `NO_LEADER`, `UNAVAILABLE`, `BUSY`,
+    /// lost connections and timeouts are retried after an exponential backoff with jitter, with
+    /// the same request id. `wait` extends the per-attempt timeout for acquires that queue.
+    pub async fn request(
+        &self,
+        request_id: &str,
+        kind: ReplyKind,
+        body: &Value,
+        wait: Option<Duration>,
+        policy: &RetryPolicy,
+    ) -> Result<Value, ClientError> {
+        let started = Instant::now();
+        let mut backoff = policy.builder().build();
+        let mut attempts = 0u32;
+        let mut redirects = 0u32;
+        let timeout = match wait {
+            // Waiting without a timeout: only a lost connection ends the attempt.
+            None if body["commandType"] == 3 && body.get("waitTimeout").is_none() => None,
+            None => Some(self.cfg.request_timeout),
+            Some(w) => Some(self.cfg.request_timeout + w),
+        };
+        loop {
+            attempts += 1;
+            let failure = match self.connection().await {
+                Err(e) => e,
+                Ok(conn) => match conn.call(request_id, kind, body, timeout).await {
+                    Ok(reply) => {
+                        if reply["success"] == true {
+                            return Ok(reply);
+                        }
+                        let code = reply["error"]["code"].as_str().unwrap_or("").to_string();
+                        let message = reply["error"]["message"].as_str().unwrap_or("").to_string();
+                        if code == "NOT_LEADER" && redirects < MAX_REDIRECTS_IN_A_ROW {
+                            let leader = reply["error"]["leaderAddr"]
+                                .as_str()
+                                .filter(|a| !a.is_empty())
+                                .map(str::to_string);
+                            if leader.is_some() {
+                                redirects += 1;
+                                self.redirect(&conn, leader).await;
+                                continue;
+                            }
+                        }
+                        if code == "NOT_LEADER" {
+                            self.redirect(&conn, None).await;
+                        }
+                        if !is_retryable_code(&code) {
+                            if code == "WAIT_TIMEOUT" {
+                                return Err(ClientError::WaitTimeout {
+                                    key: body["key"].as_str().unwrap_or("").to_string(),
+                                });
+                            }
+                            if code.is_empty() {
+                                return Err(ClientError::Protocol(format!(
+                                    "unexpected reply: {reply}"
+                                )));
+                            }
+                            return Err(ClientError::Rejected { code, message });
+                        }
+                        format!("{code}: {message}")
+                    }
+                    Err(CallError::Lost(e)) => {
+                        self.redirect(&conn, None).await;
+                        e
+                    }
+                    Err(CallError::Timeout) => {
+                        self.redirect(&conn, None).await;
+                        format!("no reply from {} within {timeout:?}", conn.addr)
+                    }
+                    Err(CallError::Busy) => "too many requests in flight".to_string(),
+                },
+            };
+            redirects = 0;
+            let give_up = |last: String| ClientError::Unavailable {
+                attempts,
+                elapsed: started.elapsed(),
+                last,
+            };
+            if started.elapsed() >= policy.max_elapsed {
+                return Err(give_up(failure));
+            }
+            match backoff.next() {
+                Some(delay) => {
+                    let left = policy.max_elapsed.saturating_sub(started.elapsed());
+                    tokio::time::sleep(delay.min(left)).await;
+                }
+                None => return Err(give_up(failure)),
+            }
+        }
+    }
+}

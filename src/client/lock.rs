@@ -1,0 +1,715 @@
+//! `RaftLockClient`, `AdvancedClient`, `LockHandle` and `AutoRenewer`.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex as StdMutex};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use super::conn::{ReplyKind, Session, SessionConfig};
+use super::error::ClientError;
+use super::RetryPolicy;
+
+/// Longest client id accepted by the builder (the server's limit is larger).
+const MAX_CLIENT_ID_BYTES: usize = 128;
+
+/// Builds a [`RaftLockClient`]; every setting has a default except the endpoints.
+#[derive(Clone, Debug)]
+pub struct ClientBuilder {
+    endpoints: Vec<String>,
+    client_id: Option<String>,
+    default_ttl: Duration,
+    safety_margin: Option<Duration>,
+    connect_timeout: Duration,
+    request_timeout: Duration,
+    retry: RetryPolicy,
+    max_inflight: usize,
+    max_message_bytes: usize,
+}
+
+impl Default for ClientBuilder {
+    fn default() -> Self {
+        ClientBuilder {
+            endpoints: Vec::new(),
+            client_id: None,
+            default_ttl: Duration::from_secs(10),
+            safety_margin: None,
+            connect_timeout: Duration::from_secs(2),
+            request_timeout: Duration::from_secs(5),
+            retry: RetryPolicy::default(),
+            max_inflight: 1024,
+            max_message_bytes: 1 << 20,
+        }
+    }
+}
+
+impl ClientBuilder {
+    /// Adds a node's client address (`host:port`, `ws://host:port/ws` also accepted). Any node
+    /// will do: the client finds the leader by itself.
+    pub fn endpoint(mut self, addr: impl Into<String>) -> Self {
+        self.endpoints.push(addr.into());
+        self
+    }
+
+    pub fn endpoints<I: IntoIterator<Item = S>, S: Into<String>>(mut self, addrs: I) -> Self {
+        self.endpoints.extend(addrs.into_iter().map(Into::into));
+        self
+    }
+
+    /// The identity the cluster records as holder. Default: `<hostname>-<pid>-<random>`.
+    pub fn client_id(mut self, id: impl Into<String>) -> Self {
+        self.client_id = Some(id.into());
+        self
+    }
+
+    /// TTL used by [`RaftLockClient::acquire`]. Default 10 s.
+    pub fn default_ttl(mut self, ttl: Duration) -> Self {
+        self.default_ttl = ttl;
+        self
+    }
+
+    /// How long before the lease could lapse on the server a holder is told it lost the lock.
+    /// Default: a fifth of the TTL.
+    pub fn safety_margin(mut self, margin: Duration) -> Self {
+        self.safety_margin = Some(margin);
+        self
+    }
+
+    pub fn connect_timeout(mut self, t: Duration) -> Self {
+        self.connect_timeout = t;
+        self
+    }
+
+    /// Time allowed for one attempt of one request (plus the wait timeout for acquires).
+    pub fn request_timeout(mut self, t: Duration) -> Self {
+        self.request_timeout = t;
+        self
+    }
+
+    pub fn retry_policy(mut self, policy: RetryPolicy) -> Self {
+        self.retry = policy;
+        self
+    }
+
+    /// Most requests in flight on the connection. Default 1024.
+    pub fn max_inflight(mut self, n: usize) -> Self {
+        self.max_inflight = n;
+        self
+    }
+
+    pub fn build(self) -> Result<RaftLockClient, ClientError> {
+        let bad = |m: String| Err(ClientError::Config(m));
+        if self.endpoints.is_empty() {
+            return bad("at least one endpoint is required".into());
+        }
+        let mut endpoints = Vec::new();
+        for e in &self.endpoints {
+            let addr = e
+                .trim()
+                .trim_start_matches("ws://")
+                .trim_start_matches("http://")
+                .trim_end_matches("/ws")
+                .trim_end_matches('/');
+            match addr.rsplit_once(':') {
+                Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {
+                    endpoints.push(addr.to_string())
+                }
+                _ => return bad(format!("endpoint {e:?} is not host:port")),
+            }
+        }
+        let client_id = self.client_id.clone().unwrap_or_else(default_client_id);
+        if client_id.is_empty() || client_id.len() > MAX_CLIENT_ID_BYTES {
+            return bad(format!("client id must be 1..={MAX_CLIENT_ID_BYTES} bytes"));
+        }
+        if self.default_ttl < Duration::from_millis(1) {
+            return bad("the default TTL must be at least 1 ms".into());
+        }
+        if let Some(m) = self.safety_margin {
+            if m >= self.default_ttl {
+                return bad(format!(
+                    "the safety margin ({m:?}) must be shorter than the TTL ({:?})",
+                    self.default_ttl
+                ));
+            }
+        }
+        if self.max_inflight == 0 {
+            return bad("max_inflight must be at least 1".into());
+        }
+        self.retry.validate().map_err(ClientError::Config)?;
+        let session = Session::new(SessionConfig {
+            endpoints,
+            connect_timeout: self.connect_timeout,
+            request_timeout: self.request_timeout,
+            retry: self.retry.clone(),
+            max_inflight: self.max_inflight,
+            max_message_bytes: self.max_message_bytes,
+        });
+        Ok(RaftLockClient {
+            inner: Arc::new(Inner {
+                session,
+                client_id,
+                default_ttl: self.default_ttl,
+                safety_margin: self.safety_margin,
+                seq: AtomicU64::new(1),
+                run: random_u64(),
+            }),
+        })
+    }
+}
+
+fn default_client_id() -> String {
+    let host = std::fs::read_to_string("/etc/hostname")
+        .ok()
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "client".into());
+    format!(
+        "{host}-{}-{:04x}",
+        std::process::id(),
+        random_u64() & 0xffff
+    )
+}
+
+fn random_u64() -> u64 {
+    use rand::RngCore;
+    rand::rng().next_u64()
+}
+
+struct Inner {
+    session: Session,
+    client_id: String,
+    default_ttl: Duration,
+    safety_margin: Option<Duration>,
+    seq: AtomicU64,
+    /// Distinguishes request ids of this client instance from an earlier one with the same id.
+    run: u64,
+}
+
+/// The everyday client: acquire, try-acquire, release, renew, and replicated KV.
+///
+/// Cheap to clone; clones share one connection.
+#[derive(Clone)]
+pub struct RaftLockClient {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for RaftLockClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RaftLockClient")
+            .field("client_id", &self.inner.client_id)
+            .finish()
+    }
+}
+
+impl RaftLockClient {
+    pub fn builder() -> ClientBuilder {
+        ClientBuilder::default()
+    }
+
+    pub fn client_id(&self) -> &str {
+        &self.inner.client_id
+    }
+
+    /// A fresh request id; retries of one operation reuse it.
+    pub fn next_request_id(&self) -> String {
+        let n = self.inner.seq.fetch_add(1, Ordering::Relaxed);
+        format!("{:x}-{n}", self.inner.run)
+    }
+
+    fn margin_for(&self, ttl: Duration) -> Duration {
+        self.inner.safety_margin.unwrap_or(ttl / 5).min(ttl)
+    }
+
+    /// Waits (without a time limit) until the lock is granted with the default TTL.
+    pub async fn acquire(&self, key: &str) -> Result<LockHandle, ClientError> {
+        self.acquire_with(key, self.inner.default_ttl, None).await
+    }
+
+    /// Acquires with `ttl`, waiting at most `wait` in the queue (`Some(ZERO)`: do not wait).
+    /// `Ok(None)` when the wait timed out.
+    pub async fn try_acquire(
+        &self,
+        key: &str,
+        ttl: Duration,
+        wait: Duration,
+    ) -> Result<Option<LockHandle>, ClientError> {
+        match self.acquire_with(key, ttl, Some(wait)).await {
+            Ok(h) => Ok(Some(h)),
+            Err(ClientError::WaitTimeout { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Acquires with an explicit TTL and optional wait timeout, using this client's retry policy.
+    pub async fn acquire_with(
+        &self,
+        key: &str,
+        ttl: Duration,
+        wait: Option<Duration>,
+    ) -> Result<LockHandle, ClientError> {
+        let policy = self.inner.session.cfg.retry.clone();
+        let request_id = self.next_request_id();
+        self.acquire_request(key, ttl, wait, &request_id, &policy)
+            .await
+    }
+
+    pub(crate) async fn acquire_request(
+        &self,
+        key: &str,
+        ttl: Duration,
+        wait: Option<Duration>,
+        request_id: &str,
+        policy: &RetryPolicy,
+    ) -> Result<LockHandle, ClientError> {
+        check_key(key)?;
+        let ttl_ms = duration_ms(ttl)?;
+        let mut body = json!({
+            "commandType": 3, "key": key, "clientId": self.inner.client_id,
+            "requestId": request_id, "ttl": ttl_ms,
+        });
+        if let Some(w) = wait {
+            body["waitTimeout"] = json!(w.as_millis() as u64);
+        }
+        // The lease on the server starts when the grant is applied, which is after this point;
+        // counting from here keeps the client's deadline earlier than the server's.
+        let sent = Instant::now();
+        let reply = self
+            .inner
+            .session
+            .request(request_id, ReplyKind::Normal, &body, wait, policy)
+            .await?;
+        let token = reply["fencingToken"]["value"]
+            .as_u64()
+            .ok_or_else(|| ClientError::Protocol(format!("grant without a token: {reply}")))?;
+        let expires_in = reply["expiresInMs"].as_u64().unwrap_or(ttl_ms);
+        let ttl = Duration::from_millis(expires_in.min(ttl_ms));
+        Ok(LockHandle::new(
+            self.clone(),
+            key.to_string(),
+            token,
+            ttl,
+            sent + ttl.saturating_sub(self.margin_for(ttl)),
+        ))
+    }
+
+    /// Releases the lock held with `token`. Refused with `NOT_HOLDER`/`STALE_TOKEN` if a newer
+    /// holder exists.
+    pub async fn release(&self, key: &str, token: u64) -> Result<(), ClientError> {
+        check_key(key)?;
+        let request_id = self.next_request_id();
+        let body = json!({
+            "commandType": 4, "key": key, "clientId": self.inner.client_id,
+            "requestId": request_id, "fencingToken": {"key": key, "value": token},
+        });
+        self.inner
+            .session
+            .request(
+                &request_id,
+                ReplyKind::Normal,
+                &body,
+                None,
+                &self.inner.session.cfg.retry,
+            )
+            .await
+            .map(|_| ())
+    }
+
+    /// Extends the lease of the lock held with `token` to `ttl` from now; returns the new
+    /// deadline on this client's monotonic clock (already shortened by the safety margin).
+    pub async fn renew(
+        &self,
+        key: &str,
+        token: u64,
+        ttl: Duration,
+    ) -> Result<Instant, ClientError> {
+        check_key(key)?;
+        let ttl_ms = duration_ms(ttl)?;
+        let request_id = self.next_request_id();
+        let body = json!({
+            "commandType": 5, "key": key, "clientId": self.inner.client_id,
+            "requestId": request_id, "fencingToken": {"key": key, "value": token}, "ttl": ttl_ms,
+        });
+        let sent = Instant::now();
+        let reply = self
+            .inner
+            .session
+            .request(
+                &request_id,
+                ReplyKind::Normal,
+                &body,
+                None,
+                &self.inner.session.cfg.retry,
+            )
+            .await?;
+        let expires_in = reply["expiresInMs"].as_u64().unwrap_or(ttl_ms).min(ttl_ms);
+        let ttl = Duration::from_millis(expires_in);
+        Ok(sent + ttl.saturating_sub(self.margin_for(ttl)))
+    }
+
+    /// Linearizable read of a replicated KV key.
+    pub async fn get(&self, key: &str) -> Result<Option<String>, ClientError> {
+        check_key(key)?;
+        let request_id = self.next_request_id();
+        let body = json!({"commandType": 7, "key": key, "requestId": request_id});
+        let reply = self
+            .inner
+            .session
+            .request(
+                &request_id,
+                ReplyKind::Normal,
+                &body,
+                None,
+                &self.inner.session.cfg.retry,
+            )
+            .await?;
+        Ok(reply["value"].as_str().map(str::to_string))
+    }
+
+    /// Writes a replicated KV key; with `guard`, only while that fencing token is current.
+    pub async fn put(
+        &self,
+        key: &str,
+        value: &str,
+        guard: Option<(&str, u64)>,
+    ) -> Result<(), ClientError> {
+        check_key(key)?;
+        let request_id = self.next_request_id();
+        let mut body = json!({
+            "commandType": 2, "key": key, "clientId": self.inner.client_id,
+            "requestId": request_id, "value": value,
+        });
+        if let Some((lock_key, token)) = guard {
+            body["fencingToken"] = json!({"key": lock_key, "value": token});
+        }
+        self.inner
+            .session
+            .request(
+                &request_id,
+                ReplyKind::Normal,
+                &body,
+                None,
+                &self.inner.session.cfg.retry,
+            )
+            .await
+            .map(|_| ())
+    }
+
+    /// The node this client is connected to right now, if any.
+    pub async fn connected_to(&self) -> Option<String> {
+        self.inner.session.current_addr().await
+    }
+
+    pub(crate) fn session(&self) -> &Session {
+        &self.inner.session
+    }
+}
+
+fn check_key(key: &str) -> Result<(), ClientError> {
+    if key.is_empty() {
+        return Err(ClientError::Config("the key must not be empty".into()));
+    }
+    Ok(())
+}
+
+fn duration_ms(d: Duration) -> Result<u64, ClientError> {
+    let ms = d.as_millis();
+    if ms == 0 || ms > u64::MAX as u128 {
+        return Err(ClientError::Config(format!(
+            "TTL {d:?} must be at least 1 ms"
+        )));
+    }
+    Ok(ms as u64)
+}
+
+/// Why a held lock was lost.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LossReason {
+    /// No renewal succeeded before the safety deadline; the server may soon grant the lock to
+    /// someone else.
+    Expired,
+    /// The cluster says this client no longer holds the lock.
+    Revoked(String),
+}
+
+impl std::fmt::Display for LossReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LossReason::Expired => {
+                write!(f, "lease could not be renewed before its safety deadline")
+            }
+            LossReason::Revoked(why) => write!(f, "revoked: {why}"),
+        }
+    }
+}
+
+/// A granted lock: its key, fencing token, and how long it is safe to act on it.
+///
+/// Dropping a handle that was not released sends a best-effort release in the background.
+pub struct LockHandle {
+    client: RaftLockClient,
+    key: String,
+    token: u64,
+    ttl: Duration,
+    valid_until: Arc<StdMutex<Instant>>,
+    released: AtomicBool,
+}
+
+impl std::fmt::Debug for LockHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LockHandle")
+            .field("key", &self.key)
+            .field("token", &self.token)
+            .field("ttl", &self.ttl)
+            .finish()
+    }
+}
+
+impl LockHandle {
+    fn new(
+        client: RaftLockClient,
+        key: String,
+        token: u64,
+        ttl: Duration,
+        valid_until: Instant,
+    ) -> Self {
+        LockHandle {
+            client,
+            key,
+            token,
+            ttl,
+            valid_until: Arc::new(StdMutex::new(valid_until)),
+            released: AtomicBool::new(false),
+        }
+    }
+
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The fencing token: pass it to every resource you write while holding the lock.
+    pub fn fencing_token(&self) -> u64 {
+        self.token
+    }
+
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    /// Until when (on this process's monotonic clock) acting on the lock is safe.
+    pub fn valid_until(&self) -> Instant {
+        *self.valid_until.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn is_valid(&self) -> bool {
+        Instant::now() < self.valid_until()
+    }
+
+    /// Renews once now.
+    pub async fn renew(&self) -> Result<(), ClientError> {
+        let until = self.client.renew(&self.key, self.token, self.ttl).await?;
+        *self.valid_until.lock().unwrap_or_else(|p| p.into_inner()) = until;
+        Ok(())
+    }
+
+    /// Starts renewing in the background at a third of the TTL. The returned renewer's
+    /// [`AutoRenewer::lost`] resolves — before the server could grant the lock to anyone
+    /// else — if renewal fails.
+    pub fn auto_renew(&self) -> AutoRenewer {
+        AutoRenewer::start(
+            self.client.clone(),
+            self.key.clone(),
+            self.token,
+            self.ttl,
+            self.valid_until.clone(),
+        )
+    }
+
+    /// Releases the lock and waits for the cluster's answer.
+    pub async fn release(self) -> Result<(), ClientError> {
+        self.released.store(true, Ordering::SeqCst);
+        self.client.release(&self.key, self.token).await
+    }
+}
+
+impl Drop for LockHandle {
+    fn drop(&mut self) {
+        if self.released.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let client = self.client.clone();
+            let key = std::mem::take(&mut self.key);
+            let token = self.token;
+            rt.spawn(async move {
+                let _ = client.release(&key, token).await;
+            });
+        }
+    }
+}
+
+/// Background renewal of one lock, with a loss signal.
+pub struct AutoRenewer {
+    task: JoinHandle<()>,
+    lost: watch::Receiver<Option<LossReason>>,
+}
+
+impl AutoRenewer {
+    fn start(
+        client: RaftLockClient,
+        key: String,
+        token: u64,
+        ttl: Duration,
+        valid_until: Arc<StdMutex<Instant>>,
+    ) -> AutoRenewer {
+        let (tx, rx) = watch::channel(None);
+        let task = tokio::spawn(async move {
+            let interval = (ttl / 3).max(Duration::from_millis(1));
+            let mut last_attempt = Instant::now();
+            loop {
+                let deadline = *valid_until.lock().unwrap_or_else(|p| p.into_inner());
+                let next = (last_attempt + interval).min(deadline);
+                tokio::time::sleep_until(next.into()).await;
+                if Instant::now() >= deadline {
+                    let _ = tx.send(Some(LossReason::Expired));
+                    return;
+                }
+                last_attempt = Instant::now();
+                let attempt = client.renew(&key, token, ttl);
+                match tokio::time::timeout_at(deadline.into(), attempt).await {
+                    Ok(Ok(until)) => {
+                        *valid_until.lock().unwrap_or_else(|p| p.into_inner()) = until;
+                    }
+                    Ok(Err(e))
+                        if e.is_not_holder() || matches!(e, ClientError::Rejected { .. }) =>
+                    {
+                        let _ = tx.send(Some(LossReason::Revoked(e.to_string())));
+                        return;
+                    }
+                    // Unavailable: try again at the next interval if time remains.
+                    Ok(Err(_)) => {}
+                    Err(_) => {
+                        let _ = tx.send(Some(LossReason::Expired));
+                        return;
+                    }
+                }
+            }
+        });
+        AutoRenewer { task, lost: rx }
+    }
+
+    /// Resolves when the lock is lost (never, while renewals succeed).
+    pub async fn lost(&mut self) -> LossReason {
+        loop {
+            if let Some(reason) = self.lost.borrow_and_update().clone() {
+                return reason;
+            }
+            if self.lost.changed().await.is_err() {
+                // The renewer stopped without a loss (cannot happen while it runs).
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+
+    pub fn is_lost(&self) -> bool {
+        self.lost.borrow().is_some()
+    }
+
+    /// Stops renewing (the lock then lapses at its TTL unless released).
+    pub fn stop(self) {}
+}
+
+impl Drop for AutoRenewer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Lower-level operations: queue a waiter and keep its request id, cancel it, and pick the retry
+/// policy per call.
+#[derive(Clone, Debug)]
+pub struct AdvancedClient {
+    client: RaftLockClient,
+}
+
+/// A queued acquire: await it with [`PendingAcquire::granted`], or cancel it.
+pub struct PendingAcquire {
+    pub key: String,
+    pub request_id: String,
+    task: JoinHandle<Result<LockHandle, ClientError>>,
+}
+
+impl PendingAcquire {
+    /// Waits for the grant (or the wait timeout, or a cancel: `WaitTimeout`).
+    pub async fn granted(self) -> Result<LockHandle, ClientError> {
+        match self.task.await {
+            Ok(r) => r,
+            Err(e) => Err(ClientError::Protocol(format!("acquire task failed: {e}"))),
+        }
+    }
+}
+
+impl AdvancedClient {
+    pub fn new(client: RaftLockClient) -> Self {
+        AdvancedClient { client }
+    }
+
+    pub fn client(&self) -> &RaftLockClient {
+        &self.client
+    }
+
+    /// Joins the FIFO queue of `key` and returns at once; the grant arrives on the returned
+    /// [`PendingAcquire`].
+    pub fn enqueue(
+        &self,
+        key: &str,
+        ttl: Duration,
+        wait: Option<Duration>,
+        policy: RetryPolicy,
+    ) -> PendingAcquire {
+        let request_id = self.client.next_request_id();
+        let client = self.client.clone();
+        let (k, id) = (key.to_string(), request_id.clone());
+        let task =
+            tokio::spawn(async move { client.acquire_request(&k, ttl, wait, &id, &policy).await });
+        PendingAcquire {
+            key: key.to_string(),
+            request_id,
+            task,
+        }
+    }
+
+    /// Takes a queued acquire out of the queue. `NOT_WAITING` if it was already granted or gone.
+    pub async fn cancel_wait(&self, pending: &PendingAcquire) -> Result<(), ClientError> {
+        let body = json!({
+            "commandType": 6, "key": pending.key, "clientId": self.client.client_id(),
+            "requestId": pending.request_id,
+        });
+        self.client
+            .session()
+            .request(
+                &pending.request_id,
+                ReplyKind::Cancel,
+                &body,
+                None,
+                &self.client.session().cfg.retry,
+            )
+            .await
+            .map(|_| ())
+    }
+
+    /// Acquire with a specific retry policy.
+    pub async fn acquire_with_policy(
+        &self,
+        key: &str,
+        ttl: Duration,
+        wait: Option<Duration>,
+        policy: &RetryPolicy,
+    ) -> Result<LockHandle, ClientError> {
+        let id = self.client.next_request_id();
+        self.client
+            .acquire_request(key, ttl, wait, &id, policy)
+            .await
+    }
+}

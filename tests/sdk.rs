@@ -1,0 +1,321 @@
+//! The Rust SDK against real `lock-node` processes on 127.0.0.1: failover during an acquire, the
+//! loss signal of a holder cut off from the cluster, and fencing at the data store.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use raftlock::client::http::post_json;
+use raftlock::client::{AdminClient, AdvancedClient, ClientError, RaftLockClient, RetryPolicy};
+use serde_json::{json, Value};
+
+fn client(endpoints: &[String], id: &str) -> RaftLockClient {
+    RaftLockClient::builder()
+        .endpoints(endpoints.iter().cloned())
+        .client_id(id)
+        .request_timeout(Duration::from_secs(3))
+        .build()
+        .expect("client")
+}
+
+async fn leader_addr(cluster: &Cluster) -> String {
+    let id = cluster.wait_for_leader(Duration::from_secs(20)).await;
+    cluster
+        .nodes
+        .iter()
+        .find(|n| n.id == id)
+        .expect("leader")
+        .client_addr()
+}
+
+async fn lock_info(addr: &str, key: &str) -> Value {
+    let v = http_json(addr, &format!("/locks?prefix={key}"))
+        .await
+        .expect("locks");
+    v["locks"]
+        .as_array()
+        .and_then(|a| a.iter().find(|l| l["key"] == key).cloned())
+        .unwrap_or(Value::Null)
+}
+
+#[test]
+fn builder_rejects_bad_settings() {
+    let err = RaftLockClient::builder().build().unwrap_err();
+    assert!(matches!(err, ClientError::Config(_)), "{err}");
+    let err = RaftLockClient::builder()
+        .endpoint("no-port")
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("host:port"), "{err}");
+    let err = RaftLockClient::builder()
+        .endpoint("127.0.0.1:1")
+        .client_id("")
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("client id"), "{err}");
+    let err = RaftLockClient::builder()
+        .endpoint("127.0.0.1:1")
+        .default_ttl(Duration::from_secs(1))
+        .safety_margin(Duration::from_secs(2))
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("safety margin"), "{err}");
+    assert!(RaftLockClient::builder()
+        .endpoint("ws://127.0.0.1:50051/ws")
+        .build()
+        .is_ok());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_cluster_gives_up_within_the_policy() {
+    let c = RaftLockClient::builder()
+        .endpoint(format!("127.0.0.1:{}", free_port()))
+        .retry_policy(RetryPolicy {
+            max_elapsed: Duration::from_millis(500),
+            ..RetryPolicy::default()
+        })
+        .build()
+        .expect("client");
+    let started = Instant::now();
+    let err = c.acquire("k").await.unwrap_err();
+    assert!(matches!(err, ClientError::Unavailable { .. }), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquire_through_a_follower_then_release_and_kv() {
+    let cluster = Cluster::start(3);
+    let leader = cluster.wait_for_leader(Duration::from_secs(20)).await;
+    // Only a follower's address: the client must find the leader itself.
+    let follower = cluster
+        .nodes
+        .iter()
+        .find(|n| n.id != leader)
+        .expect("follower")
+        .client_addr();
+    let c = client(&[follower], "sdk-basic");
+    let lock = c.acquire("orders").await.expect("acquire");
+    assert!(lock.fencing_token() > 0);
+    assert!(lock.is_valid());
+    let other = client(&endpoints(&cluster), "sdk-other");
+    let none = other
+        .try_acquire("orders", Duration::from_secs(5), Duration::ZERO)
+        .await
+        .expect("try");
+    assert!(none.is_none(), "lock granted twice");
+    c.put("cfg/a", "1", Some(("orders", lock.fencing_token())))
+        .await
+        .expect("guarded put");
+    assert_eq!(c.get("cfg/a").await.expect("get").as_deref(), Some("1"));
+    let token = lock.fencing_token();
+    lock.release().await.expect("release");
+    let err = c.release("orders", token).await.unwrap_err();
+    assert!(err.is_not_holder(), "second release: {err}");
+    let next = other
+        .try_acquire("orders", Duration::from_secs(5), Duration::ZERO)
+        .await
+        .expect("try")
+        .expect("free after release");
+    assert!(next.fencing_token() > token);
+
+    let admin = AdminClient::new(endpoints(&cluster)).expect("admin");
+    let status = admin.status().await.expect("status");
+    assert_eq!(status["voters"].as_array().map(Vec::len), Some(3));
+    let health = admin.health().await;
+    assert!(health.iter().all(|(_, alive, _)| *alive), "{health:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_a_queued_wait() {
+    let cluster = Cluster::start(3);
+    leader_addr(&cluster).await;
+    let eps = endpoints(&cluster);
+    let holder = client(&eps, "sdk-holder");
+    let lock = holder.acquire("jobs").await.expect("acquire");
+    let adv = AdvancedClient::new(client(&eps, "sdk-waiter"));
+    let pending = adv.enqueue("jobs", Duration::from_secs(5), None, RetryPolicy::default());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let leader = leader_addr(&cluster).await;
+        if lock_info(&leader, "jobs").await["waiters"]
+            .as_array()
+            .is_some_and(|w| w.len() == 1)
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "waiter never queued");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    adv.cancel_wait(&pending).await.expect("cancel");
+    let err = pending.granted().await.unwrap_err();
+    assert!(matches!(err, ClientError::WaitTimeout { .. }), "{err}");
+    let leader = leader_addr(&cluster).await;
+    assert_eq!(lock_info(&leader, "jobs").await["waiters"], json!([]));
+    lock.release().await.expect("release");
+}
+
+/// The leader is SIGKILLed while an acquire waits in the queue: the acquire completes exactly
+/// once, with one token larger than the previous holder's, and no duplicate waiter remains.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leader_killed_during_an_acquire() {
+    let mut cluster = Cluster::start(3);
+    let leader = cluster.wait_for_leader(Duration::from_secs(20)).await;
+    let eps = endpoints(&cluster);
+    let a = client(&eps, "sdk-a");
+    let b = client(&eps, "sdk-b");
+    let first = a.acquire("batch").await.expect("a acquires");
+    let t1 = first.fencing_token();
+    let waiting = tokio::spawn(async move { b.acquire("batch").await });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let addr = cluster.node(leader).client_addr();
+        if lock_info(&addr, "batch").await["waiters"]
+            .as_array()
+            .is_some_and(|w| w.len() == 1)
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "b never queued");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    cluster.node(leader).kill();
+    // The previous holder releases through the new leader; the hand-off goes to b.
+    first.release().await.expect("release after failover");
+    let granted = tokio::time::timeout(Duration::from_secs(30), waiting)
+        .await
+        .expect("b granted in time")
+        .expect("task")
+        .expect("b acquires");
+    let t2 = granted.fencing_token();
+    assert!(t2 > t1, "token {t2} not above {t1}");
+    let new_leader = leader_addr(&cluster).await;
+    let info = lock_info(&new_leader, "batch").await;
+    assert_eq!(info["holder"], "sdk-b", "{info}");
+    assert_eq!(info["fencingToken"], t2, "{info}");
+    assert_eq!(
+        info["waiters"],
+        json!([]),
+        "a duplicate waiter remained: {info}"
+    );
+    granted.release().await.expect("release");
+}
+
+/// A holder cut off from the cluster is told it lost the lock before the cluster grants the
+/// lock to the next client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loss_signal_fires_before_anyone_else_is_granted() {
+    // Every node advertises a proxy as its client address, so the holder's client, including
+    // after redirects, reaches the cluster only through proxies that the test can cut.
+    let proxy_ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+    let ports = proxy_ports.clone();
+    let cluster = Cluster::start_with(3, move |n| {
+        vec![
+            "--advertise-client".into(),
+            format!("127.0.0.1:{}", ports[(n.id - 1) as usize]),
+        ]
+    });
+    let mut proxies = Vec::new();
+    for (node, port) in cluster.nodes.iter().zip(&proxy_ports) {
+        proxies.push(Proxy::start(*port, node.client_addr()).await);
+    }
+    cluster.wait_for_leader(Duration::from_secs(20)).await;
+    let holder = RaftLockClient::builder()
+        .endpoints(proxies.iter().map(|p| p.addr.clone()))
+        .client_id("cut-off-holder")
+        .default_ttl(Duration::from_secs(2))
+        .request_timeout(Duration::from_millis(500))
+        .build()
+        .expect("client");
+    let lock = holder.acquire("shard-7").await.expect("acquire");
+    let mut renewer = lock.auto_renew();
+    // Renewals keep the lock past its TTL while connected.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(!renewer.is_lost(), "lost while connected");
+    for p in &proxies {
+        p.cut();
+    }
+    let cut_at = Instant::now();
+    // The next client talks to the nodes directly and waits in the queue.
+    let direct = client(&endpoints(&cluster), "next-holder");
+    let next = tokio::spawn(async move {
+        let h = direct.acquire("shard-7").await;
+        (Instant::now(), h)
+    });
+    let reason = tokio::time::timeout(Duration::from_secs(10), renewer.lost())
+        .await
+        .expect("loss signalled");
+    let lost_at = Instant::now();
+    let (granted_at, next_lock) = tokio::time::timeout(Duration::from_secs(20), next)
+        .await
+        .expect("next holder granted")
+        .expect("task");
+    let next_lock = next_lock.expect("next acquires");
+    assert!(
+        lost_at < granted_at,
+        "loss signalled {:?} after the cut, but the next holder was granted at {:?}",
+        lost_at - cut_at,
+        granted_at - cut_at
+    );
+    assert!(next_lock.fencing_token() > lock.fencing_token());
+    eprintln!(
+        "loss ({reason}) at +{:?}, next grant at +{:?}",
+        lost_at - cut_at,
+        granted_at - cut_at
+    );
+    std::mem::forget(lock); // its release would go nowhere
+}
+
+/// A holder whose lease lapsed still has a token; the data store refuses its write once the
+/// next holder wrote with a newer one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_holder_write_is_refused_by_the_data_store() {
+    let cluster = Cluster::start(3);
+    cluster.wait_for_leader(Duration::from_secs(20)).await;
+    let store = DataStoreProc::start().await;
+    let eps = endpoints(&cluster);
+    let a = client(&eps, "writer-a");
+    let b = client(&eps, "writer-b");
+    let stale = a
+        .acquire_with("ledger", Duration::from_millis(500), None)
+        .await
+        .expect("a acquires");
+    let write = |client: &str, token: u64, data: &str| json!({"clientID": client, "fencingToken": {"key": "ledger", "value": token}, "data": data});
+    let (status, _) = post_json(
+        &store.addr,
+        "/write",
+        &write("writer-a", stale.fencing_token(), "a1"),
+    )
+    .await
+    .expect("write");
+    assert_eq!(status, 200);
+    // a pauses past its TTL (no renewal); the leader expires the lease and b gets the lock.
+    let fresh = b
+        .acquire_with(
+            "ledger",
+            Duration::from_secs(10),
+            Some(Duration::from_secs(10)),
+        )
+        .await
+        .expect("b acquires after expiry");
+    assert!(fresh.fencing_token() > stale.fencing_token());
+    assert!(!stale.is_valid(), "a's handle must know its lease is over");
+    let (status, _) = post_json(
+        &store.addr,
+        "/write",
+        &write("writer-b", fresh.fencing_token(), "b1"),
+    )
+    .await
+    .expect("write");
+    assert_eq!(status, 200);
+    let (status, body) = post_json(
+        &store.addr,
+        "/write",
+        &write("writer-a", stale.fencing_token(), "a2"),
+    )
+    .await
+    .expect("write");
+    assert_eq!(status, 409, "stale write accepted: {body}");
+    assert_eq!(body["current"], fresh.fencing_token());
+    std::mem::forget(stale);
+}
