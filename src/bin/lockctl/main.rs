@@ -1,0 +1,629 @@
+//! `lockctl`: RaftLock's command-line tool — a local cluster (`up`), lock and admin commands,
+//! `run` a command under a lock, a failover `demo`, and a workload `simulate`.
+
+mod local;
+mod run;
+mod simulate;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use raftlock::client::http::get_json;
+use raftlock::client::{AdminClient, ClientError, RaftLockClient};
+use raftlock::server::proto::peer::peer_client::PeerClient;
+use raftlock::server::proto::peer::{JoinClusterRequest, RemoveServerRequest};
+use serde_json::{json, Value};
+
+use local::{LocalCluster, Ports, INTERNAL_DATA_STORE, INTERNAL_LOCK_NODE};
+
+const DEFAULT_ENDPOINTS: &str = "127.0.0.1:50051,127.0.0.1:50052,127.0.0.1:50053";
+
+#[derive(Parser, Debug)]
+#[command(version, about = "RaftLock command-line tool")]
+struct Args {
+    /// Output format: human or json.
+    #[arg(long, global = true, default_value = "human", value_parser = ["human", "json"])]
+    output: String,
+    /// Client addresses of the cluster (any node; the leader is found automatically).
+    #[arg(long, global = true, env = "RAFTLOCK_ENDPOINTS", default_value = DEFAULT_ENDPOINTS, value_delimiter = ',')]
+    endpoints: Vec<String>,
+    /// Client id recorded as the holder (default: lockctl-<hostname>-<pid>, unique per
+    /// invocation; pass the id `acquire` printed to `release` and `renew`).
+    #[arg(long, global = true, env = "RAFTLOCK_CLIENT_ID")]
+    client_id: Option<String>,
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Run a local cluster of N lock nodes and the data store in the foreground. Node i listens
+    /// on peer port 8080+i and client port 50050+i, the data store on 8000. Starting again with
+    /// the same --data-dir resumes the same cluster. Stops cleanly on Ctrl-C or SIGTERM.
+    Up {
+        #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=7))]
+        nodes: u64,
+        #[arg(long, default_value = "./raftlock-dev")]
+        data_dir: PathBuf,
+        #[arg(long, default_value_t = 8000)]
+        data_store_port: u16,
+    },
+    /// Acquire a lock and print its fencing token. The lock stays held until released or until
+    /// its TTL passes.
+    Acquire {
+        key: String,
+        /// Lease length, e.g. 30s.
+        #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+        ttl: Duration,
+        /// Wait at most this long in the queue (default: do not wait).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        wait: Option<Duration>,
+    },
+    /// Release a lock held with TOKEN (use the same --client-id as for acquire).
+    Release {
+        key: String,
+        #[arg(long)]
+        token: u64,
+    },
+    /// Extend a held lock's lease.
+    Renew {
+        key: String,
+        #[arg(long)]
+        token: u64,
+        #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+        ttl: Duration,
+    },
+    /// Show a node's view of the cluster.
+    Status {
+        /// Ask this node (default: the first endpoint).
+        #[arg(long)]
+        endpoint: Option<String>,
+    },
+    /// List, add or remove cluster members.
+    Members {
+        #[command(subcommand)]
+        action: MembersCmd,
+    },
+    /// List held locks and their waiters.
+    Locks {
+        #[arg(long, default_value = "")]
+        prefix: String,
+    },
+    /// Read or write the replicated key-value store.
+    Kv {
+        #[command(subcommand)]
+        action: KvCmd,
+    },
+    /// Run CMD while holding KEY, renewing in the background. The command gets RAFTLOCK_KEY,
+    /// RAFTLOCK_FENCING_TOKEN and RAFTLOCK_CLIENT_ID; its whole process group is killed before
+    /// the lease could lapse if the lock is lost. Exits with the command's status, 75 if the
+    /// lock was not acquired within --wait, 76 if the lock was lost, 78 on other errors.
+    Run {
+        key: String,
+        #[arg(long, default_value = "15s", value_parser = humantime::parse_duration)]
+        ttl: Duration,
+        /// Wait at most this long for the lock (default: wait indefinitely).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        wait: Option<Duration>,
+        /// The command and its arguments (after `--`); run directly, not through a shell.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+        command: Vec<String>,
+    },
+    /// Start a throwaway 3-node cluster and data store, run contending clients that write with
+    /// their tokens, SIGKILL the leader half-way, and check that no stale write was accepted.
+    Demo {
+        #[arg(long, default_value_t = 8)]
+        clients: usize,
+        #[arg(long, default_value_t = 3)]
+        keys: usize,
+        #[arg(long, default_value = "12s", value_parser = humantime::parse_duration)]
+        duration: Duration,
+        /// Ports: peers base+1.., clients base+11.., data store base+20.
+        #[arg(long, default_value_t = 18000)]
+        port_base: u16,
+        #[arg(long)]
+        data_dir: Option<PathBuf>,
+    },
+    /// Many clients contending for a few keys against a running cluster, with a progress bar
+    /// and a summary (throughput, wait-time percentiles, grants per client).
+    Simulate {
+        #[arg(long, default_value_t = 16)]
+        clients: usize,
+        #[arg(long, default_value_t = 4)]
+        keys: usize,
+        #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+        duration: Duration,
+        #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+        ttl: Duration,
+        /// How long each client holds a lock before releasing it.
+        #[arg(long, default_value = "0ms", value_parser = humantime::parse_duration)]
+        hold: Duration,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum MembersCmd {
+    /// List members with their roles and addresses.
+    List,
+    /// Add a server as a learner (it is promoted once caught up). Talks to a peer port.
+    Add {
+        #[arg(long)]
+        id: u64,
+        /// The new server's peer address.
+        #[arg(long)]
+        peer_addr: String,
+        /// The new server's client address (for redirects).
+        #[arg(long, default_value = "")]
+        client_addr: String,
+        /// Any member's peer address.
+        #[arg(long, default_value = "127.0.0.1:8081")]
+        via: String,
+        #[arg(long, env = "RAFTLOCK_CLUSTER_TOKEN", default_value = "")]
+        cluster_token: String,
+    },
+    /// Remove a server from the cluster (the leader too: it steps down).
+    Remove {
+        #[arg(long)]
+        id: u64,
+        #[arg(long, default_value = "127.0.0.1:8081")]
+        via: String,
+        #[arg(long, env = "RAFTLOCK_CLUSTER_TOKEN", default_value = "")]
+        cluster_token: String,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum KvCmd {
+    /// Linearizable read.
+    Get { key: String },
+    /// Write; with --guard-key/--guard-token only while that token holds that lock.
+    Put {
+        key: String,
+        value: String,
+        #[arg(long, requires = "guard_token")]
+        guard_key: Option<String>,
+        #[arg(long, requires = "guard_key")]
+        guard_token: Option<u64>,
+    },
+}
+
+fn main() -> ExitCode {
+    // `lockctl up` runs its nodes and data store as child processes of this same executable, so
+    // `cargo run --bin lockctl -- up` needs no other binary built first.
+    let mut argv = std::env::args_os();
+    let _program = argv.next();
+    match argv.next().as_ref().and_then(|a| a.to_str()) {
+        Some(INTERNAL_LOCK_NODE) => {
+            return raftlock::server::cli::lock_node_main(
+                std::iter::once("lock-node".into()).chain(argv),
+            )
+        }
+        Some(INTERNAL_DATA_STORE) => {
+            return raftlock::datastore::cli::data_store_main(
+                std::iter::once("data-store".into()).chain(argv),
+            )
+        }
+        _ => {}
+    }
+    let args = Args::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(err) => {
+            eprintln!("lockctl: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(dispatch(args))
+}
+
+fn make_client(args: &Args) -> Result<RaftLockClient, ClientError> {
+    let mut b = RaftLockClient::builder().endpoints(args.endpoints.iter().cloned());
+    let id = args.client_id.clone().unwrap_or_else(|| {
+        let host = std::fs::read_to_string("/etc/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_default();
+        let host = if host.is_empty() { "local" } else { &host };
+        format!("lockctl-{host}-{}", std::process::id())
+    });
+    b = b.client_id(id);
+    b.build()
+}
+
+fn fail(e: impl std::fmt::Display) -> ExitCode {
+    eprintln!("lockctl: {e}");
+    ExitCode::FAILURE
+}
+
+fn emit(json_out: bool, value: Value, human: impl FnOnce()) {
+    if json_out {
+        println!("{value}");
+    } else {
+        human();
+    }
+}
+
+async fn dispatch(args: Args) -> ExitCode {
+    let json_out = args.output == "json";
+    let first = args.endpoints.first().cloned().unwrap_or_default();
+    match &args.command {
+        Cmd::Up {
+            nodes,
+            data_dir,
+            data_store_port,
+        } => up(*nodes, data_dir, *data_store_port).await,
+        Cmd::Status { endpoint } => {
+            show(endpoint.as_deref().unwrap_or(&first), "/status", json_out).await
+        }
+        Cmd::Locks { prefix } => match AdminClient::new(args.endpoints.clone()) {
+            Ok(admin) => match admin.locks(prefix).await {
+                Ok(v) => {
+                    emit(json_out, v.clone(), || print_human(&v, 0));
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail(e),
+            },
+            Err(e) => fail(e),
+        },
+        Cmd::Members { action } => members(&args, action, json_out).await,
+        Cmd::Acquire { key, ttl, wait } => {
+            let client = match make_client(&args) {
+                Ok(c) => c,
+                Err(e) => return fail(e),
+            };
+            match client
+                .try_acquire(key, *ttl, wait.unwrap_or(Duration::ZERO))
+                .await
+            {
+                Ok(Some(lock)) => {
+                    let token = lock.fencing_token();
+                    std::mem::forget(lock); // stays held after lockctl exits
+                    emit(
+                        json_out,
+                        json!({"acquired": true, "key": key, "fencingToken": token,
+                               "clientId": client.client_id(), "ttlMs": ttl.as_millis() as u64}),
+                        || {
+                            println!(
+                                "acquired {key}: fencing token {token}, client id {}, ttl {}",
+                                client.client_id(),
+                                humantime::format_duration(*ttl)
+                            )
+                        },
+                    );
+                    ExitCode::SUCCESS
+                }
+                Ok(None) => {
+                    emit(json_out, json!({"acquired": false, "key": key}), || {
+                        println!("{key} is held by someone else")
+                    });
+                    ExitCode::from(run::EXIT_NOT_ACQUIRED)
+                }
+                Err(e) => fail(e),
+            }
+        }
+        Cmd::Release { key, token } => match make_client(&args) {
+            Ok(c) => match c.release(key, *token).await {
+                Ok(()) => {
+                    emit(json_out, json!({"released": true, "key": key}), || {
+                        println!("released {key}")
+                    });
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail(e),
+            },
+            Err(e) => fail(e),
+        },
+        Cmd::Renew { key, token, ttl } => match make_client(&args) {
+            Ok(c) => match c.renew(key, *token, *ttl).await {
+                Ok(_) => {
+                    emit(json_out, json!({"renewed": true, "key": key}), || {
+                        println!("renewed {key} for {}", humantime::format_duration(*ttl))
+                    });
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail(e),
+            },
+            Err(e) => fail(e),
+        },
+        Cmd::Kv { action } => {
+            let client = match make_client(&args) {
+                Ok(c) => c,
+                Err(e) => return fail(e),
+            };
+            match action {
+                KvCmd::Get { key } => match client.get(key).await {
+                    Ok(v) => {
+                        emit(json_out, json!({"key": key, "value": v}), || match &v {
+                            Some(v) => println!("{v}"),
+                            None => println!("(not set)"),
+                        });
+                        ExitCode::SUCCESS
+                    }
+                    Err(e) => fail(e),
+                },
+                KvCmd::Put {
+                    key,
+                    value,
+                    guard_key,
+                    guard_token,
+                } => {
+                    let guard = guard_key.as_deref().zip(*guard_token);
+                    match client.put(key, value, guard).await {
+                        Ok(()) => {
+                            emit(json_out, json!({"stored": true, "key": key}), || {
+                                println!("stored {key}")
+                            });
+                            ExitCode::SUCCESS
+                        }
+                        Err(e) => fail(e),
+                    }
+                }
+            }
+        }
+        Cmd::Run {
+            key,
+            ttl,
+            wait,
+            command,
+        } => {
+            let client = match make_client(&args) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("lockctl run: {e}");
+                    return ExitCode::from(run::EXIT_ERROR);
+                }
+            };
+            run::run(
+                client,
+                run::RunArgs {
+                    key: key.clone(),
+                    ttl: *ttl,
+                    wait: *wait,
+                    command: command.clone(),
+                },
+            )
+            .await
+        }
+        Cmd::Demo {
+            clients,
+            keys,
+            duration,
+            port_base,
+            data_dir,
+        } => {
+            simulate::demo(simulate::DemoArgs {
+                clients: *clients,
+                keys: (*keys).max(1),
+                duration: *duration,
+                dir: data_dir.clone(),
+                port_base: *port_base,
+            })
+            .await
+        }
+        Cmd::Simulate {
+            clients,
+            keys,
+            duration,
+            ttl,
+            hold,
+        } => {
+            simulate::simulate(simulate::SimulateArgs {
+                endpoints: args.endpoints.clone(),
+                clients: *clients,
+                keys: *keys,
+                duration: *duration,
+                ttl: *ttl,
+                hold: *hold,
+                json: json_out,
+            })
+            .await
+        }
+    }
+}
+
+async fn members(args: &Args, action: &MembersCmd, json_out: bool) -> ExitCode {
+    match action {
+        MembersCmd::List => match AdminClient::new(args.endpoints.clone()) {
+            Ok(admin) => match admin.members().await {
+                Ok(v) => {
+                    emit(json_out, v.clone(), || print_human(&v, 0));
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail(e),
+            },
+            Err(e) => fail(e),
+        },
+        MembersCmd::Add {
+            id,
+            peer_addr,
+            client_addr,
+            via,
+            cluster_token,
+        } => {
+            let mut target = via.clone();
+            for _ in 0..5 {
+                let mut req = tonic::Request::new(JoinClusterRequest {
+                    server_id: *id,
+                    server_addr: peer_addr.clone(),
+                    client_addr: client_addr.clone(),
+                });
+                add_token(&mut req, cluster_token);
+                let reply = match PeerClient::connect(format!("http://{target}")).await {
+                    Ok(mut c) => c.join_cluster(req).await,
+                    Err(e) => return fail(format!("cannot reach {target}: {e}")),
+                };
+                match reply {
+                    Ok(r) => {
+                        let r = r.into_inner();
+                        if r.success {
+                            emit(json_out, json!({"added": id, "term": r.term}), || {
+                                println!("added server {id} ({peer_addr}) as a learner; it is promoted once caught up")
+                            });
+                            return ExitCode::SUCCESS;
+                        }
+                        if !r.leader_addr.is_empty() && r.leader_addr != target {
+                            target = r.leader_addr;
+                            continue;
+                        }
+                        return fail(format!("join refused: {}", r.error));
+                    }
+                    Err(status) => return fail(format!("join failed: {}", status.message())),
+                }
+            }
+            fail("no leader found within 5 hops")
+        }
+        MembersCmd::Remove {
+            id,
+            via,
+            cluster_token,
+        } => {
+            let mut target = via.clone();
+            for _ in 0..5 {
+                let mut req = tonic::Request::new(RemoveServerRequest { server_id: *id });
+                add_token(&mut req, cluster_token);
+                let reply = match PeerClient::connect(format!("http://{target}")).await {
+                    Ok(mut c) => c.remove_server(req).await,
+                    Err(e) => return fail(format!("cannot reach {target}: {e}")),
+                };
+                match reply {
+                    Ok(r) => {
+                        let r = r.into_inner();
+                        if r.success {
+                            emit(json_out, json!({"removed": id}), || {
+                                println!("removed server {id}")
+                            });
+                            return ExitCode::SUCCESS;
+                        }
+                        if !r.leader_addr.is_empty() && r.leader_addr != target {
+                            target = r.leader_addr;
+                            continue;
+                        }
+                        return fail(format!("remove refused: {}", r.error));
+                    }
+                    Err(status) => return fail(format!("remove failed: {}", status.message())),
+                }
+            }
+            fail("no leader found within 5 hops")
+        }
+    }
+}
+
+fn add_token<T>(req: &mut tonic::Request<T>, token: &str) {
+    if token.is_empty() {
+        return;
+    }
+    if let Ok(v) = token.parse() {
+        req.metadata_mut().insert("x-raftlock-cluster-token", v);
+    }
+}
+
+async fn up(nodes: u64, data_dir: &std::path::Path, data_store_port: u16) -> ExitCode {
+    let mut cluster = match LocalCluster::start(nodes, data_dir, Ports::standard(data_store_port)) {
+        Ok(c) => c,
+        Err(e) => return fail(e),
+    };
+    println!(
+        "RaftLock dev cluster ({nodes} nodes), data in {}",
+        data_dir.display()
+    );
+    for i in 1..=nodes {
+        println!(
+            "  node {i}: ws://127.0.0.1:{c}/ws  gRPC/HTTP 127.0.0.1:{c}  peer 127.0.0.1:{p}",
+            c = 50050 + i,
+            p = 8080 + i
+        );
+    }
+    println!("  data store: http://127.0.0.1:{data_store_port}/write");
+    match cluster.wait_for_leader(Duration::from_secs(30)).await {
+        Some((id, term)) => println!("  leader: node {id} (term {term})"),
+        None => println!(
+            "  no leader yet; see the node logs in {}",
+            data_dir.display()
+        ),
+    }
+    println!("Press Ctrl-C to stop.");
+    let code = supervise(&mut cluster).await;
+    cluster.stop();
+    println!("stopped");
+    code
+}
+
+/// Waits for Ctrl-C / SIGTERM, reporting children that exit on their own.
+async fn supervise(cluster: &mut LocalCluster) -> ExitCode {
+    use tokio::signal::unix::{signal, SignalKind};
+    let Ok(mut term) = signal(SignalKind::terminate()) else {
+        return ExitCode::FAILURE;
+    };
+    let mut ticker = tokio::time::interval(Duration::from_millis(500));
+    loop {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => return ExitCode::SUCCESS,
+            _ = term.recv() => return ExitCode::SUCCESS,
+            _ = ticker.tick() => {
+                if let Some(what) = cluster.exited() {
+                    eprintln!("lockctl: {what}; see its log in {}", cluster.dir.display());
+                    return ExitCode::FAILURE;
+                }
+            }
+        }
+    }
+}
+
+async fn show(endpoint: &str, path: &str, json: bool) -> ExitCode {
+    match get_json(endpoint, path).await {
+        Ok((200, value)) => {
+            if json {
+                println!("{value}");
+            } else {
+                print_human(&value, 0);
+            }
+            ExitCode::SUCCESS
+        }
+        Ok((status, value)) => {
+            eprintln!("lockctl: {endpoint}{path} answered {status}: {value}");
+            ExitCode::FAILURE
+        }
+        Err(err) => {
+            eprintln!("lockctl: {err}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn print_human(value: &Value, indent: usize) {
+    let pad = " ".repeat(indent);
+    match value {
+        Value::Object(map) => {
+            for (k, v) in map {
+                if v.is_object()
+                    || (v.is_array()
+                        && v.as_array()
+                            .is_some_and(|a| a.iter().any(|x| x.is_object())))
+                {
+                    println!("{pad}{k}:");
+                    print_human(v, indent + 2);
+                } else {
+                    println!("{pad}{k}: {}", scalar(v));
+                }
+            }
+        }
+        Value::Array(items) => {
+            for item in items {
+                println!("{pad}-");
+                print_human(item, indent + 2);
+            }
+        }
+        other => println!("{pad}{}", scalar(other)),
+    }
+}
+
+fn scalar(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}

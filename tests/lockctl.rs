@@ -1,0 +1,233 @@
+//! `lockctl` end to end: `run` never lets two commands overlap on one key, a lost lock kills the
+//! command's whole process group, and `demo` passes.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const LOCKCTL: &str = env!("CARGO_BIN_EXE_lockctl");
+
+fn lockctl(endpoints: &[String]) -> Command {
+    let mut c = Command::new(LOCKCTL);
+    c.args(["--endpoints", &endpoints.join(",")]);
+    c
+}
+
+/// Reads `start <ns>` / `stop <ns>` lines into intervals, one per run.
+fn intervals(path: &Path) -> Vec<(u128, u128, String)> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let mut out = Vec::new();
+    let mut open: Option<(u128, String)> = None;
+    for line in text.lines() {
+        let parts: Vec<&str> = line.split_whitespace().collect();
+        match parts.as_slice() {
+            ["start", t, token] => {
+                assert!(open.is_none(), "two commands ran at once:\n{text}");
+                open = Some((t.parse().expect("ns"), token.to_string()));
+            }
+            ["stop", t, _] => {
+                let (s, token) = open.take().expect("stop without start");
+                out.push((s, t.parse().expect("ns"), token));
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+#[test]
+fn two_runs_on_one_key_never_overlap() {
+    let cluster = Cluster::start(3);
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(cluster.wait_for_leader(Duration::from_secs(20)));
+    let eps = endpoints(&cluster);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let log = dir.path().join("runs.log");
+    // Each command appends start/stop lines with its token; overlapping runs would interleave.
+    let script = format!(
+        "echo start $(date +%s%N) $RAFTLOCK_FENCING_TOKEN >> {0}; sleep 0.3; echo stop $(date +%s%N) $RAFTLOCK_FENCING_TOKEN >> {0}",
+        log.display()
+    );
+    let mut children = Vec::new();
+    for _ in 0..3 {
+        children.push(
+            lockctl(&eps)
+                .args([
+                    "run",
+                    "nightly-report",
+                    "--ttl",
+                    "5s",
+                    "--",
+                    "sh",
+                    "-c",
+                    &script,
+                ])
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("spawn lockctl run"),
+        );
+    }
+    for mut c in children {
+        let status = c.wait().expect("wait");
+        assert!(status.success(), "lockctl run failed: {status}");
+    }
+    let runs = intervals(&log);
+    assert_eq!(runs.len(), 3, "every run must have held the lock once");
+    let mut tokens: Vec<u64> = runs.iter().map(|r| r.2.parse().expect("token")).collect();
+    let sorted = {
+        let mut t = tokens.clone();
+        t.sort_unstable();
+        t
+    };
+    assert_eq!(
+        tokens, sorted,
+        "runs must hold increasing tokens in order: {runs:?}"
+    );
+    tokens.dedup();
+    assert_eq!(tokens.len(), 3, "tokens must differ: {runs:?}");
+}
+
+#[test]
+fn exit_codes_for_not_acquired_and_child_status() {
+    let cluster = Cluster::start(3);
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(cluster.wait_for_leader(Duration::from_secs(20)));
+    let eps = endpoints(&cluster);
+    let status = lockctl(&eps)
+        .args(["run", "k", "--", "sh", "-c", "exit 7"])
+        .status()
+        .expect("run");
+    assert_eq!(
+        status.code(),
+        Some(7),
+        "the command's exit status is passed on"
+    );
+    let holder = lockctl(&eps)
+        .args(["--client-id", "holder", "acquire", "busy", "--ttl", "30s"])
+        .output()
+        .expect("acquire");
+    assert!(holder.status.success());
+    let status = lockctl(&eps)
+        .args(["run", "busy", "--wait", "200ms", "--", "true"])
+        .stderr(Stdio::null())
+        .status()
+        .expect("run");
+    assert_eq!(status.code(), Some(75), "not acquired");
+    let status = lockctl(&eps)
+        .args(["run", "k", "--", "/nonexistent/command"])
+        .stderr(Stdio::null())
+        .status()
+        .expect("run");
+    assert_eq!(status.code(), Some(78), "command cannot start");
+}
+
+fn is_running(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the parenthesised command name; Z is a zombie (dead, not reaped).
+        Ok(stat) => stat
+            .rsplit_once(") ")
+            .is_some_and(|(_, rest)| !rest.starts_with('Z')),
+        Err(_) => false,
+    }
+}
+
+#[test]
+fn lost_lock_kills_the_process_group() {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let proxy_ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+    let ports = proxy_ports.clone();
+    let cluster = Cluster::start_with(3, move |n| {
+        vec![
+            "--advertise-client".into(),
+            format!("127.0.0.1:{}", ports[(n.id - 1) as usize]),
+        ]
+    });
+    let proxies: Vec<Proxy> = rt.block_on(async {
+        let mut v = Vec::new();
+        for (node, port) in cluster.nodes.iter().zip(&proxy_ports) {
+            v.push(Proxy::start(*port, node.client_addr()).await);
+        }
+        cluster.wait_for_leader(Duration::from_secs(20)).await;
+        v
+    });
+    let via: Vec<String> = proxies.iter().map(|p| p.addr.clone()).collect();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pids = dir.path().join("pids");
+    // The command starts a background grandchild in its group and records both pids.
+    let script = format!(
+        "sleep 300 & echo $! >> {0}; echo $$ >> {0}; wait",
+        pids.display()
+    );
+    let mut run = lockctl(&via)
+        .args(["run", "shard-1", "--ttl", "2s", "--", "sh", "-c", &script])
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while std::fs::read_to_string(&pids).map_or(0, |t| t.lines().count()) < 2 {
+        assert!(Instant::now() < deadline, "command never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let recorded: Vec<u32> = std::fs::read_to_string(&pids)
+        .expect("pids")
+        .lines()
+        .map(|l| l.trim().parse().expect("pid"))
+        .collect();
+    std::thread::sleep(Duration::from_millis(2500)); // renewals keep it alive past one TTL
+    assert!(
+        recorded.iter().all(|&p| is_running(p)),
+        "killed while the lock was held"
+    );
+    for p in &proxies {
+        p.cut();
+    }
+    let cut = Instant::now();
+    let status = loop {
+        if let Some(s) = run.try_wait().expect("wait") {
+            break s;
+        }
+        assert!(
+            cut.elapsed() < Duration::from_secs(10),
+            "lockctl did not give up"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(76), "lock lost");
+    // The TTL is 2 s; the group must be gone well before the lease could lapse on the server.
+    assert!(
+        cut.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        cut.elapsed()
+    );
+    std::thread::sleep(Duration::from_millis(100));
+    for p in recorded {
+        assert!(!is_running(p), "process {p} of the group survived");
+    }
+}
+
+#[test]
+fn demo_passes() {
+    // Find 21 consecutive free ports for the demo's cluster and data store.
+    let base = (0..50)
+        .map(|_| free_port().saturating_sub(30))
+        .find(|&b| {
+            b > 1024 && (b..=b + 20).all(|p| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok())
+        })
+        .expect("free port range");
+    let out = Command::new(LOCKCTL)
+        .args(["demo", "--duration", "6s", "--port-base", &base.to_string()])
+        .output()
+        .expect("demo");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "demo failed:\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("stale writes accepted: 0"), "{text}");
+    assert!(text.contains("failovers: 1"), "{text}");
+}
