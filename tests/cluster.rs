@@ -355,6 +355,41 @@ async fn bad_input_gets_errors_and_changes_nothing() {
             &text[..text.len().min(60)]
         );
     }
+    // The same over gRPC: an error code each, nothing proposed.
+    let mut grpc = LockServiceClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+    let grpc_cases = vec![
+        (String::new(), "g", 1_000u64, "INVALID_REQUEST"),
+        ("k".repeat(100_000), "g", 1_000, "TOO_LARGE"),
+        ("k".into(), "", 1_000, "INVALID_REQUEST"),
+        ("k".into(), "g", u64::MAX, "INVALID_REQUEST"),
+    ];
+    for (key, owner, ttl, code) in grpc_cases {
+        let r = grpc
+            .acquire_lock(AcquireLockRequest {
+                resource_name: key.clone(),
+                owner_id: owner.into(),
+                client_timeout_ms: 0,
+                request_id: "bad".into(),
+                ttl_ms: ttl,
+            })
+            .await;
+        match r {
+            Ok(resp) => {
+                let resp = resp.into_inner();
+                assert!(!resp.acquired);
+                assert_eq!(
+                    resp.error_code,
+                    code,
+                    "key {} bytes, owner {owner:?}, ttl {ttl}",
+                    key.len()
+                );
+            }
+            // A message over the transport's size limit is refused by gRPC itself.
+            Err(status) => assert!(key.len() > 1000, "unexpected gRPC failure: {status}"),
+        }
+    }
     // Nothing was proposed.
     let after = http_json(&addr, "/status").await.unwrap()["commitIndex"]
         .as_u64()
