@@ -12,11 +12,15 @@
 
 #![forbid(unsafe_code)]
 
+#[cfg(feature = "client")]
 pub mod client;
+#[cfg(feature = "server")]
 pub mod datastore;
 pub mod lock;
 pub mod raft;
+#[cfg(feature = "server")]
 pub mod server;
 pub mod sim;
 pub mod storage;
+#[cfg(feature = "server")]
 pub mod telemetry;

@@ -172,9 +172,18 @@ fn default_client_id() -> String {
     )
 }
 
+/// A value that differs between processes and calls (std's randomly keyed hasher, fed the
+/// time), for client ids and request-id prefixes; not for anything secret.
 fn random_u64() -> u64 {
-    use rand::RngCore;
-    rand::rng().next_u64()
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.write_u32(std::process::id());
+    h.finish()
 }
 
 struct Inner {

@@ -120,6 +120,7 @@ pub enum StorageError {
 
 impl StorageError {
     /// Wraps a sled error, keeping I/O errors as I/O.
+    #[cfg(feature = "server")]
     pub(crate) fn sled(action: &'static str, error: sled::Error) -> StorageError {
         match error {
             sled::Error::Io(source) => StorageError::Io { action, source },

@@ -17,14 +17,17 @@
 //! an undecodable record is a [`StorageError`] that names the tree, the key and what is wrong. It
 //! never silently drops or repairs data either; repairs are for an operator to decide.
 
+#[cfg_attr(not(feature = "server"), allow(dead_code))]
 mod codec;
 mod error;
 mod memory;
+#[cfg(feature = "server")]
 mod sled_store;
 
 pub use codec::{decode_snapshot_data, encode_snapshot_data};
 pub use error::StorageError;
 pub use memory::MemStorage;
+#[cfg(feature = "server")]
 pub use sled_store::SledStorage;
 
 use crate::raft::{
