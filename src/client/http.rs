@@ -99,11 +99,15 @@ fn dechunk(body: &str) -> String {
         let Ok(n) = usize::from_str_radix(size.trim(), 16) else {
             break;
         };
-        if n == 0 || after.len() < n {
+        // `get` refuses a length that does not end on a character boundary instead of panicking.
+        let (Some(chunk), Some(tail)) = (after.get(..n), after.get(n..)) else {
+            break;
+        };
+        if n == 0 {
             break;
         }
-        out.push_str(&after[..n]);
-        rest = after[n..].trim_start_matches("\r\n");
+        out.push_str(chunk);
+        rest = tail.trim_start_matches("\r\n");
     }
     out
 }
