@@ -399,3 +399,47 @@ async fn bad_input_gets_errors_and_changes_nothing() {
     let ok = ws_request(&mut ws, &acquire("fine", "c", "r", 1_000)).await;
     assert_eq!(ok["success"], true, "{ok}");
 }
+
+/// SIGTERM on the leader: leadership moves to another node, the process exits 0, held locks
+/// keep holder and token, and the node comes back with its data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_on_the_leader_hands_over_and_exits_cleanly() {
+    let mut cluster = Cluster::start(3);
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let addr = cluster.node(leader).client_addr();
+    let mut ws = ws_connect(&addr).await;
+    let held = ws_request(&mut ws, &acquire("kept", "holder", "h1", 60_000)).await;
+    let token = token_of(&held);
+    let term_before = http_json(&addr, "/status").await.unwrap()["term"]
+        .as_u64()
+        .unwrap();
+    let status = cluster.node(leader).terminate().expect("exit status");
+    assert!(status.success(), "lock-node exited with {status}");
+    let new_leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    assert_ne!(new_leader, leader);
+    let new_addr = cluster.node(new_leader).client_addr();
+    let s = http_json(&new_addr, "/status").await.unwrap();
+    assert!(s["term"].as_u64().unwrap() > term_before);
+    let log = cluster.log_of(leader);
+    assert!(
+        log.contains("transfer"),
+        "the leader should hand over before exiting; its log:\n{log}"
+    );
+    let locks = http_json(&new_addr, "/locks").await.unwrap();
+    assert_eq!(locks["locks"][0]["holder"], "holder", "{locks}");
+    assert_eq!(locks["locks"][0]["fencingToken"], token, "{locks}");
+    cluster.node(leader).start();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Ok(s) = http_json(&cluster.node(leader).client_addr(), "/locks").await {
+            if s["locks"][0]["fencingToken"] == token {
+                break;
+            }
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "restarted node did not recover the lock"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
