@@ -30,16 +30,17 @@ const SNAPSHOT_VERSION: u8 = 1;
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 struct Holder {
-    client_id: String,
-    request_id: String,
+    // Boxed strings: 16 bytes each instead of 24, for a million held locks.
+    client_id: Box<str>,
+    request_id: Box<str>,
     token: u64,
     ttl_ms: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 struct Waiter {
-    client_id: String,
-    request_id: String,
+    client_id: Box<str>,
+    request_id: Box<str>,
     ttl_ms: u64,
     wait_timeout_ms: Option<u64>,
 }
@@ -147,8 +148,8 @@ impl LockStateMachine {
         let h = self.locks.get(key)?.holder.as_ref()?;
         Some(HeldLock {
             key: key.to_string(),
-            client_id: h.client_id.clone(),
-            request_id: h.request_id.clone(),
+            client_id: h.client_id.to_string(),
+            request_id: h.request_id.to_string(),
             token: h.token,
             ttl_ms: h.ttl_ms,
         })
@@ -166,8 +167,8 @@ impl LockStateMachine {
             .flat_map(|(key, entry)| {
                 entry.waiters.iter().map(move |w| WaiterInfo {
                     key: key.clone(),
-                    client_id: w.client_id.clone(),
-                    request_id: w.request_id.clone(),
+                    client_id: w.client_id.to_string(),
+                    request_id: w.request_id.to_string(),
                     wait_timeout_ms: w.wait_timeout_ms,
                 })
             })
@@ -384,7 +385,7 @@ impl LockStateMachine {
         entry
             .waiters
             .iter()
-            .position(|w| w.client_id == client && w.request_id == request)
+            .position(|w| *w.client_id == *client && *w.request_id == *request)
             .map(|p| p as u32 + 1)
     }
 
@@ -407,8 +408,8 @@ impl LockStateMachine {
                 self.fencing_seq += 1;
                 let token = self.fencing_seq;
                 entry.holder = Some(Holder {
-                    client_id: client_id.to_string(),
-                    request_id: request_id.to_string(),
+                    client_id: client_id.into(),
+                    request_id: request_id.into(),
                     token,
                     ttl_ms,
                 });
@@ -423,7 +424,7 @@ impl LockStateMachine {
                     ttl_ms,
                 }
             }
-            Some(holder) if holder.client_id == client_id => Outcome::AlreadyHeld {
+            Some(holder) if *holder.client_id == *client_id => Outcome::AlreadyHeld {
                 token: FencingToken {
                     key: key.to_string(),
                     value: holder.token,
@@ -431,7 +432,11 @@ impl LockStateMachine {
                 ttl_ms: holder.ttl_ms,
             },
             Some(_) => {
-                if let Some(p) = entry.waiters.iter().position(|w| w.client_id == client_id) {
+                if let Some(p) = entry
+                    .waiters
+                    .iter()
+                    .position(|w| *w.client_id == *client_id)
+                {
                     return Outcome::AlreadyQueued {
                         position: p as u32 + 1,
                     };
@@ -446,8 +451,8 @@ impl LockStateMachine {
                     );
                 }
                 entry.waiters.push_back(Waiter {
-                    client_id: client_id.to_string(),
-                    request_id: request_id.to_string(),
+                    client_id: client_id.into(),
+                    request_id: request_id.into(),
                     ttl_ms,
                     wait_timeout_ms,
                 });
@@ -467,7 +472,7 @@ impl LockStateMachine {
             Some(h) if h.token != token => Err(Outcome::StaleToken {
                 current: Some(h.token),
             }),
-            Some(h) if h.client_id != client_id => Err(Outcome::NotHolder),
+            Some(h) if *h.client_id != *client_id => Err(Outcome::NotHolder),
             Some(_) => Ok(()),
         }
     }
@@ -508,7 +513,7 @@ impl LockStateMachine {
         match holder {
             Some(h) if h.token == token => {
                 events.push(Event::Expired {
-                    client_id: h.client_id.clone(),
+                    client_id: h.client_id.to_string(),
                     token: FencingToken {
                         key: key.to_string(),
                         value: token,
@@ -516,7 +521,7 @@ impl LockStateMachine {
                 });
                 self.vacate(key, events);
                 Outcome::Expired {
-                    client_id: h.client_id,
+                    client_id: h.client_id.into(),
                 }
             }
             Some(h) => Outcome::StaleToken {
@@ -556,8 +561,8 @@ impl LockStateMachine {
             };
             self.update_record(&next.client_id, &next.request_id, granted);
             events.push(Event::Granted {
-                client_id: next.client_id,
-                request_id: next.request_id,
+                client_id: next.client_id.into(),
+                request_id: next.request_id.into(),
                 token,
                 ttl_ms: next.ttl_ms,
             });
@@ -578,7 +583,7 @@ impl LockStateMachine {
         let Some(pos) = entry
             .waiters
             .iter()
-            .position(|w| w.client_id == client_id && w.request_id == request_id)
+            .position(|w| *w.client_id == *client_id && *w.request_id == *request_id)
         else {
             return Outcome::NotWaiting;
         };

@@ -1,1 +1,1014 @@
+//! Tests of the lock state machine: a model-based test against a small reference model, with
+//! snapshot/restore and restarts mixed in; determinism (same log, same bytes; restore from a
+//! snapshot at every index); and one targeted test per guarantee of DESIGN.md §4.
+//!
+//! Randomness comes from a seeded splitmix64 so every failure names its seed and replays exactly.
 
+use std::collections::{BTreeMap, VecDeque};
+
+use super::command::{Command, FencingToken};
+use super::limits::Limits;
+use super::machine::LockStateMachine;
+use super::outcome::{Event, Outcome, RejectCode};
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
+        &items[self.below(items.len() as u64) as usize]
+    }
+}
+
+// ----- the reference model -----------------------------------------------------------------
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct MHolder {
+    client: String,
+    token: u64,
+    ttl: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct MWaiter {
+    client: String,
+    request: String,
+    ttl: u64,
+}
+
+/// The rules of DESIGN.md §4 written as plainly as possible, independently of `machine.rs`.
+#[derive(Clone, Debug, Default)]
+struct Model {
+    limits: Limits,
+    seq: u64,
+    holders: BTreeMap<String, MHolder>,
+    queues: BTreeMap<String, VecDeque<MWaiter>>,
+    data: BTreeMap<String, Vec<u8>>,
+    /// Remembered outcomes, oldest first.
+    dedupe: VecDeque<((String, String), Outcome)>,
+}
+
+impl Model {
+    fn new(limits: Limits) -> Self {
+        Model {
+            limits,
+            ..Default::default()
+        }
+    }
+
+    fn remembered(&self, client: &str, request: &str) -> Option<Outcome> {
+        self.dedupe
+            .iter()
+            .find(|((c, r), _)| c == client && r == request)
+            .map(|(_, o)| o.clone())
+    }
+
+    fn remember(&mut self, client: &str, request: &str, outcome: Outcome) {
+        if request.is_empty() {
+            return;
+        }
+        self.dedupe
+            .push_back(((client.into(), request.into()), outcome));
+        while self.dedupe.len() > self.limits.dedupe_entries_max {
+            self.dedupe.pop_front();
+        }
+    }
+
+    fn rewrite(&mut self, client: &str, request: &str, outcome: Outcome) {
+        for ((c, r), o) in self.dedupe.iter_mut() {
+            if c == client && r == request {
+                *o = outcome.clone();
+            }
+        }
+    }
+
+    fn position(&self, key: &str, client: &str, request: &str) -> Option<u32> {
+        self.queues.get(key).and_then(|q| {
+            q.iter()
+                .position(|w| w.client == client && w.request == request)
+                .map(|p| p as u32 + 1)
+        })
+    }
+
+    fn keys_in_use(&self) -> usize {
+        let mut keys: Vec<&String> = self.holders.keys().collect();
+        keys.extend(
+            self.queues
+                .iter()
+                .filter(|(_, q)| !q.is_empty())
+                .map(|(k, _)| k),
+        );
+        keys.sort();
+        keys.dedup();
+        keys.len()
+    }
+
+    /// The holder leaves; the first waiter takes over with a new token.
+    fn hand_off(&mut self, key: &str) {
+        self.holders.remove(key);
+        let next = self.queues.get_mut(key).and_then(VecDeque::pop_front);
+        if let Some(w) = next {
+            self.seq += 1;
+            self.holders.insert(
+                key.into(),
+                MHolder {
+                    client: w.client.clone(),
+                    token: self.seq,
+                    ttl: w.ttl,
+                },
+            );
+            let granted = Outcome::Granted {
+                token: FencingToken {
+                    key: key.into(),
+                    value: self.seq,
+                },
+                ttl_ms: w.ttl,
+            };
+            self.rewrite(&w.client, &w.request, granted);
+        }
+    }
+
+    fn holder_check(&self, key: &str, client: &str, token: u64) -> Option<Outcome> {
+        match self.holders.get(key) {
+            None => Some(Outcome::StaleToken { current: None }),
+            Some(h) if h.token != token => Some(Outcome::StaleToken {
+                current: Some(h.token),
+            }),
+            Some(h) if h.client != client => Some(Outcome::NotHolder),
+            Some(_) => None,
+        }
+    }
+
+    fn apply(&mut self, cmd: &Command) -> Outcome {
+        // Inputs in these tests are always within the size limits; see the targeted tests.
+        if let Some((client, request)) = ids(cmd) {
+            if let Some(o) = self.remembered(client, request) {
+                if let (Outcome::Queued { .. }, Some(pos)) =
+                    (&o, self.position(cmd.key(), client, request))
+                {
+                    return Outcome::Queued { position: pos };
+                }
+                return o;
+            }
+        }
+        let out = match cmd {
+            Command::Acquire {
+                key,
+                client_id,
+                request_id,
+                ttl_ms,
+                wait_timeout_ms,
+            } => match self.holders.get(key) {
+                None => {
+                    if self.keys_in_use() >= self.limits.locks_held_max {
+                        return Outcome::Rejected {
+                            code: RejectCode::LimitReached,
+                            message: String::new(),
+                        };
+                    }
+                    self.seq += 1;
+                    self.holders.insert(
+                        key.clone(),
+                        MHolder {
+                            client: client_id.clone(),
+                            token: self.seq,
+                            ttl: *ttl_ms,
+                        },
+                    );
+                    Outcome::Granted {
+                        token: FencingToken {
+                            key: key.clone(),
+                            value: self.seq,
+                        },
+                        ttl_ms: *ttl_ms,
+                    }
+                }
+                Some(h) if &h.client == client_id => Outcome::AlreadyHeld {
+                    token: FencingToken {
+                        key: key.clone(),
+                        value: h.token,
+                    },
+                    ttl_ms: h.ttl,
+                },
+                Some(_) => {
+                    let q = self.queues.entry(key.clone()).or_default();
+                    if let Some(p) = q.iter().position(|w| &w.client == client_id) {
+                        return Outcome::AlreadyQueued {
+                            position: p as u32 + 1,
+                        };
+                    }
+                    if *wait_timeout_ms == Some(0) {
+                        return Outcome::Busy;
+                    }
+                    if q.len() >= self.limits.waiters_per_key_max {
+                        return Outcome::Rejected {
+                            code: RejectCode::QueueFull,
+                            message: String::new(),
+                        };
+                    }
+                    q.push_back(MWaiter {
+                        client: client_id.clone(),
+                        request: request_id.clone(),
+                        ttl: *ttl_ms,
+                    });
+                    Outcome::Queued {
+                        position: q.len() as u32,
+                    }
+                }
+            },
+            Command::Release {
+                key,
+                client_id,
+                token,
+                ..
+            } => match self.holder_check(key, client_id, token.value) {
+                Some(refusal) => refusal,
+                None => {
+                    self.hand_off(key);
+                    Outcome::Released
+                }
+            },
+            Command::Renew {
+                key,
+                client_id,
+                token,
+                ttl_ms,
+                ..
+            } => match self.holder_check(key, client_id, token.value) {
+                Some(refusal) => refusal,
+                None => {
+                    if let Some(h) = self.holders.get_mut(key) {
+                        h.ttl = *ttl_ms;
+                    }
+                    Outcome::Renewed {
+                        token: token.clone(),
+                        ttl_ms: *ttl_ms,
+                    }
+                }
+            },
+            Command::CancelWait {
+                key,
+                client_id,
+                request_id,
+            } => {
+                let Some(pos) = self.position(key, client_id, request_id) else {
+                    return Outcome::NotWaiting;
+                };
+                if let Some(q) = self.queues.get_mut(key) {
+                    q.remove(pos as usize - 1);
+                }
+                self.rewrite(client_id, request_id, Outcome::WaitCancelled);
+                Outcome::WaitCancelled
+            }
+            Command::Expire { key, token } => match self.holders.get(key) {
+                Some(h) if h.token == *token => {
+                    let client_id = h.client.clone();
+                    self.hand_off(key);
+                    Outcome::Expired { client_id }
+                }
+                Some(h) => Outcome::StaleToken {
+                    current: Some(h.token),
+                },
+                None => Outcome::StaleToken { current: None },
+            },
+            Command::Put {
+                key, value, guard, ..
+            } => {
+                if let Some(g) = guard {
+                    let current = self.holders.get(&g.key).map(|h| h.token);
+                    if current != Some(g.value) {
+                        return Outcome::GuardRejected { current };
+                    }
+                }
+                if !self.data.contains_key(key) && self.data.len() >= self.limits.data_entries_max {
+                    return Outcome::Rejected {
+                        code: RejectCode::LimitReached,
+                        message: String::new(),
+                    };
+                }
+                self.data.insert(key.clone(), value.clone());
+                Outcome::Stored
+            }
+            Command::Delete { key, guard, .. } => {
+                if let Some(g) = guard {
+                    let current = self.holders.get(&g.key).map(|h| h.token);
+                    if current != Some(g.value) {
+                        return Outcome::GuardRejected { current };
+                    }
+                }
+                Outcome::Deleted {
+                    existed: self.data.remove(key).is_some(),
+                }
+            }
+        };
+        if out.is_recorded() {
+            if let Some((c, r)) = ids(cmd) {
+                self.remember(c, r, out.clone());
+            }
+        }
+        out
+    }
+}
+
+fn ids(cmd: &Command) -> Option<(&str, &str)> {
+    match cmd {
+        Command::Acquire {
+            client_id,
+            request_id,
+            ..
+        }
+        | Command::Release {
+            client_id,
+            request_id,
+            ..
+        }
+        | Command::Renew {
+            client_id,
+            request_id,
+            ..
+        }
+        | Command::Put {
+            client_id,
+            request_id,
+            ..
+        }
+        | Command::Delete {
+            client_id,
+            request_id,
+            ..
+        } if !request_id.is_empty() => Some((client_id, request_id)),
+        _ => None,
+    }
+}
+
+/// Rejection messages are for humans; compare codes only.
+fn normalize(o: Outcome) -> Outcome {
+    match o {
+        Outcome::Rejected { code, .. } => Outcome::Rejected {
+            code,
+            message: String::new(),
+        },
+        other => other,
+    }
+}
+
+// ----- random operations ---------------------------------------------------------------------
+
+const KEYS: &[&str] = &["a", "b", "c"];
+const CLIENTS: &[&str] = &["c1", "c2", "c3", "c4"];
+
+/// A random command. Tokens are drawn near the current sequence so that current, stale and
+/// future tokens all occur; request ids come from a small pool so retries happen often.
+fn random_command(rng: &mut Rng, seq: u64) -> Command {
+    let key = rng.pick(KEYS).to_string();
+    let client_id = rng.pick(CLIENTS).to_string();
+    let request_id = format!("r{}", rng.below(12));
+    let token = |rng: &mut Rng| seq.saturating_sub(rng.below(4)) + rng.below(2);
+    match rng.below(100) {
+        0..=34 => Command::Acquire {
+            key,
+            client_id,
+            request_id,
+            ttl_ms: 1 + rng.below(3) * 1000,
+            wait_timeout_ms: match rng.below(3) {
+                0 => None,
+                1 => Some(0),
+                _ => Some(500),
+            },
+        },
+        35..=54 => Command::Release {
+            token: FencingToken {
+                key: key.clone(),
+                value: token(rng),
+            },
+            key,
+            client_id,
+            request_id,
+        },
+        55..=62 => Command::Renew {
+            token: FencingToken {
+                key: key.clone(),
+                value: token(rng),
+            },
+            key,
+            client_id,
+            request_id,
+            ttl_ms: 2000,
+        },
+        63..=72 => Command::CancelWait {
+            key,
+            client_id,
+            request_id,
+        },
+        73..=84 => Command::Expire {
+            key,
+            token: token(rng),
+        },
+        85..=94 => Command::Put {
+            key: format!("d{}", rng.below(3)),
+            value: vec![rng.below(256) as u8; rng.below(4) as usize],
+            guard: if rng.below(2) == 0 {
+                None
+            } else {
+                Some(FencingToken {
+                    key: rng.pick(KEYS).to_string(),
+                    value: token(rng),
+                })
+            },
+            client_id,
+            request_id,
+        },
+        _ => Command::Delete {
+            key: format!("d{}", rng.below(3)),
+            guard: None,
+            client_id,
+            request_id,
+        },
+    }
+}
+
+fn small_limits() -> Limits {
+    Limits {
+        waiters_per_key_max: 2,
+        locks_held_max: 3,
+        data_entries_max: 2,
+        dedupe_entries_max: 16,
+        ..Limits::default()
+    }
+}
+
+/// Held locks as (key, holder, token, ttl) and waiters as (key, client, request), in order.
+type Observed = (
+    Vec<(String, String, u64, u64)>,
+    Vec<(String, String, String)>,
+);
+
+/// The machine's observable lock state in model terms.
+fn observe(sm: &LockStateMachine) -> Observed {
+    let mut held: Vec<_> = sm
+        .held_locks()
+        .into_iter()
+        .map(|h| (h.key, h.client_id, h.token, h.ttl_ms))
+        .collect();
+    held.sort();
+    let waiters = sm
+        .waiters()
+        .into_iter()
+        .map(|w| (w.key, w.client_id, w.request_id))
+        .collect();
+    (held, waiters)
+}
+
+fn observe_model(m: &Model) -> Observed {
+    let held = m
+        .holders
+        .iter()
+        .map(|(k, h)| (k.clone(), h.client.clone(), h.token, h.ttl))
+        .collect();
+    let waiters = m
+        .queues
+        .iter()
+        .flat_map(|(k, q)| {
+            q.iter()
+                .map(move |w| (k.clone(), w.client.clone(), w.request.clone()))
+        })
+        .collect();
+    (held, waiters)
+}
+
+fn run_model_case(seed: u64, steps: usize) {
+    let mut rng = Rng(seed);
+    let limits = small_limits();
+    let mut sm = LockStateMachine::new(limits.clone());
+    let mut model = Model::new(limits.clone());
+    let mut history: Vec<String> = Vec::new();
+    for step in 0..steps {
+        // Occasionally snapshot and restore (a follower installing a snapshot, or a restart).
+        if rng.below(20) == 0 {
+            let bytes = sm.snapshot();
+            sm = LockStateMachine::restore(&bytes, limits.clone())
+                .unwrap_or_else(|e| panic!("seed {seed} step {step}: restore failed: {e}"));
+            assert_eq!(
+                sm.snapshot(),
+                bytes,
+                "seed {seed}: restore changed the snapshot"
+            );
+            history.push("-- snapshot/restore".into());
+        }
+        let cmd = random_command(&mut rng, model.seq);
+        let index = step as u64 + 1;
+        let got = normalize(sm.apply(index, &cmd).outcome);
+        let want = normalize(model.apply(&cmd));
+        history.push(format!("{index}: {cmd:?} -> {got:?}"));
+        let tail = || history[history.len().saturating_sub(25)..].join("\n");
+        assert_eq!(
+            got,
+            want,
+            "seed {seed} step {step}: outcome differs from the model\nlast commands:\n{}",
+            tail()
+        );
+        assert_eq!(
+            observe(&sm),
+            observe_model(&model),
+            "seed {seed} step {step}: state differs from the model\nlast commands:\n{}",
+            tail()
+        );
+        assert_eq!(sm.fencing_sequence(), model.seq, "seed {seed} step {step}");
+        for k in ["d0", "d1", "d2"] {
+            assert_eq!(
+                sm.get(k),
+                model.data.get(k).map(Vec::as_slice),
+                "seed {seed} step {step}: data {k}"
+            );
+        }
+    }
+}
+
+#[test]
+fn model_based_random_sequences() {
+    for seed in 0..400 {
+        run_model_case(seed, 300);
+    }
+}
+
+// ----- determinism ---------------------------------------------------------------------------
+
+fn random_log(seed: u64, len: usize) -> Vec<Command> {
+    let mut rng = Rng(seed);
+    let mut model = Model::new(small_limits());
+    (0..len)
+        .map(|_| {
+            let c = random_command(&mut rng, model.seq);
+            model.apply(&c);
+            c
+        })
+        .collect()
+}
+
+#[test]
+fn same_log_gives_identical_bytes_and_outcomes() {
+    for seed in 0..50 {
+        let log = random_log(seed, 200);
+        let mut a = LockStateMachine::new(small_limits());
+        let mut b = LockStateMachine::new(small_limits());
+        for (i, c) in log.iter().enumerate() {
+            let ra = a.apply(i as u64 + 1, c);
+            let rb = b.apply(i as u64 + 1, c);
+            assert_eq!(ra, rb, "seed {seed} index {}", i + 1);
+        }
+        assert_eq!(a.snapshot(), b.snapshot(), "seed {seed}");
+    }
+}
+
+#[test]
+fn restore_from_a_snapshot_at_every_index_converges() {
+    for seed in 0..8 {
+        let log = random_log(1000 + seed, 120);
+        let mut reference = LockStateMachine::new(small_limits());
+        let mut outcomes = Vec::new();
+        let mut snapshots = vec![reference.snapshot()];
+        for (i, c) in log.iter().enumerate() {
+            outcomes.push(reference.apply(i as u64 + 1, c));
+            snapshots.push(reference.snapshot());
+        }
+        let final_bytes = reference.snapshot();
+        for (at, snap) in snapshots.iter().enumerate() {
+            let mut sm = LockStateMachine::restore(snap, small_limits()).expect("restore");
+            assert_eq!(sm.applied_index(), at as u64);
+            for (i, c) in log.iter().enumerate().skip(at) {
+                let got = sm.apply(i as u64 + 1, c);
+                assert_eq!(
+                    got,
+                    outcomes[i],
+                    "seed {seed}: restored at {at}, index {}",
+                    i + 1
+                );
+            }
+            assert_eq!(sm.snapshot(), final_bytes, "seed {seed}: restored at {at}");
+        }
+    }
+}
+
+// ----- targeted tests, one per guarantee ----------------------------------------------------
+
+fn acquire(key: &str, client: &str, request: &str, wait: Option<u64>) -> Command {
+    Command::Acquire {
+        key: key.into(),
+        client_id: client.into(),
+        request_id: request.into(),
+        ttl_ms: 1000,
+        wait_timeout_ms: wait,
+    }
+}
+
+fn release(key: &str, client: &str, request: &str, token: u64) -> Command {
+    Command::Release {
+        key: key.into(),
+        client_id: client.into(),
+        request_id: request.into(),
+        token: FencingToken {
+            key: key.into(),
+            value: token,
+        },
+    }
+}
+
+struct Sm {
+    sm: LockStateMachine,
+    index: u64,
+}
+
+impl Sm {
+    fn new(limits: Limits) -> Self {
+        Sm {
+            sm: LockStateMachine::new(limits),
+            index: 0,
+        }
+    }
+    fn apply(&mut self, c: Command) -> (Outcome, Vec<Event>) {
+        self.index += 1;
+        let a = self.sm.apply(self.index, &c);
+        (a.outcome, a.events)
+    }
+    fn token(&mut self, c: Command) -> u64 {
+        match self.apply(c).0 {
+            Outcome::Granted { token, .. } => token.value,
+            other => panic!("expected a grant, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn mutual_exclusion_and_fifo_hand_off_in_the_same_apply() {
+    let mut s = Sm::new(Limits::default());
+    let t1 = s.token(acquire("k", "a", "1", None));
+    assert_eq!(
+        s.apply(acquire("k", "b", "1", None)).0,
+        Outcome::Queued { position: 1 }
+    );
+    assert_eq!(
+        s.apply(acquire("k", "c", "1", None)).0,
+        Outcome::Queued { position: 2 }
+    );
+    assert_eq!(s.apply(acquire("k", "d", "1", Some(0))).0, Outcome::Busy);
+    assert_eq!(s.sm.holder("k").map(|h| h.client_id), Some("a".into()));
+    // Release hands to b in the same apply, with a larger token.
+    let (out, events) = s.apply(release("k", "a", "2", t1));
+    assert_eq!(out, Outcome::Released);
+    let Some(Event::Granted {
+        client_id, token, ..
+    }) = events.first()
+    else {
+        panic!("no hand-off event: {events:?}");
+    };
+    assert_eq!(client_id, "b");
+    assert!(token.value > t1);
+    // Expiry hands to c in the same apply.
+    let t2 = token.value;
+    let (out, events) = s.apply(Command::Expire {
+        key: "k".into(),
+        token: t2,
+    });
+    assert_eq!(
+        out,
+        Outcome::Expired {
+            client_id: "b".into()
+        }
+    );
+    assert!(
+        matches!(&events[..], [Event::Expired { .. }, Event::Granted { client_id, .. }] if client_id == "c")
+    );
+    assert_eq!(s.sm.holder("k").map(|h| h.client_id), Some("c".into()));
+}
+
+#[test]
+fn tokens_are_never_reused_across_keys_releases_and_expiries() {
+    let mut s = Sm::new(Limits::default());
+    let mut seen = Vec::new();
+    for round in 0..20 {
+        let key = ["x", "y"][round % 2];
+        let t = s.token(acquire(key, "a", &format!("acq{round}"), None));
+        seen.push(t);
+        if round % 3 == 0 {
+            s.apply(Command::Expire {
+                key: key.into(),
+                token: t,
+            });
+        } else {
+            assert_eq!(
+                s.apply(release(key, "a", &format!("rel{round}"), t)).0,
+                Outcome::Released
+            );
+        }
+    }
+    assert!(seen.windows(2).all(|w| w[0] < w[1]), "{seen:?}");
+    assert_eq!(s.sm.fencing_sequence(), *seen.last().expect("tokens"));
+}
+
+#[test]
+fn stale_release_renew_and_expire_are_refused_with_a_reason() {
+    let mut s = Sm::new(Limits::default());
+    let t1 = s.token(acquire("k", "a", "1", None));
+    s.apply(release("k", "a", "2", t1));
+    let t2 = s.token(acquire("k", "b", "1", None));
+    let before = s.sm.snapshot();
+    assert_eq!(
+        s.apply(release("k", "a", "3", t1)).0,
+        Outcome::StaleToken { current: Some(t2) }
+    );
+    assert_eq!(
+        s.apply(Command::Renew {
+            key: "k".into(),
+            client_id: "a".into(),
+            request_id: "4".into(),
+            token: FencingToken {
+                key: "k".into(),
+                value: t1
+            },
+            ttl_ms: 1000,
+        })
+        .0,
+        Outcome::StaleToken { current: Some(t2) }
+    );
+    // The current token presented by another client.
+    assert_eq!(s.apply(release("k", "a", "5", t2)).0, Outcome::NotHolder);
+    // A leader's expiry for an old lease does nothing.
+    assert_eq!(
+        s.apply(Command::Expire {
+            key: "k".into(),
+            token: t1
+        })
+        .0,
+        Outcome::StaleToken { current: Some(t2) }
+    );
+    let mut after =
+        LockStateMachine::restore(&s.sm.snapshot(), Limits::default()).expect("restore");
+    let mut expected = LockStateMachine::restore(&before, Limits::default()).expect("restore");
+    assert_eq!(after.held_locks(), expected.held_locks());
+    // Only the applied index moved.
+    assert_eq!(after.take_changes().len(), expected.take_changes().len());
+}
+
+#[test]
+fn wait_timeout_and_cancel_leave_the_queue() {
+    let mut s = Sm::new(Limits::default());
+    let t = s.token(acquire("k", "a", "1", None));
+    assert_eq!(
+        s.apply(acquire("k", "b", "w", Some(500))).0,
+        Outcome::Queued { position: 1 }
+    );
+    assert_eq!(
+        s.apply(acquire("k", "c", "w", None)).0,
+        Outcome::Queued { position: 2 }
+    );
+    // The leader's wait-timeout CancelWait for b.
+    let (out, events) = s.apply(Command::CancelWait {
+        key: "k".into(),
+        client_id: "b".into(),
+        request_id: "w".into(),
+    });
+    assert_eq!(out, Outcome::WaitCancelled);
+    assert!(matches!(&events[..], [Event::WaiterRemoved { client_id, .. }] if client_id == "b"));
+    assert_eq!(
+        s.apply(Command::CancelWait {
+            key: "k".into(),
+            client_id: "b".into(),
+            request_id: "w".into(),
+        })
+        .0,
+        Outcome::NotWaiting
+    );
+    // A retry of b's acquire learns it was cancelled rather than re-queueing.
+    assert_eq!(
+        s.apply(acquire("k", "b", "w", Some(500))).0,
+        Outcome::WaitCancelled
+    );
+    s.apply(release("k", "a", "2", t));
+    assert_eq!(s.sm.holder("k").map(|h| h.client_id), Some("c".into()));
+}
+
+#[test]
+fn retried_requests_get_their_original_outcome() {
+    let mut s = Sm::new(Limits::default());
+    let t1 = s.token(acquire("k", "a", "1", None));
+    // The retry of a granted acquire returns the same grant, not a new token.
+    assert_eq!(s.token(acquire("k", "a", "1", None)), t1);
+    assert_eq!(
+        s.apply(acquire("k", "b", "q", None)).0,
+        Outcome::Queued { position: 1 }
+    );
+    assert_eq!(s.apply(release("k", "a", "2", t1)).0, Outcome::Released);
+    // A retried release is answered Released again and does not release b's grant.
+    assert_eq!(s.apply(release("k", "a", "2", t1)).0, Outcome::Released);
+    let holder = s.sm.holder("k").expect("b holds");
+    assert_eq!(holder.client_id, "b");
+    // b's acquire, retried after the hand-off (e.g. after a failover), sees its grant.
+    assert_eq!(s.token(acquire("k", "b", "q", None)), holder.token);
+    assert_eq!(s.sm.fencing_sequence(), holder.token);
+}
+
+#[test]
+fn dedupe_table_is_bounded_and_evicts_oldest_first() {
+    let limits = Limits {
+        dedupe_entries_max: 4,
+        ..Limits::default()
+    };
+    let mut s = Sm::new(limits);
+    for i in 0..10 {
+        let t = s.token(acquire("k", "a", &format!("a{i}"), None));
+        s.apply(release("k", "a", &format!("r{i}"), t));
+        assert!(s.sm.dedupe_len() <= 4);
+    }
+    // "a0" was evicted long ago: a retry is evaluated anew (and acts at most once: it grants
+    // a fresh lock because the lock is free, which is the documented bound of the table).
+    assert_eq!(s.sm.dedupe_len(), 4);
+    let again = s.token(acquire("k", "a", "a9", None));
+    assert!(again > 0);
+}
+
+#[test]
+fn guarded_writes_apply_only_with_the_current_token() {
+    let mut s = Sm::new(Limits::default());
+    let t = s.token(acquire("lock", "a", "1", None));
+    let put = |value: &str, token: u64, req: &str| Command::Put {
+        key: "data".into(),
+        value: value.as_bytes().to_vec(),
+        guard: Some(FencingToken {
+            key: "lock".into(),
+            value: token,
+        }),
+        client_id: "a".into(),
+        request_id: req.into(),
+    };
+    assert_eq!(s.apply(put("v1", t, "p1")).0, Outcome::Stored);
+    s.apply(release("lock", "a", "2", t));
+    let t2 = s.token(acquire("lock", "b", "1", None));
+    assert_eq!(
+        s.apply(put("v2", t, "p2")).0,
+        Outcome::GuardRejected { current: Some(t2) }
+    );
+    assert_eq!(s.sm.get("data"), Some(&b"v1"[..]));
+}
+
+#[test]
+fn limits_are_answered_with_errors_and_change_nothing() {
+    let limits = Limits {
+        key_bytes_max: 8,
+        value_bytes_max: 4,
+        id_bytes_max: 6,
+        ttl_ms_max: 10_000,
+        wait_timeout_ms_max: 10_000,
+        waiters_per_key_max: 1,
+        locks_held_max: 1,
+        data_entries_max: 1,
+        dedupe_entries_max: 8,
+    };
+    let mut s = Sm::new(limits.clone());
+    s.token(acquire("k", "a", "1", None));
+    s.apply(acquire("k", "b", "1", None));
+    s.apply(Command::Put {
+        key: "d".into(),
+        value: b"v".to_vec(),
+        guard: None,
+        client_id: "a".into(),
+        request_id: "p".into(),
+    });
+    let cases: Vec<(Command, RejectCode)> = vec![
+        (acquire("", "a", "x", None), RejectCode::InvalidRequest),
+        (acquire("123456789", "a", "x", None), RejectCode::TooLarge),
+        (
+            acquire("k", "a-long-client", "x", None),
+            RejectCode::TooLarge,
+        ),
+        (
+            Command::Acquire {
+                key: "k".into(),
+                client_id: "c".into(),
+                request_id: "x".into(),
+                ttl_ms: 0,
+                wait_timeout_ms: None,
+            },
+            RejectCode::InvalidRequest,
+        ),
+        (
+            Command::Acquire {
+                key: "k".into(),
+                client_id: "c".into(),
+                request_id: "x".into(),
+                ttl_ms: 10_001,
+                wait_timeout_ms: None,
+            },
+            RejectCode::InvalidRequest,
+        ),
+        (
+            Command::Acquire {
+                key: "k".into(),
+                client_id: "c".into(),
+                request_id: "x".into(),
+                ttl_ms: 1,
+                wait_timeout_ms: Some(10_001),
+            },
+            RejectCode::InvalidRequest,
+        ),
+        (acquire("k", "c", "x", None), RejectCode::QueueFull),
+        (acquire("other", "c", "x", None), RejectCode::LimitReached),
+        (
+            Command::Put {
+                key: "d".into(),
+                value: b"12345".to_vec(),
+                guard: None,
+                client_id: "a".into(),
+                request_id: "x".into(),
+            },
+            RejectCode::TooLarge,
+        ),
+        (
+            Command::Put {
+                key: "e".into(),
+                value: b"v".to_vec(),
+                guard: None,
+                client_id: "a".into(),
+                request_id: "x".into(),
+            },
+            RejectCode::LimitReached,
+        ),
+        (
+            Command::Release {
+                key: "k".into(),
+                client_id: "a".into(),
+                request_id: "x".into(),
+                token: FencingToken {
+                    key: "other".into(),
+                    value: 1,
+                },
+            },
+            RejectCode::InvalidRequest,
+        ),
+    ];
+    for (cmd, code) in cases {
+        let before = observe(&s.sm);
+        let data_before = s.sm.get("d").map(<[u8]>::to_vec);
+        let seq = s.sm.fencing_sequence();
+        let dedupe = s.sm.dedupe_len();
+        match s.apply(cmd.clone()).0 {
+            Outcome::Rejected { code: got, .. } => assert_eq!(got, code, "{cmd:?}"),
+            other => panic!("{cmd:?}: expected {code:?}, got {other:?}"),
+        }
+        assert_eq!(observe(&s.sm), before, "{cmd:?} changed the locks");
+        assert_eq!(s.sm.get("d").map(<[u8]>::to_vec), data_before);
+        assert_eq!(s.sm.fencing_sequence(), seq);
+        assert_eq!(s.sm.dedupe_len(), dedupe);
+    }
+    // Applying an index twice is refused.
+    let again = s.sm.apply(1, &acquire("k", "z", "z", None));
+    assert!(matches!(
+        again.outcome,
+        Outcome::Rejected {
+            code: RejectCode::AlreadyApplied,
+            ..
+        }
+    ));
+}
+
+#[test]
+fn damaged_snapshots_are_errors_not_panics() {
+    let mut s = Sm::new(Limits::default());
+    for i in 0..20 {
+        s.apply(acquire(&format!("k{i}"), "a", &format!("r{i}"), None));
+    }
+    let good = s.sm.snapshot();
+    assert!(LockStateMachine::restore(&[], Limits::default()).is_err());
+    for cut in [1, good.len() / 3, good.len() / 2, good.len() - 1] {
+        assert!(
+            LockStateMachine::restore(&good[..cut], Limits::default()).is_err(),
+            "truncated to {cut} bytes was accepted"
+        );
+    }
+    let mut rng = Rng(7);
+    for _ in 0..500 {
+        let mut bad = good.clone();
+        let at = rng.below(bad.len() as u64) as usize;
+        bad[at] ^= 1 << rng.below(8);
+        // Either an error or a valid machine; never a panic.
+        let _ = LockStateMachine::restore(&bad, Limits::default());
+    }
+}
+
+#[test]
+fn command_decoding_never_panics_on_garbage() {
+    let mut rng = Rng(11);
+    for _ in 0..5000 {
+        let len = rng.below(64) as usize;
+        let bytes: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
+        let _ = Command::decode(&bytes);
+    }
+}
