@@ -4,6 +4,11 @@
 //! - `core`: proposals per second through three in-memory Raft cores with instant delivery and no
 //!   storage — the cost of consensus bookkeeping alone.
 //! - `lock-memory`: resident memory per held lock and per queued waiter of the lock state machine.
+//! - `load`: C concurrent clients taking locks on a running RaftLock or etcd cluster.
+//! - `compare`: RaftLock and etcd side by side in one run (see `scripts/bench-vs-etcd.sh`).
+
+mod compare;
+mod load;
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -32,6 +37,43 @@ enum Command {
         /// Bytes per proposal.
         #[arg(long, default_value_t = 64)]
         payload_bytes: usize,
+    },
+    /// Drive a running cluster with C clients for a duration; report throughput and latency.
+    Load {
+        #[arg(long, value_enum, default_value_t = load::Target::Raftlock)]
+        target: load::Target,
+        /// Client endpoints (RaftLock: host:port of client ports; etcd: http://host:port).
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "127.0.0.1:50051,127.0.0.1:50052,127.0.0.1:50053"
+        )]
+        endpoints: Vec<String>,
+        #[arg(long, value_enum, default_value_t = load::Workload::Uncontended)]
+        workload: load::Workload,
+        #[arg(long, default_value_t = 1)]
+        clients: usize,
+        #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+        duration: std::time::Duration,
+    },
+    /// Start three-node etcd and RaftLock clusters on loopback and compare them (A B A B).
+    Compare {
+        #[arg(long, value_delimiter = ',', default_values_t = vec![1, 8, 32, 128])]
+        clients: Vec<usize>,
+        #[arg(long, value_enum, value_delimiter = ',', default_values_t = vec![load::Workload::Uncontended, load::Workload::Contended, load::Workload::Mixed])]
+        workloads: Vec<load::Workload>,
+        /// Seconds per run.
+        #[arg(long, default_value_t = 5)]
+        seconds: u64,
+        /// Rounds of A B per case.
+        #[arg(long, default_value_t = 2)]
+        rounds: usize,
+        /// Where both clusters keep their data (same disk for both).
+        #[arg(long, default_value = "target/bench-data")]
+        dir: std::path::PathBuf,
+        /// Where results.md and results.json are written.
+        #[arg(long, default_value = "docs/bench")]
+        out: std::path::PathBuf,
     },
     /// Resident memory per held lock and per waiter of the lock state machine (process RSS
     /// before and after, so allocator overhead is included; key bytes are subtracted).
@@ -198,6 +240,13 @@ fn bench_core(proposals: u64, batch: u64, payload_bytes: usize) -> f64 {
     proposals as f64 / elapsed
 }
 
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime")
+}
+
 fn main() {
     let args = Args::parse();
     match args.command {
@@ -214,5 +263,56 @@ fn main() {
             }
         }
         Command::LockMemory { locks, waiters } => bench_lock_memory(locks, waiters),
+        Command::Load {
+            target,
+            endpoints,
+            workload,
+            clients,
+            duration,
+        } => {
+            let spec = load::LoadSpec {
+                target,
+                endpoints,
+                workload,
+                clients: clients.clamp(1, 10_000),
+                duration,
+                run_id: format!("{:x}", std::process::id()),
+            };
+            match runtime().block_on(load::run(&spec)) {
+                Ok(r) => load::print_result(&spec, &r),
+                Err(e) => {
+                    eprintln!("raftlock-bench: {e}");
+                    std::process::exit(1);
+                }
+            }
+        }
+        Command::Compare {
+            clients,
+            workloads,
+            seconds,
+            rounds,
+            dir,
+            out,
+        } => {
+            let command_line = std::env::args()
+                .skip(1)
+                .fold(String::from("raftlock-bench"), |acc, a| acc + " " + &a);
+            let _ = std::fs::remove_dir_all(&dir);
+            let args = compare::CompareArgs {
+                clients,
+                workloads,
+                seconds: seconds.max(1),
+                rounds: rounds.max(1),
+                dir: dir.clone(),
+                out,
+                command_line,
+            };
+            let result = runtime().block_on(compare::compare(args));
+            let _ = std::fs::remove_dir_all(&dir);
+            if let Err(e) = result {
+                eprintln!("raftlock-bench compare: {e}");
+                std::process::exit(1);
+            }
+        }
     }
 }

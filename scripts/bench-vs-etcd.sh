@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# RaftLock against etcd on this machine, in one run: installs what is missing (etcd-server,
+# matplotlib), builds raftlock-bench with the etcd target, starts a three-node etcd cluster and a
+# three-node RaftLock cluster on 127.0.0.1 with their data on the same disk, runs the workloads
+# against each in alternation, and writes docs/bench/results.md, results.json and chart.png.
+#
+#   scripts/bench-vs-etcd.sh            # full run: 1, 8, 32, 128 clients, 5 s per run, 2 rounds
+#   scripts/bench-vs-etcd.sh --quick    # 1 and 32 clients, 2 s per run, 1 round
+#   scripts/bench-vs-etcd.sh -- --seconds 10   # extra options for `raftlock-bench compare`
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SUDO=""
+if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
+
+if ! command -v etcd >/dev/null; then
+  echo "== installing etcd-server"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends etcd-server
+fi
+# The Debian package may start an etcd service on the default ports; the benchmark uses its own
+# free ports and data directories, so a running service does not interfere.
+
+if ! python3 -c 'import matplotlib' 2>/dev/null; then
+  echo "== installing matplotlib"
+  python3 -m pip install --quiet matplotlib
+fi
+
+# etcd-client generates its gRPC code at build time and needs protoc: use one from PATH or the
+# copy vendored with our own build dependencies.
+if [ -z "${PROTOC:-}" ] && ! command -v protoc >/dev/null; then
+  cargo fetch --quiet
+  PROTOC="$(find "${CARGO_HOME:-$HOME/.cargo}/registry/src" -path '*protoc-bin-vendored-linux-x86_64*/bin/protoc' | head -1)"
+  export PROTOC
+fi
+
+echo "== building"
+cargo build --release --features etcd --bin raftlock-bench --bin lock-node
+
+ARGS=()
+if [ "${1:-}" = "--quick" ]; then
+  ARGS=(--clients 1,32 --seconds 2 --rounds 1)
+  shift
+fi
+if [ "${1:-}" = "--" ]; then shift; fi
+
+echo "== running"
+./target/release/raftlock-bench compare "${ARGS[@]}" "$@" --out docs/bench
+python3 scripts/plot-bench.py docs/bench/results.json docs/bench/chart.png
+echo "== done: docs/bench/results.md, docs/bench/chart.png"

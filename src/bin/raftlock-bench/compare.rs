@@ -1,0 +1,388 @@
+//! `raftlock-bench compare`: a three-node etcd cluster and a three-node RaftLock cluster on
+//! loopback, data on the same disk, fsync on; the same workloads against each in alternation
+//! (A B A B) for several client counts; the disk's fsync latency and the loopback round trip as
+//! the floor; results written as Markdown and JSON under `docs/bench/`.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use crate::load::{self, ms, LoadResult, LoadSpec, Target, Workload};
+
+pub struct CompareArgs {
+    pub clients: Vec<usize>,
+    pub workloads: Vec<Workload>,
+    pub seconds: u64,
+    pub rounds: usize,
+    pub dir: PathBuf,
+    pub out: PathBuf,
+    pub command_line: String,
+}
+
+/// Child processes killed when dropped, even on error.
+struct Procs(Vec<Child>);
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn free_port() -> Result<u16, String> {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| format!("no free port: {e}"))
+}
+
+fn start_etcd(dir: &Path, procs: &mut Procs) -> Result<Vec<String>, String> {
+    let mut client_ports = Vec::new();
+    let mut peer_ports = Vec::new();
+    for _ in 0..3 {
+        client_ports.push(free_port()?);
+        peer_ports.push(free_port()?);
+    }
+    let initial = (0..3)
+        .map(|i| format!("e{i}=http://127.0.0.1:{}", peer_ports[i]))
+        .collect::<Vec<_>>()
+        .join(",");
+    for i in 0..3 {
+        let log = std::fs::File::create(dir.join(format!("etcd-{i}.log")))
+            .map_err(|e| format!("etcd log: {e}"))?;
+        let child = Command::new("etcd")
+            .args(["--name", &format!("e{i}")])
+            .args([
+                "--data-dir",
+                &dir.join(format!("etcd-{i}")).display().to_string(),
+            ])
+            .args([
+                "--listen-client-urls",
+                &format!("http://127.0.0.1:{}", client_ports[i]),
+            ])
+            .args([
+                "--advertise-client-urls",
+                &format!("http://127.0.0.1:{}", client_ports[i]),
+            ])
+            .args([
+                "--listen-peer-urls",
+                &format!("http://127.0.0.1:{}", peer_ports[i]),
+            ])
+            .args([
+                "--initial-advertise-peer-urls",
+                &format!("http://127.0.0.1:{}", peer_ports[i]),
+            ])
+            .args(["--initial-cluster", &initial])
+            .args(["--initial-cluster-state", "new"])
+            .args(["--initial-cluster-token", "raftlock-bench"])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .map_err(|e| format!("cannot start etcd (apt-get install etcd-server): {e}"))?;
+        procs.0.push(child);
+    }
+    Ok(client_ports
+        .iter()
+        .map(|p| format!("http://127.0.0.1:{p}"))
+        .collect())
+}
+
+fn start_raftlock(dir: &Path, procs: &mut Procs) -> Result<Vec<String>, String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let node_bin = exe
+        .parent()
+        .map(|d| d.join("lock-node"))
+        .ok_or("no binary directory")?;
+    if !node_bin.exists() {
+        return Err(format!(
+            "{} not found: build it with `cargo build --release --bin lock-node`",
+            node_bin.display()
+        ));
+    }
+    let mut peer = Vec::new();
+    let mut client = Vec::new();
+    for _ in 0..3 {
+        peer.push(free_port()?);
+        client.push(free_port()?);
+    }
+    let initial = (0..3)
+        .map(|i| format!("{}=127.0.0.1:{}", i + 1, peer[i]))
+        .collect::<Vec<_>>()
+        .join(",");
+    for i in 0..3 {
+        let log = std::fs::File::create(dir.join(format!("raftlock-{}.log", i + 1)))
+            .map_err(|e| format!("log: {e}"))?;
+        let child = Command::new(&node_bin)
+            .args(["--node-id", &(i + 1).to_string()])
+            .args([
+                "--data-dir",
+                &dir.join(format!("raftlock-{}", i + 1))
+                    .display()
+                    .to_string(),
+            ])
+            .args(["--peer-listen", &format!("127.0.0.1:{}", peer[i])])
+            .args(["--client-listen", &format!("127.0.0.1:{}", client[i])])
+            .args(["--initial-cluster", &initial])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .map_err(|e| format!("cannot start lock-node: {e}"))?;
+        procs.0.push(child);
+    }
+    Ok(client.iter().map(|p| format!("127.0.0.1:{p}")).collect())
+}
+
+/// Waits until a short uncontended run succeeds against the target.
+async fn wait_ready(target: Target, endpoints: &[String]) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut last = String::new();
+    while Instant::now() < deadline {
+        let spec = LoadSpec {
+            target,
+            endpoints: endpoints.to_vec(),
+            workload: Workload::Uncontended,
+            clients: 1,
+            duration: Duration::from_millis(300),
+            run_id: "warmup".into(),
+        };
+        match load::run(&spec).await {
+            Ok(r) if r.grants > 0 && r.errors == 0 => return Ok(()),
+            Ok(r) => last = format!("{} grants, {} errors", r.grants, r.errors),
+            Err(e) => last = e,
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    Err(format!("{target} did not become ready: {last}"))
+}
+
+/// Median of `n` write(100 bytes)+fdatasync calls on a file in `dir`, in microseconds.
+pub fn fsync_floor(dir: &Path, n: usize) -> Result<(f64, f64), String> {
+    let path = dir.join("fsync-probe");
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .map_err(|e| format!("fsync probe: {e}"))?;
+    let mut samples = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = Instant::now();
+        f.write_all(&[b'x'; 100]).map_err(|e| e.to_string())?;
+        f.sync_data().map_err(|e| e.to_string())?;
+        samples.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    let _ = std::fs::remove_file(&path);
+    samples.sort_by(f64::total_cmp);
+    Ok((samples[n / 2], samples[n * 99 / 100]))
+}
+
+/// Median TCP round trip of one byte over 127.0.0.1, in microseconds.
+pub fn loopback_floor(n: usize) -> Result<f64, String> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let server = std::thread::spawn(move || {
+        if let Ok((mut s, _)) = listener.accept() {
+            let _ = s.set_nodelay(true);
+            let mut b = [0u8; 1];
+            while s.read_exact(&mut b).is_ok() {
+                if s.write_all(&b).is_err() {
+                    break;
+                }
+            }
+        }
+    });
+    let mut c = std::net::TcpStream::connect(addr).map_err(|e| e.to_string())?;
+    c.set_nodelay(true).map_err(|e| e.to_string())?;
+    let mut samples = Vec::with_capacity(n);
+    let mut b = [7u8; 1];
+    for _ in 0..n {
+        let t = Instant::now();
+        c.write_all(&b).map_err(|e| e.to_string())?;
+        c.read_exact(&mut b).map_err(|e| e.to_string())?;
+        samples.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    drop(c);
+    let _ = server.join();
+    samples.sort_by(f64::total_cmp);
+    Ok(samples[n / 2])
+}
+
+fn machine() -> String {
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let mem = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .next()
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb / 1024 / 1024);
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    format!("{cpus} CPUs, {mem} GiB RAM, Linux {}", kernel.trim())
+}
+
+fn today() -> String {
+    Command::new("date")
+        .arg("+%Y-%m-%d")
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default()
+}
+
+fn etcd_version() -> String {
+    Command::new("etcd")
+        .arg("--version")
+        .output()
+        .ok()
+        .and_then(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .next()
+                .map(str::to_string)
+        })
+        .unwrap_or_else(|| "etcd (version unknown)".into())
+}
+
+pub async fn compare(args: CompareArgs) -> Result<(), String> {
+    std::fs::create_dir_all(&args.dir).map_err(|e| format!("{}: {e}", args.dir.display()))?;
+    std::fs::create_dir_all(&args.out).map_err(|e| format!("{}: {e}", args.out.display()))?;
+    let (fsync_p50, fsync_p99) = fsync_floor(&args.dir, 300)?;
+    let rtt = loopback_floor(2000)?;
+    println!(
+        "floor: fsync p50 {fsync_p50:.0} µs (p99 {fsync_p99:.0} µs), loopback RTT p50 {rtt:.0} µs"
+    );
+    let mut procs = Procs(Vec::new());
+    let etcd = start_etcd(&args.dir, &mut procs)?;
+    let raftlock = start_raftlock(&args.dir, &mut procs)?;
+    wait_ready(Target::Etcd, &etcd).await?;
+    wait_ready(Target::Raftlock, &raftlock).await?;
+    println!("both clusters ready: etcd {etcd:?}, raftlock {raftlock:?}");
+    let mut rows = Vec::new();
+    let mut run = 0;
+    for &workload in &args.workloads {
+        for &clients in &args.clients {
+            let mut results: Vec<(Target, LoadResult)> = Vec::new();
+            for round in 0..args.rounds {
+                for target in [Target::Raftlock, Target::Etcd] {
+                    run += 1;
+                    let spec = LoadSpec {
+                        target,
+                        endpoints: if target == Target::Etcd {
+                            etcd.clone()
+                        } else {
+                            raftlock.clone()
+                        },
+                        workload,
+                        clients,
+                        duration: Duration::from_secs(args.seconds),
+                        run_id: format!("r{run}"),
+                    };
+                    let r = load::run(&spec).await?;
+                    print!("round {} ", round + 1);
+                    load::print_result(&spec, &r);
+                    match results.iter_mut().find(|(t, _)| *t == target) {
+                        Some((_, acc)) => acc.merge(&r),
+                        None => results.push((target, r)),
+                    }
+                }
+            }
+            for (target, r) in &results {
+                let h = r.main_hist(workload);
+                rows.push(json!({
+                    "workload": workload.to_string(), "clients": clients,
+                    "target": target.to_string(),
+                    "throughput": r.throughput(), "grants": r.grants, "errors": r.errors,
+                    "latency": if workload == Workload::Contended { "hand-off" } else { "acquire" },
+                    "p50_ms": ms(h.value_at_quantile(0.5)),
+                    "p99_ms": ms(h.value_at_quantile(0.99)),
+                    "p999_ms": ms(h.value_at_quantile(0.999)),
+                }));
+            }
+        }
+    }
+    drop(procs);
+    let report = json!({
+        "date": today(), "machine": machine(), "etcd": etcd_version(),
+        "command": args.command_line, "seconds_per_run": args.seconds, "rounds": args.rounds,
+        "floor": {"fsync_p50_us": fsync_p50, "fsync_p99_us": fsync_p99, "loopback_rtt_p50_us": rtt},
+        "rows": rows,
+    });
+    let json_path = args.out.join("results.json");
+    std::fs::write(
+        &json_path,
+        serde_json::to_string_pretty(&report).unwrap_or_default(),
+    )
+    .map_err(|e| format!("{}: {e}", json_path.display()))?;
+    let md = markdown(&report);
+    let md_path = args.out.join("results.md");
+    std::fs::write(&md_path, &md).map_err(|e| format!("{}: {e}", md_path.display()))?;
+    println!("{md}");
+    println!("wrote {} and {}", md_path.display(), json_path.display());
+    Ok(())
+}
+
+fn markdown(report: &serde_json::Value) -> String {
+    let mut s = String::new();
+    let f = |v: &serde_json::Value| v.as_f64().unwrap_or(0.0);
+    s.push_str(&format!(
+        "# RaftLock vs etcd — lock benchmark\n\n{} · {} · {}\n\nCommand: `{}` ({} s per run, {} rounds alternating RaftLock and etcd; both clusters three nodes on 127.0.0.1, data on the same disk, fsync on).\n\n",
+        report["date"].as_str().unwrap_or(""),
+        report["machine"].as_str().unwrap_or(""),
+        report["etcd"].as_str().unwrap_or(""),
+        report["command"].as_str().unwrap_or(""),
+        report["seconds_per_run"],
+        report["rounds"],
+    ));
+    let fl = &report["floor"];
+    let fsync = f(&fl["fsync_p50_us"]);
+    let rtt = f(&fl["loopback_rtt_p50_us"]);
+    s.push_str(&format!(
+        "Floor: fsync p50 {:.2} ms (p99 {:.2} ms), loopback round trip p50 {:.3} ms. One lock cycle (acquire + release) needs two commits, each at least one fsync and one round trip: {:.2} ms.\n\n",
+        fsync / 1000.0,
+        f(&fl["fsync_p99_us"]) / 1000.0,
+        rtt / 1000.0,
+        2.0 * (fsync + rtt) / 1000.0
+    ));
+    s.push_str("Latency is acquire sent → grant received, except *contended*, where it is the hand-off: release sent by one holder → grant received by the next.\n\n");
+    s.push_str("| workload | clients | target | locks/s | p50 ms | p99 ms | p99.9 ms | throughput ratio | p99 ratio |\n|---|---:|---|---:|---:|---:|---:|---:|---:|\n");
+    let rows = report["rows"].as_array().cloned().unwrap_or_default();
+    for r in &rows {
+        let peer = rows.iter().find(|o| {
+            o["workload"] == r["workload"]
+                && o["clients"] == r["clients"]
+                && o["target"] != r["target"]
+        });
+        let (tr, pr) = match (r["target"].as_str(), peer) {
+            (Some("raftlock"), Some(e)) => (
+                format!(
+                    "{:.1}×",
+                    f(&r["throughput"]) / f(&e["throughput"]).max(1e-9)
+                ),
+                format!("{:.2}×", f(&r["p99_ms"]) / f(&e["p99_ms"]).max(1e-9)),
+            ),
+            _ => (String::new(), String::new()),
+        };
+        s.push_str(&format!(
+            "| {} | {} | {} | {:.0} | {:.2} | {:.2} | {:.2} | {} | {} |\n",
+            r["workload"].as_str().unwrap_or(""),
+            r["clients"],
+            r["target"].as_str().unwrap_or(""),
+            f(&r["throughput"]),
+            f(&r["p50_ms"]),
+            f(&r["p99_ms"]),
+            f(&r["p999_ms"]),
+            tr,
+            pr
+        ));
+    }
+    s.push_str(
+        "\nRatios are RaftLock / etcd (throughput: higher is better; p99: lower is better).\n",
+    );
+    s
+}

@@ -1,0 +1,336 @@
+//! `raftlock-bench load`: C concurrent clients take and give back locks on a target for a fixed
+//! time, and report throughput and latency percentiles.
+//!
+//! Workloads: `uncontended` (each client its own key), `contended` (every client on one key;
+//! measures hand-off), `mixed` (Zipf-distributed keys over 1000 keys).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+use raftlock::client::{RaftLockClient, RetryPolicy};
+use serde::Serialize;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Target {
+    Raftlock,
+    Etcd,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Workload {
+    Uncontended,
+    Contended,
+    Mixed,
+}
+
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Target::Raftlock => "raftlock",
+            Target::Etcd => "etcd",
+        })
+    }
+}
+
+impl std::fmt::Display for Workload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Workload::Uncontended => "uncontended",
+            Workload::Contended => "contended",
+            Workload::Mixed => "mixed",
+        })
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct LoadSpec {
+    pub target: Target,
+    pub endpoints: Vec<String>,
+    pub workload: Workload,
+    pub clients: usize,
+    pub duration: Duration,
+    /// Distinguishes the keys of one run from another's on the same cluster.
+    pub run_id: String,
+}
+
+/// Latencies in microseconds.
+pub struct LoadResult {
+    pub grants: u64,
+    pub errors: u64,
+    pub seconds: f64,
+    /// Acquire sent → grant received.
+    pub acquire: Histogram<u64>,
+    /// Contended only: release sent by one holder → grant received by the next.
+    pub handoff: Histogram<u64>,
+}
+
+pub fn new_hist() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 120_000_000, 3).expect("valid histogram bounds")
+}
+
+impl LoadResult {
+    pub fn merge(&mut self, other: &LoadResult) {
+        self.grants += other.grants;
+        self.errors += other.errors;
+        self.seconds += other.seconds;
+        let _ = self.acquire.add(&other.acquire);
+        let _ = self.handoff.add(&other.handoff);
+    }
+
+    pub fn throughput(&self) -> f64 {
+        if self.seconds > 0.0 {
+            self.grants as f64 / self.seconds
+        } else {
+            0.0
+        }
+    }
+
+    /// The latency that best describes the workload: hand-off when contended, else acquire.
+    pub fn main_hist(&self, workload: Workload) -> &Histogram<u64> {
+        if workload == Workload::Contended && !self.handoff.is_empty() {
+            &self.handoff
+        } else {
+            &self.acquire
+        }
+    }
+}
+
+/// Zipf(s = 1) over `n` keys by inverse CDF.
+struct Zipf {
+    cdf: Vec<f64>,
+}
+
+impl Zipf {
+    fn new(n: usize) -> Self {
+        let mut cdf = Vec::with_capacity(n);
+        let mut sum = 0.0;
+        for k in 1..=n {
+            sum += 1.0 / k as f64;
+            cdf.push(sum);
+        }
+        for c in &mut cdf {
+            *c /= sum;
+        }
+        Zipf { cdf }
+    }
+    fn sample(&self, u: f64) -> usize {
+        self.cdf.partition_point(|&c| c < u).min(self.cdf.len() - 1)
+    }
+}
+
+fn xorshift(state: &mut u64) -> f64 {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    (*state >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// One client's lock/unlock primitive for either target.
+enum Locker {
+    Raftlock(RaftLockClient),
+    #[cfg(feature = "etcd")]
+    Etcd {
+        client: etcd_client::Client,
+        lease: i64,
+    },
+}
+
+const TTL: Duration = Duration::from_secs(30);
+
+impl Locker {
+    async fn connect(spec: &LoadSpec, i: usize) -> Result<Locker, String> {
+        match spec.target {
+            Target::Raftlock => RaftLockClient::builder()
+                .endpoints(spec.endpoints.iter().cloned())
+                .client_id(format!("bench-{}-{i}", spec.run_id))
+                .default_ttl(TTL)
+                .request_timeout(Duration::from_secs(10))
+                .retry_policy(RetryPolicy {
+                    max_elapsed: Duration::from_secs(20),
+                    ..RetryPolicy::default()
+                })
+                .build()
+                .map(Locker::Raftlock)
+                .map_err(|e| e.to_string()),
+            #[cfg(feature = "etcd")]
+            Target::Etcd => {
+                let mut client = etcd_client::Client::connect(&spec.endpoints, None)
+                    .await
+                    .map_err(|e| format!("etcd connect: {e}"))?;
+                let lease = client
+                    .lease_grant(TTL.as_secs() as i64 * 4, None)
+                    .await
+                    .map_err(|e| format!("etcd lease grant: {e}"))?
+                    .id();
+                Ok(Locker::Etcd { client, lease })
+            }
+            #[cfg(not(feature = "etcd"))]
+            Target::Etcd => Err(
+                "this raftlock-bench was built without the `etcd` feature (cargo build --release --features etcd)"
+                    .into(),
+            ),
+        }
+    }
+
+    /// Takes the lock (waiting as long as needed); returns what `unlock` needs.
+    async fn lock(&mut self, key: &str) -> Result<Held, String> {
+        match self {
+            Locker::Raftlock(c) => c
+                .acquire_with(key, TTL, None)
+                .await
+                .map(Held::Raftlock)
+                .map_err(|e| e.to_string()),
+            #[cfg(feature = "etcd")]
+            Locker::Etcd { client, lease } => client
+                .lock(
+                    key,
+                    Some(etcd_client::LockOptions::new().with_lease(*lease)),
+                )
+                .await
+                .map(|r| Held::Etcd(r.key().to_vec()))
+                .map_err(|e| e.to_string()),
+        }
+    }
+
+    async fn unlock(&mut self, held: Held) -> Result<(), String> {
+        match (self, held) {
+            (Locker::Raftlock(_), Held::Raftlock(h)) => {
+                h.release().await.map_err(|e| e.to_string())
+            }
+            #[cfg(feature = "etcd")]
+            (Locker::Etcd { client, .. }, Held::Etcd(key)) => client
+                .unlock(key)
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string()),
+            #[allow(unreachable_patterns)]
+            _ => Err("lock handle of another target".into()),
+        }
+    }
+}
+
+enum Held {
+    Raftlock(raftlock::client::LockHandle),
+    #[cfg(feature = "etcd")]
+    Etcd(Vec<u8>),
+}
+
+pub async fn run(spec: &LoadSpec) -> Result<LoadResult, String> {
+    let mut lockers = Vec::with_capacity(spec.clients);
+    for i in 0..spec.clients {
+        lockers.push(Locker::connect(spec, i).await?);
+    }
+    let zipf = Arc::new(Zipf::new(1000));
+    let stop = Arc::new(AtomicBool::new(false));
+    let epoch = Instant::now();
+    // Contended: when (µs since `epoch`) the last release was sent.
+    let last_release = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let deadline = started + spec.duration;
+    let mut tasks = Vec::new();
+    for (i, mut locker) in lockers.into_iter().enumerate() {
+        let (stop, zipf, last_release) = (stop.clone(), zipf.clone(), last_release.clone());
+        let (workload, run_id) = (spec.workload, spec.run_id.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut acquire = new_hist();
+            let mut handoff = new_hist();
+            let (mut grants, mut errors) = (0u64, 0u64);
+            let mut rng = 0x2545_F491_4F6C_DD1D ^ ((i as u64 + 1) * 0x9E37_79B9);
+            while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+                let key = match workload {
+                    Workload::Uncontended => format!("bench/{run_id}/u/{i}"),
+                    Workload::Contended => format!("bench/{run_id}/c"),
+                    Workload::Mixed => {
+                        format!("bench/{run_id}/m/{}", zipf.sample(xorshift(&mut rng)))
+                    }
+                };
+                let sent = Instant::now();
+                let sent_us = sent.duration_since(epoch).as_micros() as u64;
+                let held = match locker.lock(&key).await {
+                    Ok(h) => h,
+                    Err(_) => {
+                        errors += 1;
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        continue;
+                    }
+                };
+                let granted = Instant::now();
+                // Samples from after the deadline would measure the shutdown, not the workload.
+                if granted <= deadline {
+                    grants += 1;
+                    let _ = acquire.record(granted.duration_since(sent).as_micros().max(1) as u64);
+                    if workload == Workload::Contended {
+                        let rel = last_release.load(Ordering::SeqCst);
+                        let now_us = granted.duration_since(epoch).as_micros() as u64;
+                        if rel > sent_us && now_us > rel {
+                            let _ = handoff.record(now_us - rel);
+                        }
+                    }
+                }
+                last_release.store(
+                    Instant::now().duration_since(epoch).as_micros() as u64,
+                    Ordering::SeqCst,
+                );
+                if locker.unlock(held).await.is_err() {
+                    errors += 1;
+                }
+            }
+            (grants, errors, acquire, handoff)
+        }));
+    }
+    tokio::time::sleep_until(deadline.into()).await;
+    let seconds = started.elapsed().as_secs_f64();
+    stop.store(true, Ordering::Relaxed);
+    let mut result = LoadResult {
+        grants: 0,
+        errors: 0,
+        seconds,
+        acquire: new_hist(),
+        handoff: new_hist(),
+    };
+    for t in tasks {
+        // A contended client may be waiting in the queue; give everyone a bounded time to finish.
+        match tokio::time::timeout(Duration::from_secs(30), t).await {
+            Ok(Ok((g, e, a, h))) => {
+                result.grants += g;
+                result.errors += e;
+                let _ = result.acquire.add(&a);
+                let _ = result.handoff.add(&h);
+            }
+            _ => result.errors += 1,
+        }
+    }
+    Ok(result)
+}
+
+pub fn ms(us: u64) -> f64 {
+    us as f64 / 1000.0
+}
+
+pub fn print_result(spec: &LoadSpec, r: &LoadResult) {
+    let h = &r.acquire;
+    println!(
+        "{} {} clients={} grants={} errors={} throughput={:.0}/s acquire p50={:.2}ms p99={:.2}ms p99.9={:.2}ms",
+        spec.target,
+        spec.workload,
+        spec.clients,
+        r.grants,
+        r.errors,
+        r.throughput(),
+        ms(h.value_at_quantile(0.5)),
+        ms(h.value_at_quantile(0.99)),
+        ms(h.value_at_quantile(0.999)),
+    );
+    if spec.workload == Workload::Contended && !r.handoff.is_empty() {
+        println!(
+            "  hand-off (release sent -> next grant) p50={:.2}ms p99={:.2}ms p99.9={:.2}ms",
+            ms(r.handoff.value_at_quantile(0.5)),
+            ms(r.handoff.value_at_quantile(0.99)),
+            ms(r.handoff.value_at_quantile(0.999)),
+        );
+    }
+}
