@@ -18,6 +18,8 @@
 //! never silently drops or repairs data either; repairs are for an operator to decide.
 
 mod codec;
+#[cfg(test)]
+mod conformance;
 mod error;
 mod memory;
 mod sled_store;
