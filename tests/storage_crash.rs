@@ -6,7 +6,7 @@
 //!   parent (this test)                         child (this test binary, re-executed)
 //!   ──────────────────                         ─────────────────────────────────────
 //!   spawn ───────────────────────────────────► open dir, recover, then loop:
-//!                                                append entries, set hard state,
+//!                                                set hard state, append entries,
 //!                                                apply (state + applied index), compact,
 //!                                                flush, then print "ACK ..."
 //!   read ACK lines ◄────────────────────────── stdout
@@ -142,6 +142,17 @@ fn verify(state: &RecoveredState, acked: Option<Ack>) -> Result<(), String> {
             ));
         }
     }
+    let last_term = state
+        .entries
+        .last()
+        .map_or(state.snapshot_meta.term, |entry| entry.term);
+    if last_term > state.hard_state.term {
+        return Err(format!(
+            "last entry has term {last_term} but the hard state only term {}: a later write \
+             survived without an earlier one",
+            state.hard_state.term
+        ));
+    }
     if state.hard_state.commit > state.applied_index.max(snapshot_index) {
         return Err(format!(
             "hard state commit {} is ahead of what was applied ({})",
@@ -193,6 +204,15 @@ fn run_child(dir: &Path, seed: u64) -> ! {
         };
         let count = rng.random_range(1..=16);
         let entries: Vec<Entry> = (overwrite..=last + count).map(|i| entry(i, term)).collect();
+        // As the node driver does: the term is written before any entry of that term, so a
+        // crash that keeps a prefix of the writes never leaves entries newer than the term.
+        store
+            .set_hard_state(HardState {
+                term,
+                vote: 1,
+                commit: applied,
+            })
+            .expect("child: hard state");
         store.append(&entries).expect("child: append");
         let new_last = store.last_index();
         let target = rng.random_range(applied..=new_last);
@@ -205,13 +225,6 @@ fn run_child(dir: &Path, seed: u64) -> ! {
         ];
         store.apply(target, &changes).expect("child: apply");
         applied = target;
-        store
-            .set_hard_state(HardState {
-                term,
-                vote: 1,
-                commit: applied,
-            })
-            .expect("child: hard state");
         if applied > store.first_index() + LOG_APPLIED_ENTRIES_MAX {
             store
                 .compact(applied - LOG_APPLIED_ENTRIES_MAX / 2)
