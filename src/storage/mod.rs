@@ -17,6 +17,7 @@
 //! an undecodable record is a [`StorageError`] that names the tree, the key and what is wrong. It
 //! never silently drops or repairs data either; repairs are for an operator to decide.
 
+pub mod bench;
 mod codec;
 #[cfg(test)]
 mod conformance;
