@@ -797,7 +797,7 @@ pub(crate) fn check_differential<A: Harness, B: Harness>(a: &mut A, b: &mut B, s
             }
             73..=78 => {
                 // A snapshot that sometimes matches the log and sometimes conflicts.
-                let index = rng.random_range(first..=last + 3);
+                let index = rng.random_range(first - 1..=last + 3);
                 let meta = SnapshotMeta {
                     index,
                     term: if rng.random_bool(0.5) {
