@@ -8,6 +8,7 @@
 //!
 //! ```text
 //!   record   = crc32 (u32 BE, over body) ‖ body
+//!   state    = record whose body is the applied-state value (sled `state` tree)
 //!   entry    = version 1 ‖ term u64 ‖ index u64 ‖ kind u8 ‖ payload
 //!              (kind 3, the bootstrap configuration, carries a sealed membership record)
 //!   snapshot = "RLSNAP01" ‖ pair count u64 ‖ (key len u32 ‖ key ‖ value len u32 ‖ value)* ‖ crc32
@@ -143,6 +144,21 @@ fn unseal(record: &[u8]) -> Result<&[u8], DecodeError> {
         });
     }
     Ok(body)
+}
+
+/// Seals one value of the applied state so that damage to it is caught on read.
+pub(crate) fn encode_state_value(value: &[u8]) -> Vec<u8> {
+    seal(value.to_vec())
+}
+
+/// Checks and strips the checksum of one applied-state value.
+pub(crate) fn decode_state_value(record: &[u8]) -> Result<&[u8], DecodeError> {
+    unseal(record)
+}
+
+/// Names an applied-state key in an error: printable if it is text, escaped bytes otherwise.
+pub(crate) fn state_key_name(key: &[u8]) -> String {
+    format!("{:?}", String::from_utf8_lossy(key))
 }
 
 /// The sled key of log entry `index`: big-endian so byte order is index order.

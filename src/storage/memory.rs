@@ -47,11 +47,10 @@ impl MemStorage {
 
     fn install(&mut self, meta: &SnapshotMeta, data: &[u8]) -> Result<(), StorageError> {
         let pairs = decode_snapshot_data(data)?;
+        // Raft §7: keep the log after the snapshot point if the entry there matches. `term` also
+        // answers for the current snapshot point, as the sled implementation does.
+        let keep = self.term(meta.index).ok() == Some(meta.term);
         let img = &mut self.current;
-        let keep = img
-            .log
-            .get(&meta.index)
-            .is_some_and(|e| e.term == meta.term);
         if keep {
             img.log = img.log.split_off(&(meta.index + 1));
         } else {

@@ -17,8 +17,12 @@
 //! an undecodable record is a [`StorageError`] that names the tree, the key and what is wrong. It
 //! never silently drops or repairs data either; repairs are for an operator to decide.
 
+#[cfg(feature = "server")]
+pub mod bench;
 #[cfg_attr(not(feature = "server"), allow(dead_code))]
 mod codec;
+#[cfg(test)]
+mod conformance;
 mod error;
 mod memory;
 #[cfg(feature = "server")]

@@ -2,7 +2,8 @@
 //!
 //! Four trees: `log` (big-endian index → checksummed entry), `meta` (hard state, snapshot point,
 //! membership at the snapshot point, applied index), `state` (the applied state machine) and
-//! `staging` (chunks of an incoming snapshot). Writes that must be atomic across trees — applying
+//! `staging` (chunks of an incoming snapshot). Log entries, meta records and applied-state values
+//! each carry a CRC-32 (see `codec`), so a damaged value is an error naming its tree and key. Writes that must be atomic across trees — applying
 //! state with its index, compaction, snapshot install — run as one sled transaction; an append is
 //! one batch on the log tree. Nothing is durable before [`Storage::flush`].
 
@@ -13,12 +14,12 @@ use sled::Transactional;
 
 use super::codec::{
     decode_entry, decode_hard_state, decode_index_key, decode_index_term, decode_membership,
-    decode_u64, encode_entry, encode_hard_state, encode_index_term, encode_membership, encode_u64,
-    index_key,
+    decode_state_value, decode_u64, encode_entry, encode_hard_state, encode_index_term,
+    encode_membership, encode_state_value, encode_u64, index_key, state_key_name,
 };
 use super::{
     check_append, check_recovered, decode_snapshot_data, encode_snapshot_data, membership_after,
-    KvChange, RecoveredState, Storage, StorageError,
+    KvChange, KvPair, RecoveredState, Storage, StorageError,
 };
 use crate::raft::{Entry, HardState, Index, Membership, Snapshot, SnapshotMeta, Term};
 
@@ -132,6 +133,17 @@ impl SledStorage {
             .map_err(|e| StorageError::sled("reading meta", e))
     }
 
+    /// The applied state in key order, checksums verified.
+    fn read_state(&self) -> Result<Vec<KvPair>, StorageError> {
+        let mut pairs = Vec::new();
+        for item in self.state.iter() {
+            let (k, v) = item.map_err(|e| StorageError::sled("reading the state", e))?;
+            let value = decode_state_value(&v).map_err(|e| e.at("state", state_key_name(&k)))?;
+            pairs.push((k.to_vec(), value.to_vec()));
+        }
+        Ok(pairs)
+    }
+
     fn read_entries(&self, lo: Index, hi: Index) -> Result<Vec<Entry>, StorageError> {
         let mut out = Vec::new();
         for item in self.log.range(index_key(lo)..index_key(hi)) {
@@ -148,7 +160,10 @@ impl SledStorage {
     }
 
     fn install(&mut self, meta: &SnapshotMeta, data: &[u8]) -> Result<(), StorageError> {
-        let pairs = decode_snapshot_data(data)?;
+        let pairs: Vec<(Vec<u8>, Vec<u8>)> = decode_snapshot_data(data)?
+            .into_iter()
+            .map(|(k, v)| (k, encode_state_value(&v)))
+            .collect();
         let keep = self.term(meta.index).ok() == Some(meta.term) && meta.index <= self.last_index;
         let log_remove: Vec<sled::IVec> = if keep {
             self.log
@@ -203,11 +218,7 @@ impl Storage for SledStorage {
         };
         let entries = self.read_entries(self.snapshot_meta.index + 1, Index::MAX)?;
         let membership = membership_after(&self.snapshot_meta.membership, &entries)?;
-        let mut applied_state = Vec::new();
-        for item in self.state.iter() {
-            let (k, v) = item.map_err(|e| StorageError::sled("reading the state", e))?;
-            applied_state.push((k.to_vec(), v.to_vec()));
-        }
+        let applied_state = self.read_state()?;
         let state = RecoveredState {
             hard_state,
             snapshot_meta: self.snapshot_meta.clone(),
@@ -254,15 +265,19 @@ impl Storage for SledStorage {
             });
         }
         let applied = encode_u64(applied_index);
+        let changes: Vec<(&[u8], Option<Vec<u8>>)> = changes
+            .iter()
+            .map(|(k, v)| (k.as_slice(), v.as_deref().map(encode_state_value)))
+            .collect();
         (&self.state, &self.meta)
             .transaction(|(state, m)| {
-                for (k, v) in changes {
+                for (k, v) in &changes {
                     match v {
                         Some(v) => {
-                            state.insert(k.as_slice(), v.as_slice())?;
+                            state.insert(*k, v.as_slice())?;
                         }
                         None => {
-                            state.remove(k.as_slice())?;
+                            state.remove(*k)?;
                         }
                     }
                 }
@@ -353,12 +368,8 @@ impl Storage for SledStorage {
         };
         // sled iterators see a consistent view of each key; the driver calls this between applies,
         // so the state is exactly the state at `index`.
-        let mut pairs = Vec::new();
-        for item in self.state.iter() {
-            let (k, v) = item.map_err(|e| StorageError::sled("reading the state", e))?;
-            pairs.push((k, v));
-        }
-        let data = encode_snapshot_data(pairs.iter().map(|(k, v)| (k.as_ref(), v.as_ref())));
+        let pairs = self.read_state()?;
+        let data = encode_snapshot_data(pairs.iter().map(|(k, v)| (k.as_slice(), v.as_slice())));
         Ok(Snapshot { meta, data })
     }
 

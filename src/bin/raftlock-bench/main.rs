@@ -3,6 +3,8 @@
 //!
 //! - `core`: proposals per second through three in-memory Raft cores with instant delivery and no
 //!   storage — the cost of consensus bookkeeping alone.
+//! - `storage`: durable appends per second through sled with one flush per batch (batches of 1,
+//!   16 and 256 entries of ~100 bytes), next to the raw write+fsync latency of the same disk.
 //! - `lock-memory`: resident memory per held lock and per queued waiter of the lock state machine.
 //! - `load`: C concurrent clients taking locks on a running RaftLock or etcd cluster.
 //! - `compare`: RaftLock and etcd side by side in one run (see `scripts/bench-vs-etcd.sh`).
@@ -37,6 +39,16 @@ enum Command {
         /// Bytes per proposal.
         #[arg(long, default_value_t = 64)]
         payload_bytes: usize,
+    },
+    /// Durable sled appends per second (one flush per batch) beside raw fsync latency.
+    Storage {
+        /// Directory on the disk to measure; a scratch subdirectory is created and removed.
+        /// Default: ./target (the build's disk, usually the data disk too).
+        #[arg(long)]
+        dir: Option<std::path::PathBuf>,
+        /// Seconds per case (four cases).
+        #[arg(long, default_value_t = 3)]
+        seconds: u64,
     },
     /// Drive a running cluster with C clients for a duration; report throughput and latency.
     Load {
@@ -240,6 +252,40 @@ fn bench_core(proposals: u64, batch: u64, payload_bytes: usize) -> f64 {
     proposals as f64 / elapsed
 }
 
+/// `raftlock-bench storage`: runs the cases in a scratch directory and prints one table.
+fn run_storage_bench(dir: Option<std::path::PathBuf>, seconds: u64) -> Result<(), String> {
+    use raftlock::storage::bench;
+    let base = dir.unwrap_or_else(|| std::path::PathBuf::from("target"));
+    let scratch = base.join(format!("raftlock-bench-storage-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch)
+        .map_err(|e| format!("cannot create {}: {e}", scratch.display()))?;
+    let duration = std::time::Duration::from_secs(seconds.max(1));
+    let results = bench::run(&scratch, &[1, 16, 256], duration);
+    let _ = std::fs::remove_dir_all(&scratch);
+    let results = results.map_err(|e| e.to_string())?;
+    println!(
+        "storage benchmark in {} ({} s per case, entries of {} bytes, raw writes of {} bytes)",
+        scratch.display(),
+        duration.as_secs(),
+        bench::ENTRY_BYTES,
+        bench::RAW_WRITE_BYTES
+    );
+    println!("| case | entries/flush | flushes/s | entries/s | p50 latency | p99 latency |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    for r in &results {
+        println!(
+            "| {} | {} | {:.0} | {:.0} | {:.3} ms | {:.3} ms |",
+            r.what,
+            r.batch,
+            r.syncs_per_second(),
+            r.entries_per_second(),
+            r.latency_p50.as_secs_f64() * 1e3,
+            r.latency_p99.as_secs_f64() * 1e3
+        );
+    }
+    Ok(())
+}
+
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -263,6 +309,12 @@ fn main() {
             }
         }
         Command::LockMemory { locks, waiters } => bench_lock_memory(locks, waiters),
+        Command::Storage { dir, seconds } => {
+            if let Err(message) = run_storage_bench(dir, seconds) {
+                eprintln!("raftlock-bench storage: {message}");
+                std::process::exit(1);
+            }
+        }
         Command::Load {
             target,
             endpoints,

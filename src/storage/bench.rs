@@ -1,0 +1,205 @@
+//! The storage benchmark behind `raftlock-bench storage`: durable appends per second through
+//! [`SledStorage`] with one flush per batch, next to the raw fsync latency of the same disk.
+//!
+//! ```text
+//!   for each batch size:  append(batch of ~100-byte entries) ─► flush ─► (acknowledge)   repeat
+//!   raw disk:             write(100 bytes) ─► sync_data                                   repeat
+//! ```
+//!
+//! Both run in the same directory, so the ratio between them is what sled costs over the disk's
+//! own sync. Measures only; prints nothing (the binary prints the table).
+//!
+//! sled 0.34's `flush` ends in `sync_file_range` on Linux (its log writes), not `fsync`: that
+//! survives a process crash but neither flushes the drive's write cache nor file metadata;
+//! sled's background thread calls `fsync` only every `flush_every_ms` (500 ms). The
+//! `sled append+flush+fsync` cases add an `fsync` of sled's `db` file after each flush to show
+//! what power-loss durability would cost.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+
+use super::{SledStorage, Storage, StorageError};
+use crate::raft::{Entry, EntryPayload};
+
+/// Approximate stored size of one benchmark entry, header included.
+pub const ENTRY_BYTES: usize = 100;
+/// Bytes written before each raw `sync_data`.
+pub const RAW_WRITE_BYTES: usize = 100;
+/// Upper bound on samples kept per case, so a very fast disk cannot exhaust memory.
+const SAMPLES_MAX: usize = 10_000_000;
+
+/// One measured case.
+#[derive(Clone, Debug)]
+pub struct CaseResult {
+    /// `sled append+flush` or `raw write+sync_data`.
+    pub what: &'static str,
+    /// Entries per flush (1 for the raw case).
+    pub batch: usize,
+    /// Completed flushes (one per batch) or syncs.
+    pub syncs: u64,
+    pub elapsed: Duration,
+    /// Latency of one batch: append and flush (or write and sync).
+    pub latency_p50: Duration,
+    pub latency_p99: Duration,
+}
+
+impl CaseResult {
+    pub fn syncs_per_second(&self) -> f64 {
+        self.syncs as f64 / self.elapsed.as_secs_f64()
+    }
+
+    pub fn entries_per_second(&self) -> f64 {
+        self.syncs_per_second() * self.batch as f64
+    }
+}
+
+/// Why the benchmark stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error("storage failed: {0}")]
+    Storage(#[from] StorageError),
+    #[error("raw disk I/O failed in {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn percentile(sorted: &[Duration], fraction: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let rank = ((sorted.len() - 1) as f64 * fraction).round() as usize;
+    sorted[rank.min(sorted.len() - 1)]
+}
+
+fn finish(
+    what: &'static str,
+    batch: usize,
+    elapsed: Duration,
+    mut samples: Vec<Duration>,
+) -> CaseResult {
+    samples.sort_unstable();
+    CaseResult {
+        what,
+        batch,
+        syncs: samples.len() as u64,
+        elapsed,
+        latency_p50: percentile(&samples, 0.50),
+        latency_p99: percentile(&samples, 0.99),
+    }
+}
+
+/// Appends batches of `batch` entries to a fresh store in `dir`, flushing once per batch, for
+/// `duration`.
+/// With `fsync_db_file`, also `fsync`s sled's `db` file after each flush.
+pub fn bench_sled_appends(
+    dir: &Path,
+    batch: usize,
+    fsync_db_file: bool,
+    duration: Duration,
+) -> Result<CaseResult, BenchError> {
+    let batch = batch.max(1);
+    let mut store = SledStorage::open(dir)?;
+    let db_path = dir.join("db");
+    let db_file = if fsync_db_file {
+        Some(
+            std::fs::File::open(&db_path).map_err(|source| BenchError::Io {
+                path: db_path.clone(),
+                source,
+            })?,
+        )
+    } else {
+        None
+    };
+    // Payload sized so that the encoded entry (crc, version, term, index, kind) is ENTRY_BYTES.
+    let payload = Bytes::from(vec![b'x'; ENTRY_BYTES - 22]);
+    let mut next_index = store.last_index() + 1;
+    let mut samples = Vec::new();
+    let started = Instant::now();
+    while started.elapsed() < duration && samples.len() < SAMPLES_MAX {
+        let entries: Vec<Entry> = (next_index..next_index + batch as u64)
+            .map(|index| Entry {
+                term: 1,
+                index,
+                payload: EntryPayload::Command(payload.clone()),
+            })
+            .collect();
+        let batch_started = Instant::now();
+        store.append(&entries)?;
+        store.flush()?;
+        if let Some(file) = &db_file {
+            file.sync_all().map_err(|source| BenchError::Io {
+                path: db_path.clone(),
+                source,
+            })?;
+        }
+        samples.push(batch_started.elapsed());
+        next_index += batch as u64;
+    }
+    let what = if fsync_db_file {
+        "sled append+flush+fsync"
+    } else {
+        "sled append+flush"
+    };
+    Ok(finish(what, batch, started.elapsed(), samples))
+}
+
+/// Appends `RAW_WRITE_BYTES` to a file in `dir` and calls `sync_data`, repeatedly, for
+/// `duration`: the floor under any durable append on this disk.
+pub fn bench_raw_fsync(dir: &Path, duration: Duration) -> Result<CaseResult, BenchError> {
+    let path = dir.join("raw-fsync.dat");
+    let io_error = |source| BenchError::Io {
+        path: path.clone(),
+        source,
+    };
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .map_err(io_error)?;
+    let record = [b'x'; RAW_WRITE_BYTES];
+    let mut samples = Vec::new();
+    let started = Instant::now();
+    while started.elapsed() < duration && samples.len() < SAMPLES_MAX {
+        let sync_started = Instant::now();
+        file.write_all(&record).map_err(io_error)?;
+        file.sync_data().map_err(io_error)?;
+        samples.push(sync_started.elapsed());
+    }
+    Ok(finish("raw write+sync_data", 1, started.elapsed(), samples))
+}
+
+/// Runs every case in its own subdirectory of `dir`: sled with each batch size, the same with
+/// an extra fsync per flush, then the raw fsync. Subdirectories are removed afterwards.
+pub fn run(
+    dir: &Path,
+    batches: &[usize],
+    duration: Duration,
+) -> Result<Vec<CaseResult>, BenchError> {
+    let mut results = Vec::new();
+    let io_error = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| BenchError::Io { path, source }
+    };
+    for fsync_db_file in [false, true] {
+        for &batch in batches {
+            let case_dir = dir.join(format!("sled-batch-{batch}-fsync-{fsync_db_file}"));
+            let _ = std::fs::remove_dir_all(&case_dir);
+            std::fs::create_dir_all(&case_dir).map_err(io_error(&case_dir))?;
+            let result = bench_sled_appends(&case_dir, batch, fsync_db_file, duration);
+            let _ = std::fs::remove_dir_all(&case_dir);
+            results.push(result?);
+        }
+    }
+    let raw_dir = dir.join("raw");
+    std::fs::create_dir_all(&raw_dir).map_err(io_error(&raw_dir))?;
+    let result = bench_raw_fsync(&raw_dir, duration);
+    let _ = std::fs::remove_dir_all(&raw_dir);
+    results.push(result?);
+    Ok(results)
+}
