@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch, Semaphore};
 use tokio_stream::wrappers::TcpListenerStream;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use super::config::NodeConfig;
 use super::driver::{Driver, DriverConfig, NodeStatus};
@@ -149,7 +149,23 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
     );
     let single_fresh_voter = fresh && cfg.bootstrap;
     let driver_shutdown = shutdown.clone();
-    let driver_task = tokio::spawn(driver.run(driver_shutdown));
+    // The Raft driver runs on its own thread with a single-threaded runtime: it waits for the
+    // disk on every Ready, and doing that on an I/O worker would stall clients and peers (or,
+    // with `block_in_place`, hand the worker over to a new thread on every flush).
+    let (driver_done_tx, driver_done) = tokio::sync::oneshot::channel::<()>();
+    std::thread::Builder::new()
+        .name("raftlock-driver".into())
+        .spawn(move || {
+            match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt.block_on(driver.run(driver_shutdown)),
+                Err(err) => error!(cause = %err, "cannot start the driver runtime"),
+            }
+            let _ = driver_done_tx.send(());
+        })
+        .map_err(|e| NodeError::Serve(format!("cannot start the driver thread: {e}")))?;
     if single_fresh_voter {
         info!("bootstrapped a one-node cluster");
     }
@@ -213,7 +229,7 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
 
     let _ = shutdown.wait_for(|s| *s).await;
     info!("shutting down");
-    let _ = driver_task.await;
+    let _ = driver_done.await;
     drop(input_tx);
     let _ = tokio::time::timeout(Duration::from_secs(5), peer_task).await;
     let _ = tokio::time::timeout(Duration::from_secs(5), client_task).await;

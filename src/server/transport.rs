@@ -90,6 +90,9 @@ pub struct PeerTransport {
     peers: Arc<RwLock<BTreeMap<NodeId, mpsc::Sender<RaftMessage>>>>,
     metrics: NodeMetrics,
     max_message_bytes: usize,
+    /// The I/O runtime: peer connections run there even when `send` is called from the Raft
+    /// driver's own thread.
+    runtime: tokio::runtime::Handle,
 }
 
 impl std::fmt::Debug for PeerTransport {
@@ -113,6 +116,7 @@ impl PeerTransport {
             peers: Arc::default(),
             metrics,
             max_message_bytes,
+            runtime: tokio::runtime::Handle::current(),
         }
     }
 
@@ -155,7 +159,7 @@ impl PeerTransport {
             addresses: self.addresses.clone(),
             max_message_bytes: self.max_message_bytes,
         };
-        tokio::spawn(task.run(rx));
+        self.runtime.spawn(task.run(rx));
         tx
     }
 }
