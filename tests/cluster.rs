@@ -443,3 +443,52 @@ async fn sigterm_on_the_leader_hands_over_and_exits_cleanly() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// `--snapshot-bytes` compacts the log once that many bytes were appended, even when the entry
+/// count threshold is far away; a node that was down meanwhile catches up from the snapshot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn log_is_compacted_by_bytes() {
+    let mut cluster = Cluster::start_with(3, |_| {
+        vec![
+            "--snapshot-entries".into(),
+            "1000000".into(),
+            "--snapshot-bytes".into(),
+            "1000".into(),
+        ]
+    });
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let follower = cluster.nodes.iter().find(|n| n.id != leader).unwrap().id;
+    cluster.node(follower).kill();
+    let addr = cluster.node(leader).client_addr();
+    let mut ws = ws_connect(&addr).await;
+    for i in 0..60 {
+        let r = ws_request(
+            &mut ws,
+            &acquire(&format!("key-{i:03}"), "c", &format!("r{i}"), 60_000),
+        )
+        .await;
+        assert_eq!(r["success"], true, "{r}");
+    }
+    let (_, metrics) = http_get(&addr, "/metrics").await.unwrap();
+    let taken = metrics
+        .lines()
+        .find(|l| l.starts_with("raftlock_snapshots_total") && l.contains("taken"))
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .unwrap_or(0.0);
+    assert!(taken >= 1.0, "no snapshot taken:\n{metrics}");
+    cluster.node(follower).start();
+    let f_addr = cluster.node(follower).client_addr();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Ok(s) = http_json(&f_addr, "/status").await {
+            if s["locksHeld"] == 60 {
+                break;
+            }
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "follower did not catch up"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

@@ -60,6 +60,9 @@ struct Args {
     /// Snapshot and compact the log every this many applied entries. Default 10000
     #[arg(long)]
     snapshot_entries: Option<u64>,
+    /// ... or after this many bytes of log were appended since the last one. Default 67108864
+    #[arg(long)]
+    snapshot_bytes: Option<u64>,
     /// Cancel queued waiters whose client has been gone this long. Default 10s
     #[arg(long)]
     waiter_reclaim: Option<String>,
@@ -116,6 +119,7 @@ impl Args {
             election_ticks,
             heartbeat_ticks,
             snapshot_entries,
+            snapshot_bytes,
             waiter_reclaim,
             max_connections,
             max_inflight_per_connection,

@@ -45,6 +45,8 @@ pub struct NodeConfig {
     pub heartbeat_ticks: u32,
     /// Take a snapshot and compact the log after this many applied entries.
     pub snapshot_entries: u64,
+    /// ... or after this many bytes of log entries were appended, whichever comes first.
+    pub snapshot_bytes: u64,
     /// Queued waiters whose connection has been gone longer than this are cancelled.
     #[serde(deserialize_with = "duration")]
     pub waiter_reclaim: Duration,
@@ -73,6 +75,7 @@ pub const DEFAULTS: &[(&str, &str)] = &[
     ("election_ticks", "15"),
     ("heartbeat_ticks", "3"),
     ("snapshot_entries", "10000"),
+    ("snapshot_bytes", "67108864"),
     ("waiter_reclaim", "10s"),
     ("max_connections", "10000"),
     ("max_inflight_per_connection", "1024"),

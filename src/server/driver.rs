@@ -111,6 +111,7 @@ impl NodeStatus {
 pub struct DriverConfig {
     pub tick: Duration,
     pub snapshot_entries: u64,
+    pub snapshot_bytes: u64,
     pub waiter_reclaim: Duration,
     /// Inputs handled per loop turn before the resulting Ready is processed.
     pub max_batch_inputs: usize,
@@ -142,6 +143,8 @@ struct Lease {
 
 pub struct Driver {
     raft: Raft,
+    /// Bytes of log appended since the last snapshot (for `snapshot_bytes`).
+    log_bytes_since_snapshot: u64,
     storage: Box<dyn Storage + Send>,
     sm: LockStateMachine,
     transport: PeerTransport,
@@ -180,6 +183,7 @@ impl Driver {
         let addresses = transport.addresses().clone();
         Driver {
             raft,
+            log_bytes_since_snapshot: 0,
             storage,
             sm,
             transport,
@@ -781,6 +785,14 @@ impl Driver {
             self.storage.set_hard_state(hs)?;
         }
         self.storage.append(&ready.entries)?;
+        self.log_bytes_since_snapshot += ready
+            .entries
+            .iter()
+            .map(|e| match &e.payload {
+                EntryPayload::Command(bytes) => bytes.len() as u64 + 24,
+                _ => 64,
+            })
+            .sum::<u64>();
         if ready.must_sync() {
             let started = std::time::Instant::now();
             // The driver has its own thread (see `node::run`), so waiting for the disk here
@@ -1084,13 +1096,17 @@ impl Driver {
 
     fn maybe_snapshot(&mut self) -> Result<(), crate::storage::StorageError> {
         let applied = self.raft.applied_index();
-        if applied < self.raft.snapshot_index() + self.cfg.snapshot_entries {
+        let by_count = applied >= self.raft.snapshot_index() + self.cfg.snapshot_entries;
+        let by_bytes = self.log_bytes_since_snapshot >= self.cfg.snapshot_bytes
+            && applied > self.raft.snapshot_index();
+        if !by_count && !by_bytes {
             return Ok(());
         }
         let snapshot = self.storage.build_snapshot()?;
         let index = snapshot.meta.index;
         if self.raft.compact(index, snapshot.data.clone()) {
             self.storage.compact(index)?;
+            self.log_bytes_since_snapshot = 0;
             self.metrics
                 .snapshots_total
                 .with_label_values(&["taken"])

@@ -141,6 +141,7 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
         DriverConfig {
             tick: cfg.tick,
             snapshot_entries: cfg.snapshot_entries,
+            snapshot_bytes: cfg.snapshot_bytes,
             waiter_reclaim: cfg.waiter_reclaim,
             max_batch_inputs: 1024,
         },
