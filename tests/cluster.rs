@@ -236,6 +236,12 @@ async fn leader_sigkill_keeps_locks_and_queue() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // Its lock state, rebuilt from what it had written before the SIGKILL plus the entries it
+    // re-applied from its log, is the leader's.
+    let restarted = http_json(&old_addr, "/locks").await.unwrap();
+    let current = http_json(&new_addr, "/locks").await.unwrap();
+    assert_eq!(restarted["locks"], current["locks"]);
+    assert_eq!(restarted["locks"][0]["holder"], "waiter", "{restarted}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

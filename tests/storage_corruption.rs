@@ -28,6 +28,30 @@ fn entry(index: Index) -> Entry {
     }
 }
 
+/// sled releases its directory lock shortly after the last handle is dropped (its I/O threads
+/// finish first), so opening right after closing may briefly find it locked: retry that only.
+fn retry_while_locked<T, E: std::fmt::Display>(
+    mut open: impl FnMut() -> Result<T, E>,
+) -> Result<T, E> {
+    for _ in 0..200 {
+        match open() {
+            Err(err) if err.to_string().contains("could not acquire lock") => {
+                std::thread::sleep(std::time::Duration::from_millis(10))
+            }
+            other => return other,
+        }
+    }
+    open()
+}
+
+fn open_sled(dir: &Path) -> sled::Db {
+    retry_while_locked(|| sled::open(dir)).expect("open sled directly")
+}
+
+fn open_store(dir: &Path) -> Result<SledStorage, StorageError> {
+    retry_while_locked(|| SledStorage::open(dir))
+}
+
 /// Writes a small but complete store: log, hard state, applied state and a compaction.
 fn populate(dir: &Path) -> RecoveredState {
     let mut store = SledStorage::open(dir).expect("open a fresh store");
@@ -58,7 +82,7 @@ fn populate(dir: &Path) -> RecoveredState {
 
 /// Changes one stored value of `tree` through sled itself, as a bad disk would.
 fn tamper(dir: &Path, tree: &str, key: &[u8], change: impl FnOnce(&mut Vec<u8>)) {
-    let db = sled::open(dir).expect("open sled directly");
+    let db = open_sled(dir);
     let tree = db.open_tree(tree).unwrap();
     let mut value = tree
         .get(key)
@@ -71,7 +95,7 @@ fn tamper(dir: &Path, tree: &str, key: &[u8], change: impl FnOnce(&mut Vec<u8>))
 }
 
 fn with_sled(dir: &Path, action: impl FnOnce(&sled::Db)) {
-    let db = sled::open(dir).expect("open sled directly");
+    let db = open_sled(dir);
     action(&db);
     db.flush().unwrap();
 }
@@ -79,7 +103,7 @@ fn with_sled(dir: &Path, action: impl FnOnce(&sled::Db)) {
 /// Opens and recovers, turning a panic into a test failure with its message.
 fn open_and_recover(dir: &Path) -> Result<(SledStorage, RecoveredState), StorageError> {
     let outcome = catch_unwind(AssertUnwindSafe(|| {
-        let store = SledStorage::open(dir)?;
+        let store = open_store(dir)?;
         let state = store.recover()?;
         Ok((store, state))
     }));
@@ -125,7 +149,7 @@ fn flipped_bit_in_a_log_entry_is_a_checksum_error_naming_the_index() {
         "{message}"
     );
     // Reads that touch the entry fail too; reads that do not still work.
-    let store = SledStorage::open(dir.path()).unwrap();
+    let store = open_store(dir.path()).unwrap();
     assert!(matches!(
         store.entries(70, 80),
         Err(StorageError::ChecksumMismatch { index: 77, .. })
@@ -267,7 +291,7 @@ fn flipped_bit_in_applied_state_is_caught() {
         matches!(error, StorageError::Corrupt { tree: "state", ref key, .. } if key.contains("lock/10")),
         "{error:?}"
     );
-    let store = SledStorage::open(dir.path()).unwrap();
+    let store = open_store(dir.path()).unwrap();
     assert!(matches!(
         store.build_snapshot(),
         Err(StorageError::Corrupt { tree: "state", .. })
@@ -292,7 +316,7 @@ enum Outcome {
 
 fn outcome(dir: &Path, written: &RecoveredState) -> (Outcome, String) {
     let result = catch_unwind(AssertUnwindSafe(|| {
-        let store = SledStorage::open(dir)?;
+        let store = open_store(dir)?;
         store.recover()
     }));
     match result {

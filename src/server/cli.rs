@@ -57,7 +57,7 @@ struct Args {
     /// Heartbeat interval in ticks. Default 3
     #[arg(long)]
     heartbeat_ticks: Option<u32>,
-    /// Snapshot and compact the log every this many applied entries. Default 10000
+    /// Snapshot and compact the log every this many applied entries. Default 100000
     #[arg(long)]
     snapshot_entries: Option<u64>,
     /// ... or after this many bytes of log were appended since the last one. Default 67108864

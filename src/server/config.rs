@@ -74,7 +74,7 @@ pub const DEFAULTS: &[(&str, &str)] = &[
     ("tick", "10ms"),
     ("election_ticks", "15"),
     ("heartbeat_ticks", "3"),
-    ("snapshot_entries", "10000"),
+    ("snapshot_entries", "100000"),
     ("snapshot_bytes", "67108864"),
     ("waiter_reclaim", "10s"),
     ("max_connections", "10000"),

@@ -25,7 +25,7 @@ use crate::lock::{Command, Event, FencingToken, LockStateMachine, Outcome, Rejec
 use crate::raft::{
     EntryPayload, Index, MembershipChange, Message, NodeId, ProposeError, Raft, Ready, Role,
 };
-use crate::storage::{decode_snapshot_data, Storage};
+use crate::storage::{decode_snapshot_data, Storage, StorageError};
 use crate::telemetry::NodeMetrics;
 
 /// Inputs accepted by the driver.
@@ -106,6 +106,16 @@ impl NodeStatus {
     }
 }
 
+/// How long applied state may stay only in memory before it is written to storage.
+///
+/// Applied state is a cache of the committed log: after a crash the node recovers the last written
+/// state with its index and re-applies the committed entries after it, which the log still holds
+/// (compaction never passes the written applied index). Writing it every few milliseconds instead
+/// of after every apply lets a key that is acquired and released in between be written once.
+const APPLIED_WRITE_INTERVAL: Duration = Duration::from_millis(100);
+/// Changed keys held in memory before applied state is written regardless of the interval.
+const APPLIED_WRITE_MAX_KEYS: usize = 8192;
+
 /// Settings the driver needs.
 #[derive(Clone, Debug)]
 pub struct DriverConfig {
@@ -166,6 +176,21 @@ pub struct Driver {
     promote_when_caught_up: Vec<NodeId>,
     was_leader: bool,
     last_leader: NodeId,
+    /// Applied-state changes not yet handed to storage (key -> new value, None = deleted), and
+    /// the index they bring the stored state to.
+    unwritten_changes: HashMap<Vec<u8>, Option<Vec<u8>>>,
+    unwritten_applied: Option<Index>,
+    applied_written_at: Instant,
+    /// A snapshot being built on another thread. While it runs the applied state in storage must
+    /// not change, so applied-state writes wait (see [`Driver::write_applied`]).
+    snapshot_job: Option<SnapshotInProgress>,
+}
+
+struct SnapshotInProgress {
+    result: std::sync::mpsc::Receiver<Result<crate::raft::Snapshot, StorageError>>,
+    started: std::time::Instant,
+    /// Time spent on the driver thread before the job was handed off.
+    prepare: Duration,
 }
 
 impl Driver {
@@ -202,6 +227,10 @@ impl Driver {
             promote_when_caught_up: Vec::new(),
             was_leader: false,
             last_leader: 0,
+            unwritten_changes: HashMap::new(),
+            unwritten_applied: None,
+            applied_written_at: Instant::now(),
+            snapshot_job: None,
         }
     }
 
@@ -215,6 +244,10 @@ impl Driver {
                 _ = ticker.tick() => {
                     self.raft.tick();
                     self.leader_duties();
+                    if let Err(err) = self.write_applied(false).and_then(|()| self.maybe_snapshot()) {
+                        error!(cause = %err, "storage failure; stopping the node");
+                        break;
+                    }
                 }
                 input = self.inputs.recv() => {
                     let Some(input) = input else { break };
@@ -241,6 +274,12 @@ impl Driver {
             }
         }
         self.fail_all(ErrorCode::Unavailable, "node is shutting down");
+        if let Err(err) = self
+            .finish_snapshot_job()
+            .and_then(|()| self.write_applied(true))
+        {
+            error!(cause = %err, "could not write the applied state at shutdown");
+        }
         let _ = self.storage.flush();
     }
 
@@ -738,7 +777,7 @@ impl Driver {
 
     // ----- ready -----------------------------------------------------------------------------
 
-    fn drive_ready(&mut self) -> Result<(), crate::storage::StorageError> {
+    fn drive_ready(&mut self) -> Result<(), StorageError> {
         for _ in 0..64 {
             if !self.raft.has_ready() {
                 break;
@@ -750,7 +789,7 @@ impl Driver {
         Ok(())
     }
 
-    fn handle_ready(&mut self, ready: Ready) -> Result<(), crate::storage::StorageError> {
+    fn handle_ready(&mut self, ready: Ready) -> Result<(), StorageError> {
         if let Some(soft) = ready.soft_state {
             self.role_changed(soft.role, soft.leader_id);
         }
@@ -758,13 +797,19 @@ impl Driver {
             self.transport.send(msg);
         }
         if let Some(snapshot) = &ready.snapshot {
+            // A snapshot being built and unwritten changes belong to the state this one replaces.
+            if let Some(job) = self.snapshot_job.take() {
+                let _ = job.result.recv();
+            }
+            self.unwritten_changes.clear();
+            self.unwritten_applied = None;
             self.storage
                 .install_snapshot(&snapshot.meta, &snapshot.data)?;
             let pairs = decode_snapshot_data(&snapshot.data)?;
             match LockStateMachine::from_kv_with_limits(pairs, self.sm.limits().clone()) {
                 Ok(sm) => self.sm = sm,
                 Err(err) => {
-                    return Err(crate::storage::StorageError::SnapshotData {
+                    return Err(StorageError::SnapshotData {
                         problem: format!(
                             "snapshot at index {} does not decode: {err}",
                             snapshot.meta.index
@@ -836,7 +881,7 @@ impl Driver {
         self.was_leader = is_leader;
     }
 
-    fn apply(&mut self, ready: &Ready) -> Result<(), crate::storage::StorageError> {
+    fn apply(&mut self, ready: &Ready) -> Result<(), StorageError> {
         let Some(last) = ready.committed_entries.last().map(|e| e.index) else {
             return Ok(());
         };
@@ -872,8 +917,13 @@ impl Driver {
                 _ => {}
             }
         }
-        let changes = self.sm.take_changes();
-        self.storage.apply(last, &changes)?;
+        for (key, value) in self.sm.take_changes() {
+            self.unwritten_changes.insert(key, value);
+        }
+        self.unwritten_applied = Some(last);
+        if self.unwritten_changes.len() >= APPLIED_WRITE_MAX_KEYS {
+            self.write_applied(true)?;
+        }
         for (reply, answer) in replies {
             let _ = reply.send(answer);
         }
@@ -1094,7 +1144,43 @@ impl Driver {
         }
     }
 
-    fn maybe_snapshot(&mut self) -> Result<(), crate::storage::StorageError> {
+    /// Hands the unwritten applied state to storage (durable with the next flush): always when
+    /// `force`, otherwise once it is older than [`APPLIED_WRITE_INTERVAL`].
+    fn write_applied(&mut self, force: bool) -> Result<(), StorageError> {
+        let Some(applied) = self.unwritten_applied else {
+            return Ok(());
+        };
+        if !force && self.applied_written_at.elapsed() < APPLIED_WRITE_INTERVAL {
+            return Ok(());
+        }
+        if self.snapshot_job.is_some() {
+            if self.unwritten_changes.len() < APPLIED_WRITE_MAX_KEYS && !force {
+                return Ok(());
+            }
+            self.finish_snapshot_job()?;
+        }
+        let mut changes: Vec<_> = self.unwritten_changes.drain().collect();
+        changes.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        self.storage.apply(applied, &changes)?;
+        self.unwritten_applied = None;
+        self.applied_written_at = Instant::now();
+        Ok(())
+    }
+
+    /// Starts building a snapshot on another thread once the log has grown past
+    /// `snapshot_entries` entries or `snapshot_bytes` bytes, and compacts the log when it is done.
+    fn maybe_snapshot(&mut self) -> Result<(), StorageError> {
+        if let Some(job) = &self.snapshot_job {
+            return match job.result.try_recv() {
+                Err(std::sync::mpsc::TryRecvError::Empty) => Ok(()),
+                Ok(result) => self.complete_snapshot(result),
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                    self.complete_snapshot(Err(StorageError::SnapshotData {
+                        problem: "the snapshot thread stopped without a result".into(),
+                    }))
+                }
+            };
+        }
         let applied = self.raft.applied_index();
         let by_count = applied >= self.raft.snapshot_index() + self.cfg.snapshot_entries;
         let by_bytes = self.log_bytes_since_snapshot >= self.cfg.snapshot_bytes
@@ -1102,15 +1188,69 @@ impl Driver {
         if !by_count && !by_bytes {
             return Ok(());
         }
-        let snapshot = self.storage.build_snapshot()?;
+        let started = std::time::Instant::now();
+        self.write_applied(true)?;
+        let job = self.storage.snapshot_job()?;
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let spawned = std::thread::Builder::new()
+            .name("raftlock-snapshot".into())
+            .spawn(move || {
+                let _ = tx.send(job());
+            });
+        if let Err(err) = spawned {
+            return Err(StorageError::Io {
+                action: "starting the snapshot thread",
+                source: err,
+            });
+        }
+        self.snapshot_job = Some(SnapshotInProgress {
+            result: rx,
+            started,
+            prepare: started.elapsed(),
+        });
+        Ok(())
+    }
+
+    /// Waits for the snapshot being built, if any, and compacts the log behind it.
+    fn finish_snapshot_job(&mut self) -> Result<(), StorageError> {
+        let Some(job) = &self.snapshot_job else {
+            return Ok(());
+        };
+        let result = job.result.recv().unwrap_or_else(|_| {
+            Err(StorageError::SnapshotData {
+                problem: "the snapshot thread stopped without a result".into(),
+            })
+        });
+        self.complete_snapshot(result)
+    }
+
+    /// Compacts the log behind the snapshot the job built.
+    fn complete_snapshot(
+        &mut self,
+        result: Result<crate::raft::Snapshot, StorageError>,
+    ) -> Result<(), StorageError> {
+        let Some(job) = self.snapshot_job.take() else {
+            return Ok(());
+        };
+        let snapshot = result?;
+        let built = job.started.elapsed();
         let index = snapshot.meta.index;
-        if self.raft.compact(index, snapshot.data.clone()) {
+        let bytes = snapshot.data.len();
+        if self.raft.compact(index, snapshot.data) {
+            let compact_started = std::time::Instant::now();
             self.storage.compact(index)?;
             self.log_bytes_since_snapshot = 0;
             self.metrics
                 .snapshots_total
                 .with_label_values(&["taken"])
                 .inc();
+            info!(
+                index,
+                bytes,
+                driver_ms = (job.prepare + compact_started.elapsed()).as_secs_f64() * 1e3,
+                build_ms = built.as_secs_f64() * 1e3,
+                "snapshot taken, log compacted"
+            );
         }
         Ok(())
     }

@@ -123,6 +123,15 @@ pub trait Storage {
     /// the applied index, `meta.membership` the configuration in effect there.
     fn build_snapshot(&self) -> Result<Snapshot, StorageError>;
 
+    /// The work of [`Storage::build_snapshot`] as a job for another thread, so a large state does
+    /// not stall the caller. What the job reads is fixed when it is created only as long as the
+    /// caller does not change the applied state (`apply`, `install_snapshot`, `finish_snapshot`)
+    /// before the job has finished. The default builds the snapshot right away.
+    fn snapshot_job(&self) -> Result<SnapshotJob, StorageError> {
+        let snapshot = self.build_snapshot()?;
+        Ok(Box::new(move || Ok(snapshot)))
+    }
+
     /// Drops log entries <= `upto` and makes `upto` the snapshot point, remembering its term and
     /// the membership in effect there. `upto` must not exceed the applied index (the applied
     /// state covers what is dropped). Compacting to or below the current point does nothing.
@@ -147,6 +156,9 @@ pub trait Storage {
     /// Makes everything written so far durable. Nothing may be acknowledged before it returns.
     fn flush(&mut self) -> Result<(), StorageError>;
 }
+
+/// A snapshot being built on another thread; see [`Storage::snapshot_job`].
+pub type SnapshotJob = Box<dyn FnOnce() -> Result<Snapshot, StorageError> + Send>;
 
 /// Folds the membership entries of `entries` into `base`. Used by recovery and compaction of
 /// both implementations so that they agree.

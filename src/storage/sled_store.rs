@@ -4,8 +4,9 @@
 //! membership at the snapshot point, applied index), `state` (the applied state machine) and
 //! `staging` (chunks of an incoming snapshot). Log entries, meta records and applied-state values
 //! each carry a CRC-32 (see `codec`), so a damaged value is an error naming its tree and key. Writes that must be atomic across trees — applying
-//! state with its index, compaction, snapshot install — run as one sled transaction; an append is
-//! one batch on the log tree. Nothing is durable before [`Storage::flush`].
+//! state with its index, snapshot install — run as one sled transaction; an append is one batch
+//! on the log tree; a compaction records the new snapshot point and leaves the deletion of the
+//! entries behind it to a background thread. Nothing is durable before [`Storage::flush`].
 
 use std::path::Path;
 
@@ -19,9 +20,11 @@ use super::codec::{
 };
 use super::{
     check_append, check_recovered, decode_snapshot_data, encode_snapshot_data, membership_after,
-    KvChange, KvPair, RecoveredState, Storage, StorageError,
+    KvChange, KvPair, RecoveredState, SnapshotJob, Storage, StorageError,
 };
-use crate::raft::{Entry, HardState, Index, Membership, Snapshot, SnapshotMeta, Term};
+use crate::raft::{
+    Entry, EntryPayload, HardState, Index, Membership, Snapshot, SnapshotMeta, Term,
+};
 
 const HARD_STATE: &[u8] = b"hard_state";
 const SNAPSHOT_POINT: &[u8] = b"snapshot_point";
@@ -39,6 +42,98 @@ pub struct SledStorage {
     snapshot_meta: SnapshotMeta,
     last_index: Index,
     applied_index: Index,
+    /// The entries after the snapshot point that change the membership, so the membership at an
+    /// index is known without reading the log. `None` if they could not be read at open (the
+    /// log is damaged; `recover` reports it), and then the log is read each time.
+    config_entries: Option<std::collections::BTreeMap<Index, Entry>>,
+    /// Removes compacted log entries in the background; see [`SledStorage::compact`].
+    trimmer: LogTrimmer,
+}
+
+/// A thread that deletes log entries at or below the snapshot point after a compaction.
+///
+/// A compaction first records the new snapshot point in `meta`; from then on entries at or below
+/// it are never read (recovery and `entries` start after the point), so deleting them is only
+/// reclaiming space and need not happen on the caller's thread. Deletes are issued after the
+/// point was written, and sled recovers a prefix of its writes, so no crash can lose the point
+/// but keep the deletes.
+struct LogTrimmer {
+    requests: Option<std::sync::mpsc::Sender<Index>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl LogTrimmer {
+    const BATCH_KEYS: usize = 1024;
+
+    fn start(log: sled::Tree) -> Self {
+        let (tx, rx) = std::sync::mpsc::channel::<Index>();
+        let thread = std::thread::Builder::new()
+            .name("raftlock-log-trim".into())
+            .spawn(move || {
+                while let Ok(mut upto) = rx.recv() {
+                    while let Ok(more) = rx.try_recv() {
+                        upto = upto.max(more);
+                    }
+                    if let Err(err) = Self::trim(&log, upto) {
+                        tracing::warn!(upto, cause = %err, "could not delete compacted log entries; will retry at the next compaction");
+                    }
+                }
+            })
+            .ok();
+        LogTrimmer {
+            requests: thread.as_ref().map(|_| tx),
+            thread,
+        }
+    }
+
+    fn trim(log: &sled::Tree, upto: Index) -> sled::Result<()> {
+        loop {
+            let keys: Vec<sled::IVec> = log
+                .range(..=index_key(upto))
+                .keys()
+                .take(Self::BATCH_KEYS)
+                .collect::<Result<_, _>>()?;
+            if keys.is_empty() {
+                return Ok(());
+            }
+            let mut batch = sled::Batch::default();
+            for k in keys {
+                batch.remove(k);
+            }
+            log.apply_batch(batch)?;
+        }
+    }
+
+    /// Queues the deletion of entries <= `upto`; false if the thread could not be started.
+    fn request(&self, upto: Index) -> bool {
+        self.requests
+            .as_ref()
+            .is_some_and(|tx| tx.send(upto).is_ok())
+    }
+
+    /// Finishes the queued deletions and ends the thread. Closing the channel ends the thread
+    /// once the queue is drained; joining releases its handle on the database.
+    fn stop(&mut self) {
+        drop(self.requests.take());
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for LogTrimmer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+impl Drop for SledStorage {
+    fn drop(&mut self) {
+        // The trimmer may have written after the last flush; let its writes reach the disk so
+        // sled holds no pending I/O (and no lock on the directory) once the store is dropped.
+        self.trimmer.stop();
+        let _ = self.db.flush();
+    }
 }
 
 impl std::fmt::Debug for SledStorage {
@@ -82,8 +177,10 @@ impl SledStorage {
             db.open_tree(name)
                 .map_err(|e| StorageError::sled("opening a tree", e))
         };
+        let log = tree("log")?;
         let mut storage = SledStorage {
-            log: tree("log")?,
+            trimmer: LogTrimmer::start(log.clone()),
+            log,
             meta: tree("meta")?,
             state: tree("state")?,
             staging: tree("staging")?,
@@ -91,8 +188,10 @@ impl SledStorage {
             snapshot_meta: SnapshotMeta::default(),
             last_index: 0,
             applied_index: 0,
+            config_entries: None,
         };
         storage.load_cache()?;
+        storage.load_config_entries();
         Ok(storage)
     }
 
@@ -121,7 +220,10 @@ impl SledStorage {
             .last()
             .map_err(|e| StorageError::sled("reading the log", e))?
         {
-            Some((k, _)) => decode_index_key(&k).map_err(|e| e.at("log", format!("{k:?}")))?,
+            // Entries at or below the point may remain until the trimmer deleted them.
+            Some((k, _)) => decode_index_key(&k)
+                .map_err(|e| e.at("log", format!("{k:?}")))?
+                .max(index),
             None => index,
         };
         Ok(())
@@ -135,13 +237,7 @@ impl SledStorage {
 
     /// The applied state in key order, checksums verified.
     fn read_state(&self) -> Result<Vec<KvPair>, StorageError> {
-        let mut pairs = Vec::new();
-        for item in self.state.iter() {
-            let (k, v) = item.map_err(|e| StorageError::sled("reading the state", e))?;
-            let value = decode_state_value(&v).map_err(|e| e.at("state", state_key_name(&k)))?;
-            pairs.push((k.to_vec(), value.to_vec()));
-        }
-        Ok(pairs)
+        read_state(&self.state)
     }
 
     fn read_entries(&self, lo: Index, hi: Index) -> Result<Vec<Entry>, StorageError> {
@@ -155,8 +251,35 @@ impl SledStorage {
     }
 
     fn membership_at(&self, index: Index) -> Result<Membership, StorageError> {
-        let entries = self.read_entries(self.snapshot_meta.index + 1, index + 1)?;
+        let entries = match &self.config_entries {
+            _ if index <= self.snapshot_meta.index => Vec::new(),
+            Some(cached) => cached
+                .range(self.snapshot_meta.index + 1..=index)
+                .map(|(_, e)| e.clone())
+                .collect(),
+            None => self.read_entries(self.snapshot_meta.index + 1, index + 1)?,
+        };
         membership_after(&self.snapshot_meta.membership, &entries)
+    }
+
+    /// The raw log tree, for tests that stage what a crash can leave behind.
+    #[cfg(test)]
+    pub(crate) fn log_tree(&self) -> &sled::Tree {
+        &self.log
+    }
+
+    /// Fills [`SledStorage::config_entries`] from the log after the snapshot point.
+    fn load_config_entries(&mut self) {
+        self.config_entries = self
+            .read_entries(self.snapshot_meta.index + 1, Index::MAX)
+            .ok()
+            .map(|entries| {
+                entries
+                    .into_iter()
+                    .filter(changes_membership)
+                    .map(|e| (e.index, e))
+                    .collect()
+            });
     }
 
     fn install(&mut self, meta: &SnapshotMeta, data: &[u8]) -> Result<(), StorageError> {
@@ -202,12 +325,37 @@ impl SledStorage {
             .map_err(|e| tx_err("installing a snapshot", e))?;
         self.snapshot_meta = meta.clone();
         self.applied_index = meta.index;
+        if let Some(cached) = &mut self.config_entries {
+            *cached = if keep {
+                cached.split_off(&(meta.index + 1))
+            } else {
+                Default::default()
+            };
+        }
         if !keep {
             self.last_index = meta.index;
         }
         self.last_index = self.last_index.max(meta.index);
         Ok(())
     }
+}
+
+fn changes_membership(entry: &Entry) -> bool {
+    matches!(
+        entry.payload,
+        EntryPayload::Membership(_) | EntryPayload::Config(_)
+    )
+}
+
+/// The applied state in `state` in key order, checksums verified.
+fn read_state(state: &sled::Tree) -> Result<Vec<KvPair>, StorageError> {
+    let mut pairs = Vec::new();
+    for item in state.iter() {
+        let (k, v) = item.map_err(|e| StorageError::sled("reading the state", e))?;
+        let value = decode_state_value(&v).map_err(|e| e.at("state", state_key_name(&k)))?;
+        pairs.push((k.to_vec(), value.to_vec()));
+    }
+    Ok(pairs)
 }
 
 impl Storage for SledStorage {
@@ -247,6 +395,12 @@ impl Storage for SledStorage {
             .apply_batch(batch)
             .map_err(|e| StorageError::sled("appending entries", e))?;
         self.last_index = entries.last().map_or(self.last_index, |e| e.index);
+        if let Some(cached) = &mut self.config_entries {
+            cached.split_off(&first.index);
+            for entry in entries.iter().filter(|e| changes_membership(e)) {
+                cached.insert(entry.index, entry.clone());
+            }
+        }
         Ok(())
     }
 
@@ -373,6 +527,24 @@ impl Storage for SledStorage {
         Ok(Snapshot { meta, data })
     }
 
+    fn snapshot_job(&self) -> Result<SnapshotJob, StorageError> {
+        let index = self.applied_index;
+        let meta = SnapshotMeta {
+            index,
+            term: self.term(index)?,
+            membership: self.membership_at(index)?,
+        };
+        let state = self.state.clone();
+        Ok(Box::new(move || {
+            let pairs = read_state(&state)?;
+            let data =
+                encode_snapshot_data(pairs.iter().map(|(k, v)| (k.as_slice(), v.as_slice())));
+            Ok(Snapshot { meta, data })
+        }))
+    }
+
+    /// Records `upto` as the snapshot point; the entries at or below it are deleted by the
+    /// background trimmer (see [`LogTrimmer`]), so a large compaction does not stall the caller.
     fn compact(&mut self, upto: Index) -> Result<(), StorageError> {
         if upto <= self.snapshot_meta.index {
             return Ok(());
@@ -385,29 +557,24 @@ impl Storage for SledStorage {
         }
         let term = self.term(upto)?;
         let membership = self.membership_at(upto)?;
-        let remove: Vec<sled::IVec> = self
-            .log
-            .range(..=index_key(upto))
-            .keys()
-            .collect::<Result<_, _>>()
-            .map_err(|e| StorageError::sled("scanning the log", e))?;
-        let point = encode_index_term(upto, term);
-        let membership_record = encode_membership(&membership);
-        (&self.log, &self.meta)
-            .transaction(|(log, m)| {
-                for k in &remove {
-                    log.remove(k)?;
-                }
-                m.insert(SNAPSHOT_POINT, point.as_slice())?;
-                m.insert(SNAPSHOT_MEMBERSHIP, membership_record.as_slice())?;
-                Ok::<(), ConflictableTransactionError<StorageError>>(())
-            })
-            .map_err(|e| tx_err("compacting the log", e))?;
+        let mut batch = sled::Batch::default();
+        batch.insert(SNAPSHOT_POINT, encode_index_term(upto, term));
+        batch.insert(SNAPSHOT_MEMBERSHIP, encode_membership(&membership));
+        self.meta
+            .apply_batch(batch)
+            .map_err(|e| StorageError::sled("compacting the log", e))?;
+        if !self.trimmer.request(upto) {
+            LogTrimmer::trim(&self.log, upto)
+                .map_err(|e| StorageError::sled("deleting compacted log entries", e))?;
+        }
         self.snapshot_meta = SnapshotMeta {
             index: upto,
             term,
             membership,
         };
+        if let Some(cached) = &mut self.config_entries {
+            *cached = cached.split_off(&(upto + 1));
+        }
         self.last_index = self.last_index.max(upto);
         Ok(())
     }
