@@ -113,6 +113,28 @@ async fn locks_over_websocket_and_grpc_with_redirects() {
     assert_eq!(code, 200);
     assert!(metrics.contains("raftlock_is_leader 1"), "{metrics}");
     assert!(metrics.contains("raftlock_lock_grants_total"), "{metrics}");
+    // The leader times heartbeats per peer and reports each peer's lag.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, metrics) = http_get(&leader_addr, "/metrics").await.unwrap();
+        let timed_peers = metrics
+            .lines()
+            .filter(|l| l.starts_with("raftlock_peer_rtt_seconds_count{peer="))
+            .filter(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) > Some(0.0))
+            .count();
+        let lagged_peers = metrics
+            .lines()
+            .filter(|l| l.starts_with("raftlock_replication_lag_entries{peer="))
+            .count();
+        if timed_peers == 2 && lagged_peers == 2 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "leader reports RTT for {timed_peers} and lag for {lagged_peers} of 2 peers:\n{metrics}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -23,7 +23,8 @@ use super::api::{ApiError, ClientOp, ClientReply, ErrorCode};
 use super::transport::{AddressBook, PeerTransport};
 use crate::lock::{Command, Event, FencingToken, LockStateMachine, Outcome, RejectCode};
 use crate::raft::{
-    EntryPayload, Index, MembershipChange, Message, NodeId, ProposeError, Raft, Ready, Role,
+    EntryPayload, Index, MembershipChange, Message, MessageBody, NodeId, ProposeError, Raft, Ready,
+    Role,
 };
 use crate::storage::{decode_snapshot_data, Storage, StorageError};
 use crate::telemetry::NodeMetrics;
@@ -116,6 +117,9 @@ const APPLIED_WRITE_INTERVAL: Duration = Duration::from_millis(100);
 /// Changed keys held in memory before applied state is written regardless of the interval.
 const APPLIED_WRITE_MAX_KEYS: usize = 8192;
 
+/// A timed heartbeat not answered within this long is forgotten and the next one is timed.
+const HEARTBEAT_RTT_GIVE_UP: Duration = Duration::from_secs(2);
+
 /// Settings the driver needs.
 #[derive(Clone, Debug)]
 pub struct DriverConfig {
@@ -184,6 +188,8 @@ pub struct Driver {
     /// A snapshot being built on another thread. While it runs the applied state in storage must
     /// not change, so applied-state writes wait (see [`Driver::write_applied`]).
     snapshot_job: Option<SnapshotInProgress>,
+    /// Per peer: when the heartbeat being timed was sent (for `raftlock_peer_rtt_seconds`).
+    heartbeat_sent: HashMap<NodeId, Instant>,
 }
 
 struct SnapshotInProgress {
@@ -231,6 +237,7 @@ impl Driver {
             unwritten_applied: None,
             applied_written_at: Instant::now(),
             snapshot_job: None,
+            heartbeat_sent: HashMap::new(),
         }
     }
 
@@ -309,7 +316,7 @@ impl Driver {
             tokio::select! {
                 _ = tokio::time::sleep(self.cfg.tick) => self.raft.tick(),
                 input = self.inputs.recv() => match input {
-                    Some(Input::Peer(msg)) => self.raft.step(msg),
+                    Some(Input::Peer(msg)) => self.step_peer(msg),
                     Some(other) => self.handle_inputs(vec![other]),
                     None => return,
                 },
@@ -324,7 +331,7 @@ impl Driver {
         let mut proposals: Vec<(Command, PendingProposal)> = Vec::new();
         for input in batch {
             match input {
-                Input::Peer(msg) => self.raft.step(msg),
+                Input::Peer(msg) => self.step_peer(msg),
                 Input::Client { op, conn, reply } => {
                     self.metrics
                         .requests_total
@@ -361,6 +368,31 @@ impl Driver {
             }
         }
         self.propose_batch(proposals);
+    }
+
+    /// Sends to a peer, timing one heartbeat per peer at a time.
+    fn send_peer(&mut self, msg: &Message) {
+        if matches!(msg.body, MessageBody::Heartbeat { .. }) {
+            let now = Instant::now();
+            let timed = self.heartbeat_sent.entry(msg.to).or_insert(now);
+            // A heartbeat whose answer never came (peer down, message lost) stops being timed.
+            if now.duration_since(*timed) > HEARTBEAT_RTT_GIVE_UP {
+                *timed = now;
+            }
+        }
+        self.transport.send(msg);
+    }
+
+    fn step_peer(&mut self, msg: Message) {
+        if matches!(msg.body, MessageBody::HeartbeatResponse { .. }) {
+            if let Some(sent) = self.heartbeat_sent.remove(&msg.from) {
+                self.metrics
+                    .peer_rtt_seconds
+                    .with_label_values(&[&msg.from.to_string()])
+                    .observe(sent.elapsed().as_secs_f64());
+            }
+        }
+        self.raft.step(msg);
     }
 
     fn not_leader_error(&self) -> ApiError {
@@ -794,7 +826,7 @@ impl Driver {
             self.role_changed(soft.role, soft.leader_id);
         }
         for msg in &ready.messages_now {
-            self.transport.send(msg);
+            self.send_peer(msg);
         }
         if let Some(snapshot) = &ready.snapshot {
             // A snapshot being built and unwritten changes belong to the state this one replaces.
@@ -848,7 +880,7 @@ impl Driver {
                 .observe(started.elapsed().as_secs_f64());
         }
         for msg in &ready.messages {
-            self.transport.send(msg);
+            self.send_peer(msg);
         }
         self.apply(&ready)?;
         let read_states = ready.read_states.clone();

@@ -13,7 +13,6 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::MetadataValue;
 use tonic::transport::{Channel, Endpoint};
 use tracing::{debug, warn};
@@ -171,9 +170,15 @@ struct PeerSender {
     max_message_bytes: usize,
 }
 
+/// The peer's queue, shared by the successive streams of one peer sender: each stream takes
+/// messages straight from it, so a message goes from the driver to the connection's writer
+/// without another task in between.
+type SharedQueue = Arc<tokio::sync::Mutex<mpsc::Receiver<RaftMessage>>>;
+
 impl PeerSender {
     /// Connects, streams, and reconnects with exponential backoff until the queue is dropped.
-    async fn run(self, mut queue: mpsc::Receiver<RaftMessage>) {
+    async fn run(self, queue: mpsc::Receiver<RaftMessage>) {
+        let queue: SharedQueue = Arc::new(tokio::sync::Mutex::new(queue));
         let mut backoff = BACKOFF_MIN;
         loop {
             let Some(addr) = self
@@ -183,18 +188,18 @@ impl PeerSender {
                 .filter(|a| !a.is_empty())
             else {
                 // Unknown address: drop what is queued and wait for it to be learned.
-                if !drain_for(&mut queue, backoff).await {
+                if !drain_for(&mut *queue.lock().await, backoff).await {
                     return;
                 }
                 backoff = (backoff * 2).min(BACKOFF_MAX);
                 continue;
             };
-            match self.stream_once(&addr, &mut queue).await {
+            match self.stream_once(&addr, &queue).await {
                 Ok(StreamEnd::QueueClosed) => return,
                 Ok(StreamEnd::Disconnected) => backoff = BACKOFF_MIN,
                 Err(err) => {
                     debug!(peer = self.to, %addr, cause = %err, "peer connection failed");
-                    if !drain_for(&mut queue, backoff).await {
+                    if !drain_for(&mut *queue.lock().await, backoff).await {
                         return;
                     }
                     backoff = (backoff * 2).min(BACKOFF_MAX);
@@ -206,7 +211,7 @@ impl PeerSender {
     async fn stream_once(
         &self,
         addr: &str,
-        queue: &mut mpsc::Receiver<RaftMessage>,
+        queue: &SharedQueue,
     ) -> Result<StreamEnd, Box<dyn std::error::Error + Send + Sync>> {
         let endpoint = Endpoint::from_shared(format!("http://{addr}"))?
             .connect_timeout(Duration::from_millis(500))
@@ -217,8 +222,13 @@ impl PeerSender {
         let mut client = PeerClient::new(channel)
             .max_decoding_message_size(self.max_message_bytes)
             .max_encoding_message_size(self.max_message_bytes);
-        let (tx, rx) = mpsc::channel::<RaftMessage>(256);
-        let mut request = tonic::Request::new(ReceiverStream::new(rx));
+        // Ends when the queue is closed (the peer left the membership or the node stops). When
+        // the connection fails, tonic drops the stream, and with it the lock on the queue.
+        let messages = futures::stream::unfold(queue.clone(), |queue| async move {
+            let next = queue.lock().await.recv().await;
+            next.map(|msg| (msg, queue))
+        });
+        let mut request = tonic::Request::new(messages);
         let md = request.metadata_mut();
         md.insert(NODE_ID_HEADER, MetadataValue::from(self.identity.id));
         if let Ok(v) = self.identity.peer_addr.parse() {
@@ -232,23 +242,14 @@ impl PeerSender {
                 md.insert(TOKEN_HEADER, v);
             }
         }
-        let mut call = Box::pin(client.raft(request));
-        loop {
-            tokio::select! {
-                result = &mut call => {
-                    if let Err(status) = result {
-                        warn!(peer = self.to, code = ?status.code(), message = status.message(), "peer closed the raft stream");
-                    }
-                    return Ok(StreamEnd::Disconnected);
-                }
-                next = queue.recv() => {
-                    let Some(msg) = next else { return Ok(StreamEnd::QueueClosed) };
-                    if tx.send(msg).await.is_err() {
-                        return Ok(StreamEnd::Disconnected);
-                    }
-                }
-            }
+        let result = client.raft(request).await;
+        if queue.lock().await.is_closed() {
+            return Ok(StreamEnd::QueueClosed);
         }
+        if let Err(status) = result {
+            warn!(peer = self.to, code = ?status.code(), message = status.message(), "peer closed the raft stream");
+        }
+        Ok(StreamEnd::Disconnected)
     }
 }
 
