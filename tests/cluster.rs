@@ -135,6 +135,40 @@ async fn locks_over_websocket_and_grpc_with_redirects() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+
+    // Every node, followers included, lists every member with both of its addresses.
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    for node in &cluster.nodes {
+        loop {
+            let members = http_json(&node.client_addr(), "/members").await.unwrap();
+            let expected: Vec<(u64, String, String)> = cluster
+                .nodes
+                .iter()
+                .map(|n| (n.id, n.peer_addr(), n.client_addr()))
+                .collect();
+            let listed: Vec<(u64, String, String)> = members["members"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|m| {
+                    (
+                        m["id"].as_u64().unwrap(),
+                        m["peerAddr"].as_str().unwrap().to_string(),
+                        m["clientAddr"].as_str().unwrap().to_string(),
+                    )
+                })
+                .collect();
+            if listed == expected {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "node {} lists {listed:?}, expected {expected:?}",
+                node.id
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

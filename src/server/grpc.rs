@@ -336,6 +336,11 @@ impl ppb::peer_server::Peer for PeerApi {
             .iter()
             .filter_map(|id| book.get(id).map(|a| (*id, a.peer.clone())))
             .collect();
+        let client_address = peer_set
+            .iter()
+            .filter_map(|id| book.get(id).map(|a| (*id, a.client.clone())))
+            .filter(|(_, a)| !a.is_empty())
+            .collect();
         Ok(Response::new(ppb::FetchPeerListReply {
             success: s.leader_id != 0,
             term: s.term,
@@ -346,6 +351,7 @@ impl ppb::peer_server::Peer for PeerApi {
                 .unwrap_or_default(),
             peer_set,
             peer_address,
+            client_address,
         }))
     }
 

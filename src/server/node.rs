@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch, Semaphore};
 use tokio_stream::wrappers::TcpListenerStream;
-use tracing::{error, info, warn};
+use tracing::{debug, error, info, warn};
 
 use super::config::NodeConfig;
 use super::driver::{Driver, DriverConfig, NodeStatus};
@@ -17,7 +17,7 @@ use super::http::{router, AppState, ClientLimits};
 use super::proto::lock::lock_service_server::LockServiceServer;
 use super::proto::peer::peer_client::PeerClient;
 use super::proto::peer::peer_server::PeerServer;
-use super::proto::peer::JoinClusterRequest;
+use super::proto::peer::{FetchPeerListReply, FetchPeerListRequest, JoinClusterRequest};
 use super::transport::{AddressBook, LocalIdentity, PeerTransport, TOKEN_HEADER};
 use crate::lock::{Limits, LockStateMachine};
 use crate::raft::{Config, InitialState, Membership, Raft};
@@ -222,6 +222,13 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
             .await
     });
 
+    tokio::spawn(refresh_addresses(
+        cfg.clone(),
+        status_rx.clone(),
+        addresses.clone(),
+        shutdown.clone(),
+    ));
+
     if fresh && !cfg.join_peers().is_empty() {
         let join_cfg = cfg.clone();
         let join_shutdown = shutdown.clone();
@@ -296,6 +303,74 @@ async fn ask_to_join(
             .insert(TOKEN_HEADER, cfg.cluster_token.parse()?);
     }
     Ok(client.join_cluster(request).await?.into_inner())
+}
+
+/// How often a node whose address book misses a member's addresses asks the leader for them.
+const ADDRESS_REFRESH_INTERVAL: Duration = Duration::from_secs(2);
+
+/// A node learns a peer's addresses when that peer opens a stream to it, so a follower may not
+/// know another follower's client address (which `/members` and redirects report). While any
+/// member's address is missing, this asks the leader (`FetchPeerList`) every couple of seconds.
+async fn refresh_addresses(
+    cfg: NodeConfig,
+    status: watch::Receiver<NodeStatus>,
+    addresses: AddressBook,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(ADDRESS_REFRESH_INTERVAL) => {}
+            _ = shutdown.wait_for(|s| *s) => return,
+        }
+        let s = status.borrow().clone();
+        if s.leader_id == 0 || s.leader_id == cfg.node_id {
+            continue;
+        }
+        let book = addresses.all();
+        let complete = s.voters.iter().chain(&s.learners).all(|id| {
+            book.get(id)
+                .is_some_and(|a| !a.peer.is_empty() && !a.client.is_empty())
+        });
+        let Some(leader_peer) = book.get(&s.leader_id).map(|a| a.peer.clone()) else {
+            continue;
+        };
+        if complete || leader_peer.is_empty() {
+            continue;
+        }
+        match fetch_peer_list(&cfg, &leader_peer).await {
+            Ok(reply) => {
+                for id in reply.peer_set {
+                    let peer = reply.peer_address.get(&id).map_or("", String::as_str);
+                    let client = reply.client_address.get(&id).map_or("", String::as_str);
+                    addresses.learn(id, peer, client);
+                }
+            }
+            Err(err) => {
+                debug!(leader = %leader_peer, cause = %err, "could not fetch the peer list")
+            }
+        }
+    }
+}
+
+async fn fetch_peer_list(
+    cfg: &NodeConfig,
+    target: &str,
+) -> Result<FetchPeerListReply, Box<dyn std::error::Error + Send + Sync>> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{target}"))?
+        .connect_timeout(Duration::from_secs(1))
+        .timeout(Duration::from_secs(2))
+        .connect()
+        .await?;
+    let mut request = tonic::Request::new(FetchPeerListRequest { term: 0 });
+    if !cfg.cluster_token.is_empty() {
+        request
+            .metadata_mut()
+            .insert(TOKEN_HEADER, cfg.cluster_token.parse()?);
+    }
+    Ok(PeerClient::new(channel)
+        .fetch_peer_list(request)
+        .await?
+        .into_inner())
 }
 
 /// Election timeouts only need to differ between nodes and restarts; this is the I/O shell, so
