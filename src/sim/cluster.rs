@@ -45,6 +45,10 @@ pub struct SimConfig {
     pub snapshot_every: u64,
     /// Bytes of padding in each snapshot, so snapshots travel in several chunks.
     pub snapshot_padding_bytes: usize,
+    /// Write the applied state to the disk after every this many Readies that applied entries
+    /// (and before every snapshot), as lock-node writes it behind the log: a crash then loses
+    /// applied state that the restarted node must rebuild by re-applying committed entries.
+    pub applied_write_every: u32,
     /// Simulated time allowed after healing for a leader to commit a new entry.
     pub liveness_budget_us: u64,
     /// Multiplies the crash rate (1 = default).
@@ -66,6 +70,7 @@ impl SimConfig {
             membership_changes: true,
             snapshot_every: 48,
             snapshot_padding_bytes: 1_500,
+            applied_write_every: 4,
             liveness_budget_us: 5_000_000,
             crash_intensity: 1,
             trace: false,
@@ -201,8 +206,21 @@ struct SimNode {
     crash_mid_ready: Option<CrashPoint>,
     /// Removed from the cluster and shut down for good.
     decommissioned: bool,
+    /// Readies that applied entries since the applied state was last written.
+    applies_unwritten: u32,
     last_commit: Index,
     incarnation_elections: u64,
+}
+
+impl SimNode {
+    /// Stages the in-memory applied state (applied index, digest, locks) as one write; it
+    /// becomes durable with the next flush.
+    fn write_applied(&mut self) {
+        self.staged.locks = self.locks.snapshot();
+        self.staged.applied = self.applied;
+        self.staged.digest = self.digest;
+        self.applies_unwritten = 0;
+    }
 }
 
 pub struct Cluster {
@@ -293,6 +311,7 @@ impl Cluster {
             next_tick_us: self.now_us + self.rng.random_range(0..tick_us),
             crash_mid_ready: None,
             decommissioned: false,
+            applies_unwritten: 0,
             last_commit: 0,
             incarnation_elections: 0,
         };
@@ -336,6 +355,7 @@ impl Cluster {
         };
         node.leases.clear();
         node.wait_deadlines.clear();
+        node.applies_unwritten = 0;
         let raft = Raft::new(cfg, initial).expect("simulator config is valid");
         node.last_commit = raft.commit_index();
         node.incarnation_elections = 0;
@@ -634,9 +654,12 @@ impl Cluster {
                 }
             }
         }
-        node.staged.locks = node.locks.snapshot();
-        node.staged.applied = node.applied;
-        node.staged.digest = node.digest;
+        if !ready.committed_entries.is_empty() {
+            node.applies_unwritten += 1;
+        }
+        if node.applies_unwritten >= self.cfg.applied_write_every {
+            node.write_applied();
+        }
         for read in &ready.read_states {
             self.stats.reads += 1;
             if let Some(required) = self.reads.remove(&(id, read.ctx)) {
@@ -710,6 +733,7 @@ impl Cluster {
             if raft.compact(node.applied, data) {
                 let snapshot = raft.latest_snapshot().cloned().expect("just taken");
                 let index = snapshot.meta.index;
+                node.write_applied();
                 node.staged.entries.retain(|e| e.index > index);
                 node.staged.snapshot = Some(snapshot);
                 node.durable = node.staged.clone();
