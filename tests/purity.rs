@@ -117,3 +117,31 @@ fn the_check_catches_an_impure_import() {
         "Instant, std::time and std::{{fs}} must be flagged: {found:?}"
     );
 }
+
+/// The simulator and the core must run a seed the same way every time, so neither may keep state
+/// in hash maps, whose iteration order changes from map to map and from process to process. (The
+/// lock state machine keeps one `HashMap` for lookups only; its iteration never decides anything.)
+#[test]
+fn simulator_and_core_use_ordered_collections() {
+    let mut files = Vec::new();
+    for dir in ["src/sim", "src/raft"] {
+        rust_files(&Path::new(env!("CARGO_MANIFEST_DIR")).join(dir), &mut files);
+    }
+    assert!(files.len() > 5, "sources not found: {files:?}");
+    let mut found = Vec::new();
+    for file in files {
+        let source = std::fs::read_to_string(&file).expect("readable source");
+        for (line_no, code) in code_lines(&source) {
+            for pattern in ["HashMap", "HashSet", "RandomState"] {
+                if code.contains(pattern) {
+                    found.push(format!("{}:{line_no}: `{pattern}`", file.display()));
+                }
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "unordered collections make runs of one seed differ:\n{}",
+        found.join("\n")
+    );
+}

@@ -3,7 +3,7 @@
 //! Each check names the property of the Raft paper (Figure 3) it enforces. The checker only
 //! observes: it is fed what nodes persisted, committed and applied, and what leaders appeared.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 use crate::raft::{Entry, EntryPayload, Index, NodeId, Raft, Term};
 
@@ -82,15 +82,15 @@ pub fn chain(prev: u64, entry: &Entry) -> u64 {
 #[derive(Default)]
 pub struct Checker {
     /// Election Safety: the leader of each term.
-    leaders: HashMap<Term, NodeId>,
+    leaders: BTreeMap<Term, NodeId>,
     /// Log Matching (part 1): every (index, term) ever persisted, with its payload.
-    entries: HashMap<(Index, Term), u64>,
+    entries: BTreeMap<(Index, Term), u64>,
     /// Entries known committed, with their term (Leader Completeness, durability).
     committed: BTreeMap<Index, Term>,
     /// State Machine Safety: the state digest after applying each index.
-    applied: HashMap<Index, u64>,
+    applied: BTreeMap<Index, u64>,
     /// Highest term each node has put on a message: it must never restart below it.
-    max_term_sent: HashMap<NodeId, Term>,
+    max_term_sent: BTreeMap<NodeId, Term>,
     pub violations: Vec<Violation>,
 }
 

@@ -12,7 +12,7 @@
 //! flush, `messages` only after it; a crash can strike between the two, losing what was not
 //! flushed.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 use bytes::Bytes;
 use rand::seq::IndexedRandom;
@@ -198,8 +198,8 @@ struct SimNode {
     digest: u64,
     locks: LockStateMachine,
     /// Leader only: key -> (token, lease deadline) and waiter -> (key, cancel deadline).
-    leases: HashMap<String, (u64, u64)>,
-    wait_deadlines: HashMap<(String, String), (String, u64)>,
+    leases: BTreeMap<String, (u64, u64)>,
+    wait_deadlines: BTreeMap<(String, String), (String, u64)>,
     tick_us: u64,
     next_tick_us: u64,
     /// Crash inside a coming Ready, after `messages_now` left but before the flush.
@@ -234,7 +234,7 @@ pub struct Cluster {
     next_node_id: NodeId,
     next_read_ctx: u64,
     /// For each outstanding read: the highest committed index when it was requested.
-    reads: HashMap<(NodeId, u64), Index>,
+    reads: BTreeMap<(NodeId, u64), Index>,
     min_voters: usize,
     /// Flow-control settings drawn per seed, so runs cover one-entry appends through large
     /// pipelined batches.
@@ -245,7 +245,7 @@ pub struct Cluster {
     /// Set once every fault is healed for the final liveness check.
     healed: bool,
     /// Digest of the lock state after each (sampled) index: replicas must agree.
-    lock_state_at: HashMap<Index, u64>,
+    lock_state_at: BTreeMap<Index, u64>,
 }
 
 const MAX_MEMBERS: usize = 7;
@@ -271,7 +271,7 @@ impl Cluster {
         let mut cluster = Cluster {
             clients: SimClients::new(4, 3),
             locks: LockChecker::default(),
-            lock_state_at: HashMap::new(),
+            lock_state_at: BTreeMap::new(),
             healed: false,
             max_inflight_appends,
             max_batch_bytes,
@@ -283,7 +283,7 @@ impl Cluster {
             stats: SimStats::default(),
             next_node_id: nodes_count + 1,
             next_read_ctx: 0,
-            reads: HashMap::new(),
+            reads: BTreeMap::new(),
             min_voters: (nodes_count as usize).min(3),
             cfg,
         };
@@ -305,8 +305,8 @@ impl Cluster {
             applied: 0,
             digest: 0,
             locks: LockStateMachine::new(sim_lock_limits()),
-            leases: HashMap::new(),
-            wait_deadlines: HashMap::new(),
+            leases: BTreeMap::new(),
+            wait_deadlines: BTreeMap::new(),
             tick_us,
             next_tick_us: self.now_us + self.rng.random_range(0..tick_us),
             crash_mid_ready: None,
@@ -1216,7 +1216,7 @@ fn track_leases(
     command: &Command,
     applied: &crate::lock::Applied,
 ) {
-    let grant = |key: &str, token: u64, ttl_ms: u64, leases: &mut HashMap<String, (u64, u64)>| {
+    let grant = |key: &str, token: u64, ttl_ms: u64, leases: &mut BTreeMap<String, (u64, u64)>| {
         leases.insert(key.to_string(), (token, now_us + ttl_ms * 1000));
     };
     match (command, &applied.outcome) {

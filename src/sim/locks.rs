@@ -6,7 +6,7 @@
 //! outcome and events, and the reference sequence is checked for: at most one holder per key,
 //! tokens strictly increasing per key and globally, FIFO grants in queue order, no grant lost.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 
 use crate::lock::{Applied, Command, Event, Outcome};
 use crate::raft::{Index, NodeId};
@@ -27,15 +27,15 @@ struct KeyModel {
 #[derive(Default)]
 pub struct LockChecker {
     /// The first outcome seen at each index: (command, applied).
-    reference: HashMap<Index, (Command, Applied)>,
+    reference: BTreeMap<Index, (Command, Applied)>,
     keys: BTreeMap<String, KeyModel>,
     /// Next index the model expects (it consumes the reference strictly in log order).
     model_next: Index,
     last_global_token: u64,
     /// Every (client, request) whose outcome the state machine recorded.
-    recorded: std::collections::HashSet<(String, String)>,
+    recorded: std::collections::BTreeSet<(String, String)>,
     /// Every (client, request) ever granted, with its token.
-    granted: HashMap<(String, String), u64>,
+    granted: BTreeMap<(String, String), u64>,
     /// Indices of non-command entries not yet consumed by the model.
     skipped: Vec<Index>,
     pub grants: u64,
@@ -309,7 +309,7 @@ pub struct SimClients {
     /// The last command each client sent, for retries with the same request id.
     last: Vec<Option<Command>>,
     /// Tokens clients believe they hold: (client, key) -> token.
-    held: HashMap<(usize, usize), u64>,
+    held: BTreeMap<(usize, usize), u64>,
 }
 
 impl SimClients {
@@ -319,7 +319,7 @@ impl SimClients {
             keys,
             next_request: 0,
             last: vec![None; clients],
-            held: HashMap::new(),
+            held: BTreeMap::new(),
         }
     }
 
