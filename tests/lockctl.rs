@@ -138,22 +138,7 @@ fn is_running(pid: u32) -> bool {
 #[test]
 fn lost_lock_kills_the_process_group() {
     let rt = tokio::runtime::Runtime::new().expect("runtime");
-    let proxy_ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
-    let ports = proxy_ports.clone();
-    let cluster = Cluster::start_with(3, move |n| {
-        vec![
-            "--advertise-client".into(),
-            format!("127.0.0.1:{}", ports[(n.id - 1) as usize]),
-        ]
-    });
-    let proxies: Vec<Proxy> = rt.block_on(async {
-        let mut v = Vec::new();
-        for (node, port) in cluster.nodes.iter().zip(&proxy_ports) {
-            v.push(Proxy::start(*port, node.client_addr()).await);
-        }
-        cluster.wait_for_leader(Duration::from_secs(20)).await;
-        v
-    });
+    let (_cluster, proxies) = rt.block_on(cluster_behind_proxies(3));
     let via: Vec<String> = proxies.iter().map(|p| p.addr.clone()).collect();
     let dir = tempfile::tempdir().expect("tempdir");
     let pids = dir.path().join("pids");

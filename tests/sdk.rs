@@ -207,19 +207,7 @@ async fn leader_killed_during_an_acquire() {
 async fn loss_signal_fires_before_anyone_else_is_granted() {
     // Every node advertises a proxy as its client address, so the holder's client, including
     // after redirects, reaches the cluster only through proxies that the test can cut.
-    let proxy_ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
-    let ports = proxy_ports.clone();
-    let cluster = Cluster::start_with(3, move |n| {
-        vec![
-            "--advertise-client".into(),
-            format!("127.0.0.1:{}", ports[(n.id - 1) as usize]),
-        ]
-    });
-    let mut proxies = Vec::new();
-    for (node, port) in cluster.nodes.iter().zip(&proxy_ports) {
-        proxies.push(Proxy::start(*port, node.client_addr()).await);
-    }
-    cluster.wait_for_leader(Duration::from_secs(20)).await;
+    let (cluster, proxies) = cluster_behind_proxies(3).await;
     let holder = RaftLockClient::builder()
         .endpoints(proxies.iter().map(|p| p.addr.clone()))
         .client_id("cut-off-holder")

@@ -118,6 +118,39 @@ impl Command {
             | Command::Expire { key, .. } => key,
         }
     }
+
+    /// `(client_id, request_id)` of a command answered exactly once (the dedupe table's key), or
+    /// `None` for commands without a request id (leader-proposed expiry, cancel, empty id).
+    pub fn dedupe_id(&self) -> Option<(&str, &str)> {
+        match self {
+            Command::Acquire {
+                client_id,
+                request_id,
+                ..
+            }
+            | Command::Release {
+                client_id,
+                request_id,
+                ..
+            }
+            | Command::Renew {
+                client_id,
+                request_id,
+                ..
+            }
+            | Command::Put {
+                client_id,
+                request_id,
+                ..
+            }
+            | Command::Delete {
+                client_id,
+                request_id,
+                ..
+            } if !request_id.is_empty() => Some((client_id, request_id)),
+            _ => None,
+        }
+    }
 }
 
 /// `version` byte followed by the postcard encoding of `value`.

@@ -218,7 +218,7 @@ impl LockStateMachine {
             return rejection;
         }
         // Exactly-once: a retried request gets its original outcome back (dissertation §6.3).
-        if let Some((client, request)) = dedupe_id(command) {
+        if let Some((client, request)) = command.dedupe_id() {
             if let Some(&n) = self
                 .dedupe_index
                 .get(&(client.to_string(), request.to_string()))
@@ -267,7 +267,7 @@ impl LockStateMachine {
             Command::Expire { key, token } => self.expire(key, *token, events),
         };
         if outcome.is_recorded() {
-            if let Some((client, request)) = dedupe_id(command) {
+            if let Some((client, request)) = command.dedupe_id() {
                 self.record(client, request, outcome.clone());
             }
         }
@@ -807,37 +807,6 @@ impl LockStateMachine {
 fn dedupe_key(n: u64) -> String {
     // Zero-padded so key order is insertion order.
     format!("{META_DEDUPE_PREFIX}{n:020}")
-}
-
-fn dedupe_id(command: &Command) -> Option<(&str, &str)> {
-    match command {
-        Command::Acquire {
-            client_id,
-            request_id,
-            ..
-        }
-        | Command::Release {
-            client_id,
-            request_id,
-            ..
-        }
-        | Command::Renew {
-            client_id,
-            request_id,
-            ..
-        }
-        | Command::Put {
-            client_id,
-            request_id,
-            ..
-        }
-        | Command::Delete {
-            client_id,
-            request_id,
-            ..
-        } if !request_id.is_empty() => Some((client_id, request_id)),
-        _ => None,
-    }
 }
 
 fn check_ttl(ttl_ms: u64, l: &Limits) -> Result<(), Outcome> {

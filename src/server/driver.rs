@@ -192,6 +192,12 @@ pub struct Driver {
     heartbeat_sent: HashMap<NodeId, Instant>,
 }
 
+fn snapshot_thread_gone() -> StorageError {
+    StorageError::SnapshotData {
+        problem: "the snapshot thread stopped without a result".into(),
+    }
+}
+
 struct SnapshotInProgress {
     result: std::sync::mpsc::Receiver<Result<crate::raft::Snapshot, StorageError>>,
     started: std::time::Instant,
@@ -1207,9 +1213,7 @@ impl Driver {
                 Err(std::sync::mpsc::TryRecvError::Empty) => Ok(()),
                 Ok(result) => self.complete_snapshot(result),
                 Err(std::sync::mpsc::TryRecvError::Disconnected) => {
-                    self.complete_snapshot(Err(StorageError::SnapshotData {
-                        problem: "the snapshot thread stopped without a result".into(),
-                    }))
+                    self.complete_snapshot(Err(snapshot_thread_gone()))
                 }
             };
         }
@@ -1248,11 +1252,10 @@ impl Driver {
         let Some(job) = &self.snapshot_job else {
             return Ok(());
         };
-        let result = job.result.recv().unwrap_or_else(|_| {
-            Err(StorageError::SnapshotData {
-                problem: "the snapshot thread stopped without a result".into(),
-            })
-        });
+        let result = job
+            .result
+            .recv()
+            .unwrap_or_else(|_| Err(snapshot_thread_gone()));
         self.complete_snapshot(result)
     }
 

@@ -97,7 +97,10 @@ impl LockChecker {
     fn check_step(&mut self, index: Index, command: &Command, applied: &Applied) {
         let key = command.key().to_string();
         // A retried request is answered from the exactly-once table and changes nothing.
-        if let Some(id) = request_id_of(command) {
+        if let Some(id) = command
+            .dedupe_id()
+            .map(|(c, r)| (c.to_string(), r.to_string()))
+        {
             if self.recorded.contains(&id) {
                 if !applied.events.is_empty() {
                     self.fail(
@@ -266,37 +269,6 @@ impl LockChecker {
         for (invariant, detail) in failures {
             self.fail(invariant, detail);
         }
-    }
-}
-
-fn request_id_of(command: &Command) -> Option<(String, String)> {
-    match command {
-        Command::Acquire {
-            client_id,
-            request_id,
-            ..
-        }
-        | Command::Release {
-            client_id,
-            request_id,
-            ..
-        }
-        | Command::Renew {
-            client_id,
-            request_id,
-            ..
-        }
-        | Command::Put {
-            client_id,
-            request_id,
-            ..
-        }
-        | Command::Delete {
-            client_id,
-            request_id,
-            ..
-        } if !request_id.is_empty() => Some((client_id.clone(), request_id.clone())),
-        _ => None,
     }
 }
 

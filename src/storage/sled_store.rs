@@ -43,9 +43,9 @@ pub struct SledStorage {
     last_index: Index,
     applied_index: Index,
     /// The entries after the snapshot point that change the membership, so the membership at an
-    /// index is known without reading the log. `None` if they could not be read at open (the
-    /// log is damaged; `recover` reports it), and then the log is read each time.
-    config_entries: Option<std::collections::BTreeMap<Index, Entry>>,
+    /// index is known without reading the log. Filled by `recover` from the entries it reads
+    /// anyway (or at open when the log is empty); until then the log is read each time.
+    config_entries: std::sync::OnceLock<std::collections::BTreeMap<Index, Entry>>,
     /// Removes compacted log entries in the background; see [`SledStorage::compact`].
     trimmer: LogTrimmer,
 }
@@ -188,10 +188,12 @@ impl SledStorage {
             snapshot_meta: SnapshotMeta::default(),
             last_index: 0,
             applied_index: 0,
-            config_entries: None,
+            config_entries: std::sync::OnceLock::new(),
         };
         storage.load_cache()?;
-        storage.load_config_entries();
+        if storage.last_index == storage.snapshot_meta.index {
+            storage.cache_config_entries(&[]);
+        }
         Ok(storage)
     }
 
@@ -251,7 +253,7 @@ impl SledStorage {
     }
 
     fn membership_at(&self, index: Index) -> Result<Membership, StorageError> {
-        let entries = match &self.config_entries {
+        let entries = match self.config_entries.get() {
             _ if index <= self.snapshot_meta.index => Vec::new(),
             Some(cached) => cached
                 .range(self.snapshot_meta.index + 1..=index)
@@ -268,18 +270,16 @@ impl SledStorage {
         &self.log
     }
 
-    /// Fills [`SledStorage::config_entries`] from the log after the snapshot point.
-    fn load_config_entries(&mut self) {
-        self.config_entries = self
-            .read_entries(self.snapshot_meta.index + 1, Index::MAX)
-            .ok()
-            .map(|entries| {
-                entries
-                    .into_iter()
-                    .filter(changes_membership)
-                    .map(|e| (e.index, e))
-                    .collect()
-            });
+    /// Fills [`SledStorage::config_entries`] from `entries`, all of the log after the snapshot
+    /// point.
+    fn cache_config_entries(&self, entries: &[Entry]) {
+        let _ = self.config_entries.set(
+            entries
+                .iter()
+                .filter(|e| changes_membership(e))
+                .map(|e| (e.index, e.clone()))
+                .collect(),
+        );
     }
 
     fn install(&mut self, meta: &SnapshotMeta, data: &[u8]) -> Result<(), StorageError> {
@@ -325,7 +325,7 @@ impl SledStorage {
             .map_err(|e| tx_err("installing a snapshot", e))?;
         self.snapshot_meta = meta.clone();
         self.applied_index = meta.index;
-        if let Some(cached) = &mut self.config_entries {
+        if let Some(cached) = self.config_entries.get_mut() {
             *cached = if keep {
                 cached.split_off(&(meta.index + 1))
             } else {
@@ -365,6 +365,7 @@ impl Storage for SledStorage {
             None => HardState::default(),
         };
         let entries = self.read_entries(self.snapshot_meta.index + 1, Index::MAX)?;
+        self.cache_config_entries(&entries);
         let membership = membership_after(&self.snapshot_meta.membership, &entries)?;
         let applied_state = self.read_state()?;
         let state = RecoveredState {
@@ -395,7 +396,7 @@ impl Storage for SledStorage {
             .apply_batch(batch)
             .map_err(|e| StorageError::sled("appending entries", e))?;
         self.last_index = entries.last().map_or(self.last_index, |e| e.index);
-        if let Some(cached) = &mut self.config_entries {
+        if let Some(cached) = self.config_entries.get_mut() {
             cached.split_off(&first.index);
             for entry in entries.iter().filter(|e| changes_membership(e)) {
                 cached.insert(entry.index, entry.clone());
@@ -572,7 +573,7 @@ impl Storage for SledStorage {
             term,
             membership,
         };
-        if let Some(cached) = &mut self.config_entries {
+        if let Some(cached) = self.config_entries.get_mut() {
             *cached = cached.split_off(&(upto + 1));
         }
         self.last_index = self.last_index.max(upto);

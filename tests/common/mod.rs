@@ -279,6 +279,26 @@ pub fn endpoints(cluster: &Cluster) -> Vec<String> {
     cluster.nodes.iter().map(|n| n.client_addr()).collect()
 }
 
+/// Starts `n` nodes that each advertise a proxy as their client address, so a client — also
+/// after redirects — reaches the cluster only through proxies the test can cut. Returns once a
+/// leader is elected; proxy `i` fronts node `i + 1`.
+pub async fn cluster_behind_proxies(n: u64) -> (Cluster, Vec<Proxy>) {
+    let proxy_ports: Vec<u16> = (0..n).map(|_| free_port()).collect();
+    let ports = proxy_ports.clone();
+    let cluster = Cluster::start_with(n, move |node| {
+        vec![
+            "--advertise-client".into(),
+            format!("127.0.0.1:{}", ports[(node.id - 1) as usize]),
+        ]
+    });
+    let mut proxies = Vec::new();
+    for (node, port) in cluster.nodes.iter().zip(&proxy_ports) {
+        proxies.push(Proxy::start(*port, node.client_addr()).await);
+    }
+    cluster.wait_for_leader(Duration::from_secs(20)).await;
+    (cluster, proxies)
+}
+
 /// A TCP proxy on 127.0.0.1 that can cut every connection through it (a client partitioned
 /// from the cluster) and stays cut until `heal`.
 pub struct Proxy {

@@ -94,27 +94,30 @@ pub async fn run(client: RaftLockClient, args: RunArgs) -> ExitCode {
         }
     };
     tokio::pin!(forwarded);
-    let status = tokio::select! {
-        status = child.wait() => status,
-        reason = renewer.lost() => {
-            kill_group(Signal::SIGKILL);
-            let _ = child.wait().await;
-            eprintln!("lockctl run: lock {} lost ({reason}); killed the command", args.key);
-            return ExitCode::from(EXIT_LOCK_LOST);
-        }
+    // Ok: the command exited; Err: the lock was lost first.
+    let ended = tokio::select! {
+        status = child.wait() => Ok(status),
+        reason = renewer.lost() => Err(reason),
         _ = &mut forwarded => {
             // Ctrl-C or SIGTERM: pass it on to the command's group and wait for it (still
             // bounded by the lease).
             kill_group(Signal::SIGTERM);
             tokio::select! {
-                status = child.wait() => status,
-                reason = renewer.lost() => {
-                    kill_group(Signal::SIGKILL);
-                    let _ = child.wait().await;
-                    eprintln!("lockctl run: lock {} lost ({reason}); killed the command", args.key);
-                    return ExitCode::from(EXIT_LOCK_LOST);
-                }
+                status = child.wait() => Ok(status),
+                reason = renewer.lost() => Err(reason),
             }
+        }
+    };
+    let status = match ended {
+        Ok(status) => status,
+        Err(reason) => {
+            kill_group(Signal::SIGKILL);
+            let _ = child.wait().await;
+            eprintln!(
+                "lockctl run: lock {} lost ({reason}); killed the command",
+                args.key
+            );
+            return ExitCode::from(EXIT_LOCK_LOST);
         }
     };
     drop(renewer);

@@ -122,13 +122,13 @@ fn bench_lock_memory(locks: u64, waiters: u64) {
     let base = rss_bytes();
     let mut sm = LockStateMachine::new(limits);
     let mut index = 0;
-    for i in 0..locks {
+    let mut acquire = |sm: &mut LockStateMachine, key: String, client_id: String| {
         index += 1;
         sm.apply(
             index,
             &LockCommand::Acquire {
-                key: key(i),
-                client_id: client(i),
+                key,
+                client_id,
                 request_id: String::new(),
                 ttl_ms: 10_000,
                 wait_timeout_ms: None,
@@ -138,6 +138,9 @@ fn bench_lock_memory(locks: u64, waiters: u64) {
             // The server drains the changed-key set after every batch; so does this loop.
             drop(sm.take_changes());
         }
+    };
+    for i in 0..locks {
+        acquire(&mut sm, key(i), client(i));
     }
     drop(sm.take_changes());
     let after_locks = rss_bytes();
@@ -147,20 +150,7 @@ fn bench_lock_memory(locks: u64, waiters: u64) {
         "every acquire must be granted"
     );
     for w in 0..waiters {
-        index += 1;
-        sm.apply(
-            index,
-            &LockCommand::Acquire {
-                key: key((w / 100) % locks.max(1)),
-                client_id: format!("w{w:07}"),
-                request_id: String::new(),
-                ttl_ms: 10_000,
-                wait_timeout_ms: None,
-            },
-        );
-        if index % 4096 == 0 {
-            drop(sm.take_changes());
-        }
+        acquire(&mut sm, key((w / 100) % locks.max(1)), format!("w{w:07}"));
     }
     drop(sm.take_changes());
     let after_waiters = rss_bytes();
