@@ -17,6 +17,7 @@ pub mod client;
 #[cfg(feature = "server")]
 pub mod datastore;
 pub mod lock;
+pub mod node;
 pub mod raft;
 #[cfg(feature = "server")]
 pub mod server;

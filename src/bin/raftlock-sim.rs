@@ -64,21 +64,27 @@ fn main() -> ExitCode {
         }
     }
     println!(
-        "sim: seeds={} violations={} elections={} leader_changes={} partitions={} crashes={} membership_changes={} committed={} grants={} expiries={} snapshots={} compactions={} reads={} transfers={}",
+        "sim: seeds={} violations={} elections={} leader_changes={} partitions={} crashes={} pauses={} membership_changes={} committed={} grants={} expiries={} snapshots={} compactions={} transfers={} history_ops={} hold_intervals_checked={} reads_checked={} client_expiries={} redirects={} retries={}",
         args.seeds,
         violations,
         total.elections,
         total.leader_changes,
         total.partitions,
         total.crashes,
+        total.pauses,
         total.membership_changes,
         total.committed,
         total.grants,
         total.expiries,
         total.snapshots_sent,
         total.compactions,
-        total.reads,
         total.transfers,
+        total.history_ops,
+        total.beliefs_checked,
+        total.reads_checked,
+        total.client_expiries,
+        total.redirects,
+        total.client_retries,
     );
     if violations == 0 {
         ExitCode::SUCCESS

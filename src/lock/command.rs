@@ -76,8 +76,18 @@ pub enum Command {
         request_id: String,
     },
     /// Proposed by the leader when a lease runs out; applies only if the lock on `key` is still
-    /// held with fencing token value `token`.
+    /// held with fencing token value `token`. Kept for log entries written before
+    /// [`Command::ExpireLease`]; a leader proposes only `ExpireLease`.
     Expire { key: String, token: u64 },
+    /// Proposed by the leader when a lease runs out; applies only if the lock on `key` is still
+    /// held with fencing token value `token` *and* its lease was last started at log index
+    /// `lease_index` (the grant or the latest renew). A renew committed after the leader saw the
+    /// lease run out starts a new lease, and this expiry then changes nothing.
+    ExpireLease {
+        key: String,
+        token: u64,
+        lease_index: u64,
+    },
 }
 
 /// Why bytes could not be turned into a command, a snapshot or a state machine.
@@ -115,7 +125,8 @@ impl Command {
             | Command::CancelWait { key, .. }
             | Command::Put { key, .. }
             | Command::Delete { key, .. }
-            | Command::Expire { key, .. } => key,
+            | Command::Expire { key, .. }
+            | Command::ExpireLease { key, .. } => key,
         }
     }
 
@@ -242,6 +253,11 @@ mod tests {
             Command::Expire {
                 key: "orders".into(),
                 token: 17,
+            },
+            Command::ExpireLease {
+                key: "orders".into(),
+                token: 17,
+                lease_index: 40,
             },
         ]
     }

@@ -35,6 +35,38 @@ struct Holder {
     request_id: Box<str>,
     token: u64,
     ttl_ms: u64,
+    /// Log index at which the current lease started: the grant or the latest renew.
+    lease_index: u64,
+}
+
+/// The holder record written before leases carried their start index (read back only).
+#[derive(Deserialize)]
+struct HolderV1 {
+    client_id: Box<str>,
+    request_id: Box<str>,
+    token: u64,
+    ttl_ms: u64,
+}
+
+#[derive(Deserialize)]
+struct LockEntryV1 {
+    holder: Option<HolderV1>,
+    waiters: VecDeque<Waiter>,
+}
+
+impl From<LockEntryV1> for LockEntry {
+    fn from(old: LockEntryV1) -> Self {
+        LockEntry {
+            holder: old.holder.map(|h| Holder {
+                client_id: h.client_id,
+                request_id: h.request_id,
+                token: h.token,
+                ttl_ms: h.ttl_ms,
+                lease_index: 0,
+            }),
+            waiters: old.waiters,
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -66,6 +98,8 @@ pub struct HeldLock {
     pub request_id: String,
     pub token: u64,
     pub ttl_ms: u64,
+    /// Log index at which the current lease started (grant or latest renew).
+    pub lease_index: u64,
 }
 
 /// A queued waiter, in queue order.
@@ -152,6 +186,7 @@ impl LockStateMachine {
             request_id: h.request_id.to_string(),
             token: h.token,
             ttl_ms: h.ttl_ms,
+            lease_index: h.lease_index,
         })
     }
 
@@ -173,6 +208,21 @@ impl LockStateMachine {
                 })
             })
             .collect()
+    }
+
+    /// The queued acquire `(client_id, request_id)` of `key`, if it is still waiting.
+    pub fn waiter(&self, key: &str, client_id: &str, request_id: &str) -> Option<WaiterInfo> {
+        let entry = self.locks.get(key)?;
+        entry
+            .waiters
+            .iter()
+            .find(|w| *w.client_id == *client_id && *w.request_id == *request_id)
+            .map(|w| WaiterInfo {
+                key: key.to_string(),
+                client_id: w.client_id.to_string(),
+                request_id: w.request_id.to_string(),
+                wait_timeout_ms: w.wait_timeout_ms,
+            })
     }
 
     /// Waiters of one key in queue order.
@@ -200,20 +250,28 @@ impl LockStateMachine {
                 index,
                 outcome,
                 events: Vec::new(),
+                replayed: false,
             };
         }
         self.applied_index = index;
         self.dirty.insert(META_APPLIED.to_string());
         let mut events = Vec::new();
-        let outcome = self.apply_inner(command, &mut events);
+        let mut replayed = false;
+        let outcome = self.apply_inner(command, &mut events, &mut replayed);
         Applied {
             index,
             outcome,
             events,
+            replayed,
         }
     }
 
-    fn apply_inner(&mut self, command: &Command, events: &mut Vec<Event>) -> Outcome {
+    fn apply_inner(
+        &mut self,
+        command: &Command,
+        events: &mut Vec<Event>,
+        replayed: &mut bool,
+    ) -> Outcome {
         if let Err(rejection) = self.validate(command) {
             return rejection;
         }
@@ -224,6 +282,7 @@ impl LockStateMachine {
                 .get(&(client.to_string(), request.to_string()))
             {
                 let recorded = self.dedupe[&n].outcome.clone();
+                *replayed = true;
                 return match recorded {
                     Outcome::Queued { .. } => {
                         // Still waiting: answer with the current position.
@@ -264,7 +323,12 @@ impl LockStateMachine {
                 key, value, guard, ..
             } => self.put(key, value, guard.as_ref()),
             Command::Delete { key, guard, .. } => self.delete(key, guard.as_ref()),
-            Command::Expire { key, token } => self.expire(key, *token, events),
+            Command::Expire { key, token } => self.expire(key, *token, None, events),
+            Command::ExpireLease {
+                key,
+                token,
+                lease_index,
+            } => self.expire(key, *token, Some(*lease_index), events),
         };
         if outcome.is_recorded() {
             if let Some((client, request)) = command.dedupe_id() {
@@ -324,7 +388,7 @@ impl LockStateMachine {
                 request_id,
                 ..
             } => &[client_id, request_id],
-            Command::Expire { .. } => &[],
+            Command::Expire { .. } | Command::ExpireLease { .. } => &[],
         };
         if ids.iter().any(|id| id.len() > l.id_bytes_max) {
             return Err(Outcome::rejected(
@@ -375,7 +439,7 @@ impl LockStateMachine {
                 check_guard(guard.as_ref(), l)?;
             }
             Command::Delete { guard, .. } => check_guard(guard.as_ref(), l)?,
-            Command::CancelWait { .. } | Command::Expire { .. } => {}
+            Command::CancelWait { .. } | Command::Expire { .. } | Command::ExpireLease { .. } => {}
         }
         Ok(())
     }
@@ -412,6 +476,7 @@ impl LockStateMachine {
                     request_id: request_id.into(),
                     token,
                     ttl_ms,
+                    lease_index: self.applied_index,
                 });
                 self.locks_held += 1;
                 self.mark_lock(key);
@@ -495,8 +560,10 @@ impl LockStateMachine {
         if let Err(refusal) = self.check_holder(key, client_id, token) {
             return refusal;
         }
+        let index = self.applied_index;
         if let Some(holder) = self.locks.get_mut(key).and_then(|e| e.holder.as_mut()) {
             holder.ttl_ms = ttl_ms;
+            holder.lease_index = index;
         }
         self.mark_lock(key);
         Outcome::Renewed {
@@ -508,9 +575,21 @@ impl LockStateMachine {
         }
     }
 
-    fn expire(&mut self, key: &str, token: u64, events: &mut Vec<Event>) -> Outcome {
+    fn expire(
+        &mut self,
+        key: &str,
+        token: u64,
+        lease_index: Option<u64>,
+        events: &mut Vec<Event>,
+    ) -> Outcome {
         let holder = self.locks.get(key).and_then(|e| e.holder.clone());
         match holder {
+            // A renew restarted the lease after the leader proposed this expiry.
+            Some(h) if h.token == token && lease_index.is_some_and(|i| i != h.lease_index) => {
+                Outcome::LeaseRenewed {
+                    lease_index: h.lease_index,
+                }
+            }
             Some(h) if h.token == token => {
                 events.push(Event::Expired {
                     client_id: h.client_id.to_string(),
@@ -548,6 +627,7 @@ impl LockStateMachine {
                 request_id: next.request_id.clone(),
                 token,
                 ttl_ms: next.ttl_ms,
+                lease_index: self.applied_index,
             });
             self.locks_held += 1;
             self.dirty.insert(META_SEQ.to_string());
@@ -751,7 +831,13 @@ impl LockStateMachine {
             let key = String::from_utf8(key)
                 .map_err(|_| DecodeError::InvalidState("state key is not UTF-8".into()))?;
             if let Some(k) = key.strip_prefix(LOCK_PREFIX) {
-                let entry: LockEntry = decode_plain(&value)?;
+                let entry: LockEntry = match decode_plain(&value) {
+                    Ok(entry) => entry,
+                    // Written before holders recorded their lease index.
+                    Err(err) => decode_plain::<LockEntryV1>(&value)
+                        .map(LockEntry::from)
+                        .map_err(|_| err)?,
+                };
                 sm.locks_held += usize::from(entry.holder.is_some());
                 sm.waiters += entry.waiters.len();
                 sm.locks.insert(k.to_string(), entry);

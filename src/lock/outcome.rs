@@ -23,6 +23,9 @@ pub struct Applied {
     pub outcome: Outcome,
     /// Notifications for parties other than the proposer, in the order they happened.
     pub events: Vec<Event>,
+    /// The outcome was answered from the exactly-once table: a retry of a request applied
+    /// earlier. Nothing changed.
+    pub replayed: bool,
 }
 
 /// The answer to one command. Variants marked *recorded* changed state; they are remembered in
@@ -57,6 +60,9 @@ pub enum Outcome {
     NotWaiting,
     /// The lease ran out: `client_id` no longer holds the lock.
     Expired { client_id: String },
+    /// An `ExpireLease` named a lease that a later renew replaced: the lock stays held and the
+    /// lease that started at `lease_index` runs on.
+    LeaseRenewed { lease_index: u64 },
     /// *Recorded.* The key-value pair was written.
     Stored,
     /// *Recorded.* The key was deleted; `existed` says whether it had a value.

@@ -285,6 +285,9 @@ pub fn error_json(raw: &Value, e: &ApiError) -> String {
         error["leaderId"] = json!(e.leader_id);
         error["leaderAddr"] = json!(e.leader_addr);
     }
+    if let Some(token) = e.current_token {
+        error["currentToken"] = json!(token);
+    }
     json!({"success": false, "key": key, "requestId": request_id, "error": error}).to_string()
 }
 

@@ -1,32 +1,37 @@
-//! One simulated cluster run: nodes with crash-modelling in-memory storage, a faulty network, a
-//! fault schedule and client traffic, all driven from one seed.
+//! One simulated cluster run: every node is the node lock-node runs ([`NodeCore`]) on
+//! crash-modelling in-memory storage, with its own drifting clock, behind a faulty network, under
+//! a fault schedule and client traffic, all driven from one seed.
 //!
 //! ```text
-//!   seed ─► rng ─► fault schedule + client proposals
-//!                    │
-//!   event loop: earliest of (message delivery, node tick) ─► Raft ─► Ready ─► driver model
-//!                                                                      │
-//!                                       checker (after every step) ◄───┘
+//!   seed ─► rng ─► fault schedule ─────────────────┐
+//!                  clients (own clocks, histories) │
+//!                     │ requests / answers          ▼
+//!   event loop: earliest of (peer message, client message, node tick, client timer)
+//!                     │
+//!                     ▼
+//!           NodeCore<MemStorage> (the node's own code) ─► effects ─► network, clients
+//!                     │
+//!                     └─► observations ─► checkers (after every step, and over histories)
 //! ```
-//! The driver model follows the real driver's contract: `messages_now` may leave before the
-//! flush, `messages` only after it; a crash can strike between the two, losing what was not
-//! flushed.
+//! A crash can strike inside a flush ([`MemStorage::arm_power_cut`]): the node has sent the
+//! messages that may leave before the flush and loses everything unflushed, exactly as lock-node
+//! would on a power cut.
 
 use std::collections::BTreeMap;
 
-use bytes::Bytes;
 use rand::seq::IndexedRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::checker::{chain, Checker, Violation};
-use super::locks::{LockChecker, SimClients};
+use super::checker::{fnv, Checker, Violation};
+use super::clients::{ReplyTo, SimClients};
+use super::locks::LockChecker;
 use super::network::{Network, NetworkFaults};
-use crate::lock::{Command, Event, Limits, LockStateMachine, Outcome};
-use crate::raft::{
-    Config, Entry, EntryPayload, HardState, Index, InitialState, Membership, MembershipChange,
-    NodeId, Raft, Ready, Role, Snapshot,
-};
+use crate::lock::{Limits, LockStateMachine};
+use crate::node::api::{ClientOp, ClientReply};
+use crate::node::{Effect, NodeCore, NodeSettings, Observation};
+use crate::raft::{Config, InitialState, Membership, Message, NodeId, Raft};
+use crate::storage::{MemStorage, Storage, StorageError};
 
 /// What one simulation run does.
 #[derive(Clone, Debug)]
@@ -43,12 +48,10 @@ pub struct SimConfig {
     pub membership_changes: bool,
     /// Take a snapshot and compact the log every this many applied entries.
     pub snapshot_every: u64,
-    /// Bytes of padding in each snapshot, so snapshots travel in several chunks.
-    pub snapshot_padding_bytes: usize,
-    /// Write the applied state to the disk after every this many Readies that applied entries
-    /// (and before every snapshot), as lock-node writes it behind the log: a crash then loses
-    /// applied state that the restarted node must rebuild by re-applying committed entries.
-    pub applied_write_every: u32,
+    /// Write the applied state at most this often (simulated µs), as lock-node writes it behind
+    /// the log: a crash then loses applied state that the restarted node rebuilds by
+    /// re-applying committed entries.
+    pub applied_write_interval_us: u64,
     /// Simulated time allowed after healing for a leader to commit a new entry.
     pub liveness_budget_us: u64,
     /// Multiplies the crash rate (1 = default).
@@ -57,6 +60,8 @@ pub struct SimConfig {
     pub trace: bool,
     #[cfg(test)]
     pub bugs: crate::raft::config::Bugs,
+    #[cfg(test)]
+    pub node_bugs: crate::node::NodeBugs,
 }
 
 impl SimConfig {
@@ -69,13 +74,14 @@ impl SimConfig {
             faults: true,
             membership_changes: true,
             snapshot_every: 48,
-            snapshot_padding_bytes: 1_500,
-            applied_write_every: 4,
+            applied_write_interval_us: 30_000,
             liveness_budget_us: 5_000_000,
             crash_intensity: 1,
             trace: false,
             #[cfg(test)]
             bugs: Default::default(),
+            #[cfg(test)]
+            node_bugs: Default::default(),
         }
     }
 }
@@ -95,6 +101,13 @@ pub struct SimStats {
     pub transfers: u64,
     pub grants: u64,
     pub expiries: u64,
+    pub pauses: u64,
+    pub history_ops: u64,
+    pub beliefs_checked: u64,
+    pub reads_checked: u64,
+    pub client_expiries: u64,
+    pub redirects: u64,
+    pub client_retries: u64,
 }
 
 impl SimStats {
@@ -111,6 +124,13 @@ impl SimStats {
         self.transfers += other.transfers;
         self.grants += other.grants;
         self.expiries += other.expiries;
+        self.pauses += other.pauses;
+        self.history_ops += other.history_ops;
+        self.beliefs_checked += other.beliefs_checked;
+        self.reads_checked += other.reads_checked;
+        self.client_expiries += other.client_expiries;
+        self.redirects += other.redirects;
+        self.client_retries += other.client_retries;
     }
 }
 
@@ -123,103 +143,60 @@ pub struct SimOutcome {
     pub violation: Option<(u64, Violation)>,
 }
 
-/// What a node has written: the durable copy survives a crash, the staged one does not.
-#[derive(Clone, Debug, Default)]
-struct Disk {
-    hard_state: HardState,
-    snapshot: Option<Snapshot>,
-    entries: Vec<Entry>,
-    /// State machine (applied index, digest, lock state), written atomically.
-    applied: Index,
-    digest: u64,
-    locks: Vec<u8>,
-}
 
-impl Disk {
-    fn append(&mut self, entries: &[Entry]) {
-        let Some(first) = entries.first() else { return };
-        self.entries.retain(|e| e.index < first.index);
-        self.entries.extend_from_slice(entries);
-    }
+type Core = NodeCore<MemStorage, ReplyTo>;
 
-    fn install_snapshot(
-        &mut self,
-        snapshot: &Snapshot,
-        applied: Index,
-        digest: u64,
-        locks: Vec<u8>,
-    ) {
-        let meta = &snapshot.meta;
-        let keep = self
-            .entries
-            .iter()
-            .any(|e| e.index == meta.index && e.term == meta.term);
-        if keep {
-            self.entries.retain(|e| e.index > meta.index);
-        } else {
-            self.entries.clear();
-        }
-        self.snapshot = Some(snapshot.clone());
-        self.applied = applied;
-        self.digest = digest;
-        self.locks = locks;
-    }
-}
+/// Largest drift of a node's clock from real time, in parts per million.
+const NODE_DRIFT_PPM: i64 = 5_000;
 
 #[derive(Clone, Copy, Debug)]
 enum Action {
-    Propose,
-    Read,
     Partition,
     Heal,
     Crash,
     Restart,
+    Pause,
     Membership,
     Transfer,
 }
 
-/// Where a mid-Ready crash strikes.
-#[derive(Clone, Copy, Debug)]
-struct CrashPoint {
-    /// Only in a Ready that records a new vote (otherwise: the next one that must flush).
-    on_vote_only: bool,
-    /// Restart the process at once, as a supervisor would.
-    restart_at_once: bool,
+/// A message between a client and a node.
+enum ClientMsg {
+    Request(NodeId, ClientOp, ReplyTo),
+    Answer(ReplyTo, ClientReply),
 }
+
+/// The client id the liveness marker is answered to.
+const MARKER_CLIENT: usize = usize::MAX;
 
 struct SimNode {
     id: NodeId,
-    raft: Option<Raft>,
+    core: Option<Core>,
+    /// The disk while the node is down.
+    disk: Option<MemStorage>,
     initial_membership: Membership,
-    staged: Disk,
-    durable: Disk,
-    /// In-memory state machine.
-    applied: Index,
-    digest: u64,
-    locks: LockStateMachine,
-    /// Leader only: key -> (token, lease deadline) and waiter -> (key, cancel deadline).
-    leases: BTreeMap<String, (u64, u64)>,
-    wait_deadlines: BTreeMap<(String, String), (String, u64)>,
     tick_us: u64,
     next_tick_us: u64,
-    /// Crash inside a coming Ready, after `messages_now` left but before the flush.
-    crash_mid_ready: Option<CrashPoint>,
-    /// Removed from the cluster and shut down for good.
+    drift_ppm: i64,
+    /// SIGSTOP: nothing runs until then; messages wait in `inbox`.
+    paused_until: u64,
+    inbox: Vec<Message>,
+    client_inbox: Vec<(ClientOp, ReplyTo)>,
+    /// Removed from the cluster: keeps running until then, then shut down for good.
+    retire_at: Option<u64>,
     decommissioned: bool,
-    /// Readies that applied entries since the applied state was last written.
-    applies_unwritten: u32,
-    last_commit: Index,
-    incarnation_elections: u64,
+    last_commit: u64,
+    /// Next index this node must apply (apply order check).
+    next_apply: u64,
 }
 
 impl SimNode {
-    /// Stages the in-memory applied state (applied index, digest, locks) as one write; it
-    /// becomes durable with the next flush.
-    fn write_applied(&mut self) {
-        self.staged.locks = self.locks.snapshot();
-        self.staged.applied = self.applied;
-        self.staged.digest = self.digest;
-        self.applies_unwritten = 0;
+    fn local(&self, real: u64) -> u64 {
+        (real as i128 * (1_000_000 + self.drift_ppm as i128) / 1_000_000) as u64
+    }
+
+    fn paused(&self, now: u64) -> bool {
+        self.paused_until > now
     }
 }
 
@@ -229,23 +206,23 @@ pub struct Cluster {
     now_us: u64,
     nodes: BTreeMap<NodeId, SimNode>,
     network: Network,
+    client_net: BTreeMap<(u64, u64), ClientMsg>,
+    client_seq: u64,
+    client_drop_ppm: u32,
     checker: Checker,
     stats: SimStats,
     next_node_id: NodeId,
-    next_read_ctx: u64,
-    /// For each outstanding read: the highest committed index when it was requested.
-    reads: BTreeMap<(NodeId, u64), Index>,
     min_voters: usize,
-    /// Flow-control settings drawn per seed, so runs cover one-entry appends through large
-    /// pipelined batches.
     max_inflight_appends: usize,
     max_batch_bytes: usize,
     clients: SimClients,
     locks: LockChecker,
-    /// Set once every fault is healed for the final liveness check.
-    healed: bool,
-    /// Digest of the lock state after each (sampled) index: replicas must agree.
-    lock_state_at: BTreeMap<Index, u64>,
+    healed_at: Option<u64>,
+    marker_done: bool,
+    /// Digest of the lock state at an applied index: replicas must agree.
+    lock_state_at: BTreeMap<u64, u64>,
+    /// Log index each `Put` value committed at (first apply).
+    write_index: BTreeMap<Vec<u8>, u64>,
 }
 
 const MAX_MEMBERS: usize = 7;
@@ -260,7 +237,8 @@ impl Cluster {
                 long_delay_ppm: 20_000,
                 delay_us_min: 100,
                 delay_us_max: 3_000,
-                long_delay_us_max: 40_000,
+                // Now and then longer than an election timeout.
+                long_delay_us_max: 400_000,
             }
         } else {
             NetworkFaults::calm()
@@ -268,22 +246,27 @@ impl Cluster {
         let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
         let max_inflight_appends = *[1, 2, 4, 16].choose(&mut rng).expect("non-empty");
         let max_batch_bytes = *[1, 100, 512, 4096].choose(&mut rng).expect("non-empty");
+        let mut clients = SimClients::new(4, 3, 1, &mut rng);
+        clients.trace = cfg.trace;
         let mut cluster = Cluster {
-            clients: SimClients::new(4, 3),
+            clients,
             locks: LockChecker::default(),
             lock_state_at: BTreeMap::new(),
-            healed: false,
+            write_index: BTreeMap::new(),
+            healed_at: None,
+            marker_done: false,
             max_inflight_appends,
             max_batch_bytes,
             rng,
             now_us: 0,
             nodes: BTreeMap::new(),
             network: Network::new(faults),
+            client_net: BTreeMap::new(),
+            client_seq: 0,
+            client_drop_ppm: if cfg.faults { 20_000 } else { 0 },
             checker: Checker::default(),
             stats: SimStats::default(),
             next_node_id: nodes_count + 1,
-            next_read_ctx: 0,
-            reads: BTreeMap::new(),
             min_voters: (nodes_count as usize).min(3),
             cfg,
         };
@@ -298,22 +281,19 @@ impl Cluster {
         let tick_us = self.rng.random_range(8_000..=12_000);
         let node = SimNode {
             id,
-            raft: None,
+            core: None,
+            disk: Some(MemStorage::new()),
             initial_membership,
-            staged: Disk::default(),
-            durable: Disk::default(),
-            applied: 0,
-            digest: 0,
-            locks: LockStateMachine::new(sim_lock_limits()),
-            leases: BTreeMap::new(),
-            wait_deadlines: BTreeMap::new(),
             tick_us,
             next_tick_us: self.now_us + self.rng.random_range(0..tick_us),
-            crash_mid_ready: None,
+            drift_ppm: self.rng.random_range(-NODE_DRIFT_PPM..=NODE_DRIFT_PPM),
+            paused_until: 0,
+            inbox: Vec::new(),
+            client_inbox: Vec::new(),
+            retire_at: None,
             decommissioned: false,
-            applies_unwritten: 0,
             last_commit: 0,
-            incarnation_elections: 0,
+            next_apply: 0,
         };
         self.nodes.insert(id, node);
         self.start_node(id);
@@ -332,55 +312,102 @@ impl Cluster {
         cfg
     }
 
-    /// Starts (or restarts) a node from its durable state.
+    fn node_settings(&self) -> NodeSettings {
+        NodeSettings {
+            snapshot_entries: self.cfg.snapshot_every,
+            snapshot_bytes: u64::MAX,
+            waiter_reclaim_us: 500_000,
+            applied_write_interval_us: self.cfg.applied_write_interval_us,
+            applied_write_max_keys: 64,
+            housekeeping_retry_us: 200_000,
+            observe_log: true,
+            #[cfg(test)]
+            bugs: self.cfg.node_bugs,
+        }
+    }
+
+    /// Starts (or restarts) a node from its disk, as lock-node starts: recover, rebuild the
+    /// state machine from the applied state, build Raft from the log.
     fn start_node(&mut self, id: NodeId) {
         let incarnation_seed = self.rng.random();
-        let cfg = self.raft_config(id, incarnation_seed);
+        let raft_cfg = self.raft_config(id, incarnation_seed);
+        let settings = self.node_settings();
+        let now = self.now_us;
         let node = self.nodes.get_mut(&id).expect("node exists");
-        node.staged = node.durable.clone();
-        let disk = &node.durable;
-        let initial = InitialState {
-            hard_state: disk.hard_state,
-            snapshot: disk.snapshot.clone(),
-            entries: disk.entries.clone(),
-            applied: disk.applied,
-            initial_membership: node.initial_membership.clone(),
-        };
-        node.applied = disk.applied;
-        node.digest = disk.digest;
-        node.locks = if disk.locks.is_empty() {
-            LockStateMachine::new(sim_lock_limits())
-        } else {
-            LockStateMachine::restore(&disk.locks, sim_lock_limits()).expect("own snapshot decodes")
-        };
-        node.leases.clear();
-        node.wait_deadlines.clear();
-        node.applies_unwritten = 0;
-        let raft = Raft::new(cfg, initial).expect("simulator config is valid");
-        node.last_commit = raft.commit_index();
-        node.incarnation_elections = 0;
-        let term = raft.term();
-        node.raft = Some(raft);
-        node.crash_mid_ready = None;
-        self.checker.on_restart(id, term);
+        let storage = node.disk.take().unwrap_or_default();
+        let started = (|| -> Result<Core, String> {
+            let recovered = storage.recover().map_err(|e| e.to_string())?;
+            let fresh = recovered.last_index() == 0 && recovered.hard_state.term == 0;
+            let snapshot = if recovered.snapshot_meta.index > 0 {
+                Some(storage.build_snapshot().map_err(|e| e.to_string())?)
+            } else {
+                None
+            };
+            let sm = LockStateMachine::from_kv_with_limits(
+                recovered.applied_state.clone(),
+                sim_lock_limits(),
+            )
+            .map_err(|e| e.to_string())?;
+            let initial = InitialState {
+                hard_state: recovered.hard_state,
+                snapshot,
+                entries: recovered.entries,
+                applied: recovered.applied_index,
+                initial_membership: if fresh {
+                    node.initial_membership.clone()
+                } else {
+                    Membership::default()
+                },
+            };
+            let raft = Raft::new(raft_cfg, initial).map_err(|e| e.to_string())?;
+            Ok(NodeCore::new(raft, storage, sm, settings, node.local(now)))
+        })();
+        match started {
+            Ok(core) => {
+                let term = core.raft().term();
+                node.last_commit = core.raft().commit_index();
+                node.next_apply = core.raft().applied_index() + 1;
+                node.core = Some(core);
+                node.paused_until = 0;
+                node.inbox.clear();
+                node.client_inbox.clear();
+                self.checker.on_restart(id, term);
+            }
+            Err(err) => self.checker.violations.push(Violation {
+                invariant: "restart",
+                detail: format!("node {id} cannot restart from its disk: {err}"),
+            }),
+        }
     }
 
     fn crash_node(&mut self, id: NodeId) {
         let Some(node) = self.nodes.get_mut(&id) else {
             return;
         };
-        if let Some(raft) = node.raft.take() {
-            self.stats.elections += raft.stats().elections_started;
+        if let Some(core) = node.core.take() {
+            self.stats.elections += core.raft().stats().elections_started;
             self.stats.crashes += 1;
+            let mut disk = core.into_storage();
+            disk.crash();
+            node.disk = Some(disk);
         }
-        node.staged = node.durable.clone();
-        node.crash_mid_ready = None;
+        node.inbox.clear();
+        node.client_inbox.clear();
+        node.paused_until = 0;
     }
 
     fn alive_ids(&self) -> Vec<NodeId> {
         self.nodes
             .iter()
-            .filter(|(_, n)| n.raft.is_some())
+            .filter(|(_, n)| n.core.is_some())
+            .map(|(&id, _)| id)
+            .collect()
+    }
+
+    fn all_ids(&self) -> Vec<NodeId> {
+        self.nodes
+            .iter()
+            .filter(|(_, n)| !n.decommissioned)
             .map(|(&id, _)| id)
             .collect()
     }
@@ -389,8 +416,9 @@ impl Cluster {
         self.nodes
             .iter()
             .filter_map(|(&id, n)| {
-                n.raft
+                n.core
                     .as_ref()
+                    .map(|c| c.raft())
                     .filter(|r| r.is_leader())
                     .map(|r| (r.term(), id))
             })
@@ -410,31 +438,40 @@ impl Cluster {
             if step % 64 == 0 {
                 self.check_all_logs();
             }
-            self.checker.violations.append(&mut self.locks.violations);
+            self.collect_violations();
             if !self.checker.ok() {
                 violation_step = Some(step);
                 break;
             }
         }
         if self.checker.ok() {
-            self.check_logs_final();
+            self.check_all_logs();
             self.check_liveness();
+            self.collect_violations();
+            if self.checker.ok() {
+                self.clients
+                    .check(&self.write_index, self.healed_at.filter(|_| self.marker_done));
+                self.collect_violations();
+            }
             if !self.checker.ok() {
                 violation_step = Some(self.cfg.steps);
             }
         }
         for node in self.nodes.values() {
-            if let Some(raft) = &node.raft {
-                self.stats.elections += raft.stats().elections_started;
+            if let Some(core) = &node.core {
+                self.stats.elections += core.raft().stats().elections_started;
             }
-        }
-        self.checker.violations.append(&mut self.locks.violations);
-        if violation_step.is_none() && !self.checker.ok() {
-            violation_step = Some(self.cfg.steps);
         }
         self.stats.committed = self.checker.max_committed();
         self.stats.grants = self.locks.grants;
         self.stats.expiries = self.locks.expiries;
+        let (ops, beliefs) = self.clients.checked();
+        self.stats.history_ops = ops;
+        self.stats.beliefs_checked = beliefs;
+        self.stats.reads_checked = self.clients.stats.reads_checked;
+        self.stats.client_expiries = self.clients.stats.expiries_seen;
+        self.stats.redirects = self.clients.stats.redirects;
+        self.stats.client_retries = self.clients.stats.retries;
         let violation = violation_step
             .map(|step| (step, self.checker.violations.first().cloned().expect("set")));
         SimOutcome {
@@ -444,327 +481,365 @@ impl Cluster {
         }
     }
 
+    fn collect_violations(&mut self) {
+        self.checker.violations.append(&mut self.locks.violations);
+        self.checker.violations.append(&mut self.clients.violations);
+    }
+
     /// Processes the earliest event; false if nothing can ever happen again.
     fn process_next_event(&mut self) -> bool {
         let next_tick = self
             .nodes
             .values()
-            .filter(|n| n.raft.is_some())
-            .map(|n| (n.next_tick_us, n.id))
+            .filter(|n| n.core.is_some())
+            .map(|n| (n.next_tick_us.max(n.paused_until), n.id))
             .min();
         let next_msg = self.network.next_delivery_us();
-        match (next_tick, next_msg) {
-            (None, None) => false,
-            (Some((at, _)), Some(msg_at)) if msg_at <= at => {
-                self.deliver(msg_at);
-                true
+        let next_client_msg = self.client_net.keys().next().map(|k| k.0);
+        let next_client = self.clients.next_wakeup();
+        let candidates = [
+            next_tick.map(|(at, _)| (at, 0)),
+            next_msg.map(|at| (at, 1)),
+            next_client_msg.map(|at| (at, 2)),
+            next_client.map(|at| (at.max(self.now_us), 3)),
+        ];
+        let Some((at, kind)) = candidates.into_iter().flatten().min() else {
+            return false;
+        };
+        self.now_us = self.now_us.max(at);
+        match kind {
+            0 => {
+                let (_, id) = next_tick.expect("chosen");
+                self.tick_node(id);
             }
-            (None, Some(msg_at)) => {
-                self.deliver(msg_at);
-                true
-            }
-            (Some((at, id)), _) => {
-                self.now_us = self.now_us.max(at);
-                let node = self.nodes.get_mut(&id).expect("exists");
-                node.next_tick_us = at + node.tick_us;
-                if let Some(raft) = node.raft.as_mut() {
-                    raft.tick();
+            1 => self.deliver(),
+            2 => self.deliver_client_msg(),
+            _ => {
+                let nodes = self.all_ids();
+                let sends = self.clients.wake(self.now_us, &nodes, &mut self.rng);
+                for send in sends {
+                    self.client_send(send);
                 }
-                self.handle_ready(id);
-                self.leader_duties(id);
-                true
             }
         }
+        true
     }
 
-    fn deliver(&mut self, at: u64) {
-        self.now_us = self.now_us.max(at);
+    fn tick_node(&mut self, id: NodeId) {
+        let now = self.now_us;
+        let node = self.nodes.get_mut(&id).expect("exists");
+        node.next_tick_us = now + node.tick_us;
+        if node.retire_at.is_some_and(|at| at <= now) {
+            // An operator shuts a removed server down a while after its removal committed.
+            node.decommissioned = true;
+            node.retire_at = None;
+            if let Some(core) = node.core.take() {
+                self.stats.elections += core.raft().stats().elections_started;
+            }
+            return;
+        }
+        let local = node.local(now);
+        let inbox = std::mem::take(&mut node.inbox);
+        let client_inbox = std::mem::take(&mut node.client_inbox);
+        let Some(core) = node.core.as_mut() else {
+            return;
+        };
+        for msg in inbox {
+            core.step(local, msg);
+        }
+        for (op, to) in client_inbox {
+            core.client_request(local, op, to.client as u64, to);
+        }
+        let result = core.tick(local);
+        self.after_core(id, result);
+    }
+
+    fn deliver(&mut self) {
         let Some(Some(msg)) = self.network.pop() else {
             return;
         };
+        let now = self.now_us;
         let to = msg.to;
-        let Some(raft) = self.nodes.get_mut(&to).and_then(|n| n.raft.as_mut()) else {
+        let Some(node) = self.nodes.get_mut(&to) else {
             return;
         };
+        if node.core.is_none() {
+            return;
+        }
+        if node.paused(now) {
+            node.inbox.push(msg);
+            return;
+        }
         if matches!(
             msg.body,
             crate::raft::MessageBody::InstallSnapshot { offset: 0, .. }
         ) {
             self.stats.snapshots_sent += 1;
         }
-        if self.cfg.trace
-            && matches!(
-                msg.body,
-                crate::raft::MessageBody::Vote { .. }
-                    | crate::raft::MessageBody::VoteResponse { .. }
-            )
-        {
-            eprintln!("t={} deliver {:?} to {:?}", self.now_us, msg, raft);
-        }
-        raft.step(msg);
-        self.handle_ready(to);
+        let local = node.local(now);
+        let core = node.core.as_mut().expect("alive");
+        core.step(local, msg);
+        let result = core.drive();
+        self.after_core(to, result);
     }
 
-    /// The driver model: persist, flush, send, apply, advance — with a possible crash mid-way.
-    fn handle_ready(&mut self, id: NodeId) {
-        for _ in 0..16 {
-            let Some(node) = self.nodes.get_mut(&id) else {
-                return;
-            };
-            let Some(raft) = node.raft.as_mut() else {
-                return;
-            };
-            if !raft.has_ready() {
-                return;
-            }
-            let ready = raft.ready();
-            let became_leader = ready.soft_state.is_some_and(|s| s.role == Role::Leader);
-            let term = raft.term();
-            if became_leader {
-                if self.cfg.trace {
-                    eprintln!(
-                        "t={} node {id} leads term {term} membership {:?}",
-                        self.now_us,
-                        raft.membership()
-                    );
+    fn client_send(&mut self, (node, op, to): (NodeId, ClientOp, ReplyTo)) {
+        self.push_client_msg(ClientMsg::Request(node, op, to));
+    }
+
+    fn push_client_msg(&mut self, msg: ClientMsg) {
+        if self.healed_at.is_none()
+            && self.rng.random_range(0..1_000_000u32) < self.client_drop_ppm
+        {
+            return;
+        }
+        let delay = self.rng.random_range(100..3_000);
+        self.client_seq += 1;
+        self.client_net
+            .insert((self.now_us + delay, self.client_seq), msg);
+    }
+
+    fn deliver_client_msg(&mut self) {
+        let Some((_, msg)) = self.client_net.pop_first() else {
+            return;
+        };
+        let now = self.now_us;
+        match msg {
+            ClientMsg::Request(id, op, to) => {
+                let Some(node) = self.nodes.get_mut(&id) else {
+                    return;
+                };
+                if node.core.is_none() {
+                    return; // connection refused: the client times out
                 }
-                self.stats.leader_changes += 1;
-                let raft = self.nodes[&id].raft.as_ref().expect("alive");
-                self.checker.on_leader(id, term, raft);
-                self.rebuild_leases(id);
+                if node.paused(now) {
+                    node.client_inbox.push((op, to));
+                    return;
+                }
+                let local = node.local(now);
+                let core = node.core.as_mut().expect("alive");
+                core.client_request(local, op, to.client as u64, to);
+                let result = core.drive();
+                self.after_core(id, result);
             }
-            for msg in &ready.messages_now {
-                self.checker.on_send(id, msg);
-                self.network.send(self.now_us, msg.clone(), &mut self.rng);
+            ClientMsg::Answer(to, reply) => {
+                if to.client == MARKER_CLIENT {
+                    if matches!(reply, ClientReply::Stored) {
+                        self.marker_done = true;
+                    }
+                    return;
+                }
+                let nodes = self.all_ids();
+                if let Some(send) = self.clients.on_reply(now, to, reply, &nodes, &mut self.rng) {
+                    self.client_send(send);
+                }
             }
-            let must_sync = ready.must_sync();
-            self.checker.on_persist(id, &ready.entries);
-            let node = self.nodes.get_mut(&id).expect("exists");
-            if let Some(hs) = ready.hard_state {
-                node.staged.hard_state = hs;
-            }
-            node.staged.append(&ready.entries);
-            let crash_now = match node.crash_mid_ready {
-                Some(CrashPoint {
-                    on_vote_only: true, ..
-                }) => ready
-                    .hard_state
-                    .is_some_and(|hs| hs.vote != node.durable.hard_state.vote),
-                Some(_) => must_sync,
-                None => false,
+        }
+    }
+
+    /// Carries out a node's effects and runs the per-node checks.
+    fn after_core(&mut self, id: NodeId, result: Result<(), StorageError>) {
+        loop {
+            let Some(core) = self.nodes.get_mut(&id).and_then(|n| n.core.as_mut()) else {
+                return;
             };
-            if crash_now {
-                let restart = node.crash_mid_ready.is_some_and(|c| c.restart_at_once);
+            let effects = core.take_effects();
+            if effects.is_empty() {
+                break;
+            }
+            let mut rerun = None;
+            for effect in effects {
+                match effect {
+                    Effect::Send(msg) => {
+                        self.checker.on_send(id, &msg);
+                        self.network.send(self.now_us, msg, &mut self.rng);
+                    }
+                    Effect::Reply(to, reply) => self.push_client_msg(ClientMsg::Answer(to, reply)),
+                    Effect::BuildSnapshot(job) => {
+                        // The job runs "on another thread" that finishes at once here.
+                        rerun = Some(job());
+                    }
+                    Effect::Observe(o) => self.observe(id, o),
+                }
+            }
+            if let Some(built) = rerun {
+                let node = self.nodes.get_mut(&id).expect("exists");
+                let local = node.local(self.now_us);
+                let Some(core) = node.core.as_mut() else {
+                    return;
+                };
+                if let Err(err) = core.snapshot_built(local, built) {
+                    self.checker.violations.push(Violation {
+                        invariant: "storage",
+                        detail: format!("node {id} could not compact after a snapshot: {err}"),
+                    });
+                }
+                self.stats.compactions += 1;
+            }
+        }
+        match result {
+            Ok(()) => {}
+            Err(StorageError::SimulatedCrash) => {
+                let restart = self.rng.random_bool(0.5) || self.healed_at.is_some();
                 self.crash_node(id);
                 if restart {
                     self.start_node(id);
                 }
                 return;
             }
-            if must_sync {
-                node.durable = node.staged.clone();
-            }
-            for msg in &ready.messages {
-                self.checker.on_send(id, msg);
-                self.network.send(self.now_us, msg.clone(), &mut self.rng);
-            }
-            self.apply_ready(id, &ready);
-            let node = self.nodes.get_mut(&id).expect("exists");
-            let Some(raft) = node.raft.as_mut() else {
+            Err(err) => {
+                self.checker.violations.push(Violation {
+                    invariant: "storage",
+                    detail: format!("node {id}: {err}"),
+                });
                 return;
-            }; // decommissioned while applying
-            raft.advance(ready);
-            self.after_advance(id);
+            }
         }
+        self.after_drive_checks(id);
     }
 
-    fn apply_ready(&mut self, id: NodeId, ready: &Ready) {
-        let padding = self.cfg.snapshot_padding_bytes;
-        let now_us = self.now_us;
-        let node = self.nodes.get_mut(&id).expect("exists");
-        if let Some(snapshot) = &ready.snapshot {
-            let decoded =
-                decode_snapshot(&snapshot.data, padding).and_then(|(index, digest, locks)| {
-                    let sm = LockStateMachine::restore(&locks, sim_lock_limits()).ok()?;
-                    Some((index, digest, locks, sm))
-                });
-            match decoded {
-                Some((index, digest, locks, sm)) if index == snapshot.meta.index => {
-                    node.applied = index;
-                    node.digest = digest;
-                    node.locks = sm;
-                    node.staged.install_snapshot(snapshot, index, digest, locks);
-                    node.durable = node.staged.clone();
-                    self.checker.on_apply(id, index, digest);
+    fn observe(&mut self, id: NodeId, o: Observation) {
+        match o {
+            Observation::BecameLeader { term } => {
+                self.stats.leader_changes += 1;
+                if let Some(core) = self.nodes.get(&id).and_then(|n| n.core.as_ref()) {
+                    self.checker.on_leader(id, term, core.raft());
                 }
-                _ => self.checker.violations.push(Violation {
-                    invariant: "snapshot integrity",
-                    detail: format!("node {id} received a malformed snapshot"),
-                }),
-            }
-        }
-        let is_leader = node.raft.as_ref().is_some_and(|r| r.is_leader());
-        let mut removed = Vec::new();
-        for entry in &ready.committed_entries {
-            if entry.index != node.applied + 1 {
-                self.checker.violations.push(Violation {
-                    invariant: "apply order",
-                    detail: format!(
-                        "node {id} applied index {} after {}",
-                        entry.index, node.applied
-                    ),
-                });
-                return;
-            }
-            node.digest = chain(node.digest, entry);
-            node.applied = entry.index;
-            self.checker.on_apply(id, entry.index, node.digest);
-            match &entry.payload {
-                EntryPayload::Command(data) => match Command::decode(data) {
-                    Ok(command) => {
-                        let applied = node.locks.apply(entry.index, &command);
-                        self.locks.on_apply(id, entry.index, &command, &applied);
-                        if is_leader {
-                            track_leases(node, now_us, &command, &applied);
-                            self.clients.observe(&command, &applied);
-                        }
-                    }
-                    Err(_) => self.locks.on_other_entry(entry.index),
-                },
-                EntryPayload::Membership(MembershipChange::RemoveServer(gone)) => {
-                    removed.push(*gone);
-                    self.locks.on_other_entry(entry.index);
-                }
-                _ => self.locks.on_other_entry(entry.index),
-            }
-            if entry.index % 8 == 0 {
-                let digest = super::checker::fnv(&node.locks.snapshot());
-                if let Some(&seen) = self.lock_state_at.get(&entry.index) {
-                    if seen != digest {
-                        self.checker.violations.push(Violation {
-                            invariant: "replica lock state",
-                            detail: format!(
-                                "node {id} lock state differs at index {}",
-                                entry.index
-                            ),
-                        });
-                    }
-                } else {
-                    self.lock_state_at.insert(entry.index, digest);
+                if self.cfg.trace {
+                    eprintln!("t={} node {id} leads term {term}", self.now_us);
                 }
             }
-        }
-        if !ready.committed_entries.is_empty() {
-            node.applies_unwritten += 1;
-        }
-        if node.applies_unwritten >= self.cfg.applied_write_every {
-            node.write_applied();
-        }
-        for read in &ready.read_states {
-            self.stats.reads += 1;
-            if let Some(required) = self.reads.remove(&(id, read.ctx)) {
-                if read.index < required {
+            Observation::Persisted(entries) => self.checker.on_persist(id, &entries),
+            Observation::Applied {
+                index,
+                term,
+                command,
+                applied,
+            } => {
+                let node = self.nodes.get_mut(&id).expect("exists");
+                if index != node.next_apply {
                     self.checker.violations.push(Violation {
-                        invariant: "linearizable read",
+                        invariant: "apply order",
                         detail: format!(
-                            "node {id} served read {} at index {} but {required} was committed before it was asked",
-                            read.ctx, read.index
+                            "node {id} applied index {index}, expected {}",
+                            node.next_apply
                         ),
                     });
                 }
+                node.next_apply = index + 1;
+                let mut digest = fnv(&term.to_le_bytes());
+                if let Some(cmd) = &command {
+                    digest ^= fnv(&cmd.encode()).rotate_left(1);
+                }
+                self.checker.on_apply(id, index, digest);
+                match (command, applied) {
+                    (Some(command), Some(applied)) => {
+                        if let (crate::lock::Command::Put { value, .. }, crate::lock::Outcome::Stored) =
+                            (&command, &applied.outcome)
+                        {
+                            self.write_index.entry(value.clone()).or_insert(index);
+                        }
+                        self.locks.on_apply(id, index, &command, &applied);
+                    }
+                    _ => self.locks.on_other_entry(index),
+                }
             }
-        }
-        // An operator shuts a server down once its removal has committed.
-        for gone in removed {
-            if let Some(node) = self.nodes.get_mut(&gone) {
-                if !node.decommissioned {
-                    node.decommissioned = true;
-                    if let Some(raft) = node.raft.take() {
-                        self.stats.elections += raft.stats().elections_started;
+            Observation::SnapshotInstalled { index } => {
+                if let Some(node) = self.nodes.get_mut(&id) {
+                    node.next_apply = index + 1;
+                }
+            }
+            Observation::MemberRemoved { id: gone } => {
+                if self.cfg.trace {
+                    eprintln!("t={} node {id} applied the removal of node {gone}", self.now_us);
+                }
+                let delay = self.rng.random_range(0..500_000);
+                if let Some(node) = self.nodes.get_mut(&gone) {
+                    if node.retire_at.is_none() && !node.decommissioned {
+                        node.retire_at = Some(self.now_us + delay);
                     }
                 }
             }
+            _ => {}
         }
     }
 
-    fn after_advance(&mut self, id: NodeId) {
-        let snapshot_every = self.cfg.snapshot_every;
-        let padding = self.cfg.snapshot_padding_bytes;
+    /// Commit monotonicity, commit bookkeeping, replica state, and the adversarial crash of a
+    /// leader right after it advanced its commit index.
+    fn after_drive_checks(&mut self, id: NodeId) {
         let Some(node) = self.nodes.get_mut(&id) else {
             return;
         };
-        let Some(raft) = node.raft.as_mut() else {
+        let Some(core) = node.core.as_ref() else {
             return;
         };
+        let raft = core.raft();
         let commit = raft.commit_index();
         if commit < node.last_commit {
-            let detail = format!(
-                "node {id} commit went from {} to {commit}",
-                node.last_commit
-            );
+            let detail = format!("node {id} commit went from {} to {commit}", node.last_commit);
             self.checker.violations.push(Violation {
                 invariant: "commit monotonicity",
                 detail,
             });
             return;
         }
+        let sm = core.state_machine();
+        let applied = sm.applied_index();
+        if applied > 0 {
+            let digest = fnv(&sm.snapshot());
+            match self.lock_state_at.get(&applied) {
+                Some(&seen) if seen != digest => {
+                    self.checker.violations.push(Violation {
+                        invariant: "replica lock state",
+                        detail: format!("node {id} lock state differs at applied index {applied}"),
+                    });
+                    return;
+                }
+                Some(_) => {}
+                None => {
+                    self.lock_state_at.insert(applied, digest);
+                }
+            }
+        }
         if commit > node.last_commit {
             let from = node.last_commit + 1;
             node.last_commit = commit;
-            let raft = node.raft.as_ref().expect("alive");
             self.checker.on_commit(id, raft, from, commit);
             // Adversarial crash point: a leader dies right after advancing its commit index,
             // before followers learn of it — where commit-rule bugs (Figure 8) do their damage.
+            let is_leader = raft.is_leader();
             if self.cfg.faults
-                && !self.healed
-                && raft.is_leader()
+                && self.healed_at.is_none()
+                && is_leader
                 && self.rng.random_range(0..1_000_000u32) < 20_000 * self.cfg.crash_intensity
             {
                 self.crash_node(id);
-                return;
-            }
-        }
-        let node = self.nodes.get_mut(&id).expect("exists");
-        let raft = node.raft.as_mut().expect("alive");
-        if node.applied >= raft.snapshot_index() + snapshot_every
-            && node.applied == raft.applied_index()
-        {
-            let data = encode_snapshot(node.applied, node.digest, &node.locks.snapshot(), padding);
-            if raft.compact(node.applied, data) {
-                let snapshot = raft.latest_snapshot().cloned().expect("just taken");
-                let index = snapshot.meta.index;
-                node.write_applied();
-                node.staged.entries.retain(|e| e.index > index);
-                node.staged.snapshot = Some(snapshot);
-                node.durable = node.staged.clone();
-                self.stats.compactions += 1;
             }
         }
     }
 
-    // ----- faults and clients ----------------------------------------------------------------
+    // ----- faults ----------------------------------------------------------------------------
 
-    /// Draws at most one fault or client action for this step. Weights are per million steps.
+    /// Draws at most one fault for this step. Weights are per million steps.
     fn inject(&mut self) {
+        if self.healed_at.is_some() {
+            return;
+        }
         let faults = self.cfg.faults;
         let crash = if faults {
             2_000 * self.cfg.crash_intensity
         } else {
             0
         };
-        let table: [(u32, Action); 8] = [
-            (40_000, Action::Propose),
-            (5_000, Action::Read),
-            (if faults { 3_000 } else { 0 }, Action::Partition),
-            (if faults { 5_000 } else { 0 }, Action::Heal),
+        let on = |w: u32| if faults { w } else { 0 };
+        let table: [(u32, Action); 7] = [
+            (on(3_000), Action::Partition),
+            (on(5_000), Action::Heal),
             (crash, Action::Crash),
-            (if faults { 10_000 } else { 0 }, Action::Restart),
+            (on(10_000), Action::Restart),
+            (on(1_500), Action::Pause),
             (
-                if self.cfg.membership_changes {
-                    3_000
-                } else {
-                    0
-                },
+                if self.cfg.membership_changes { 3_000 } else { 0 },
                 Action::Membership,
             ),
             (500, Action::Transfer),
@@ -779,171 +854,60 @@ impl Cluster {
             }
         });
         match action {
-            Some(Action::Propose) => self.client_propose(),
-            Some(Action::Read) => self.client_read(),
             Some(Action::Partition) => self.start_partition(),
             Some(Action::Heal) => self.network.heal(),
             Some(Action::Crash) => self.crash_random(),
             Some(Action::Restart) => self.restart_random(),
-            Some(Action::Membership) => self.change_membership(),
+            Some(Action::Pause) => self.pause_random(),
+            Some(Action::Membership) => {
+                // Sometimes a burst of changes.
+                let burst = if self.rng.random_bool(0.2) { 3 } else { 1 };
+                for _ in 0..burst {
+                    self.change_membership();
+                }
+            }
             Some(Action::Transfer) => self.transfer_leadership(),
             None => {}
         }
     }
 
-    fn client_propose(&mut self) {
-        let Some(leader) = self.leader() else { return };
-        let count = self.rng.random_range(1..=3);
-        let commands: Vec<Bytes> = (0..count)
-            .map(|_| Bytes::from(self.clients.next(&mut self.rng).encode()))
-            .collect();
-        let raft = self
-            .nodes
-            .get_mut(&leader)
-            .and_then(|n| n.raft.as_mut())
-            .expect("leader");
-        if raft.propose(commands).is_ok() {
-            self.handle_ready(leader);
-        }
-    }
-
-    /// The leader's lease and wait-timeout duties, in simulated time (DESIGN.md §4).
-    fn leader_duties(&mut self, id: NodeId) {
-        let now = self.now_us;
-        let Some(node) = self.nodes.get_mut(&id) else {
-            return;
-        };
-        let Some(raft) = node.raft.as_mut() else {
-            return;
-        };
-        if !raft.is_leader() {
-            node.leases.clear();
-            node.wait_deadlines.clear();
-            return;
-        }
-        let mut commands = Vec::new();
-        for (key, (token, deadline)) in &node.leases {
-            if *deadline <= now {
-                commands.push(Command::Expire {
-                    key: key.clone(),
-                    token: *token,
-                });
-            }
-        }
-        for ((client_id, request_id), (key, deadline)) in &node.wait_deadlines {
-            if *deadline <= now {
-                commands.push(Command::CancelWait {
-                    key: key.clone(),
-                    client_id: client_id.clone(),
-                    request_id: request_id.clone(),
-                });
-            }
-        }
-        if commands.is_empty() {
-            return;
-        }
-        // Proposed once; re-proposed a lease later if the first proposal is lost.
-        for cmd in &commands {
-            match cmd {
-                Command::Expire { key, .. } => {
-                    if let Some(lease) = node.leases.get_mut(key) {
-                        lease.1 = now + 200_000;
-                    }
-                }
-                Command::CancelWait {
-                    client_id,
-                    request_id,
-                    ..
-                } => {
-                    if let Some(w) = node
-                        .wait_deadlines
-                        .get_mut(&(client_id.clone(), request_id.clone()))
-                    {
-                        w.1 = now + 200_000;
-                    }
-                }
-                _ => {}
-            }
-        }
-        let encoded = commands.iter().map(|c| Bytes::from(c.encode())).collect();
-        if raft.propose(encoded).is_ok() {
-            self.handle_ready(id);
-        }
-    }
-
-    /// A new leader gives every held lock a full TTL from its election and every waiter a
-    /// reclaim window in which its client could re-attach.
-    fn rebuild_leases(&mut self, id: NodeId) {
-        let now = self.now_us;
-        let Some(node) = self.nodes.get_mut(&id) else {
-            return;
-        };
-        node.leases = node
-            .locks
-            .held_locks()
-            .into_iter()
-            .map(|h| (h.key, (h.token, now + h.ttl_ms * 1000)))
-            .collect();
-        node.wait_deadlines = node
-            .locks
-            .waiters()
-            .into_iter()
-            .map(|w| {
-                let wait_us = w.wait_timeout_ms.unwrap_or(500).max(500) * 1000;
-                ((w.client_id, w.request_id), (w.key, now + wait_us))
-            })
-            .collect();
-    }
-
-    fn client_read(&mut self) {
-        let Some(leader) = self.leader() else { return };
-        self.next_read_ctx += 1;
-        let ctx = self.next_read_ctx;
-        let required = self.checker.max_committed();
-        let raft = self
-            .nodes
-            .get_mut(&leader)
-            .and_then(|n| n.raft.as_mut())
-            .expect("leader");
-        if raft.read_index(ctx).is_ok() {
-            self.reads.insert((leader, ctx), required);
-            self.handle_ready(leader);
-        }
-    }
-
     fn start_partition(&mut self) {
         let alive = self.alive_ids();
-        if alive.len() < 2 || self.network.is_partitioned() {
+        if alive.len() < 2 {
             return;
         }
         self.stats.partitions += 1;
-        match self.rng.random_range(0..3) {
+        let all: Vec<NodeId> = self.nodes.keys().copied().collect();
+        // Partitions may overlap: a new one adds to whatever is cut already.
+        match self.rng.random_range(0..4) {
             0 => {
                 // Isolate one node (often the leader).
                 let victim = match self.leader() {
                     Some(l) if self.rng.random_bool(0.5) => l,
                     _ => *alive.choose(&mut self.rng).expect("non-empty"),
                 };
-                let rest: Vec<NodeId> = self
-                    .nodes
-                    .keys()
-                    .copied()
-                    .filter(|&n| n != victim)
-                    .collect();
+                let rest: Vec<NodeId> = all.iter().copied().filter(|&n| n != victim).collect();
                 self.network.partition(&[victim], &rest);
             }
             1 => {
                 // Split into two random groups.
-                let all: Vec<NodeId> = self.nodes.keys().copied().collect();
                 let (a, b): (Vec<NodeId>, Vec<NodeId>) =
                     all.into_iter().partition(|_| self.rng.random_bool(0.5));
+                self.network.partition(&a, &b);
+            }
+            2 => {
+                // A bridge: two groups that reach each other only through one node.
+                let bridge = *alive.choose(&mut self.rng).expect("non-empty");
+                let others: Vec<NodeId> = all.into_iter().filter(|&n| n != bridge).collect();
+                let (a, b): (Vec<NodeId>, Vec<NodeId>) =
+                    others.into_iter().partition(|_| self.rng.random_bool(0.5));
                 self.network.partition(&a, &b);
             }
             _ => {
                 // One-way: a node can send but not receive, or the reverse.
                 let victim = *alive.choose(&mut self.rng).expect("non-empty");
                 let inbound = self.rng.random_bool(0.5);
-                for &other in self.nodes.keys() {
+                for &other in &all {
                     if other != victim {
                         if inbound {
                             self.network.block(other, victim);
@@ -962,11 +926,11 @@ impl Cluster {
             return;
         };
         if self.rng.random_bool(0.5) {
-            let point = CrashPoint {
-                on_vote_only: self.rng.random_bool(0.3),
-                restart_at_once: self.rng.random_bool(0.5),
-            };
-            self.nodes.get_mut(&victim).expect("exists").crash_mid_ready = Some(point);
+            // A power cut inside a coming flush.
+            let on_vote_only = self.rng.random_bool(0.3);
+            if let Some(core) = self.nodes.get_mut(&victim).and_then(|n| n.core.as_mut()) {
+                core.storage_mut().arm_power_cut(on_vote_only);
+            }
         } else {
             self.crash_node(victim);
         }
@@ -976,7 +940,7 @@ impl Cluster {
         let down: Vec<NodeId> = self
             .nodes
             .values()
-            .filter(|n| n.raft.is_none() && !n.decommissioned)
+            .filter(|n| n.core.is_none() && !n.decommissioned)
             .map(|n| n.id)
             .collect();
         if let Some(&id) = down.choose(&mut self.rng) {
@@ -984,92 +948,96 @@ impl Cluster {
         }
     }
 
+    /// SIGSTOP for 50 ms – 1.5 s (longer than any lease the clients take): the node runs nothing
+    /// and its clock jumps forward when it resumes.
+    fn pause_random(&mut self) {
+        let alive = self.alive_ids();
+        let victim = match self.leader() {
+            Some(l) if self.rng.random_bool(0.5) => l,
+            _ => match alive.choose(&mut self.rng) {
+                Some(&v) => v,
+                None => return,
+            },
+        };
+        let until = self.now_us + self.rng.random_range(50_000..1_500_000);
+        if let Some(node) = self.nodes.get_mut(&victim) {
+            node.paused_until = node.paused_until.max(until);
+            self.stats.pauses += 1;
+        }
+    }
+
+    fn leader_core(&mut self) -> Option<(NodeId, &mut Core)> {
+        let leader = self.leader()?;
+        let core = self.nodes.get_mut(&leader)?.core.as_mut()?;
+        Some((leader, core))
+    }
+
     fn change_membership(&mut self) {
         let Some(leader) = self.leader() else { return };
         let membership = self.nodes[&leader]
-            .raft
+            .core
             .as_ref()
             .expect("leader")
+            .raft()
             .membership()
             .clone();
         let live_members = membership.voters.len() + membership.learners.len();
-        let choice = self.rng.random_range(0..4);
-        let change = match choice {
-            0 if live_members < MAX_MEMBERS && self.next_node_id < 64 => {
-                MembershipChange::AddLearner(self.next_node_id)
+        let choice = self.rng.random_range(0..3);
+        let new_id = self.next_node_id;
+        let result = match choice {
+            0 if live_members < MAX_MEMBERS && new_id < 64 => {
+                let (_, core) = self.leader_core().expect("leader");
+                core.join(new_id).map(|()| Some(new_id)).map_err(|_| ())
             }
-            1 if !membership.learners.is_empty() => {
-                let raft = self.nodes[&leader].raft.as_ref().expect("leader");
-                let caught_up: Vec<NodeId> = membership
-                    .learners
-                    .iter()
-                    .copied()
-                    .filter(|&l| {
-                        raft.progress(l)
-                            .is_some_and(|(m, _, _)| m >= raft.commit_index())
-                    })
-                    .collect();
-                match caught_up.choose(&mut self.rng) {
-                    Some(&l) => MembershipChange::PromoteLearner(l),
-                    None => return,
-                }
-            }
-            2 if membership.voters.len() > self.min_voters => {
+            1 if membership.voters.len() > self.min_voters => {
                 let followers: Vec<NodeId> = membership
                     .voters
                     .iter()
                     .copied()
                     .filter(|&v| v != leader)
                     .collect();
-                match followers.choose(&mut self.rng) {
-                    Some(&f) => MembershipChange::RemoveServer(f),
-                    None => return,
-                }
+                let Some(&f) = followers.choose(&mut self.rng) else {
+                    return;
+                };
+                let (_, core) = self.leader_core().expect("leader");
+                core.remove(f).map(|()| None).map_err(|_| ())
             }
-            3 if membership.voters.len() > self.min_voters => {
-                MembershipChange::RemoveServer(leader)
+            2 if membership.voters.len() > self.min_voters => {
+                let (_, core) = self.leader_core().expect("leader");
+                core.remove(leader).map(|()| None).map_err(|_| ())
             }
             _ => return,
         };
-        let raft = self
-            .nodes
-            .get_mut(&leader)
-            .and_then(|n| n.raft.as_mut())
-            .expect("leader");
-        if raft.propose_membership(change).is_err() {
-            return;
-        }
+        let Ok(added) = result else { return };
         self.stats.membership_changes += 1;
         if self.cfg.trace {
-            eprintln!("t={} leader {leader} proposed {change:?}", self.now_us);
+            eprintln!(
+                "t={} leader {leader} changes membership (choice {choice}, added {added:?})",
+                self.now_us
+            );
         }
-        if let MembershipChange::AddLearner(id) = change {
+        if let Some(id) = added {
             self.next_node_id += 1;
             self.add_node(id, Membership::default());
         }
-        self.handle_ready(leader);
+        let result = self
+            .nodes
+            .get_mut(&leader)
+            .and_then(|n| n.core.as_mut())
+            .map(|c| c.drive());
+        if let Some(result) = result {
+            self.after_core(leader, result);
+        }
     }
 
     fn transfer_leadership(&mut self) {
-        let Some(leader) = self.leader() else { return };
-        let raft = self
-            .nodes
-            .get_mut(&leader)
-            .and_then(|n| n.raft.as_mut())
-            .expect("leader");
-        let voters: Vec<NodeId> = raft
-            .membership()
-            .voters
-            .iter()
-            .copied()
-            .filter(|&v| v != leader)
-            .collect();
-        let Some(&target) = voters.choose(&mut self.rng) else {
+        let Some((leader, core)) = self.leader_core() else {
             return;
         };
-        if raft.transfer_leader(target).is_ok() {
+        if core.transfer_leadership().is_some() {
+            let result = core.drive();
             self.stats.transfers += 1;
-            self.handle_ready(leader);
+            self.after_core(leader, result);
         }
     }
 
@@ -1080,123 +1048,165 @@ impl Cluster {
         for (i, &a) in alive.iter().enumerate() {
             for &b in &alive[i + 1..] {
                 let (ra, rb) = (
-                    self.nodes[&a].raft.as_ref().expect("alive"),
-                    self.nodes[&b].raft.as_ref().expect("alive"),
+                    self.nodes[&a].core.as_ref().expect("alive").raft(),
+                    self.nodes[&b].core.as_ref().expect("alive").raft(),
                 );
                 self.checker.check_logs_match(ra, rb);
             }
         }
     }
 
-    fn check_logs_final(&mut self) {
-        self.check_all_logs();
-    }
-
-    /// After every fault heals, a leader must emerge and commit a new entry within the budget.
+    /// After every fault heals: a leader commits a new entry within the budget; then, with the
+    /// clients quiet, every lock whose holder stopped renewing is expired and every waiter past
+    /// its timeout is answered within a stated bound.
     fn check_liveness(&mut self) {
-        self.healed = true;
+        self.healed_at = Some(self.now_us);
         self.network.heal();
         self.network.faults = NetworkFaults::calm();
         let down: Vec<NodeId> = self
             .nodes
             .values()
-            .filter(|n| n.raft.is_none() && !n.decommissioned)
+            .filter(|n| n.core.is_none() && !n.decommissioned)
             .map(|n| n.id)
             .collect();
         for id in down {
             self.start_node(id);
         }
         for node in self.nodes.values_mut() {
-            node.crash_mid_ready = None;
+            node.paused_until = node.paused_until.min(self.now_us);
+            if let Some(core) = node.core.as_mut() {
+                core.storage_mut().disarm_power_cut();
+            }
         }
+        // 1. A leader commits a new entry.
         let deadline = self.now_us + self.cfg.liveness_budget_us;
-        let mut marker: Option<(NodeId, Index, u64)> = None;
+        let mut marker_sent_to: Option<(NodeId, u64)> = None;
         let mut events = 0u64;
-        while self.now_us < deadline && events < 200_000 {
+        while !self.marker_done && self.now_us < deadline && events < 400_000 {
             events += 1;
             if !self.process_next_event() {
                 break;
             }
+            self.collect_violations();
             if !self.checker.ok() {
                 return;
             }
-            match marker {
-                None => {
-                    if let Some(leader) = self.leader() {
-                        let raft = self.nodes.get_mut(&leader).and_then(|n| n.raft.as_mut());
-                        let raft = raft.expect("leader");
-                        if raft.committed_in_current_term() {
-                            let term = raft.term();
-                            if let Ok(index) =
-                                raft.propose(vec![Bytes::from(liveness_marker().encode())])
-                            {
-                                marker = Some((leader, index, term));
-                                self.handle_ready(leader);
-                            }
-                        }
-                    }
-                }
-                Some((leader, index, term)) => {
-                    let node = &self.nodes[&leader];
-                    match &node.raft {
-                        Some(r) if r.term() == term && r.is_leader() => {
-                            if node.applied >= index {
-                                self.check_all_logs();
-                                return;
-                            }
-                        }
-                        _ => marker = None,
-                    }
+            let resend = match marker_sent_to {
+                None => true,
+                Some((_, at)) => self.now_us > at + 200_000,
+            };
+            if resend {
+                if let Some(leader) = self.leader() {
+                    let op = ClientOp::Put {
+                        key: "liveness".into(),
+                        value: b"ok".to_vec(),
+                        guard: None,
+                        client_id: "simulator".into(),
+                        request_id: "liveness".into(),
+                    };
+                    let to = ReplyTo {
+                        client: MARKER_CLIENT,
+                        attempt: 0,
+                    };
+                    self.client_send((leader, op, to));
+                    marker_sent_to = Some((leader, self.now_us));
                 }
             }
         }
-        let leaders: Vec<String> = self
-            .nodes
-            .values()
-            .filter_map(|n| n.raft.as_ref().map(|r| format!("{r:?}")))
-            .collect();
-        self.checker.violations.push(Violation {
-            invariant: "liveness",
-            detail: format!(
-                "no new entry committed within {} ms after healing; nodes: {}",
-                self.cfg.liveness_budget_us / 1000,
-                leaders.join(", ")
-            ),
-        });
-    }
-}
-
-fn encode_snapshot(applied: Index, digest: u64, locks: &[u8], padding: usize) -> Bytes {
-    let mut data = Vec::with_capacity(24 + locks.len() + padding);
-    data.extend_from_slice(&applied.to_le_bytes());
-    data.extend_from_slice(&digest.to_le_bytes());
-    data.extend_from_slice(&(locks.len() as u64).to_le_bytes());
-    data.extend_from_slice(locks);
-    data.extend((0..padding).map(|i| (i as u64 ^ applied) as u8));
-    Bytes::from(data)
-}
-
-fn decode_snapshot(data: &[u8], padding: usize) -> Option<(Index, u64, Vec<u8>)> {
-    let applied = u64::from_le_bytes(data.get(0..8)?.try_into().ok()?);
-    let digest = u64::from_le_bytes(data.get(8..16)?.try_into().ok()?);
-    let len = u64::from_le_bytes(data.get(16..24)?.try_into().ok()?) as usize;
-    let locks = data.get(24..24usize.checked_add(len)?)?.to_vec();
-    let rest = &data[24 + len..];
-    let padding_ok = rest.len() == padding
-        && rest
+        if !self.marker_done {
+            let nodes: Vec<String> = self
+                .nodes
+                .values()
+                .filter_map(|n| n.core.as_ref().map(|c| format!("{:?}", c.raft())))
+                .collect();
+            self.checker.violations.push(Violation {
+                invariant: "liveness",
+                detail: format!(
+                    "no new entry committed within {} ms after healing; nodes: {}",
+                    self.cfg.liveness_budget_us / 1000,
+                    nodes.join(", ")
+                ),
+            });
+            return;
+        }
+        // 2. Clients stop; what they still run completes; leases and waits run out.
+        self.clients.quiet = true;
+        let drain_deadline = self.now_us + 10_000_000;
+        while self.clients.in_flight() > 0 && self.now_us < drain_deadline {
+            if !self.process_next_event() {
+                break;
+            }
+            self.collect_violations();
+            if !self.checker.ok() {
+                return;
+            }
+        }
+        // Longest lease (400 ms) and wait (600 ms) in the simulation, plus a retried expiry
+        // (200 ms), plus ticks and a commit round: everything must be free after 1.5 s.
+        const FREE_WITHIN_US: u64 = 1_500_000;
+        let quiet_from = self.now_us;
+        while self.now_us < quiet_from + FREE_WITHIN_US {
+            if !self.process_next_event() {
+                break;
+            }
+            self.collect_violations();
+            if !self.checker.ok() {
+                return;
+            }
+        }
+        let Some(leader) = self.leader() else {
+            self.checker.violations.push(Violation {
+                invariant: "liveness",
+                detail: "no leader after the quiet period".into(),
+            });
+            return;
+        };
+        let core = self.nodes[&leader].core.as_ref().expect("leader");
+        let sm = core.state_machine();
+        if let Some(held) = sm.held_locks().first() {
+            let detail = format!(
+                "{} ms after the clients stopped, {} still holds {} (token {}, ttl {} ms) on leader {leader}; its leases: {:?}",
+                FREE_WITHIN_US / 1000,
+                held.client_id,
+                held.key,
+                held.token,
+                held.ttl_ms,
+                core.leases()
+            );
+            self.checker.violations.push(Violation {
+                invariant: "leases expire",
+                detail,
+            });
+            return;
+        }
+        let voters: Vec<&Raft> = core
+            .raft()
+            .membership()
+            .voters
             .iter()
-            .enumerate()
-            .all(|(i, &b)| b == (i as u64 ^ applied) as u8);
-    padding_ok.then_some((applied, digest, locks))
-}
-
-fn liveness_marker() -> Command {
-    Command::Put {
-        key: "liveness".into(),
-        value: b"ok".to_vec(),
-        guard: None,
-        client_id: "simulator".into(),
-        request_id: String::new(),
+            .filter_map(|v| self.nodes.get(v).and_then(|n| n.core.as_ref()).map(|c| c.raft()))
+            .collect();
+        if voters.len() == core.raft().membership().voters.len() {
+            let mut checker = std::mem::take(&mut self.checker);
+            checker.check_durability(&voters);
+            self.checker = checker;
+        }
+        let core = self.nodes[&leader].core.as_ref().expect("leader");
+        let sm = core.state_machine();
+        if let Some(w) = sm.waiters().first() {
+            let detail = format!(
+                "{} ms after the clients stopped, {} still waits for {} (timeout {:?})",
+                FREE_WITHIN_US / 1000,
+                w.client_id,
+                w.key,
+                w.wait_timeout_ms
+            );
+            self.checker.violations.push(Violation {
+                invariant: "waits end",
+                detail,
+            });
+        }
+        self.check_all_logs();
     }
 }
 
@@ -1206,67 +1216,5 @@ fn sim_lock_limits() -> Limits {
         waiters_per_key_max: 3,
         dedupe_entries_max: 48,
         ..Limits::default()
-    }
-}
-
-/// Leader bookkeeping in simulated time: lease deadlines and wait timeouts.
-fn track_leases(
-    node: &mut SimNode,
-    now_us: u64,
-    command: &Command,
-    applied: &crate::lock::Applied,
-) {
-    let grant = |key: &str, token: u64, ttl_ms: u64, leases: &mut BTreeMap<String, (u64, u64)>| {
-        leases.insert(key.to_string(), (token, now_us + ttl_ms * 1000));
-    };
-    match (command, &applied.outcome) {
-        (Command::Acquire { .. }, Outcome::Granted { token, ttl_ms })
-        | (Command::Renew { .. }, Outcome::Renewed { token, ttl_ms }) => {
-            grant(&token.key, token.value, *ttl_ms, &mut node.leases)
-        }
-        (
-            Command::Acquire {
-                key,
-                client_id,
-                request_id,
-                wait_timeout_ms: Some(ms),
-                ..
-            },
-            Outcome::Queued { .. },
-        ) => {
-            node.wait_deadlines.insert(
-                (client_id.clone(), request_id.clone()),
-                (key.clone(), now_us + ms * 1000),
-            );
-        }
-        (Command::Release { key, .. }, Outcome::Released) => {
-            node.leases.remove(key);
-        }
-        _ => {}
-    }
-    for event in &applied.events {
-        match event {
-            Event::Granted {
-                client_id,
-                request_id,
-                token,
-                ttl_ms,
-            } => {
-                node.wait_deadlines
-                    .remove(&(client_id.clone(), request_id.clone()));
-                grant(&token.key, token.value, *ttl_ms, &mut node.leases);
-            }
-            Event::Expired { token, .. } => {
-                node.leases.remove(&token.key);
-            }
-            Event::WaiterRemoved {
-                client_id,
-                request_id,
-                ..
-            } => {
-                node.wait_deadlines
-                    .remove(&(client_id.clone(), request_id.clone()));
-            }
-        }
     }
 }

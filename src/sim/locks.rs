@@ -186,7 +186,8 @@ impl LockChecker {
                     model
                         .queue
                         .retain(|w| w != &(client_id.clone(), request_id.clone()));
-                    model.holder = None;
+                    // The holder must already be gone (released or expired in this entry):
+                    // `grant` checks it.
                     self.granted
                         .insert((client_id.clone(), request_id.clone()), token.value);
                     let k = token.key.clone();
@@ -211,7 +212,9 @@ impl LockChecker {
                 }
             }
         }
-        if let (Command::Expire { .. }, Outcome::Expired { .. }) = (&command, &applied.outcome) {
+        if let (Command::Expire { .. } | Command::ExpireLease { .. }, Outcome::Expired { .. }) =
+            (&command, &applied.outcome)
+        {
             let model = self.keys.entry(key).or_default();
             if !applied
                 .events
@@ -236,7 +239,8 @@ impl LockChecker {
         let model = self.keys.entry(key.to_string()).or_default();
         let mut failures = Vec::new();
         if let Some((holder, _, held)) = &model.holder {
-            if !from_queue {
+            {
+                let _ = from_queue;
                 failures.push((
                     "mutual exclusion",
                     format!(
@@ -268,152 +272,6 @@ impl LockChecker {
         self.last_global_token = token;
         for (invariant, detail) in failures {
             self.fail(invariant, detail);
-        }
-    }
-}
-
-/// Simulated clients: a few client ids contending for a few keys, with retries of earlier
-/// requests, stale tokens, guarded writes and cancels mixed in.
-pub struct SimClients {
-    clients: usize,
-    keys: usize,
-    next_request: u64,
-    /// The last command each client sent, for retries with the same request id.
-    last: Vec<Option<Command>>,
-    /// Tokens clients believe they hold: (client, key) -> token.
-    held: BTreeMap<(usize, usize), u64>,
-}
-
-impl SimClients {
-    pub fn new(clients: usize, keys: usize) -> Self {
-        SimClients {
-            clients,
-            keys,
-            next_request: 0,
-            last: vec![None; clients],
-            held: BTreeMap::new(),
-        }
-    }
-
-    fn client_name(c: usize) -> String {
-        format!("client-{c}")
-    }
-
-    fn key_name(k: usize) -> String {
-        format!("key-{k}")
-    }
-
-    /// The next command some client sends.
-    pub fn next(&mut self, rng: &mut impl rand::Rng) -> Command {
-        let c = rng.random_range(0..self.clients);
-        let k = rng.random_range(0..self.keys);
-        if rng.random_bool(0.1) {
-            if let Some(last) = self.last[c].clone() {
-                return last; // a retry after a lost answer: same request id
-            }
-        }
-        self.next_request += 1;
-        let client_id = Self::client_name(c);
-        let request_id = format!("r{}", self.next_request);
-        let key = Self::key_name(k);
-        let held = self.held.get(&(c, k)).copied();
-        let token = |value: u64| crate::lock::FencingToken {
-            key: key.clone(),
-            value,
-        };
-        let roll = rng.random_range(0..100);
-        let command = match (roll, held) {
-            (0..=39, _) => Command::Acquire {
-                key: key.clone(),
-                client_id,
-                request_id,
-                ttl_ms: rng.random_range(30..400),
-                wait_timeout_ms: match rng.random_range(0..4) {
-                    0 => None,
-                    1 => Some(0),
-                    _ => Some(rng.random_range(20..600)),
-                },
-            },
-            (40..=64, Some(t)) => Command::Release {
-                key: key.clone(),
-                client_id,
-                request_id,
-                token: token(t),
-            },
-            (65..=74, Some(t)) => Command::Renew {
-                key: key.clone(),
-                client_id,
-                request_id,
-                token: token(t),
-                ttl_ms: rng.random_range(30..400),
-            },
-            (75..=84, held) => Command::Put {
-                key: format!("data-{k}"),
-                value: vec![b'v'; rng.random_range(0..16)],
-                guard: held
-                    .map(token)
-                    .or_else(|| rng.random_bool(0.5).then(|| token(rng.random_range(1..50)))),
-                client_id,
-                request_id,
-            },
-            (85..=92, _) => {
-                // Cancel one of this client's earlier acquires (maybe no longer waiting).
-                let earlier = self.next_request.saturating_sub(rng.random_range(1..20));
-                Command::CancelWait {
-                    key: key.clone(),
-                    client_id,
-                    request_id: format!("r{earlier}"),
-                }
-            }
-            // A stale or made-up token.
-            _ => Command::Release {
-                key: key.clone(),
-                client_id,
-                request_id,
-                token: token(rng.random_range(1..50)),
-            },
-        };
-        self.last[c] = Some(command.clone());
-        command
-    }
-
-    /// Learns tokens from outcomes applied on the leader (what clients would be told).
-    pub fn observe(&mut self, command: &Command, applied: &Applied) {
-        let parse = |client: &str, key: &str| {
-            let c = client.strip_prefix("client-")?.parse().ok()?;
-            let k = key.strip_prefix("key-")?.parse().ok()?;
-            Some((c, k))
-        };
-        if let (Command::Acquire { key, client_id, .. }, Outcome::Granted { token, .. }) =
-            (command, &applied.outcome)
-        {
-            if let Some(id) = parse(client_id, key) {
-                self.held.insert(id, token.value);
-            }
-        }
-        if let (Command::Release { key, client_id, .. }, Outcome::Released) =
-            (command, &applied.outcome)
-        {
-            if let Some(id) = parse(client_id, key) {
-                self.held.remove(&id);
-            }
-        }
-        for event in &applied.events {
-            match event {
-                Event::Granted {
-                    client_id, token, ..
-                } => {
-                    if let Some(id) = parse(client_id, &token.key) {
-                        self.held.insert(id, token.value);
-                    }
-                }
-                Event::Expired { client_id, token } => {
-                    if let Some(id) = parse(client_id, &token.key) {
-                        self.held.remove(&id);
-                    }
-                }
-                Event::WaiterRemoved { .. } => {}
-            }
         }
     }
 }

@@ -6,6 +6,7 @@
 //! the network, the disk and the clock are simulated.
 
 pub mod checker;
+pub mod clients;
 pub mod cluster;
 pub mod locks;
 pub mod network;

@@ -10,6 +10,12 @@ use crate::raft::{Index, MembershipError};
 /// Why a storage operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum StorageError {
+    /// An earlier storage failure stopped the node; nothing more is written.
+    #[error("the node stopped after an earlier storage failure")]
+    Stopped,
+    /// The simulator cut the power in the middle of a write (simulated storage only).
+    #[error("simulated crash")]
+    SimulatedCrash,
     /// The operating system refused a read, write or sync.
     #[error("storage I/O failed while {action}: {source}")]
     Io {

@@ -27,6 +27,9 @@ struct DiskImage {
 pub struct MemStorage {
     current: DiskImage,
     durable: DiskImage,
+    /// A power cut armed for a coming flush: `Some(true)` strikes only at a flush that would
+    /// make a new vote durable, `Some(false)` at the next flush.
+    power_cut: Option<bool>,
 }
 
 impl MemStorage {
@@ -37,6 +40,19 @@ impl MemStorage {
     /// Loses every write since the last flush.
     pub fn crash(&mut self) {
         self.current = self.durable.clone();
+        self.power_cut = None;
+    }
+
+    /// Disarms a power cut armed by [`MemStorage::arm_power_cut`].
+    pub fn disarm_power_cut(&mut self) {
+        self.power_cut = None;
+    }
+
+    /// Arms a power cut: a coming [`Storage::flush`] (with `on_vote_only`, only one that would
+    /// make a changed vote durable) loses everything unflushed and fails with
+    /// [`StorageError::SimulatedCrash`].
+    pub fn arm_power_cut(&mut self, on_vote_only: bool) {
+        self.power_cut = Some(on_vote_only);
     }
 
     fn membership_at(&self, index: Index) -> Result<Membership, StorageError> {
@@ -249,6 +265,12 @@ impl Storage for MemStorage {
     }
 
     fn flush(&mut self) -> Result<(), StorageError> {
+        if let Some(on_vote_only) = self.power_cut {
+            if !on_vote_only || self.current.hard_state.vote != self.durable.hard_state.vote {
+                self.crash();
+                return Err(StorageError::SimulatedCrash);
+            }
+        }
         self.durable = self.current.clone();
         Ok(())
     }

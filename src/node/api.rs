@@ -1,0 +1,203 @@
+//! The client-facing operations and answers, shared by the WebSocket, gRPC and HTTP front ends.
+//! Translation to each wire format happens at the edge (`ws.rs`, `grpc.rs`); this is the one
+//! place that names the error codes.
+
+use serde::Serialize;
+
+use crate::lock::FencingToken;
+use crate::raft::NodeId;
+
+/// The closed set of error codes a client can receive (DESIGN.md §6).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum ErrorCode {
+    /// This node is not the leader; `leaderId`/`leaderAddr` say where to go.
+    NotLeader,
+    /// No leader is known right now; retry after a short backoff.
+    NoLeader,
+    /// Malformed JSON, unknown command type, missing or mistyped field.
+    InvalidRequest,
+    /// The fencing token is not the current holder's.
+    StaleToken,
+    /// The client does not hold the lock.
+    NotHolder,
+    /// The wait timeout passed before the lock was granted.
+    WaitTimeout,
+    /// A key, value or message exceeds its configured limit.
+    TooLarge,
+    /// Missing or wrong credentials.
+    Unauthenticated,
+    /// The request could not be completed (leadership lost, shutting down); retry with the
+    /// same request id.
+    Unavailable,
+    /// A queue or limit is full; retry later.
+    Busy,
+    /// A cancel named a request that is not waiting.
+    NotWaiting,
+    /// The client already holds this lock (acquired under another request id); the error carries
+    /// the current token. Locks are not re-entrant.
+    AlreadyHeld,
+}
+
+impl ErrorCode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::NotLeader => "NOT_LEADER",
+            ErrorCode::NoLeader => "NO_LEADER",
+            ErrorCode::InvalidRequest => "INVALID_REQUEST",
+            ErrorCode::StaleToken => "STALE_TOKEN",
+            ErrorCode::NotHolder => "NOT_HOLDER",
+            ErrorCode::WaitTimeout => "WAIT_TIMEOUT",
+            ErrorCode::TooLarge => "TOO_LARGE",
+            ErrorCode::Unauthenticated => "UNAUTHENTICATED",
+            ErrorCode::Unavailable => "UNAVAILABLE",
+            ErrorCode::Busy => "BUSY",
+            ErrorCode::NotWaiting => "NOT_WAITING",
+            ErrorCode::AlreadyHeld => "ALREADY_HELD",
+        }
+    }
+
+    /// Whether a client should retry (possibly elsewhere) with the same request id.
+    pub fn is_retryable(self) -> bool {
+        matches!(
+            self,
+            ErrorCode::NotLeader | ErrorCode::NoLeader | ErrorCode::Unavailable | ErrorCode::Busy
+        )
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ApiError {
+    pub code: ErrorCode,
+    pub message: String,
+    pub leader_id: NodeId,
+    pub leader_addr: String,
+    /// For `ALREADY_HELD`: the fencing token value the caller holds.
+    pub current_token: Option<u64>,
+}
+
+impl ApiError {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        ApiError {
+            code,
+            message: message.into(),
+            leader_id: 0,
+            leader_addr: String::new(),
+            current_token: None,
+        }
+    }
+}
+
+/// One client operation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ClientOp {
+    Acquire {
+        key: String,
+        client_id: String,
+        request_id: String,
+        ttl_ms: u64,
+        /// `None` waits until granted (or the connection goes away); `Some(0)` never waits.
+        wait_timeout_ms: Option<u64>,
+    },
+    Release {
+        key: String,
+        client_id: String,
+        request_id: String,
+        token: u64,
+    },
+    Renew {
+        key: String,
+        client_id: String,
+        request_id: String,
+        token: u64,
+        ttl_ms: u64,
+    },
+    CancelWait {
+        key: String,
+        client_id: String,
+        request_id: String,
+    },
+    Put {
+        key: String,
+        value: Vec<u8>,
+        /// Applies only while this token holds the lock it names.
+        guard: Option<FencingToken>,
+        client_id: String,
+        request_id: String,
+    },
+    Delete {
+        key: String,
+        /// Applies only while this token holds the lock it names.
+        guard: Option<FencingToken>,
+        client_id: String,
+        request_id: String,
+    },
+    /// Linearizable read of a KV key (ReadIndex).
+    Get { key: String },
+}
+
+impl ClientOp {
+    pub fn name(&self) -> &'static str {
+        match self {
+            ClientOp::Acquire { .. } => "acquire",
+            ClientOp::Release { .. } => "release",
+            ClientOp::Renew { .. } => "renew",
+            ClientOp::CancelWait { .. } => "cancel_wait",
+            ClientOp::Put { .. } => "put",
+            ClientOp::Delete { .. } => "delete",
+            ClientOp::Get { .. } => "get",
+        }
+    }
+
+    pub fn key(&self) -> &str {
+        match self {
+            ClientOp::Acquire { key, .. }
+            | ClientOp::Release { key, .. }
+            | ClientOp::Renew { key, .. }
+            | ClientOp::CancelWait { key, .. }
+            | ClientOp::Put { key, .. }
+            | ClientOp::Delete { key, .. }
+            | ClientOp::Get { key } => key,
+        }
+    }
+}
+
+/// The answer to one [`ClientOp`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ClientReply {
+    Granted {
+        token: FencingToken,
+        expires_in_ms: u64,
+    },
+    Released,
+    Renewed {
+        token: FencingToken,
+        expires_in_ms: u64,
+    },
+    WaitCancelled,
+    Stored,
+    Deleted {
+        existed: bool,
+    },
+    Value(Option<Vec<u8>>),
+    Error(ApiError),
+}
+
+impl ClientReply {
+    pub fn error(code: ErrorCode, message: impl Into<String>) -> Self {
+        ClientReply::Error(ApiError::new(code, message))
+    }
+
+    /// The label for `raftlock_requests_total{result}`.
+    pub fn result_label(&self) -> &'static str {
+        match self {
+            ClientReply::Granted { .. } => "granted",
+            ClientReply::Released => "released",
+            ClientReply::Renewed { .. } => "renewed",
+            ClientReply::WaitCancelled => "cancelled",
+            ClientReply::Stored | ClientReply::Deleted { .. } => "stored",
+            ClientReply::Value(_) => "read",
+            ClientReply::Error(e) => e.code.as_str(),
+        }
+    }
+}

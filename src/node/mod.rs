@@ -1,0 +1,1408 @@
+//! One RaftLock node as a pure, deterministic state machine: the Raft core, the lock state
+//! machine, storage and every decision a node makes — in what order a Ready is persisted, sent
+//! and applied, who is answered what, dedupe replays, lease and wait deadlines, expiry and cancel
+//! proposals (retried until applied or superseded), the waiter reclaim window, the rebuild after a
+//! leader change, ReadIndex serving, snapshot and compaction decisions, joins, promotions and
+//! removals.
+//!
+//! ```text
+//!   client request ─┐                                   ┌─► Effect::Send (peer messages)
+//!   peer message ───┤                                   ├─► Effect::Reply (client answers)
+//!   tick(now) ──────┼─► NodeCore<S: Storage, R> ────────┼─► Effect::BuildSnapshot (a job)
+//!   disconnected ───┤   (time is an input: `now` in µs) ├─► Effect::Observe (metrics, logs)
+//!   snapshot built ─┘                                   └─► storage writes and flushes (S)
+//! ```
+//!
+//! `lock-node` (`src/server/driver.rs`) wraps it with sockets, threads, timers and encodings;
+//! the simulator (`src/sim`) runs the very same code for every simulated node on
+//! [`crate::storage::MemStorage`] with simulated time. Nothing here touches the network, a
+//! clock, a thread or an unseeded random source (`tests/purity.rs` enforces it).
+//!
+//! Leases follow the applied state, never the answers to local proposals: after every applied
+//! command the leader compares the lock's holder (token and the log index its lease started at)
+//! with its lease table and starts, keeps or ends the lease accordingly. So a grant handed off by
+//! a release, a grant committed by an earlier leader, a renew and an expiry all move the lease,
+//! whoever proposed them, and a replayed answer from the dedupe table moves nothing.
+
+pub mod api;
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use bytes::Bytes;
+
+use self::api::{ApiError, ClientOp, ClientReply, ErrorCode};
+use crate::lock::{Command, Event, FencingToken, LockStateMachine, Outcome, RejectCode};
+use crate::raft::{
+    EntryPayload, Index, MembershipChange, Message, NodeId, ProposeError, Raft, Ready, Role,
+    Snapshot,
+};
+use crate::storage::{decode_snapshot_data, SnapshotJob, Storage, StorageError};
+
+/// Monotonic time in microseconds, as the caller measures it.
+pub type Micros = u64;
+
+const MS: Micros = 1_000;
+
+/// Settings of the node logic.
+#[derive(Clone, Debug)]
+pub struct NodeSettings {
+    /// Take a snapshot once this many entries were applied since the last one.
+    pub snapshot_entries: u64,
+    /// … or once this many bytes of log were appended since the last one.
+    pub snapshot_bytes: u64,
+    /// How long a queued waiter without a wait timeout stays queued after its client went away
+    /// (or after a leader change) before the leader cancels it.
+    pub waiter_reclaim_us: Micros,
+    /// Applied state is a cache of the log, written at most this often.
+    pub applied_write_interval_us: Micros,
+    /// … or as soon as this many state keys changed.
+    pub applied_write_max_keys: usize,
+    /// An expiry or cancel proposal not applied within this long is proposed again.
+    pub housekeeping_retry_us: Micros,
+    /// Emit [`Observation::Persisted`] and [`Observation::Applied`] (the simulator's checkers
+    /// use them; lock-node leaves this off).
+    pub observe_log: bool,
+    /// Known bugs, switched on by simulator tests to show the checkers catch them.
+    #[cfg(test)]
+    pub bugs: NodeBugs,
+}
+
+impl Default for NodeSettings {
+    fn default() -> Self {
+        NodeSettings {
+            snapshot_entries: 100_000,
+            snapshot_bytes: 64 << 20,
+            waiter_reclaim_us: 10_000 * MS,
+            applied_write_interval_us: 100 * MS,
+            applied_write_max_keys: 8192,
+            housekeeping_retry_us: 1_000 * MS,
+            observe_log: false,
+            #[cfg(test)]
+            bugs: NodeBugs::default(),
+        }
+    }
+}
+
+/// Lease and housekeeping bugs that the simulator must catch (switched on in test builds only).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NodeBugs {
+    /// The lease ends when the release that handed the lock to a waiter is answered.
+    pub lease_ended_after_hand_off: bool,
+    /// Only grants answering a local pending proposal start a lease.
+    pub lease_only_for_local_grants: bool,
+    /// Expiry checks only the token (a renew racing it is acknowledged, then expired).
+    pub expiry_checks_only_token: bool,
+    /// An expiry or cancel proposal is never retried.
+    pub housekeeping_never_retried: bool,
+}
+
+/// Something the shell must do or may record.
+pub enum Effect<R> {
+    /// Send a message to a peer. Messages leave in the order given.
+    Send(Message),
+    /// Answer a client.
+    Reply(R, ClientReply),
+    /// Run this job (it reads the applied state in storage) off the node's path, then hand the
+    /// result to [`NodeCore::snapshot_built`].
+    BuildSnapshot(SnapshotJob),
+    /// For metrics, logs and checkers.
+    Observe(Observation),
+}
+
+impl<R> std::fmt::Debug for Effect<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Effect::Send(m) => write!(f, "Send({m:?})"),
+            Effect::Reply(_, r) => write!(f, "Reply({r:?})"),
+            Effect::BuildSnapshot(_) => write!(f, "BuildSnapshot"),
+            Effect::Observe(o) => write!(f, "Observe({o:?})"),
+        }
+    }
+}
+
+/// What happened, for metrics, logs and the simulator's checkers.
+#[derive(Clone, Debug)]
+pub enum Observation {
+    BecameLeader { term: u64 },
+    LostLeadership { term: u64, leader: NodeId },
+    LeaderChanged { leader: NodeId },
+    /// A lock was granted (directly or by a hand-off); `waited_us` counts from the arrival of
+    /// the acquire at this node, when it arrived here.
+    Granted { waited_us: Option<Micros> },
+    /// A holder's lease ended (release or expiry) after `held_us` on this leader.
+    LeaseEnded { held_us: Micros, expired: bool },
+    Renewed,
+    /// A client request was answered after it committed (`op`, result label).
+    Answered { op: &'static str, result: &'static str },
+    ProposalFailed,
+    SnapshotTaken { index: Index, bytes: usize },
+    SnapshotInstalled { index: Index },
+    RemovedFromCluster,
+    /// A committed membership change removed `id` (seen on every node that applies it).
+    MemberRemoved { id: NodeId },
+    /// A command whose bytes do not decode (only a bug could log one); skipped on every replica.
+    Undecodable { index: Index },
+    /// Entries handed to storage (only with `observe_log`).
+    Persisted(Vec<crate::raft::Entry>),
+    /// One applied entry and its result (only with `observe_log`).
+    Applied {
+        index: Index,
+        term: u64,
+        command: Option<Command>,
+        applied: Option<crate::lock::Applied>,
+    },
+    /// Housekeeping the leader proposed.
+    Housekeeping { expiries: usize, cancels: usize },
+}
+
+/// A request from a client waiting for its entry to apply.
+struct Pending<R> {
+    op: &'static str,
+    reply: Option<R>,
+    conn: u64,
+    wait_timeout_ms: Option<u64>,
+    started: Micros,
+}
+
+/// A queued acquire whose client is waiting (on this node) for the grant.
+struct Waiting<R> {
+    key: String,
+    reply: Option<R>,
+    conn: u64,
+    enqueued: Micros,
+}
+
+/// The leader's lease of one held lock.
+#[derive(Clone, Debug)]
+struct Lease {
+    token: u64,
+    lease_index: Index,
+    deadline: Micros,
+    started: Micros,
+    expiry_proposed_at: Option<Micros>,
+}
+
+/// When the leader cancels a queued waiter (wait timeout or reclaim window).
+#[derive(Clone, Debug)]
+struct WaitDeadline {
+    key: String,
+    at: Micros,
+    cancel_proposed_at: Option<Micros>,
+}
+
+/// One lock as `/locks` shows it.
+#[derive(Clone, Debug, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LockInfo {
+    pub key: String,
+    pub holder: Option<String>,
+    pub fencing_token: Option<u64>,
+    pub ttl_ms: Option<u64>,
+    /// Time left on the leader's lease (the leader only).
+    pub expires_in_ms: Option<u64>,
+    pub waiters: Vec<String>,
+}
+
+/// The deterministic node.
+pub struct NodeCore<S: Storage, R> {
+    raft: Raft,
+    storage: S,
+    sm: LockStateMachine,
+    cfg: NodeSettings,
+    now: Micros,
+    effects: Vec<Effect<R>>,
+    batch: Vec<(Command, Pending<R>)>,
+    pending: BTreeMap<Index, Pending<R>>,
+    waiting: BTreeMap<(String, String), Waiting<R>>,
+    leases: BTreeMap<String, Lease>,
+    wait_deadlines: BTreeMap<(String, String), WaitDeadline>,
+    reads: BTreeMap<u64, (String, R)>,
+    read_indexes: Vec<(Index, u64)>,
+    next_read_ctx: u64,
+    promote_when_caught_up: Vec<NodeId>,
+    was_leader: bool,
+    last_leader: NodeId,
+    log_bytes_since_snapshot: u64,
+    unwritten_changes: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
+    unwritten_applied: Option<Index>,
+    applied_written_at: Micros,
+    /// A snapshot job handed out and not yet returned; applied-state writes wait for it.
+    snapshot_in_progress: bool,
+    /// Set when storage failed: the node must stop.
+    failed: bool,
+}
+
+impl<S: Storage, R> NodeCore<S, R> {
+    /// A node over recovered storage: `raft` was built from `storage.recover()` and `sm` from
+    /// its applied state.
+    pub fn new(raft: Raft, storage: S, sm: LockStateMachine, cfg: NodeSettings, now: Micros) -> Self {
+        NodeCore {
+            raft,
+            storage,
+            sm,
+            cfg,
+            now,
+            effects: Vec::new(),
+            batch: Vec::new(),
+            pending: BTreeMap::new(),
+            waiting: BTreeMap::new(),
+            leases: BTreeMap::new(),
+            wait_deadlines: BTreeMap::new(),
+            reads: BTreeMap::new(),
+            read_indexes: Vec::new(),
+            next_read_ctx: 0,
+            promote_when_caught_up: Vec::new(),
+            was_leader: false,
+            last_leader: 0,
+            log_bytes_since_snapshot: 0,
+            unwritten_changes: BTreeMap::new(),
+            unwritten_applied: None,
+            applied_written_at: now,
+            snapshot_in_progress: false,
+            failed: false,
+        }
+    }
+
+    // ----- accessors -------------------------------------------------------------------------
+
+    pub fn raft(&self) -> &Raft {
+        &self.raft
+    }
+
+    pub fn state_machine(&self) -> &LockStateMachine {
+        &self.sm
+    }
+
+    pub fn storage(&self) -> &S {
+        &self.storage
+    }
+
+    pub fn storage_mut(&mut self) -> &mut S {
+        &mut self.storage
+    }
+
+    /// Gives the storage back (the simulator crashes and restarts nodes this way).
+    pub fn into_storage(self) -> S {
+        self.storage
+    }
+
+    pub fn settings(&self) -> &NodeSettings {
+        &self.cfg
+    }
+
+    /// Everything the shell must do, in order.
+    pub fn take_effects(&mut self) -> Vec<Effect<R>> {
+        std::mem::take(&mut self.effects)
+    }
+
+    /// Requests waiting for an apply (proposals, queued waiters, reads) on this node.
+    pub fn pending_requests(&self) -> usize {
+        self.pending.len() + self.waiting.len() + self.reads.len()
+    }
+
+    /// Leases the leader tracks (key, token, µs left).
+    pub fn leases(&self) -> Vec<(String, u64, Micros)> {
+        self.leases
+            .iter()
+            .map(|(k, l)| (k.clone(), l.token, l.deadline.saturating_sub(self.now)))
+            .collect()
+    }
+
+    /// Whether a snapshot job is out; the shell must hand its result back before
+    /// [`NodeCore::shutdown`].
+    pub fn snapshot_in_progress(&self) -> bool {
+        self.snapshot_in_progress
+    }
+
+    /// Whether applied-state changes piled up while a snapshot job runs; the shell should wait
+    /// for the job and hand its result back.
+    pub fn needs_snapshot_result(&self) -> bool {
+        self.snapshot_in_progress && self.unwritten_changes.len() >= self.cfg.applied_write_max_keys
+    }
+
+    fn observe(&mut self, o: Observation) {
+        self.effects.push(Effect::Observe(o));
+    }
+
+    fn reply(&mut self, to: R, reply: ClientReply) {
+        self.effects.push(Effect::Reply(to, reply));
+    }
+
+    #[cfg(test)]
+    fn bug(&self, which: impl Fn(&NodeBugs) -> bool) -> bool {
+        which(&self.cfg.bugs)
+    }
+
+    #[cfg(not(test))]
+    fn bug(&self, _which: impl Fn(&NodeBugs) -> bool) -> bool {
+        false
+    }
+
+    // ----- inputs ----------------------------------------------------------------------------
+
+    fn advance_clock(&mut self, now: Micros) {
+        self.now = self.now.max(now);
+    }
+
+    /// A message from a peer.
+    pub fn step(&mut self, now: Micros, msg: Message) {
+        self.advance_clock(now);
+        self.raft.step(msg);
+    }
+
+    /// One clock tick: Raft timers and the leader's lease and wait deadlines.
+    pub fn tick(&mut self, now: Micros) -> Result<(), StorageError> {
+        self.advance_clock(now);
+        self.raft.tick();
+        self.leader_duties();
+        self.write_applied(false)?;
+        self.maybe_snapshot()?;
+        self.drive()
+    }
+
+    /// A client request. Proposals gathered between two [`NodeCore::drive`] calls are proposed
+    /// together (one flush for all of them).
+    pub fn client_request(&mut self, now: Micros, op: ClientOp, conn: u64, reply: R) {
+        self.advance_clock(now);
+        if !self.raft.is_leader() {
+            let err = self.not_leader_error();
+            self.reply(reply, ClientReply::Error(err));
+            return;
+        }
+        let op_name = op.name();
+        let pending = |wait_timeout_ms, reply| Pending {
+            op: op_name,
+            reply: Some(reply),
+            conn,
+            wait_timeout_ms,
+            started: now,
+        };
+        let command = match op {
+            ClientOp::Get { key } => {
+                self.next_read_ctx += 1;
+                let ctx = self.next_read_ctx;
+                match self.raft.read_index(ctx) {
+                    Ok(()) => {
+                        self.reads.insert(ctx, (key, reply));
+                    }
+                    Err(err) => {
+                        let err = self.propose_error(err);
+                        self.reply(reply, ClientReply::Error(err));
+                    }
+                }
+                return;
+            }
+            ClientOp::Acquire {
+                key,
+                client_id,
+                request_id,
+                ttl_ms,
+                wait_timeout_ms,
+            } => {
+                let cmd = Command::Acquire {
+                    key,
+                    client_id,
+                    request_id,
+                    ttl_ms,
+                    wait_timeout_ms,
+                };
+                self.batch.push((cmd, pending(wait_timeout_ms, reply)));
+                return;
+            }
+            ClientOp::Release {
+                key,
+                client_id,
+                request_id,
+                token,
+            } => Command::Release {
+                token: FencingToken {
+                    key: key.clone(),
+                    value: token,
+                },
+                key,
+                client_id,
+                request_id,
+            },
+            ClientOp::Renew {
+                key,
+                client_id,
+                request_id,
+                token,
+                ttl_ms,
+            } => Command::Renew {
+                token: FencingToken {
+                    key: key.clone(),
+                    value: token,
+                },
+                key,
+                client_id,
+                request_id,
+                ttl_ms,
+            },
+            ClientOp::CancelWait {
+                key,
+                client_id,
+                request_id,
+            } => Command::CancelWait {
+                key,
+                client_id,
+                request_id,
+            },
+            ClientOp::Put {
+                key,
+                value,
+                guard,
+                client_id,
+                request_id,
+            } => Command::Put {
+                guard,
+                key,
+                value,
+                client_id,
+                request_id,
+            },
+            ClientOp::Delete {
+                key,
+                guard,
+                client_id,
+                request_id,
+            } => Command::Delete {
+                guard,
+                key,
+                client_id,
+                request_id,
+            },
+        };
+        self.batch.push((command, pending(None, reply)));
+    }
+
+    /// A client connection closed: its queued waiters lose their answer path and become
+    /// reclaimable (cancelled after the reclaim window unless the client comes back).
+    pub fn disconnected(&mut self, now: Micros, conn: u64) {
+        self.advance_clock(now);
+        let reclaim_at = self.now + self.cfg.waiter_reclaim_us;
+        let gone: Vec<(String, String)> = self
+            .waiting
+            .iter()
+            .filter(|(_, w)| w.conn == conn)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in gone {
+            let Some(w) = self.waiting.remove(&id) else {
+                continue;
+            };
+            if !self.raft.is_leader() {
+                continue;
+            }
+            let key = self.sm.waiter(&w.key, &id.0, &id.1).map(|w| w.key);
+            if let Some(key) = key {
+                let entry = self.wait_deadlines.entry(id).or_insert(WaitDeadline {
+                    key,
+                    at: reclaim_at,
+                    cancel_proposed_at: None,
+                });
+                entry.at = entry.at.min(reclaim_at);
+            }
+        }
+        for p in self.pending.values_mut() {
+            if p.conn == conn {
+                p.reply = None;
+            }
+        }
+    }
+
+    /// A server asks to join (through this node). Ok when it is, or is becoming, a member.
+    pub fn join(&mut self, id: NodeId) -> Result<(), String> {
+        if !self.raft.is_leader() {
+            return Err("not the leader".into());
+        }
+        let membership = self.raft.membership();
+        if membership.contains(id) {
+            if membership.learners.contains(&id) && !self.promote_when_caught_up.contains(&id) {
+                self.promote_when_caught_up.push(id);
+            }
+            return Ok(());
+        }
+        self.raft
+            .propose_membership(MembershipChange::AddLearner(id))
+            .map_err(|e| e.to_string())?;
+        self.promote_when_caught_up.push(id);
+        Ok(())
+    }
+
+    /// Removes a member (the leader may remove itself).
+    pub fn remove(&mut self, id: NodeId) -> Result<(), ApiError> {
+        if !self.raft.is_leader() {
+            return Err(self.not_leader_error());
+        }
+        self.promote_when_caught_up.retain(|&n| n != id);
+        self.raft
+            .propose_membership(MembershipChange::RemoveServer(id))
+            .map(|_| ())
+            .map_err(|e| ApiError::new(ErrorCode::InvalidRequest, e.to_string()))
+    }
+
+    /// Hands leadership to the most caught-up other voter. Returns the target.
+    pub fn transfer_leadership(&mut self) -> Option<NodeId> {
+        if !self.raft.is_leader() {
+            return None;
+        }
+        let me = self.raft.id();
+        let target = self
+            .raft
+            .membership()
+            .voters
+            .iter()
+            .copied()
+            .filter(|&v| v != me)
+            .max_by_key(|&v| self.raft.progress(v).map_or(0, |p| p.0))?;
+        self.raft.transfer_leader(target).ok().map(|()| target)
+    }
+
+    /// The result of a [`Effect::BuildSnapshot`] job: compacts the log behind it.
+    pub fn snapshot_built(
+        &mut self,
+        now: Micros,
+        result: Result<Snapshot, StorageError>,
+    ) -> Result<(), StorageError> {
+        self.advance_clock(now);
+        if !self.snapshot_in_progress {
+            // Superseded by an installed snapshot.
+            return Ok(());
+        }
+        self.snapshot_in_progress = false;
+        let snapshot = result?;
+        let index = snapshot.meta.index;
+        let bytes = snapshot.data.len();
+        if index <= self.raft.applied_index() && self.raft.compact(index, snapshot.data) {
+            self.storage.compact(index)?;
+            self.log_bytes_since_snapshot = 0;
+            self.observe(Observation::SnapshotTaken { index, bytes });
+        }
+        self.write_applied(false)
+    }
+
+    /// Stopping: every request still waiting is told to retry, and the applied state written.
+    /// The shell hands back any snapshot job first.
+    pub fn shutdown(&mut self) -> Result<(), StorageError> {
+        self.fail_all(ErrorCode::Unavailable, "node is shutting down");
+        self.write_applied(true)?;
+        self.storage.flush()
+    }
+
+    /// Locks and waiters whose key starts with `prefix` (at most `limit`).
+    pub fn list_locks(&self, prefix: &str, limit: usize) -> Vec<LockInfo> {
+        let mut locks: BTreeMap<String, LockInfo> = BTreeMap::new();
+        for held in self.sm.held_locks() {
+            if held.key.starts_with(prefix) {
+                let left = self
+                    .leases
+                    .get(&held.key)
+                    .map(|l| l.deadline.saturating_sub(self.now) / MS);
+                locks.insert(
+                    held.key.clone(),
+                    LockInfo {
+                        key: held.key.clone(),
+                        holder: Some(held.client_id.clone()),
+                        fencing_token: Some(held.token),
+                        ttl_ms: Some(held.ttl_ms),
+                        expires_in_ms: left,
+                        waiters: Vec::new(),
+                    },
+                );
+            }
+        }
+        for waiter in self.sm.waiters() {
+            if waiter.key.starts_with(prefix) {
+                locks
+                    .entry(waiter.key.clone())
+                    .or_insert_with(|| LockInfo {
+                        key: waiter.key.clone(),
+                        holder: None,
+                        fencing_token: None,
+                        ttl_ms: None,
+                        expires_in_ms: None,
+                        waiters: Vec::new(),
+                    })
+                    .waiters
+                    .push(waiter.client_id.clone());
+            }
+        }
+        locks.into_values().take(limit).collect()
+    }
+
+    // ----- errors ----------------------------------------------------------------------------
+
+    /// `NOT_LEADER` with the leader's id (the shell adds its address), or `NO_LEADER`.
+    pub fn not_leader_error(&self) -> ApiError {
+        let leader_id = self.raft.leader_id();
+        if leader_id == 0 || leader_id == self.raft.id() {
+            return ApiError::new(ErrorCode::NoLeader, "no leader is known; retry shortly");
+        }
+        let mut err = ApiError::new(
+            ErrorCode::NotLeader,
+            format!(
+                "node {} is not the leader; node {leader_id} is",
+                self.raft.id()
+            ),
+        );
+        err.leader_id = leader_id;
+        err
+    }
+
+    fn propose_error(&self, err: ProposeError) -> ApiError {
+        match err {
+            ProposeError::NotLeader { .. } => self.not_leader_error(),
+            ProposeError::Busy => ApiError::new(ErrorCode::Busy, "too many requests in flight"),
+            other => ApiError::new(ErrorCode::Unavailable, other.to_string()),
+        }
+    }
+
+    // ----- the Ready loop --------------------------------------------------------------------
+
+    /// Proposes what the inputs gathered and processes every Ready: persist, flush, send, apply.
+    /// A storage error means the node must stop (the shell exits; the simulator crashes it).
+    pub fn drive(&mut self) -> Result<(), StorageError> {
+        if self.failed {
+            return Err(StorageError::Stopped);
+        }
+        self.propose_batch();
+        let result = (|| {
+            for _ in 0..64 {
+                if !self.raft.has_ready() {
+                    break;
+                }
+                let ready = self.raft.ready();
+                self.handle_ready(ready)?;
+            }
+            Ok(())
+        })();
+        if result.is_err() {
+            self.failed = true;
+        }
+        result
+    }
+
+    fn propose_batch(&mut self) {
+        if self.batch.is_empty() {
+            return;
+        }
+        let batch = std::mem::take(&mut self.batch);
+        if !self.raft.is_leader() {
+            let err = self.not_leader_error();
+            for (_, p) in batch {
+                if let Some(r) = p.reply {
+                    self.reply(r, ClientReply::Error(err.clone()));
+                }
+            }
+            return;
+        }
+        let count = batch.len() as u64;
+        let encoded: Vec<Bytes> = batch
+            .iter()
+            .map(|(cmd, _)| Bytes::from(cmd.encode()))
+            .collect();
+        match self.raft.propose(encoded) {
+            Ok(last) => {
+                let first = last + 1 - count;
+                for (offset, (_, pending)) in batch.into_iter().enumerate() {
+                    self.pending.insert(first + offset as u64, pending);
+                }
+            }
+            Err(err) => {
+                let api = self.propose_error(err);
+                for (_, p) in batch {
+                    self.observe(Observation::ProposalFailed);
+                    if let Some(r) = p.reply {
+                        self.reply(r, ClientReply::Error(api.clone()));
+                    }
+                }
+            }
+        }
+    }
+
+    fn handle_ready(&mut self, ready: Ready) -> Result<(), StorageError> {
+        if let Some(soft) = ready.soft_state {
+            self.role_changed(soft.role, soft.leader_id);
+        }
+        for msg in &ready.messages_now {
+            self.effects.push(Effect::Send(msg.clone()));
+        }
+        if let Some(snapshot) = &ready.snapshot {
+            self.install_snapshot(snapshot)?;
+        }
+        if let Some(hs) = ready.hard_state {
+            self.storage.set_hard_state(hs)?;
+        }
+        self.storage.append(&ready.entries)?;
+        if self.cfg.observe_log && !ready.entries.is_empty() {
+            self.observe(Observation::Persisted(ready.entries.clone()));
+        }
+        self.log_bytes_since_snapshot += ready
+            .entries
+            .iter()
+            .map(|e| match &e.payload {
+                EntryPayload::Command(bytes) => bytes.len() as u64 + 24,
+                _ => 64,
+            })
+            .sum::<u64>();
+        if ready.must_sync() {
+            self.storage.flush()?;
+        }
+        for msg in &ready.messages {
+            self.effects.push(Effect::Send(msg.clone()));
+        }
+        self.apply(&ready)?;
+        let read_states = ready.read_states.clone();
+        self.raft.advance(ready);
+        for rs in read_states {
+            self.read_indexes.push((rs.index, rs.ctx));
+        }
+        self.serve_reads();
+        self.maybe_snapshot()
+    }
+
+    fn install_snapshot(&mut self, snapshot: &Snapshot) -> Result<(), StorageError> {
+        // A snapshot being built and unwritten changes belong to the state this one replaces.
+        self.snapshot_in_progress = false;
+        self.unwritten_changes.clear();
+        self.unwritten_applied = None;
+        self.storage
+            .install_snapshot(&snapshot.meta, &snapshot.data)?;
+        let pairs = decode_snapshot_data(&snapshot.data)?;
+        self.sm = LockStateMachine::from_kv_with_limits(pairs, self.sm.limits().clone()).map_err(
+            |err| StorageError::SnapshotData {
+                problem: format!(
+                    "snapshot at index {} does not decode: {err}",
+                    snapshot.meta.index
+                ),
+            },
+        )?;
+        self.log_bytes_since_snapshot = 0;
+        if self.raft.is_leader() {
+            self.rebuild_deadlines();
+        }
+        self.observe(Observation::SnapshotInstalled {
+            index: snapshot.meta.index,
+        });
+        Ok(())
+    }
+
+    fn role_changed(&mut self, role: Role, leader_id: NodeId) {
+        if leader_id != self.last_leader {
+            self.last_leader = leader_id;
+            self.observe(Observation::LeaderChanged { leader: leader_id });
+        }
+        let is_leader = role == Role::Leader;
+        if is_leader && !self.was_leader {
+            self.observe(Observation::BecameLeader {
+                term: self.raft.term(),
+            });
+            self.rebuild_deadlines();
+        } else if !is_leader && self.was_leader {
+            self.observe(Observation::LostLeadership {
+                term: self.raft.term(),
+                leader: leader_id,
+            });
+            self.leases.clear();
+            self.wait_deadlines.clear();
+            self.promote_when_caught_up.clear();
+            self.fail_all(
+                ErrorCode::Unavailable,
+                "leadership changed; retry with the same request id",
+            );
+        }
+        self.was_leader = is_leader;
+    }
+
+    /// On election (or a snapshot installed while leading): every held lock gets a full TTL
+    /// from now, every queued waiter its wait timeout or a reclaim window from now, whichever is
+    /// longer, in which its client can re-attach (DESIGN.md §4).
+    fn rebuild_deadlines(&mut self) {
+        let now = self.now;
+        self.leases = self
+            .sm
+            .held_locks()
+            .into_iter()
+            .map(|h| {
+                let lease = Lease {
+                    token: h.token,
+                    lease_index: h.lease_index,
+                    deadline: now + h.ttl_ms * MS,
+                    started: now,
+                    expiry_proposed_at: None,
+                };
+                (h.key, lease)
+            })
+            .collect();
+        self.wait_deadlines.clear();
+        for w in self.sm.waiters() {
+            let id = (w.client_id, w.request_id);
+            let mut at = now + self.cfg.waiter_reclaim_us;
+            if let Some(ms) = w.wait_timeout_ms {
+                at = at.max(now + ms * MS);
+            }
+            self.wait_deadlines.insert(
+                id,
+                WaitDeadline {
+                    key: w.key,
+                    at,
+                    cancel_proposed_at: None,
+                },
+            );
+        }
+    }
+
+    fn fail_all(&mut self, code: ErrorCode, message: &str) {
+        let err = ClientReply::Error(ApiError::new(code, message));
+        let pending = std::mem::take(&mut self.pending);
+        for (_, p) in pending {
+            if let Some(r) = p.reply {
+                self.reply(r, err.clone());
+            }
+        }
+        let waiting = std::mem::take(&mut self.waiting);
+        for (_, w) in waiting {
+            if let Some(r) = w.reply {
+                self.reply(r, err.clone());
+            }
+        }
+        let reads = std::mem::take(&mut self.reads);
+        for (_, (_, r)) in reads {
+            self.reply(r, err.clone());
+        }
+        let batch = std::mem::take(&mut self.batch);
+        for (_, p) in batch {
+            if let Some(r) = p.reply {
+                self.reply(r, err.clone());
+            }
+        }
+        self.read_indexes.clear();
+    }
+
+    // ----- apply -----------------------------------------------------------------------------
+
+    fn apply(&mut self, ready: &Ready) -> Result<(), StorageError> {
+        let Some(last) = ready.committed_entries.last().map(|e| e.index) else {
+            return Ok(());
+        };
+        for entry in &ready.committed_entries {
+            match &entry.payload {
+                EntryPayload::Command(data) => {
+                    let pending = self.pending.remove(&entry.index);
+                    let command = match Command::decode(data) {
+                        Ok(c) => c,
+                        Err(_) => {
+                            self.observe(Observation::Undecodable { index: entry.index });
+                            if self.cfg.observe_log {
+                                self.observe(Observation::Applied {
+                                    index: entry.index,
+                                    term: entry.term,
+                                    command: None,
+                                    applied: None,
+                                });
+                            }
+                            continue;
+                        }
+                    };
+                    let applied = self.sm.apply(entry.index, &command);
+                    if self.raft.is_leader() {
+                        let local = pending.as_ref().map(|p| (p.started, p.reply.is_some()));
+                        self.follow_lease(&command, &applied, local.map(|l| l.0));
+                        self.follow_waiter(&command, &applied, local);
+                    }
+                    self.on_events(&applied.events);
+                    if let Some(pending) = pending {
+                        self.answer(&command, applied.outcome.clone(), pending);
+                    }
+                    if self.cfg.observe_log {
+                        self.observe(Observation::Applied {
+                            index: entry.index,
+                            term: entry.term,
+                            command: Some(command),
+                            applied: Some(applied),
+                        });
+                    }
+                }
+                other => {
+                    if let EntryPayload::Membership(MembershipChange::RemoveServer(id)) = other {
+                        self.observe(Observation::MemberRemoved { id: *id });
+                        if *id == self.raft.id() {
+                            self.observe(Observation::RemovedFromCluster);
+                        }
+                    }
+                    if self.cfg.observe_log {
+                        self.observe(Observation::Applied {
+                            index: entry.index,
+                            term: entry.term,
+                            command: None,
+                            applied: None,
+                        });
+                    }
+                }
+            }
+        }
+        for (key, value) in self.sm.take_changes() {
+            self.unwritten_changes.insert(key, value);
+        }
+        self.unwritten_applied = Some(last);
+        if self.unwritten_changes.len() >= self.cfg.applied_write_max_keys {
+            self.write_applied(true)?;
+        }
+        Ok(())
+    }
+
+    /// Makes the leader's lease of the command's key match the applied state.
+    fn follow_lease(
+        &mut self,
+        command: &Command,
+        applied: &crate::lock::Applied,
+        local_started: Option<Micros>,
+    ) {
+        let key = command.key();
+        if matches!(command, Command::Put { .. } | Command::Delete { .. }) {
+            return;
+        }
+        if self.bug(|b| b.lease_only_for_local_grants) {
+            // Only answers to this node's own proposals move leases.
+            let grant_by_event = applied
+                .events
+                .iter()
+                .any(|e| matches!(e, Event::Granted { .. }));
+            if local_started.is_none() || grant_by_event {
+                return;
+            }
+        }
+        let holder = self.sm.holder(key);
+        let now = self.now;
+        let lease = self.leases.get(key).cloned();
+        match (holder, lease.as_ref()) {
+            (None, None) => {}
+            (None, Some(_)) => {
+                if self.bug(|b| b.lease_ended_after_hand_off) {
+                    return;
+                }
+                let expired = matches!(applied.outcome, Outcome::Expired { .. });
+                self.end_lease(key, expired);
+            }
+            (Some(h), lease) => {
+                let same = lease.is_some_and(|l| l.token == h.token && l.lease_index == h.lease_index);
+                if same {
+                    return;
+                }
+                if lease.is_some_and(|l| l.token != h.token) {
+                    self.end_lease(key, matches!(applied.outcome, Outcome::Expired { .. }));
+                }
+                if self.bug(|b| b.lease_ended_after_hand_off)
+                    && matches!(command, Command::Release { .. })
+                {
+                    // The release's answer ends the lease the hand-off just started.
+                    return;
+                }
+                let new_holder = !self.leases.contains_key(key);
+                let started = self.leases.get(key).map_or(now, |l| l.started);
+                self.leases.insert(
+                    key.to_string(),
+                    Lease {
+                        token: h.token,
+                        lease_index: h.lease_index,
+                        deadline: now + h.ttl_ms * MS,
+                        started,
+                        expiry_proposed_at: None,
+                    },
+                );
+                if new_holder {
+                    let id = (h.client_id.clone(), h.request_id.clone());
+                    let waited_us = self
+                        .waiting
+                        .get(&id)
+                        .map(|w| w.enqueued)
+                        .or(local_started)
+                        .map(|at| now.saturating_sub(at));
+                    self.observe(Observation::Granted { waited_us });
+                } else {
+                    self.observe(Observation::Renewed);
+                }
+            }
+        }
+    }
+
+    /// Gives a waiter that just joined a queue its cancel deadline, whoever proposed it: its wait
+    /// timeout, or — when its client is not attached here — the reclaim window.
+    fn follow_waiter(
+        &mut self,
+        command: &Command,
+        applied: &crate::lock::Applied,
+        local: Option<(Micros, bool)>,
+    ) {
+        let Command::Acquire {
+            key,
+            client_id,
+            request_id,
+            wait_timeout_ms,
+            ..
+        } = command
+        else {
+            return;
+        };
+        if applied.replayed || !matches!(applied.outcome, Outcome::Queued { .. }) {
+            return;
+        }
+        let at = match (wait_timeout_ms, local) {
+            (Some(ms), Some((started, _))) => started + ms * MS,
+            (Some(ms), None) => self.now + ms * MS,
+            // Waits until granted while its client is attached here.
+            (None, Some((_, true))) => return,
+            (None, _) => self.now + self.cfg.waiter_reclaim_us,
+        };
+        self.wait_deadlines.insert(
+            (client_id.clone(), request_id.clone()),
+            WaitDeadline {
+                key: key.clone(),
+                at,
+                cancel_proposed_at: None,
+            },
+        );
+    }
+
+    fn end_lease(&mut self, key: &str, expired: bool) {
+        if let Some(lease) = self.leases.remove(key) {
+            let held_us = self.now.saturating_sub(lease.started);
+            self.observe(Observation::LeaseEnded { held_us, expired });
+        }
+    }
+
+    /// Answers for other parties: waiters granted by a hand-off or removed from a queue.
+    fn on_events(&mut self, events: &[Event]) {
+        for event in events {
+            match event {
+                Event::Granted {
+                    client_id,
+                    request_id,
+                    token,
+                    ttl_ms,
+                } => {
+                    let id = (client_id.clone(), request_id.clone());
+                    self.wait_deadlines.remove(&id);
+                    if let Some(w) = self.waiting.remove(&id) {
+                        if let Some(r) = w.reply {
+                            self.observe(Observation::Answered {
+                                op: "acquire",
+                                result: "granted",
+                            });
+                            self.reply(
+                                r,
+                                ClientReply::Granted {
+                                    token: token.clone(),
+                                    expires_in_ms: *ttl_ms,
+                                },
+                            );
+                        }
+                    }
+                }
+                Event::Expired { .. } => {}
+                Event::WaiterRemoved {
+                    client_id,
+                    request_id,
+                    ..
+                } => {
+                    let id = (client_id.clone(), request_id.clone());
+                    self.wait_deadlines.remove(&id);
+                    if let Some(w) = self.waiting.remove(&id) {
+                        if let Some(r) = w.reply {
+                            self.observe(Observation::Answered {
+                                op: "acquire",
+                                result: "WAIT_TIMEOUT",
+                            });
+                            self.reply(
+                                r,
+                                ClientReply::error(
+                                    ErrorCode::WaitTimeout,
+                                    "the lock was not granted within the wait timeout",
+                                ),
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn answer(&mut self, command: &Command, outcome: Outcome, mut pending: Pending<R>) {
+        let reply = match outcome {
+            Outcome::Granted { token, ttl_ms } => ClientReply::Granted {
+                token,
+                expires_in_ms: ttl_ms,
+            },
+            Outcome::AlreadyHeld { token, .. } => {
+                let mut err = ApiError::new(
+                    ErrorCode::AlreadyHeld,
+                    format!(
+                        "this client already holds {:?} with token {} under another request id; \
+                         locks are not re-entrant",
+                        token.key, token.value
+                    ),
+                );
+                err.current_token = Some(token.value);
+                ClientReply::Error(err)
+            }
+            Outcome::Queued { .. } | Outcome::AlreadyQueued { .. } => {
+                let Command::Acquire {
+                    key,
+                    client_id,
+                    request_id,
+                    ..
+                } = command
+                else {
+                    return;
+                };
+                let id = (client_id.clone(), request_id.clone());
+                let Some(waiter) = self.sm.waiter(key, client_id, request_id) else {
+                    // Queued under another request id (AlreadyQueued): nothing to wait on here.
+                    let reply = ClientReply::error(
+                        ErrorCode::InvalidRequest,
+                        format!("this client already waits for {key:?} under another request id"),
+                    );
+                    if let Some(r) = pending.reply.take() {
+                        self.reply(r, reply);
+                    }
+                    return;
+                };
+                if let Some(r) = pending.reply.take() {
+                    if waiter.wait_timeout_ms.is_none() && self.raft.is_leader() {
+                        // The client is here again: no reclaim while it waits.
+                        self.wait_deadlines.remove(&id);
+                    }
+                    self.waiting.insert(
+                        id,
+                        Waiting {
+                            key: key.clone(),
+                            reply: Some(r),
+                            conn: pending.conn,
+                            enqueued: pending.started,
+                        },
+                    );
+                }
+                return;
+            }
+            Outcome::Busy => ClientReply::error(
+                ErrorCode::WaitTimeout,
+                "the lock is held and the request asked not to wait",
+            ),
+            Outcome::Released => ClientReply::Released,
+            Outcome::Renewed { token, ttl_ms } => ClientReply::Renewed {
+                token,
+                expires_in_ms: ttl_ms,
+            },
+            Outcome::NotHolder => {
+                ClientReply::error(ErrorCode::NotHolder, "the client does not hold this lock")
+            }
+            Outcome::StaleToken { current } => ClientReply::error(
+                ErrorCode::StaleToken,
+                match current {
+                    Some(c) => format!("stale fencing token; the current token is {c}"),
+                    None => "stale fencing token; the lock is not held".to_string(),
+                },
+            ),
+            Outcome::WaitCancelled => ClientReply::WaitCancelled,
+            Outcome::NotWaiting => {
+                ClientReply::error(ErrorCode::NotWaiting, "no such waiting request")
+            }
+            Outcome::Expired { .. } | Outcome::LeaseRenewed { .. } => return,
+            Outcome::Stored => ClientReply::Stored,
+            Outcome::Deleted { existed } => ClientReply::Deleted { existed },
+            Outcome::GuardRejected { current } => ClientReply::error(
+                ErrorCode::StaleToken,
+                format!(
+                    "guarded write refused: the token no longer holds the lock (current {current:?})"
+                ),
+            ),
+            Outcome::Rejected { code, message } => {
+                let code = match code {
+                    RejectCode::TooLarge => ErrorCode::TooLarge,
+                    RejectCode::QueueFull | RejectCode::LimitReached => ErrorCode::Busy,
+                    RejectCode::InvalidRequest | RejectCode::AlreadyApplied => {
+                        ErrorCode::InvalidRequest
+                    }
+                };
+                ClientReply::error(code, message)
+            }
+        };
+        self.observe(Observation::Answered {
+            op: pending.op,
+            result: reply.result_label(),
+        });
+        if let Some(r) = pending.reply.take() {
+            self.reply(r, reply);
+        }
+        let _ = pending.wait_timeout_ms;
+    }
+
+    fn serve_reads(&mut self) {
+        let applied = self.raft.applied_index();
+        let (ready, later): (Vec<_>, Vec<_>) = self
+            .read_indexes
+            .drain(..)
+            .partition(|(index, _)| *index <= applied);
+        self.read_indexes = later;
+        for (_, ctx) in ready {
+            if let Some((key, reply)) = self.reads.remove(&ctx) {
+                let value = self.sm.get(&key).map(|v| v.to_vec());
+                self.reply(reply, ClientReply::Value(value));
+            }
+        }
+    }
+
+    // ----- leader duties ---------------------------------------------------------------------
+
+    /// Expiries of leases that ran out and cancels of waiters past their deadline, proposed
+    /// again after `housekeeping_retry_us` until applied (or superseded by a renew, a grant or a
+    /// cancel); promotion of caught-up learners.
+    fn leader_duties(&mut self) {
+        if !self.raft.is_leader() {
+            return;
+        }
+        let now = self.now;
+        let retry = self.cfg.housekeeping_retry_us;
+        let never_retry = self.bug(|b| b.housekeeping_never_retried);
+        let only_token = self.bug(|b| b.expiry_checks_only_token);
+        let due = |proposed: Option<Micros>| match proposed {
+            None => true,
+            Some(_) if never_retry => false,
+            Some(at) => now >= at + retry,
+        };
+        let mut commands = Vec::new();
+        for (key, lease) in &self.leases {
+            if lease.deadline <= now && due(lease.expiry_proposed_at) {
+                commands.push(if only_token {
+                    Command::Expire {
+                        key: key.clone(),
+                        token: lease.token,
+                    }
+                } else {
+                    Command::ExpireLease {
+                        key: key.clone(),
+                        token: lease.token,
+                        lease_index: lease.lease_index,
+                    }
+                });
+            }
+        }
+        let expiries = commands.len();
+        for ((client_id, request_id), d) in &self.wait_deadlines {
+            if d.at <= now && due(d.cancel_proposed_at) {
+                commands.push(Command::CancelWait {
+                    key: d.key.clone(),
+                    client_id: client_id.clone(),
+                    request_id: request_id.clone(),
+                });
+            }
+        }
+        if !commands.is_empty() {
+            let encoded = commands.iter().map(|c| Bytes::from(c.encode())).collect();
+            if self.raft.propose(encoded).is_ok() {
+                for cmd in &commands {
+                    match cmd {
+                        Command::Expire { key, .. } | Command::ExpireLease { key, .. } => {
+                            if let Some(l) = self.leases.get_mut(key) {
+                                l.expiry_proposed_at = Some(now);
+                            }
+                        }
+                        Command::CancelWait {
+                            client_id,
+                            request_id,
+                            ..
+                        } => {
+                            let id = (client_id.clone(), request_id.clone());
+                            if let Some(d) = self.wait_deadlines.get_mut(&id) {
+                                d.cancel_proposed_at = Some(now);
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                self.observe(Observation::Housekeeping {
+                    expiries,
+                    cancels: commands.len() - expiries,
+                });
+            }
+            // A refused proposal (busy, transfer in progress) is tried again on the next tick.
+        }
+        // Waiters that left the queue by a path this leader did not see (snapshot install) are
+        // forgotten.
+        if self.wait_deadlines.len() > self.sm.waiter_count() {
+            let live: BTreeSet<(String, String)> = self
+                .sm
+                .waiters()
+                .into_iter()
+                .map(|w| (w.client_id, w.request_id))
+                .collect();
+            self.wait_deadlines.retain(|id, _| live.contains(id));
+        }
+        // Promote learners that asked to join once they have caught up (§4.2.1).
+        let commit = self.raft.commit_index();
+        let candidate = self.promote_when_caught_up.iter().copied().find(|&l| {
+            self.raft.membership().learners.contains(&l)
+                && self
+                    .raft
+                    .progress(l)
+                    .is_some_and(|(m, _, _)| m + 8 >= commit && m > 0)
+        });
+        if let Some(learner) = candidate {
+            if self
+                .raft
+                .propose_membership(MembershipChange::PromoteLearner(learner))
+                .is_ok()
+            {
+                self.promote_when_caught_up.retain(|&l| l != learner);
+            }
+        }
+        let membership = self.raft.membership().clone();
+        self.promote_when_caught_up
+            .retain(|l| membership.learners.contains(l) || !membership.contains(*l));
+    }
+
+    // ----- applied state and snapshots -------------------------------------------------------
+
+    /// Hands the unwritten applied state to storage (durable with the next flush): always when
+    /// `force`, otherwise once it is older than the write interval. Waits while a snapshot job
+    /// reads the stored state.
+    fn write_applied(&mut self, force: bool) -> Result<(), StorageError> {
+        let Some(applied) = self.unwritten_applied else {
+            return Ok(());
+        };
+        if !force && self.now < self.applied_written_at + self.cfg.applied_write_interval_us {
+            return Ok(());
+        }
+        if self.snapshot_in_progress {
+            return Ok(());
+        }
+        let changes: Vec<_> = std::mem::take(&mut self.unwritten_changes)
+            .into_iter()
+            .collect();
+        self.storage.apply(applied, &changes)?;
+        self.unwritten_applied = None;
+        self.applied_written_at = self.now;
+        Ok(())
+    }
+
+    /// Hands out a snapshot job once the log has grown past `snapshot_entries` entries or
+    /// `snapshot_bytes` bytes.
+    fn maybe_snapshot(&mut self) -> Result<(), StorageError> {
+        if self.snapshot_in_progress {
+            return Ok(());
+        }
+        let applied = self.raft.applied_index();
+        let by_count = applied >= self.raft.snapshot_index() + self.cfg.snapshot_entries;
+        let by_bytes = self.log_bytes_since_snapshot >= self.cfg.snapshot_bytes
+            && applied > self.raft.snapshot_index();
+        if !by_count && !by_bytes {
+            return Ok(());
+        }
+        self.write_applied(true)?;
+        let job = self.storage.snapshot_job()?;
+        self.snapshot_in_progress = true;
+        self.effects.push(Effect::BuildSnapshot(job));
+        Ok(())
+    }
+}

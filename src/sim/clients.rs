@@ -1,0 +1,567 @@
+//! Simulated clients: they talk to nodes only through messages, as real clients do, and every
+//! operation goes into a history that is checked at the end of a run.
+//!
+//! A client sends to the node it believes leads (stale leaders included), follows `NOT_LEADER`
+//! redirects, times out and retries with the same request id on another node, and keeps its own
+//! clock, drifting within ±[`CLIENT_DRIFT_PPM`]. It believes it holds a lock from the grant's
+//! arrival until *send time + TTL − TTL/5* on its own clock (the SDK's rule; the send time is the
+//! first attempt's), or until it sends the release.
+//!
+//! History checks:
+//! - **one holder at a time**: no two clients believe they hold one key at the same real time;
+//! - **tokens grow in real time**: a grant acknowledged before another acquire of the key was
+//!   invoked carries a smaller token than that acquire's grant;
+//! - **linearizable reads**: a read returns the value of a write that committed no earlier than
+//!   every write acknowledged before the read was invoked (write order is the log order);
+//! - **every request answered**: once the network is healed and a leader is stable, every
+//!   operation completes with an answer (not by giving up).
+
+use std::collections::BTreeMap;
+
+use rand::Rng;
+
+use super::checker::Violation;
+use crate::node::api::{ClientOp, ClientReply, ErrorCode};
+use crate::raft::NodeId;
+
+/// Largest drift of a client's clock from real time, in parts per million.
+pub const CLIENT_DRIFT_PPM: i64 = 5_000;
+/// Attempts per operation before a client gives up on it.
+const MAX_ATTEMPTS: u32 = 8;
+/// How long a client waits for an answer beyond the operation's own wait.
+const ANSWER_TIMEOUT_US: u64 = 400_000;
+
+/// Where a node sends an answer: the client and the attempt it answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ReplyTo {
+    pub client: usize,
+    pub attempt: u64,
+}
+
+/// One operation as the history records it.
+#[derive(Clone, Debug)]
+pub struct HistoryOp {
+    pub client: usize,
+    pub op: ClientOp,
+    pub invoke_us: u64,
+    pub complete_us: Option<u64>,
+    /// The answer, if one came (None: gave up or still running).
+    pub reply: Option<ClientReply>,
+    pub attempts: u32,
+}
+
+/// A held lock as its client believes it.
+#[derive(Clone, Debug)]
+struct Held {
+    token: u64,
+    ttl_ms: u64,
+}
+
+struct InFlight {
+    hist: usize,
+    attempt: u64,
+    attempts: u32,
+    /// The first attempt's send time on the client's clock (the SDK's lease rule).
+    first_sent_local: u64,
+    deadline_us: u64,
+    target: NodeId,
+}
+
+struct SimClient {
+    name: String,
+    drift_ppm: i64,
+    believed_leader: NodeId,
+    op: Option<InFlight>,
+    held: BTreeMap<String, Held>,
+    next_action_us: u64,
+    next_request: u64,
+}
+
+impl SimClient {
+    fn local(&self, real: u64) -> u64 {
+        (real as i128 * (1_000_000 + self.drift_ppm as i128) / 1_000_000) as u64
+    }
+
+    fn real(&self, local: u64) -> u64 {
+        (local as i128 * 1_000_000 / (1_000_000 + self.drift_ppm as i128)) as u64
+    }
+}
+
+/// A belief interval: `client` believed it held `key` with `token` over `[from, until)` (real µs).
+#[derive(Clone, Debug)]
+struct Belief {
+    client: usize,
+    token: u64,
+    from: u64,
+    until: u64,
+}
+
+/// Counters for the summary line.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ClientStats {
+    pub ops: u64,
+    pub answered: u64,
+    pub gave_up: u64,
+    pub redirects: u64,
+    pub retries: u64,
+    pub beliefs: u64,
+    pub expiries_seen: u64,
+    pub reads_checked: u64,
+}
+
+pub struct SimClients {
+    clients: Vec<SimClient>,
+    keys: usize,
+    pub history: Vec<HistoryOp>,
+    beliefs: BTreeMap<String, Vec<Belief>>,
+    next_attempt: u64,
+    /// Attempt id -> history index, for answers.
+    attempts: BTreeMap<u64, usize>,
+    /// Stop issuing new operations (the end of a run).
+    pub quiet: bool,
+    /// Print every attempt and answer to stderr.
+    pub trace: bool,
+    pub stats: ClientStats,
+    pub violations: Vec<Violation>,
+}
+
+/// A message a client sends to a node.
+pub type Send = (NodeId, ClientOp, ReplyTo);
+
+impl SimClients {
+    pub fn new(count: usize, keys: usize, first_node: NodeId, rng: &mut impl Rng) -> Self {
+        let clients = (0..count)
+            .map(|c| SimClient {
+                name: format!("client-{c}"),
+                drift_ppm: rng.random_range(-CLIENT_DRIFT_PPM..=CLIENT_DRIFT_PPM),
+                believed_leader: first_node,
+                op: None,
+                held: BTreeMap::new(),
+                next_action_us: rng.random_range(0..20_000),
+                next_request: 0,
+            })
+            .collect();
+        SimClients {
+            clients,
+            keys,
+            history: Vec::new(),
+            beliefs: BTreeMap::new(),
+            next_attempt: 0,
+            attempts: BTreeMap::new(),
+            quiet: false,
+            trace: false,
+            stats: ClientStats::default(),
+            violations: Vec::new(),
+        }
+    }
+
+    /// When some client next needs to act (start an operation or time out).
+    pub fn next_wakeup(&self) -> Option<u64> {
+        self.clients
+            .iter()
+            .filter_map(|c| match &c.op {
+                Some(op) => Some(op.deadline_us),
+                None if self.quiet => None,
+                None => Some(c.next_action_us),
+            })
+            .min()
+    }
+
+    /// Operations still running.
+    pub fn in_flight(&self) -> usize {
+        self.clients.iter().filter(|c| c.op.is_some()).count()
+    }
+
+    /// Lets clients act at `now`: time out and retry, or start a new operation.
+    pub fn wake(&mut self, now: u64, nodes: &[NodeId], rng: &mut impl Rng) -> Vec<Send> {
+        let mut sends = Vec::new();
+        for c in 0..self.clients.len() {
+            let client = &self.clients[c];
+            match &client.op {
+                Some(op) if op.deadline_us <= now => {
+                    // No answer in time, or a backoff ended: retry the same request, on the
+                    // believed leader if it was not the node that just failed, else anywhere.
+                    let target = if client.believed_leader != op.target {
+                        client.believed_leader
+                    } else {
+                        *pick(nodes, rng).unwrap_or(&op.target)
+                    };
+                    self.stats.retries += 1;
+                    if let Some(send) = self.resend(c, now, target) {
+                        sends.push(send);
+                    }
+                }
+                None if !self.quiet && client.next_action_us <= now => {
+                    if let Some(send) = self.start(c, now, rng) {
+                        sends.push(send);
+                    }
+                }
+                _ => {}
+            }
+        }
+        sends
+    }
+
+    fn start(&mut self, c: usize, now: u64, rng: &mut impl Rng) -> Option<Send> {
+        let client = &mut self.clients[c];
+        client.next_request += 1;
+        let request_id = format!("r{}", client.next_request);
+        let client_id = client.name.clone();
+        let k = rng.random_range(0..self.keys);
+        let key = format!("key-{k}");
+        let held = client.held.get(&key).cloned();
+        let roll = rng.random_range(0..100);
+        let op = match (roll, held) {
+            (0..=44, None) => ClientOp::Acquire {
+                key,
+                client_id,
+                request_id,
+                ttl_ms: rng.random_range(30..400),
+                wait_timeout_ms: match rng.random_range(0..5) {
+                    0 => Some(0),
+                    1 => None,
+                    _ => Some(rng.random_range(20..600)),
+                },
+            },
+            (0..=29, Some(h)) => ClientOp::Release {
+                key,
+                client_id,
+                request_id,
+                token: h.token,
+            },
+            (30..=54, Some(h)) => ClientOp::Renew {
+                key,
+                client_id,
+                request_id,
+                token: h.token,
+                ttl_ms: rng.random_range(30..400),
+            },
+            (55..=74, held) => ClientOp::Put {
+                key: format!("data-{k}"),
+                value: format!("{c}/{}", self.history.len()).into_bytes(),
+                guard: held.map(|h| crate::lock::FencingToken {
+                    key: key.clone(),
+                    value: h.token,
+                }),
+                client_id,
+                request_id,
+            },
+            (75..=89, _) => ClientOp::Get {
+                key: format!("data-{k}"),
+            },
+            (_, Some(h)) => ClientOp::Release {
+                key,
+                client_id,
+                request_id,
+                // Now and then a stale or made-up token.
+                token: if rng.random_bool(0.5) {
+                    h.token
+                } else {
+                    rng.random_range(1..50)
+                },
+            },
+            (_, None) => ClientOp::CancelWait {
+                key,
+                client_id,
+                request_id: format!("r{}", client.next_request.saturating_sub(rng.random_range(1..6))),
+            },
+        };
+        // A release ends the belief when it is sent.
+        if let ClientOp::Release { key, .. } = &op {
+            if let Some(h) = client.held.remove(key) {
+                end_belief(&mut self.beliefs, key, c, h.token, now);
+            }
+        }
+        let hist = self.history.len();
+        self.history.push(HistoryOp {
+            client: c,
+            op,
+            invoke_us: now,
+            complete_us: None,
+            reply: None,
+            attempts: 0,
+        });
+        self.stats.ops += 1;
+        let client = &mut self.clients[c];
+        let target = client.believed_leader;
+        client.op = Some(InFlight {
+            hist,
+            attempt: 0,
+            attempts: 0,
+            first_sent_local: client.local(now),
+            deadline_us: now,
+            target,
+        });
+        self.resend(c, now, target)
+    }
+
+    /// Sends (again) the client's current operation to `target`.
+    fn resend(&mut self, c: usize, now: u64, target: NodeId) -> Option<Send> {
+        let client = &mut self.clients[c];
+        let inflight = client.op.as_mut()?;
+        if inflight.attempts >= MAX_ATTEMPTS {
+            let hist = inflight.hist;
+            client.op = None;
+            client.next_action_us = now + 1_000;
+            self.history[hist].complete_us = Some(now);
+            self.stats.gave_up += 1;
+            return None;
+        }
+        self.next_attempt += 1;
+        let attempt = self.next_attempt;
+        if let Some(old) = Some(inflight.attempt).filter(|&a| a != 0) {
+            self.attempts.remove(&old);
+        }
+        inflight.attempt = attempt;
+        inflight.attempts += 1;
+        inflight.target = target;
+        let op = self.history[inflight.hist].op.clone();
+        let wait_us = match &op {
+            ClientOp::Acquire {
+                wait_timeout_ms: Some(ms),
+                ..
+            } => ms * 1_000,
+            ClientOp::Acquire {
+                wait_timeout_ms: None,
+                ..
+            } => 1_500_000,
+            _ => 0,
+        };
+        inflight.deadline_us = now + wait_us + ANSWER_TIMEOUT_US;
+        self.history[inflight.hist].attempts = inflight.attempts;
+        if self.trace {
+            eprintln!("t={now} client-{c} attempt {attempt} -> node {target}: {op:?}");
+        }
+        self.attempts.insert(attempt, inflight.hist);
+        Some((target, op, ReplyTo { client: c, attempt }))
+    }
+
+    /// An answer arrived at a client. Returns a message to send at once (a redirect).
+    pub fn on_reply(
+        &mut self,
+        now: u64,
+        to: ReplyTo,
+        reply: ClientReply,
+        nodes: &[NodeId],
+        rng: &mut impl Rng,
+    ) -> Option<Send> {
+        if self.trace {
+            eprintln!("t={now} client-{} answer to attempt {}: {reply:?}", to.client, to.attempt);
+        }
+        let Some(&hist) = self.attempts.get(&to.attempt) else {
+            return None; // an answer to an attempt the client already gave up on
+        };
+        let c = to.client;
+        let current = self.clients[c]
+            .op
+            .as_ref()
+            .is_some_and(|op| op.attempt == to.attempt);
+        if !current {
+            return None;
+        }
+        if let ClientReply::Error(e) = &reply {
+            match e.code {
+                ErrorCode::NotLeader if e.leader_id != 0 => {
+                    self.stats.redirects += 1;
+                    self.clients[c].believed_leader = e.leader_id;
+                    return self.resend(c, now, e.leader_id);
+                }
+                code if code.is_retryable() => {
+                    // Back off exponentially (with jitter), then retry on some node.
+                    let client = &mut self.clients[c];
+                    let op = client.op.as_mut().expect("current");
+                    let backoff = (5_000u64 << op.attempts.min(6)).min(200_000);
+                    op.deadline_us = now + rng.random_range(backoff / 2..=backoff);
+                    if let Some(&target) = pick(nodes, rng) {
+                        client.believed_leader = target;
+                    }
+                    self.attempts.remove(&to.attempt);
+                    return None;
+                }
+                _ => {}
+            }
+        }
+        // A final answer.
+        self.attempts.remove(&to.attempt);
+        let inflight = self.clients[c].op.take().expect("current");
+        self.stats.answered += 1;
+        let client = &mut self.clients[c];
+        client.next_action_us = now + rng.random_range(1_000..30_000);
+        let entry = &mut self.history[hist];
+        entry.complete_us = Some(now);
+        entry.reply = Some(reply.clone());
+        let first_sent = inflight.first_sent_local;
+        match (&entry.op, &reply) {
+            (ClientOp::Acquire { key, .. }, ClientReply::Granted { token, expires_in_ms })
+            | (ClientOp::Renew { key, .. }, ClientReply::Renewed { token, expires_in_ms }) => {
+                let margin = expires_in_ms / 5;
+                let until_local = first_sent + (expires_in_ms - margin) * 1_000;
+                let until = client.real(until_local);
+                client.held.insert(
+                    key.clone(),
+                    Held {
+                        token: token.value,
+                        ttl_ms: *expires_in_ms,
+                    },
+                );
+                self.stats.beliefs += 1;
+                let beliefs = self.beliefs.entry(key.clone()).or_default();
+                match beliefs
+                    .iter_mut()
+                    .rev()
+                    .find(|b| b.client == c && b.token == token.value)
+                {
+                    // A renew restarts the lease with its own TTL, which may be shorter.
+                    Some(b) if b.until >= now => b.until = until.max(now),
+                    _ => beliefs.push(Belief {
+                        client: c,
+                        token: token.value,
+                        from: now,
+                        until: until.max(now),
+                    }),
+                }
+            }
+            (ClientOp::Renew { key, .. }, ClientReply::Error(e))
+                if matches!(e.code, ErrorCode::StaleToken | ErrorCode::NotHolder) =>
+            {
+                if client.held.remove(key).is_some() {
+                    self.stats.expiries_seen += 1;
+                }
+            }
+            _ => {}
+        }
+        let _ = client.held.values().map(|h| h.ttl_ms).max();
+        None
+    }
+
+    /// The checks over the whole history. `write_index` gives the log index a `Put` value
+    /// committed at (from the applied log).
+    pub fn check(&mut self, write_index: &BTreeMap<Vec<u8>, u64>, healed_at: Option<u64>) {
+        // One holder at a time.
+        for (key, beliefs) in &self.beliefs {
+            // An answer that arrived after its own deadline gives no belief at all.
+            let mut sorted: Vec<Belief> =
+                beliefs.iter().filter(|b| b.from < b.until).cloned().collect();
+            sorted.sort_by_key(|b| b.from);
+            for (i, a) in sorted.iter().enumerate() {
+                for b in &sorted[i + 1..] {
+                    if b.from >= a.until {
+                        continue;
+                    }
+                    if a.client != b.client && b.from < a.until && a.from < b.until {
+                        self.violations.push(Violation {
+                            invariant: "one holder at a time",
+                            detail: format!(
+                                "{key}: client-{} believed it held token {} over [{}, {}) µs and client-{} token {} over [{}, {})",
+                                a.client, a.token, a.from, a.until, b.client, b.token, b.from, b.until
+                            ),
+                        });
+                        return;
+                    }
+                }
+            }
+        }
+        // Tokens grow in real time.
+        let mut grants: BTreeMap<&str, Vec<(u64, u64, u64)>> = BTreeMap::new();
+        for h in &self.history {
+            if let (ClientOp::Acquire { key, .. }, Some(ClientReply::Granted { token, .. }), Some(done)) =
+                (&h.op, &h.reply, h.complete_us)
+            {
+                grants
+                    .entry(key.as_str())
+                    .or_default()
+                    .push((h.invoke_us, done, token.value));
+            }
+        }
+        for (key, list) in &grants {
+            for a in list {
+                for b in list {
+                    if a.1 < b.0 && b.2 <= a.2 {
+                        self.violations.push(Violation {
+                            invariant: "tokens grow in real time",
+                            detail: format!(
+                                "{key}: a grant with token {} was acknowledged at {} µs, a later acquire (invoked {} µs) got token {}",
+                                a.2, a.1, b.0, b.2
+                            ),
+                        });
+                        return;
+                    }
+                }
+            }
+        }
+        // Linearizable reads against acknowledged writes.
+        for h in &self.history {
+            let (ClientOp::Get { key }, Some(ClientReply::Value(value))) = (&h.op, &h.reply) else {
+                continue;
+            };
+            self.stats.reads_checked += 1;
+            let required = self
+                .history
+                .iter()
+                .filter_map(|w| match (&w.op, &w.reply, w.complete_us) {
+                    (ClientOp::Put { key: k, value, .. }, Some(ClientReply::Stored), Some(done))
+                        if k == key && done < h.invoke_us =>
+                    {
+                        write_index.get(value).copied()
+                    }
+                    _ => None,
+                })
+                .max()
+                .unwrap_or(0);
+            let got = value
+                .as_ref()
+                .map_or(Some(0), |v| write_index.get(v).copied());
+            match got {
+                Some(index) if index >= required => {}
+                _ => {
+                    self.violations.push(Violation {
+                        invariant: "linearizable read",
+                        detail: format!(
+                            "read of {key} invoked at {} µs returned {:?} (log index {got:?}) but a write at index {required} was acknowledged before",
+                            h.invoke_us,
+                            value.as_ref().map(|v| String::from_utf8_lossy(v).into_owned()),
+                        ),
+                    });
+                    return;
+                }
+            }
+        }
+        // Every request answered once the cluster is healthy again.
+        if let Some(healed) = healed_at {
+            if let Some(h) = self
+                .history
+                .iter()
+                .find(|h| h.invoke_us > healed && h.reply.is_none())
+            {
+                self.violations.push(Violation {
+                    invariant: "every request answered",
+                    detail: format!(
+                        "client-{} {:?} invoked at {} µs after healing got no answer ({} attempts)",
+                        h.client, h.op, h.invoke_us, h.attempts
+                    ),
+                });
+            }
+        }
+    }
+
+    /// Number of operations and belief intervals checked.
+    pub fn checked(&self) -> (u64, u64) {
+        (self.history.len() as u64, self.stats.beliefs)
+    }
+}
+
+fn end_belief(beliefs: &mut BTreeMap<String, Vec<Belief>>, key: &str, c: usize, token: u64, now: u64) {
+    if let Some(list) = beliefs.get_mut(key) {
+        for b in list.iter_mut().filter(|b| b.client == c && b.token == token) {
+            b.until = b.until.min(now).max(b.from);
+        }
+    }
+}
+
+fn pick<'a>(nodes: &'a [NodeId], rng: &mut impl Rng) -> Option<&'a NodeId> {
+    if nodes.is_empty() {
+        None
+    } else {
+        Some(&nodes[rng.random_range(0..nodes.len())])
+    }
+}
