@@ -36,6 +36,8 @@ struct MHolder {
     client: String,
     token: u64,
     ttl: u64,
+    /// Index of the grant or the latest renew.
+    since: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -55,6 +57,8 @@ struct Model {
     data: BTreeMap<String, Vec<u8>>,
     /// Remembered outcomes, oldest first.
     dedupe: VecDeque<((String, String), Outcome)>,
+    /// Index of the command being applied (the caller counts it: one per `apply`).
+    index: u64,
 }
 
 impl Model {
@@ -124,6 +128,7 @@ impl Model {
                     client: w.client.clone(),
                     token: self.seq,
                     ttl: w.ttl,
+                    since: self.index,
                 },
             );
             let granted = Outcome::Granted {
@@ -149,6 +154,7 @@ impl Model {
     }
 
     fn apply(&mut self, cmd: &Command) -> Outcome {
+        self.index += 1;
         // Inputs in these tests are always within the size limits; see the targeted tests.
         if let Some((client, request)) = ids(cmd) {
             if let Some(o) = self.remembered(client, request) {
@@ -182,6 +188,7 @@ impl Model {
                             client: client_id.clone(),
                             token: self.seq,
                             ttl: *ttl_ms,
+                            since: self.index,
                         },
                     );
                     Outcome::Granted {
@@ -246,8 +253,10 @@ impl Model {
             } => match self.holder_check(key, client_id, token.value) {
                 Some(refusal) => refusal,
                 None => {
+                    let index = self.index;
                     if let Some(h) = self.holders.get_mut(key) {
                         h.ttl = *ttl_ms;
+                        h.since = index;
                     }
                     Outcome::Renewed {
                         token: token.clone(),
@@ -269,6 +278,24 @@ impl Model {
                 self.rewrite(client_id, request_id, Outcome::WaitCancelled);
                 Outcome::WaitCancelled
             }
+            Command::ExpireLease {
+                key,
+                token,
+                lease_index,
+            } => match self.holders.get(key) {
+                Some(h) if h.token == *token && h.since != *lease_index => Outcome::LeaseRenewed {
+                    lease_index: h.since,
+                },
+                Some(h) if h.token == *token => {
+                    let client_id = h.client.clone();
+                    self.hand_off(key);
+                    Outcome::Expired { client_id }
+                }
+                Some(h) => Outcome::StaleToken {
+                    current: Some(h.token),
+                },
+                None => Outcome::StaleToken { current: None },
+            },
             Command::Expire { key, token } => match self.holders.get(key) {
                 Some(h) if h.token == *token => {
                     let client_id = h.client.clone();
@@ -409,9 +436,15 @@ fn random_command(rng: &mut Rng, seq: u64) -> Command {
             client_id,
             request_id,
         },
-        73..=84 => Command::Expire {
+        73..=78 => Command::Expire {
             key,
             token: token(rng),
+        },
+        79..=84 => Command::ExpireLease {
+            key,
+            token: token(rng),
+            // Lease start indexes are small in these runs: some match, most do not.
+            lease_index: rng.below(8),
         },
         85..=94 => Command::Put {
             key: format!("d{}", rng.below(3)),

@@ -272,6 +272,12 @@ impl SimClients {
                 end_belief(&mut self.beliefs, key, c, h.token, now);
             }
         }
+        // A renew may shorten the lease from the moment it applies, answered or not: from its
+        // sending, the belief lasts no longer than the new TTL allows.
+        if let ClientOp::Renew { key, token, ttl_ms, .. } = &op {
+            let until = client.real(client.local(now) + (ttl_ms - ttl_ms / 5) * 1_000);
+            end_belief(&mut self.beliefs, key, c, *token, until);
+        }
         let hist = self.history.len();
         self.history.push(HistoryOp {
             client: c,

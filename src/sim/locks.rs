@@ -101,7 +101,13 @@ impl LockChecker {
             .dedupe_id()
             .map(|(c, r)| (c.to_string(), r.to_string()))
         {
-            if self.recorded.contains(&id) {
+            if applied.replayed {
+                if !self.recorded.contains(&id) {
+                    self.fail(
+                        "exactly once",
+                        format!("index {index}: {id:?} answered from the dedupe table but never recorded"),
+                    );
+                }
                 if !applied.events.is_empty() {
                     self.fail(
                         "exactly once",
