@@ -125,6 +125,58 @@ fn exit_codes_for_not_acquired_and_child_status() {
     assert_eq!(status.code(), Some(78), "command cannot start");
 }
 
+/// `acquire` prints the owner id the lock is held by; `release` and `renew` work with it as
+/// `--client-id`, and not with the client id of the acquire.
+#[test]
+fn acquire_prints_the_owner_id_release_needs() {
+    let cluster = Cluster::start(3);
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(cluster.wait_for_leader(Duration::from_secs(20)));
+    let eps = endpoints(&cluster);
+    let out = lockctl(&eps)
+        .args(["--client-id", "ops", "--output", "json", "acquire", "k"])
+        .output()
+        .expect("acquire");
+    assert!(out.status.success(), "{out:?}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let owner = v["clientId"].as_str().expect("owner id").to_string();
+    let token = v["fencingToken"].as_u64().expect("token").to_string();
+    assert!(owner.starts_with("ops#"), "{v}");
+    let as_client = lockctl(&eps)
+        .args(["--client-id", "ops", "release", "k", "--token", &token])
+        .output()
+        .expect("release");
+    assert!(
+        !as_client.status.success(),
+        "released by the bare client id"
+    );
+    for args in [
+        vec!["renew", "k", "--token", &token, "--ttl", "20s"],
+        vec!["release", "k", "--token", &token],
+    ] {
+        let out = lockctl(&eps)
+            .args(["--client-id", &owner])
+            .args(&args)
+            .output()
+            .expect("lockctl");
+        assert!(
+            out.status.success(),
+            "{args:?} as {owner}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // The human output names the same id.
+    let out = lockctl(&eps)
+        .args(["--client-id", "ops", "acquire", "k"])
+        .output()
+        .expect("acquire");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("client id ops#"),
+        "{text}"
+    );
+}
+
 fn is_running(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         // The state follows the parenthesised command name; Z is a zombie (dead, not reaped).

@@ -191,7 +191,8 @@ async fn leader_killed_during_an_acquire() {
     assert!(t2 > t1, "token {t2} not above {t1}");
     let new_leader = leader_addr(&cluster).await;
     let info = lock_info(&new_leader, "batch").await;
-    assert_eq!(info["holder"], "sdk-b", "{info}");
+    assert_eq!(info["holder"], granted.owner_id(), "{info}");
+    assert!(granted.owner_id().starts_with("sdk-b#"), "{info}");
     assert_eq!(info["fencingToken"], t2, "{info}");
     assert_eq!(
         info["waiters"],
@@ -306,4 +307,98 @@ async fn stale_holder_write_is_refused_by_the_data_store() {
     assert_eq!(status, 409, "stale write accepted: {body}");
     assert_eq!(body["current"], fresh.fencing_token());
     std::mem::forget(stale);
+}
+
+/// Clones of one client are separate owners: two tasks sharing a client contend for a key like
+/// two clients, each handle releases with its own owner id, and a long client id still yields
+/// owner ids within the server's id limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clones_of_one_client_are_separate_owners() {
+    let cluster = Cluster::start(3);
+    leader_addr(&cluster).await;
+    let shared = client(&endpoints(&cluster), "sdk-shared");
+    let (one, two) = (shared.clone(), shared.clone());
+    let ttl = Duration::from_secs(10);
+    let (first, second) = tokio::join!(
+        tokio::spawn(async move { one.try_acquire("shared-key", ttl, Duration::ZERO).await }),
+        tokio::spawn(async move { two.try_acquire("shared-key", ttl, Duration::ZERO).await }),
+    );
+    let first = first.expect("task").expect("try_acquire");
+    let second = second.expect("task").expect("try_acquire");
+    let (holder, other) = match (first, second) {
+        (Some(h), None) | (None, Some(h)) => (h, shared.clone()),
+        (Some(a), Some(b)) => panic!(
+            "both clones hold shared-key: {} with token {}, {} with token {}",
+            a.owner_id(),
+            a.fencing_token(),
+            b.owner_id(),
+            b.fencing_token()
+        ),
+        (None, None) => panic!("neither clone got the free lock"),
+    };
+    assert!(holder.owner_id().starts_with("sdk-shared#"), "{holder:?}");
+    assert_ne!(holder.owner_id(), shared.client_id());
+    let leader = leader_addr(&cluster).await;
+    assert_eq!(
+        lock_info(&leader, "shared-key").await["holder"],
+        holder.owner_id()
+    );
+    // The client id itself does not hold the lock: only the handle's owner id does.
+    let err = shared
+        .release("shared-key", holder.fencing_token())
+        .await
+        .unwrap_err();
+    assert!(err.is_not_holder(), "{err}");
+    // A clone queues behind the holder and is granted once the holder releases.
+    let waiter = tokio::spawn(async move {
+        other
+            .try_acquire("shared-key", ttl, Duration::from_secs(10))
+            .await
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if lock_info(&leader, "shared-key").await["waiters"]
+            .as_array()
+            .is_some_and(|w| w.len() == 1)
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the clone never queued");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let first_token = holder.fencing_token();
+    let first_owner = holder.owner_id().to_string();
+    holder
+        .renew()
+        .await
+        .expect("the holder renews with its owner id");
+    holder.release().await.expect("release");
+    let next = tokio::time::timeout(Duration::from_secs(15), waiter)
+        .await
+        .expect("granted in time")
+        .expect("task")
+        .expect("try_acquire")
+        .expect("granted after the release");
+    assert!(next.fencing_token() > first_token);
+    assert_ne!(next.owner_id(), first_owner);
+    next.release().await.expect("release");
+
+    // A client id of the longest accepted length still yields owner ids the server accepts.
+    let long_id = format!("{}é", "x".repeat(126));
+    assert_eq!(long_id.len(), 128);
+    let long = client(&endpoints(&cluster), &long_id);
+    let a = long
+        .try_acquire("long-a", ttl, Duration::ZERO)
+        .await
+        .expect("acquire with a long client id")
+        .expect("free");
+    let b = long
+        .try_acquire("long-b", ttl, Duration::ZERO)
+        .await
+        .expect("acquire with a long client id")
+        .expect("free");
+    assert!(a.owner_id().len() <= 128, "{}", a.owner_id());
+    assert_ne!(a.owner_id(), b.owner_id());
+    a.release().await.expect("release");
+    b.release().await.expect("release");
 }

@@ -12,8 +12,37 @@ use super::conn::{ReplyKind, Session, SessionConfig};
 use super::error::ClientError;
 use super::RetryPolicy;
 
-/// Longest client id accepted by the builder (the server's limit is larger).
+/// Longest client id accepted by the builder, and longest owner id sent: the server's default
+/// limit on ids (`Limits::id_bytes_max`).
 const MAX_CLIENT_ID_BYTES: usize = 128;
+
+/// Numbers the owner ids of this process's acquires (see [`owner_id`]).
+static NEXT_OWNER: AtomicU64 = AtomicU64::new(1);
+
+/// A fresh owner id derived from `client_id`: `{client_id}#{n}`, with `n` from a process-wide
+/// counter, so no two acquires of this process share an identity on the server. A client id too
+/// long for the suffix is shortened to a prefix plus a digest of the whole id, keeping the owner
+/// id within [`MAX_CLIENT_ID_BYTES`].
+fn owner_id(client_id: &str) -> String {
+    let n = NEXT_OWNER.fetch_add(1, Ordering::Relaxed);
+    let suffix = format!("#{n}");
+    if client_id.len() + suffix.len() <= MAX_CLIENT_ID_BYTES {
+        return format!("{client_id}{suffix}");
+    }
+    let digest = format!("~{:016x}", fnv1a(client_id.as_bytes()));
+    let mut keep = MAX_CLIENT_ID_BYTES - suffix.len() - digest.len();
+    while !client_id.is_char_boundary(keep) {
+        keep -= 1;
+    }
+    format!("{}{digest}{suffix}", &client_id[..keep])
+}
+
+/// FNV-1a, 64 bits: a stable digest (the same in every process and release).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
 
 /// Builds a [`RaftLockClient`]; every setting has a default except the endpoints.
 #[derive(Clone, Debug)]
@@ -58,7 +87,10 @@ impl ClientBuilder {
         self
     }
 
-    /// The identity the cluster records as holder. Default: `<hostname>-<pid>-<random>`.
+    /// This client's identity. Each acquire holds its lock under an owner id derived from it,
+    /// `{client_id}#{n}` (see [`LockHandle::owner_id`]); [`RaftLockClient::release`] and
+    /// [`RaftLockClient::renew`] act as the client id itself. Default:
+    /// `<hostname>-<pid>-<random>`; at most 128 bytes.
     pub fn client_id(mut self, id: impl Into<String>) -> Self {
         self.client_id = Some(id.into());
         self
@@ -198,7 +230,10 @@ struct Inner {
 
 /// The everyday client: acquire, try-acquire, release, renew, and replicated KV.
 ///
-/// Cheap to clone; clones share one connection.
+/// Cheap to clone; clones share one connection. Every acquire (from any clone) holds its lock
+/// under its own owner id, `{client_id}#{n}`, so two tasks sharing a client contend for a key
+/// like two clients: at most one of them holds it. The [`LockHandle`] remembers its owner id and
+/// releases and renews with it.
 #[derive(Clone)]
 pub struct RaftLockClient {
     inner: Arc<Inner>,
@@ -217,6 +252,7 @@ impl RaftLockClient {
         ClientBuilder::default()
     }
 
+    /// The id this client was built with; owner ids of its locks are derived from it.
     pub fn client_id(&self) -> &str {
         &self.inner.client_id
     }
@@ -259,23 +295,27 @@ impl RaftLockClient {
         wait: Option<Duration>,
     ) -> Result<LockHandle, ClientError> {
         let policy = self.inner.session.cfg.retry.clone();
+        let owner = owner_id(&self.inner.client_id);
         let request_id = self.next_request_id();
-        self.acquire_request(key, ttl, wait, &request_id, &policy)
+        self.acquire_request(key, ttl, wait, &owner, &request_id, &policy)
             .await
     }
 
+    /// One acquire under `owner` with `request_id`; every retry resends both unchanged, so a
+    /// retried acquire is answered (and granted) at most once.
     pub(crate) async fn acquire_request(
         &self,
         key: &str,
         ttl: Duration,
         wait: Option<Duration>,
+        owner: &str,
         request_id: &str,
         policy: &RetryPolicy,
     ) -> Result<LockHandle, ClientError> {
         check_key(key)?;
         let ttl_ms = duration_ms(ttl)?;
         let mut body = json!({
-            "commandType": 3, "key": key, "clientId": self.inner.client_id,
+            "commandType": 3, "key": key, "clientId": owner,
             "requestId": request_id, "ttl": ttl_ms,
         });
         if let Some(w) = wait {
@@ -296,6 +336,7 @@ impl RaftLockClient {
         let ttl = Duration::from_millis(expires_in.min(ttl_ms));
         Ok(LockHandle::new(
             self.clone(),
+            owner.to_string(),
             key.to_string(),
             token,
             ttl,
@@ -303,13 +344,21 @@ impl RaftLockClient {
         ))
     }
 
-    /// Releases the lock held with `token`. Refused with `NOT_HOLDER`/`STALE_TOKEN` if a newer
-    /// holder exists.
+    /// Releases the lock held with `token` by the owner id equal to this client's id — for
+    /// example one that `lockctl acquire` printed, passed as this client's id. A lock acquired
+    /// through this SDK is held by its handle's owner id: release it with
+    /// [`LockHandle::release`] (or [`RaftLockClient::release_as`]). Refused with
+    /// `NOT_HOLDER`/`STALE_TOKEN` if someone else holds the lock.
     pub async fn release(&self, key: &str, token: u64) -> Result<(), ClientError> {
+        self.release_as(&self.inner.client_id, key, token).await
+    }
+
+    /// Releases the lock `owner` holds with `token`.
+    pub async fn release_as(&self, owner: &str, key: &str, token: u64) -> Result<(), ClientError> {
         check_key(key)?;
         let request_id = self.next_request_id();
         let body = json!({
-            "commandType": 4, "key": key, "clientId": self.inner.client_id,
+            "commandType": 4, "key": key, "clientId": owner,
             "requestId": request_id, "fencingToken": {"key": key, "value": token},
         });
         self.inner
@@ -325,10 +374,23 @@ impl RaftLockClient {
             .map(|_| ())
     }
 
-    /// Extends the lease of the lock held with `token` to `ttl` from now; returns the new
-    /// deadline on this client's monotonic clock (already shortened by the safety margin).
+    /// Extends the lease of the lock held with `token` by the owner id equal to this client's
+    /// id (see [`RaftLockClient::release`]) to `ttl` from now; returns the new deadline on this
+    /// client's monotonic clock (already shortened by the safety margin). For a lock acquired
+    /// through this SDK use [`LockHandle::renew`] or [`RaftLockClient::renew_as`].
     pub async fn renew(
         &self,
+        key: &str,
+        token: u64,
+        ttl: Duration,
+    ) -> Result<Instant, ClientError> {
+        self.renew_as(&self.inner.client_id, key, token, ttl).await
+    }
+
+    /// Extends the lease of the lock `owner` holds with `token` to `ttl` from now.
+    pub async fn renew_as(
+        &self,
+        owner: &str,
         key: &str,
         token: u64,
         ttl: Duration,
@@ -337,7 +399,7 @@ impl RaftLockClient {
         let ttl_ms = duration_ms(ttl)?;
         let request_id = self.next_request_id();
         let body = json!({
-            "commandType": 5, "key": key, "clientId": self.inner.client_id,
+            "commandType": 5, "key": key, "clientId": owner,
             "requestId": request_id, "fencingToken": {"key": key, "value": token}, "ttl": ttl_ms,
         });
         let sent = Instant::now();
@@ -377,8 +439,19 @@ impl RaftLockClient {
     }
 
     /// Writes a replicated KV key; with `guard`, only while that fencing token is current.
+    /// [`LockHandle::put`] writes guarded by a handle's lock.
     pub async fn put(
         &self,
+        key: &str,
+        value: &str,
+        guard: Option<(&str, u64)>,
+    ) -> Result<(), ClientError> {
+        self.put_as(&self.inner.client_id, key, value, guard).await
+    }
+
+    async fn put_as(
+        &self,
+        client_id: &str,
         key: &str,
         value: &str,
         guard: Option<(&str, u64)>,
@@ -386,7 +459,7 @@ impl RaftLockClient {
         check_key(key)?;
         let request_id = self.next_request_id();
         let mut body = json!({
-            "commandType": 2, "key": key, "clientId": self.inner.client_id,
+            "commandType": 2, "key": key, "clientId": client_id,
             "requestId": request_id, "value": value,
         });
         if let Some((lock_key, token)) = guard {
@@ -453,11 +526,15 @@ impl std::fmt::Display for LossReason {
     }
 }
 
-/// A granted lock: its key, fencing token, and how long it is safe to act on it.
+/// A granted lock: its owner id, key, fencing token, and how long it is safe to act on it.
 ///
-/// Dropping a handle that was not released sends a best-effort release in the background.
+/// The lock is held by the handle's own owner id ([`LockHandle::owner_id`]), not by the client
+/// id shared by clones of the client; release, renewal, [`AutoRenewer`] and [`LockHandle::put`]
+/// use it. Dropping a handle that was not released sends a best-effort release in the
+/// background.
 pub struct LockHandle {
     client: RaftLockClient,
+    owner: String,
     key: String,
     token: u64,
     ttl: Duration,
@@ -468,6 +545,7 @@ pub struct LockHandle {
 impl std::fmt::Debug for LockHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LockHandle")
+            .field("owner", &self.owner)
             .field("key", &self.key)
             .field("token", &self.token)
             .field("ttl", &self.ttl)
@@ -478,6 +556,7 @@ impl std::fmt::Debug for LockHandle {
 impl LockHandle {
     fn new(
         client: RaftLockClient,
+        owner: String,
         key: String,
         token: u64,
         ttl: Duration,
@@ -485,6 +564,7 @@ impl LockHandle {
     ) -> Self {
         LockHandle {
             client,
+            owner,
             key,
             token,
             ttl,
@@ -495,6 +575,13 @@ impl LockHandle {
 
     pub fn key(&self) -> &str {
         &self.key
+    }
+
+    /// The identity the cluster records as this lock's holder: `{client_id}#{n}`, unique to
+    /// this acquire. Another process can release or renew the lock as this id (for example
+    /// `lockctl --client-id <owner id> release`).
+    pub fn owner_id(&self) -> &str {
+        &self.owner
     }
 
     /// The fencing token: pass it to every resource you write while holding the lock.
@@ -517,7 +604,10 @@ impl LockHandle {
 
     /// Renews once now.
     pub async fn renew(&self) -> Result<(), ClientError> {
-        let until = self.client.renew(&self.key, self.token, self.ttl).await?;
+        let until = self
+            .client
+            .renew_as(&self.owner, &self.key, self.token, self.ttl)
+            .await?;
         *self.valid_until.lock().unwrap_or_else(|p| p.into_inner()) = until;
         Ok(())
     }
@@ -528,6 +618,7 @@ impl LockHandle {
     pub fn auto_renew(&self) -> AutoRenewer {
         AutoRenewer::start(
             self.client.clone(),
+            self.owner.clone(),
             self.key.clone(),
             self.token,
             self.ttl,
@@ -535,10 +626,20 @@ impl LockHandle {
         )
     }
 
+    /// Writes a replicated KV key, guarded by this lock: applied only while its token is
+    /// current.
+    pub async fn put(&self, key: &str, value: &str) -> Result<(), ClientError> {
+        self.client
+            .put_as(&self.owner, key, value, Some((&self.key, self.token)))
+            .await
+    }
+
     /// Releases the lock and waits for the cluster's answer.
     pub async fn release(self) -> Result<(), ClientError> {
         self.released.store(true, Ordering::SeqCst);
-        self.client.release(&self.key, self.token).await
+        self.client
+            .release_as(&self.owner, &self.key, self.token)
+            .await
     }
 }
 
@@ -549,10 +650,11 @@ impl Drop for LockHandle {
         }
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             let client = self.client.clone();
+            let owner = std::mem::take(&mut self.owner);
             let key = std::mem::take(&mut self.key);
             let token = self.token;
             rt.spawn(async move {
-                let _ = client.release(&key, token).await;
+                let _ = client.release_as(&owner, &key, token).await;
             });
         }
     }
@@ -567,6 +669,7 @@ pub struct AutoRenewer {
 impl AutoRenewer {
     fn start(
         client: RaftLockClient,
+        owner: String,
         key: String,
         token: u64,
         ttl: Duration,
@@ -585,7 +688,7 @@ impl AutoRenewer {
                     return;
                 }
                 last_attempt = Instant::now();
-                let attempt = client.renew(&key, token, ttl);
+                let attempt = client.renew_as(&owner, &key, token, ttl);
                 match tokio::time::timeout_at(deadline.into(), attempt).await {
                     Ok(Ok(until)) => {
                         *valid_until.lock().unwrap_or_else(|p| p.into_inner()) = until;
@@ -645,6 +748,8 @@ pub struct AdvancedClient {
 /// A queued acquire: await it with [`PendingAcquire::granted`], or cancel it.
 pub struct PendingAcquire {
     pub key: String,
+    /// The owner id the lock will be held by once granted.
+    pub owner_id: String,
     pub request_id: String,
     task: JoinHandle<Result<LockHandle, ClientError>>,
 }
@@ -677,13 +782,18 @@ impl AdvancedClient {
         wait: Option<Duration>,
         policy: RetryPolicy,
     ) -> PendingAcquire {
+        let owner = owner_id(self.client.client_id());
         let request_id = self.client.next_request_id();
         let client = self.client.clone();
-        let (k, id) = (key.to_string(), request_id.clone());
-        let task =
-            tokio::spawn(async move { client.acquire_request(&k, ttl, wait, &id, &policy).await });
+        let (k, o, id) = (key.to_string(), owner.clone(), request_id.clone());
+        let task = tokio::spawn(async move {
+            client
+                .acquire_request(&k, ttl, wait, &o, &id, &policy)
+                .await
+        });
         PendingAcquire {
             key: key.to_string(),
+            owner_id: owner,
             request_id,
             task,
         }
@@ -692,7 +802,7 @@ impl AdvancedClient {
     /// Takes a queued acquire out of the queue. `NOT_WAITING` if it was already granted or gone.
     pub async fn cancel_wait(&self, pending: &PendingAcquire) -> Result<(), ClientError> {
         let body = json!({
-            "commandType": 6, "key": pending.key, "clientId": self.client.client_id(),
+            "commandType": 6, "key": pending.key, "clientId": pending.owner_id,
             "requestId": pending.request_id,
         });
         self.client
@@ -716,9 +826,10 @@ impl AdvancedClient {
         wait: Option<Duration>,
         policy: &RetryPolicy,
     ) -> Result<LockHandle, ClientError> {
+        let owner = owner_id(self.client.client_id());
         let id = self.client.next_request_id();
         self.client
-            .acquire_request(key, ttl, wait, &id, policy)
+            .acquire_request(key, ttl, wait, &owner, &id, policy)
             .await
     }
 }

@@ -23,6 +23,10 @@
 //! The client talks to any node, follows `NOT_LEADER` redirects to the leader, and retries only
 //! retryable failures (`NOT_LEADER`, `NO_LEADER`, `UNAVAILABLE`, `BUSY`, a lost connection) with
 //! exponential backoff and jitter, resending the same `requestId` so nothing is applied twice.
+//!
+//! Each acquire holds its lock under its own owner id, `{client_id}#{n}`
+//! ([`LockHandle::owner_id`]), kept across the retries of that acquire: clones of one client
+//! used by several tasks exclude each other like separate clients do.
 
 pub mod admin;
 mod conn;

@@ -29,8 +29,9 @@ struct Args {
     /// Client addresses of the cluster (any node; the leader is found automatically).
     #[arg(long, global = true, env = "RAFTLOCK_ENDPOINTS", default_value = DEFAULT_ENDPOINTS, value_delimiter = ',')]
     endpoints: Vec<String>,
-    /// Client id recorded as the holder (default: lockctl-<hostname>-<pid>, unique per
-    /// invocation; pass the id `acquire` printed to `release` and `renew`).
+    /// Client id (default: lockctl-<hostname>-<pid>, unique per invocation). A lock taken by
+    /// `acquire` is held by an owner id derived from it, which `acquire` prints: pass that as
+    /// --client-id to `release` and `renew`.
     #[arg(long, global = true, env = "RAFTLOCK_CLIENT_ID")]
     client_id: Option<String>,
     #[command(subcommand)]
@@ -61,13 +62,13 @@ enum Cmd {
         #[arg(long, value_parser = humantime::parse_duration)]
         wait: Option<Duration>,
     },
-    /// Release a lock held with TOKEN (use the same --client-id as for acquire).
+    /// Release a lock held with TOKEN (--client-id: the owner id `acquire` printed).
     Release {
         key: String,
         #[arg(long)]
         token: u64,
     },
-    /// Extend a held lock's lease.
+    /// Extend a held lock's lease (--client-id: the owner id `acquire` printed).
     Renew {
         key: String,
         #[arg(long)]
@@ -97,7 +98,7 @@ enum Cmd {
         action: KvCmd,
     },
     /// Run CMD while holding KEY, renewing in the background. The command gets RAFTLOCK_KEY,
-    /// RAFTLOCK_FENCING_TOKEN and RAFTLOCK_CLIENT_ID; its whole process group is killed before
+    /// RAFTLOCK_FENCING_TOKEN and RAFTLOCK_CLIENT_ID (the lock's owner id); its whole process group is killed before
     /// the lease could lapse if the lock is lost. Exits with the command's status, 75 if the
     /// lock was not acquired within --wait, 76 if the lock was lost, 78 on other errors.
     Run {
@@ -281,15 +282,16 @@ async fn dispatch(args: Args) -> ExitCode {
             {
                 Ok(Some(lock)) => {
                     let token = lock.fencing_token();
+                    // The holder's identity: `release` and `renew` need it as --client-id.
+                    let owner = lock.owner_id().to_string();
                     std::mem::forget(lock); // stays held after lockctl exits
                     emit(
                         json_out,
                         json!({"acquired": true, "key": key, "fencingToken": token,
-                               "clientId": client.client_id(), "ttlMs": ttl.as_millis() as u64}),
+                               "clientId": owner, "ttlMs": ttl.as_millis() as u64}),
                         || {
                             println!(
-                                "acquired {key}: fencing token {token}, client id {}, ttl {}",
-                                client.client_id(),
+                                "acquired {key}: fencing token {token}, client id {owner}, ttl {}",
                                 humantime::format_duration(*ttl)
                             )
                         },

@@ -266,7 +266,7 @@ pub async fn demo(args: DemoArgs) -> ExitCode {
                 bump(&stats, "grants");
                 let token = lock.fencing_token();
                 let write = |data: String| {
-                    json!({"clientID": cl.client_id(), "fencingToken": {"key": key, "value": token}, "data": data})
+                    json!({"clientID": lock.owner_id(), "fencingToken": {"key": key, "value": token}, "data": data})
                 };
                 for i in 0..2 {
                     match post_json(&store, "/write", &write(format!("w{i}"))).await {

@@ -1,0 +1,447 @@
+//! Lease semantics of three real `lock-node` processes on 127.0.0.1, through the WebSocket JSON
+//! API only: a lock handed to a waiter expires by the waiter's TTL, a grant made by a leader that
+//! is SIGKILLed right after expires under the next leader, a TTL raised by a renewal survives a
+//! failover, an acknowledged renewal is never followed by the expiry it raced, and an acquire by
+//! the current holder under a new request id is refused with `ALREADY_HELD`.
+//!
+//! Every wait is bounded.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{json, Value};
+
+const LEADER_TIMEOUT: Duration = Duration::from_secs(20);
+
+fn acquire(key: &str, client: &str, request: &str, ttl: u64, wait: Option<u64>) -> Value {
+    let mut v = json!({"commandType": 3, "key": key, "clientId": client, "requestId": request,
+                       "ttl": ttl});
+    if let Some(w) = wait {
+        v["waitTimeout"] = json!(w);
+    }
+    v
+}
+
+fn release(key: &str, client: &str, request: &str, token: u64) -> Value {
+    json!({"commandType": 4, "key": key, "clientId": client, "requestId": request,
+           "fencingToken": {"key": key, "value": token}})
+}
+
+fn renew(key: &str, client: &str, request: &str, token: u64, ttl: u64) -> Value {
+    json!({"commandType": 5, "key": key, "clientId": client, "requestId": request,
+           "fencingToken": {"key": key, "value": token}, "ttl": ttl})
+}
+
+fn token_of(reply: &Value) -> u64 {
+    reply["fencingToken"]["value"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no token in {reply}"))
+}
+
+fn code_of(reply: &Value) -> &str {
+    reply["error"]["code"].as_str().unwrap_or("")
+}
+
+fn addr_of(cluster: &Cluster, id: u64) -> String {
+    cluster
+        .nodes
+        .iter()
+        .find(|n| n.id == id)
+        .expect("node exists")
+        .client_addr()
+}
+
+/// The reply to `request_id` on `ws` within `timeout` (replies to other requests are skipped).
+async fn reply_to(ws: &mut Ws, request_id: &str, timeout: Duration) -> Option<Value> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let left = deadline.checked_duration_since(Instant::now())?;
+        let reply = ws_recv(ws, left).await?;
+        if reply["requestId"] == request_id {
+            return Some(reply);
+        }
+    }
+}
+
+/// Sends `msg` and returns its reply (within 10 s).
+async fn request(ws: &mut Ws, msg: &Value) -> Value {
+    ws_send(ws, msg).await;
+    let id = msg["requestId"].as_str().expect("request id");
+    reply_to(ws, id, Duration::from_secs(10))
+        .await
+        .unwrap_or_else(|| panic!("no reply within 10s to {msg}"))
+}
+
+/// A WebSocket connection to `addr`, or None if none opens within 2 s (a dead node).
+async fn try_connect(addr: &str) -> Option<Ws> {
+    let url = format!("ws://{addr}/ws");
+    match tokio::time::timeout(
+        Duration::from_secs(2),
+        tokio_tungstenite::connect_async(url.as_str()),
+    )
+    .await
+    {
+        Ok(Ok((ws, _))) => Some(ws),
+        _ => None,
+    }
+}
+
+/// Sends `msg` to `addr` as a client would: follows `NOT_LEADER` redirects (`error.leaderAddr`)
+/// and retries `NO_LEADER`, `UNAVAILABLE`, `BUSY` and dead nodes with the same request id,
+/// cycling through `fallback`, until a final answer. Each reply is awaited at most
+/// `reply_timeout`; the whole exchange must finish within `overall`.
+async fn request_following_redirects(
+    addr: &str,
+    fallback: &[String],
+    msg: &Value,
+    reply_timeout: Duration,
+    overall: Duration,
+) -> Value {
+    let deadline = Instant::now() + overall;
+    let id = msg["requestId"].as_str().expect("request id").to_string();
+    let mut target = addr.to_string();
+    let mut next_fallback = 0;
+    let mut history = Vec::new();
+    loop {
+        assert!(
+            Instant::now() < deadline,
+            "no final answer to {msg} within {overall:?}: {history:?}"
+        );
+        let Some(mut ws) = try_connect(&target).await else {
+            history.push(format!("{target}: cannot connect"));
+            target = fallback[next_fallback % fallback.len()].clone();
+            next_fallback += 1;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        ws_send(&mut ws, msg).await;
+        let reply = reply_to(&mut ws, &id, reply_timeout)
+            .await
+            .unwrap_or_else(|| panic!("{target} did not answer {msg} within {reply_timeout:?}"));
+        let code = code_of(&reply).to_string();
+        history.push(format!("{target}: {code}"));
+        match code.as_str() {
+            "NOT_LEADER" => {
+                match reply["error"]["leaderAddr"].as_str() {
+                    Some(leader) if !leader.is_empty() && leader != target => {
+                        target = leader.to_string()
+                    }
+                    _ => tokio::time::sleep(Duration::from_millis(100)).await,
+                }
+                continue;
+            }
+            "NO_LEADER" | "UNAVAILABLE" | "BUSY" => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+            _ => return reply,
+        }
+    }
+}
+
+/// Waits for a leader other than `old` (which was killed).
+async fn new_leader(cluster: &Cluster, old: u64) -> u64 {
+    let deadline = Instant::now() + LEADER_TIMEOUT;
+    loop {
+        let id = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+        if id != old {
+            return id;
+        }
+        assert!(Instant::now() < deadline, "no new leader after {old}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn lock_entry(addr: &str, key: &str) -> Value {
+    let locks = http_json(addr, "/locks").await.expect("/locks");
+    locks["locks"]
+        .as_array()
+        .and_then(|a| a.iter().find(|l| l["key"] == key).cloned())
+        .unwrap_or(Value::Null)
+}
+
+/// A lock handed to a queued waiter by a release carries the waiter's lease: once the waiter
+/// goes silent, its TTL runs out and the next client is granted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handed_off_lock_expires_by_its_ttl() {
+    let cluster = Cluster::start(3);
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let addr = addr_of(&cluster, leader);
+
+    let mut a = ws_connect(&addr).await;
+    let ga = request(&mut a, &acquire("k", "A", "a1", 2_000, None)).await;
+    assert_eq!(ga["success"], true, "{ga}");
+    let ta = token_of(&ga);
+
+    // B queues behind A.
+    let mut b = ws_connect(&addr).await;
+    ws_send(&mut b, &acquire("k", "B", "b1", 2_000, Some(20_000))).await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let entry = lock_entry(&addr, "k").await;
+        if entry["waiters"] == json!(["B"]) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "B never queued: {entry}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // A releases well within its own TTL: the lock is handed to B by the release.
+    let r = request(&mut a, &release("k", "A", "a2", ta)).await;
+    assert_eq!(r["success"], true, "{r}");
+    let gb = reply_to(&mut b, "b1", Duration::from_secs(5))
+        .await
+        .expect("B granted on its own connection after A's release");
+    assert_eq!(gb["success"], true, "{gb}");
+    let tb = token_of(&gb);
+    assert!(tb > ta, "B's token {tb} must exceed A's {ta}");
+    let granted_b = Instant::now();
+    assert_eq!(
+        lock_entry(&addr, "k").await["holder"],
+        "B",
+        "B holds k after the hand-off"
+    );
+
+    // B stays connected and silent. C must get the lock once B's 2 s lease has run out.
+    let mut c = ws_connect(&addr).await;
+    ws_send(&mut c, &acquire("k", "C", "c1", 2_000, Some(10_000))).await;
+    let gc = reply_to(&mut c, "c1", Duration::from_secs(15))
+        .await
+        .expect("C answered within its wait timeout");
+    let waited = granted_b.elapsed();
+    assert_eq!(
+        gc["success"],
+        true,
+        "C was not granted {waited:?} after B's grant, although B's TTL is 2 s and B never \
+         renewed: {gc}; the lock now: {}",
+        lock_entry(&addr, "k").await
+    );
+    assert!(
+        waited < Duration::from_millis(2_000 + 3_000),
+        "C was granted only {waited:?} after B's grant (B's TTL is 2 s)"
+    );
+    let tc = token_of(&gc);
+    assert!(tc > tb, "C's token {tc} must exceed B's {tb}");
+    drop(b);
+}
+
+/// A grant acknowledged by a leader that is SIGKILLed right after still expires by its TTL
+/// under the next leader.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grant_from_old_leader_expires_under_new_leader() {
+    let mut cluster = Cluster::start(3);
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let addr = addr_of(&cluster, leader);
+
+    let mut a = ws_connect(&addr).await;
+    let ga = request(&mut a, &acquire("k", "A", "a1", 1_500, None)).await;
+    assert_eq!(ga["success"], true, "{ga}");
+    let ta = token_of(&ga);
+    cluster.node(leader).kill();
+    let killed_at = Instant::now();
+
+    let elected = new_leader(&cluster, leader).await;
+    let survivors: Vec<String> = cluster
+        .nodes
+        .iter()
+        .filter(|n| n.id != leader)
+        .map(|n| n.client_addr())
+        .collect();
+    // Start at a surviving follower if there is one, so the redirect is exercised.
+    let start = cluster
+        .nodes
+        .iter()
+        .find(|n| n.id != leader && n.id != elected)
+        .map_or_else(|| addr_of(&cluster, elected), |n| n.client_addr());
+    let gc = request_following_redirects(
+        &start,
+        &survivors,
+        &acquire("k", "C", "c1", 5_000, Some(15_000)),
+        Duration::from_secs(20),
+        Duration::from_secs(40),
+    )
+    .await;
+    let waited = killed_at.elapsed();
+    assert_eq!(
+        gc["success"], true,
+        "C was not granted {waited:?} after the leader that granted A (TTL 1.5 s) was killed: {gc}"
+    );
+    let tc = token_of(&gc);
+    assert!(tc > ta, "C's token {tc} must exceed A's {ta}");
+    eprintln!("C granted {waited:?} after the SIGKILL");
+}
+
+/// A holder that raised its TTL with a renewal keeps the lock through a failover: the new
+/// leader restarts the lease with the raised TTL, not the one of the acquire.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raised_ttl_survives_failover() {
+    let mut cluster = Cluster::start(3);
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let addr = addr_of(&cluster, leader);
+
+    let mut a = ws_connect(&addr).await;
+    let ga = request(&mut a, &acquire("k", "A", "a1", 2_000, None)).await;
+    assert_eq!(ga["success"], true, "{ga}");
+    let ta = token_of(&ga);
+    let rn = request(&mut a, &renew("k", "A", "a2", ta, 30_000)).await;
+    assert_eq!(rn["success"], true, "{rn}");
+    assert_eq!(rn["expiresInMs"], 30_000, "{rn}");
+    cluster.node(leader).kill();
+
+    let elected = new_leader(&cluster, leader).await;
+    // Well past the acquire's 2 s TTL, well within the renewed 30 s.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let survivors: Vec<String> = cluster
+        .nodes
+        .iter()
+        .filter(|n| n.id != leader)
+        .map(|n| n.client_addr())
+        .collect();
+    let tried = request_following_redirects(
+        &addr_of(&cluster, elected),
+        &survivors,
+        &acquire("k", "B", "b1", 2_000, Some(0)),
+        Duration::from_secs(10),
+        Duration::from_secs(20),
+    )
+    .await;
+    assert_eq!(
+        tried["success"], false,
+        "B was granted k 5 s after the failover although A renewed it for 30 s: {tried}"
+    );
+    assert!(
+        ["WAIT_TIMEOUT", "BUSY"].contains(&code_of(&tried)),
+        "B's try-acquire must be refused as busy: {tried}"
+    );
+    let leader_now = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let entry = lock_entry(&addr_of(&cluster, leader_now), "k").await;
+    assert_eq!(entry["holder"], "A", "{entry}");
+    assert_eq!(entry["fencingToken"], ta, "{entry}");
+}
+
+#[derive(Debug, Default)]
+struct RaceCounts {
+    acknowledged: usize,
+    refused: usize,
+}
+
+/// One race: A acquires `key` with a 400 ms TTL, renews after `delay`, and if the renewal was
+/// acknowledged, B's try-acquires must fail for the next 2 s. Err describes a violation.
+///
+/// Request ids are unique per key: the server's exactly-once table is keyed by
+/// `(clientId, requestId)` alone, so reusing one on another key would replay the old answer.
+async fn renew_race(addr: String, key: String, delay: Duration) -> Result<bool, String> {
+    let mut a = ws_connect(&addr).await;
+    let mut b = ws_connect(&addr).await;
+    let ga = request(&mut a, &acquire(&key, "A", &format!("{key}/a1"), 400, None)).await;
+    assert_eq!(ga["success"], true, "{ga}");
+    assert_eq!(ga["fencingToken"]["key"], key.as_str(), "{ga}");
+    let ta = token_of(&ga);
+    tokio::time::sleep(delay).await;
+    let rn = request(&mut a, &renew(&key, "A", &format!("{key}/a2"), ta, 3_000)).await;
+    if rn["success"] != true {
+        let code = code_of(&rn);
+        assert!(
+            ["STALE_TOKEN", "NOT_HOLDER"].contains(&code),
+            "unexpected answer to the renewal of {key}: {rn}"
+        );
+        return Ok(false);
+    }
+    assert_eq!(rn["expiresInMs"], 3_000, "{rn}");
+    assert_eq!(rn["fencingToken"]["value"], ta, "{rn}");
+    let acked = Instant::now();
+    let mut n = 0;
+    while acked.elapsed() < Duration::from_secs(2) {
+        n += 1;
+        let id = format!("{key}/b{n}");
+        let tried = request(&mut b, &acquire(&key, "B", &id, 400, Some(0))).await;
+        if tried["success"] == true {
+            return Err(format!(
+                "{key}: renewal (ttl 3000) sent {delay:?} after the grant was acknowledged \
+                 ({rn}), yet B was granted {:?} later: {tried}",
+                acked.elapsed()
+            ));
+        }
+        assert!(
+            ["WAIT_TIMEOUT", "BUSY"].contains(&code_of(&tried)),
+            "unexpected answer to B's try-acquire of {key}: {tried}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(true)
+}
+
+/// A renewal sent just as the 400 ms lease runs out either is refused (the expiry won) or, if
+/// acknowledged, holds: the expiry it raced must not take the lock away afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renew_racing_expiry_is_never_acknowledged_then_expired() {
+    let cluster = Cluster::start(3);
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let addr = addr_of(&cluster, leader);
+    let mut counts = RaceCounts::default();
+    let mut violations = Vec::new();
+    const ROUNDS: u64 = 15;
+    const PER_ROUND: u64 = 3;
+    for round in 0..ROUNDS {
+        // Three keys at once per round, renewing 392..=412 ms after their grants.
+        let tasks: Vec<_> = (0..PER_ROUND)
+            .map(|j| {
+                let n = round * PER_ROUND + j;
+                let delay = Duration::from_millis(392 + (n * 20) / (ROUNDS * PER_ROUND - 1));
+                let key = format!("race-{round}-{j}");
+                tokio::spawn(renew_race(addr.clone(), key, delay))
+            })
+            .collect();
+        for t in tasks {
+            match t.await.expect("race task") {
+                Ok(true) => counts.acknowledged += 1,
+                Ok(false) => counts.refused += 1,
+                Err(v) => violations.push(v),
+            }
+        }
+    }
+    eprintln!(
+        "renewals acknowledged: {}, refused: {}, acknowledged then expired: {}",
+        counts.acknowledged,
+        counts.refused,
+        violations.len()
+    );
+    assert!(
+        violations.is_empty(),
+        "{} acknowledged renewal(s) lost the lock to the expiry they raced:\n{}",
+        violations.len(),
+        violations.join("\n")
+    );
+}
+
+/// The holder acquiring its own lock again under a new request id is told `ALREADY_HELD` with
+/// its current token, not granted a second time; a retry of the original request still gets the
+/// original grant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquire_by_current_holder_with_new_request_id_is_already_held() {
+    let cluster = Cluster::start(3);
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let addr = addr_of(&cluster, leader);
+    let mut a = ws_connect(&addr).await;
+    let g1 = request(&mut a, &acquire("k", "A", "r1", 10_000, None)).await;
+    assert_eq!(g1["success"], true, "{g1}");
+    let token = token_of(&g1);
+
+    let again = request(&mut a, &acquire("k", "A", "r2", 10_000, None)).await;
+    assert_eq!(again["requestId"], "r2", "{again}");
+    assert_eq!(
+        again["success"], false,
+        "a second acquire by the holder must not look like a new grant: {again}"
+    );
+    assert_eq!(code_of(&again), "ALREADY_HELD", "{again}");
+    assert_eq!(again["error"]["currentToken"], token, "{again}");
+
+    let retry = request(&mut a, &acquire("k", "A", "r1", 10_000, None)).await;
+    assert_eq!(retry["success"], true, "{retry}");
+    assert_eq!(token_of(&retry), token, "{retry}");
+    let entry = lock_entry(&addr, "k").await;
+    assert_eq!(entry["holder"], "A", "{entry}");
+    assert_eq!(entry["fencingToken"], token, "{entry}");
+}
