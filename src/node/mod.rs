@@ -1300,7 +1300,8 @@ impl<S: Storage, R> NodeCore<S, R> {
         }
         if !commands.is_empty() {
             let encoded = commands.iter().map(|c| Bytes::from(c.encode())).collect();
-            if self.raft.propose(encoded).is_ok() {
+            // (The bug marks the work done even when the proposal was refused.)
+            if self.raft.propose(encoded).is_ok() || never_retry {
                 for cmd in &commands {
                     match cmd {
                         Command::Expire { key, .. } | Command::ExpireLease { key, .. } => {

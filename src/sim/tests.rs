@@ -4,30 +4,53 @@
 use super::{replay_command, run_seed, SimConfig};
 use crate::raft::config::Bugs;
 
+use crate::node::NodeBugs;
+
 /// Runs seeds `0..max_seeds` and returns the first (seed, invariant) that fails.
 fn first_violation(
     max_seeds: u64,
     nodes: usize,
     crash_intensity: u32,
     bugs: Bugs,
-) -> Option<(u64, &'static str)> {
+    node_bugs: NodeBugs,
+) -> Option<(u64, &'static str, String)> {
     (0..max_seeds).find_map(|seed| {
         let mut cfg = SimConfig::new(seed, nodes);
         cfg.crash_intensity = crash_intensity;
         cfg.bugs = bugs;
-        run_seed(cfg).violation.map(|(_, v)| (seed, v.invariant))
+        cfg.node_bugs = node_bugs;
+        run_seed(cfg)
+            .violation
+            .map(|(_, v)| (seed, v.invariant, v.detail))
     })
 }
 
-fn assert_caught(name: &str, max_seeds: u64, bugs: Bugs) {
-    assert_caught_with(name, max_seeds, 1, bugs)
+fn assert_caught(name: &str, max_seeds: u64, bugs: Bugs, expected: &[&str]) {
+    assert_caught_with(name, max_seeds, 1, bugs, NodeBugs::default(), expected)
 }
 
-fn assert_caught_with(name: &str, max_seeds: u64, crash_intensity: u32, bugs: Bugs) {
-    let found = first_violation(max_seeds, 3, crash_intensity, bugs)
-        .or_else(|| first_violation(max_seeds, 5, crash_intensity, bugs));
+fn assert_node_bug_caught(name: &str, max_seeds: u64, node_bugs: NodeBugs, expected: &[&str]) {
+    assert_caught_with(name, max_seeds, 1, Bugs::default(), node_bugs, expected)
+}
+
+/// The broken build must be caught within `max_seeds` seeds on 3 or 5 nodes, and by one of the
+/// `expected` invariants (not by whatever check happens to trip first).
+fn assert_caught_with(
+    name: &str,
+    max_seeds: u64,
+    crash_intensity: u32,
+    bugs: Bugs,
+    node_bugs: NodeBugs,
+    expected: &[&str],
+) {
+    let found = first_violation(max_seeds, 3, crash_intensity, bugs, node_bugs)
+        .or_else(|| first_violation(max_seeds, 5, crash_intensity, bugs, node_bugs));
     match found {
-        Some((seed, invariant)) => {
+        Some((seed, invariant, detail)) => {
+            assert!(
+                expected.contains(&invariant),
+                "{name}: caught at seed {seed}, but by \"{invariant}\" ({detail}), not by {expected:?}"
+            );
             println!(
                 "{name}: caught by \"{invariant}\" at seed {seed} ({} seeds run)",
                 seed + 1
@@ -95,6 +118,13 @@ fn caught_vote_without_log_check() {
             vote_without_log_check: true,
             ..Bugs::default()
         },
+        &[
+            "leader completeness",
+            "state machine safety",
+            "log matching",
+            "deterministic apply",
+            "replica lock state",
+        ],
     );
 }
 
@@ -112,6 +142,14 @@ fn caught_commit_of_earlier_term_entry() {
             commit_earlier_term: true,
             ..Bugs::default()
         },
+        NodeBugs::default(),
+        &[
+            "leader completeness",
+            "state machine safety",
+            "deterministic apply",
+            "replica lock state",
+            "committed entries stay on a majority",
+        ],
     );
 }
 
@@ -125,6 +163,13 @@ fn caught_append_without_prev_check() {
             append_without_prev_check: true,
             ..Bugs::default()
         },
+        &[
+            "log matching",
+            "leader completeness",
+            "state machine safety",
+            "deterministic apply",
+            "replica lock state",
+        ],
     );
 }
 
@@ -138,6 +183,7 @@ fn caught_vote_reply_before_persist() {
             vote_before_persist: true,
             ..Bugs::default()
         },
+        &["election safety", "term monotonicity", "leader completeness"],
     );
 }
 
@@ -161,4 +207,58 @@ fn a_seed_replays_identically() {
             "seed {seed}"
         );
     }
+}
+
+// ----- lease bugs in the node logic (issue: a handed-off lock never expired) --------------------
+
+#[test]
+fn caught_lease_ended_after_hand_off() {
+    assert_node_bug_caught(
+        "lease_ended_after_hand_off",
+        100,
+        NodeBugs {
+            lease_ended_after_hand_off: true,
+            ..NodeBugs::default()
+        },
+        &["leases expire"],
+    );
+}
+
+#[test]
+fn caught_no_lease_for_grants_without_a_local_proposal() {
+    assert_node_bug_caught(
+        "lease_only_for_local_grants",
+        100,
+        NodeBugs {
+            lease_only_for_local_grants: true,
+            ..NodeBugs::default()
+        },
+        &["leases expire"],
+    );
+}
+
+#[test]
+fn caught_expiry_that_checks_only_the_token() {
+    assert_node_bug_caught(
+        "expiry_checks_only_token",
+        400,
+        NodeBugs {
+            expiry_checks_only_token: true,
+            ..NodeBugs::default()
+        },
+        &["one holder at a time"],
+    );
+}
+
+#[test]
+fn caught_housekeeping_never_retried() {
+    assert_node_bug_caught(
+        "housekeeping_never_retried",
+        400,
+        NodeBugs {
+            housekeeping_never_retried: true,
+            ..NodeBugs::default()
+        },
+        &["leases expire", "waits end", "every request answered"],
+    );
 }
