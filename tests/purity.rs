@@ -101,6 +101,16 @@ fn lock_state_machine_is_pure() {
 }
 
 #[test]
+fn node_logic_is_pure() {
+    let found = violations_in("src/node");
+    assert!(
+        found.is_empty(),
+        "src/node must stay pure (the simulator runs it):\n{}",
+        found.join("\n")
+    );
+}
+
+#[test]
 fn the_check_catches_an_impure_import() {
     // Guard against a checker that can never fail: feed it a file that breaks the rule.
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("purity-probe/src/raft");
@@ -124,7 +134,7 @@ fn the_check_catches_an_impure_import() {
 #[test]
 fn simulator_and_core_use_ordered_collections() {
     let mut files = Vec::new();
-    for dir in ["src/sim", "src/raft"] {
+    for dir in ["src/sim", "src/raft", "src/node"] {
         rust_files(&Path::new(env!("CARGO_MANIFEST_DIR")).join(dir), &mut files);
     }
     assert!(files.len() > 5, "sources not found: {files:?}");

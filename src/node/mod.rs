@@ -59,6 +59,9 @@ pub struct NodeSettings {
     pub applied_write_max_keys: usize,
     /// An expiry or cancel proposal not applied within this long is proposed again.
     pub housekeeping_retry_us: Micros,
+    /// Readies processed per [`NodeCore::drive`] (the simulator takes one at a time, to crash a
+    /// node between two of them).
+    pub readies_per_drive: usize,
     /// Emit [`Observation::Persisted`] and [`Observation::Applied`] (the simulator's checkers
     /// use them; lock-node leaves this off).
     pub observe_log: bool,
@@ -76,6 +79,7 @@ impl Default for NodeSettings {
             applied_write_interval_us: 100 * MS,
             applied_write_max_keys: 8192,
             housekeeping_retry_us: 1_000 * MS,
+            readies_per_drive: 64,
             observe_log: false,
             #[cfg(test)]
             bugs: NodeBugs::default(),
@@ -123,25 +127,49 @@ impl<R> std::fmt::Debug for Effect<R> {
 /// What happened, for metrics, logs and the simulator's checkers.
 #[derive(Clone, Debug)]
 pub enum Observation {
-    BecameLeader { term: u64 },
-    LostLeadership { term: u64, leader: NodeId },
-    LeaderChanged { leader: NodeId },
+    BecameLeader {
+        term: u64,
+    },
+    LostLeadership {
+        term: u64,
+        leader: NodeId,
+    },
+    LeaderChanged {
+        leader: NodeId,
+    },
     /// A lock was granted (directly or by a hand-off); `waited_us` counts from the arrival of
     /// the acquire at this node, when it arrived here.
-    Granted { waited_us: Option<Micros> },
+    Granted {
+        waited_us: Option<Micros>,
+    },
     /// A holder's lease ended (release or expiry) after `held_us` on this leader.
-    LeaseEnded { held_us: Micros, expired: bool },
+    LeaseEnded {
+        held_us: Micros,
+        expired: bool,
+    },
     Renewed,
     /// A client request was answered after it committed (`op`, result label).
-    Answered { op: &'static str, result: &'static str },
+    Answered {
+        op: &'static str,
+        result: &'static str,
+    },
     ProposalFailed,
-    SnapshotTaken { index: Index, bytes: usize },
-    SnapshotInstalled { index: Index },
+    SnapshotTaken {
+        index: Index,
+        bytes: usize,
+    },
+    SnapshotInstalled {
+        index: Index,
+    },
     RemovedFromCluster,
     /// A committed membership change removed `id` (seen on every node that applies it).
-    MemberRemoved { id: NodeId },
+    MemberRemoved {
+        id: NodeId,
+    },
     /// A command whose bytes do not decode (only a bug could log one); skipped on every replica.
-    Undecodable { index: Index },
+    Undecodable {
+        index: Index,
+    },
     /// Entries handed to storage (only with `observe_log`).
     Persisted(Vec<crate::raft::Entry>),
     /// One applied entry and its result (only with `observe_log`).
@@ -152,7 +180,10 @@ pub enum Observation {
         applied: Option<crate::lock::Applied>,
     },
     /// Housekeeping the leader proposed.
-    Housekeeping { expiries: usize, cancels: usize },
+    Housekeeping {
+        expiries: usize,
+        cancels: usize,
+    },
 }
 
 /// A request from a client waiting for its entry to apply.
@@ -235,7 +266,13 @@ pub struct NodeCore<S: Storage, R> {
 impl<S: Storage, R> NodeCore<S, R> {
     /// A node over recovered storage: `raft` was built from `storage.recover()` and `sm` from
     /// its applied state.
-    pub fn new(raft: Raft, storage: S, sm: LockStateMachine, cfg: NodeSettings, now: Micros) -> Self {
+    pub fn new(
+        raft: Raft,
+        storage: S,
+        sm: LockStateMachine,
+        cfg: NodeSettings,
+        now: Micros,
+    ) -> Self {
         NodeCore {
             raft,
             storage,
@@ -668,7 +705,7 @@ impl<S: Storage, R> NodeCore<S, R> {
         }
         self.propose_batch();
         let result = (|| {
-            for _ in 0..64 {
+            for _ in 0..self.cfg.readies_per_drive.max(1) {
                 if !self.raft.has_ready() {
                     break;
                 }
@@ -986,7 +1023,8 @@ impl<S: Storage, R> NodeCore<S, R> {
                 self.end_lease(key, expired);
             }
             (Some(h), lease) => {
-                let same = lease.is_some_and(|l| l.token == h.token && l.lease_index == h.lease_index);
+                let same =
+                    lease.is_some_and(|l| l.token == h.token && l.lease_index == h.lease_index);
                 if same {
                     return;
                 }

@@ -54,7 +54,6 @@ pub struct HistoryOp {
 #[derive(Clone, Debug)]
 struct Held {
     token: u64,
-    ttl_ms: u64,
 }
 
 struct InFlight {
@@ -263,7 +262,10 @@ impl SimClients {
             (_, None) => ClientOp::CancelWait {
                 key,
                 client_id,
-                request_id: format!("r{}", client.next_request.saturating_sub(rng.random_range(1..6))),
+                request_id: format!(
+                    "r{}",
+                    client.next_request.saturating_sub(rng.random_range(1..6))
+                ),
             },
         };
         // A release ends the belief when it is sent.
@@ -274,7 +276,10 @@ impl SimClients {
         }
         // A renew may shorten the lease from the moment it applies, answered or not: from its
         // sending, the belief lasts no longer than the new TTL allows.
-        if let ClientOp::Renew { key, token, ttl_ms, .. } = &op {
+        if let ClientOp::Renew {
+            key, token, ttl_ms, ..
+        } = &op
+        {
             let until = client.real(client.local(now) + (ttl_ms - ttl_ms / 5) * 1_000);
             end_belief(&mut self.beliefs, key, c, *token, until);
         }
@@ -352,7 +357,10 @@ impl SimClients {
         rng: &mut impl Rng,
     ) -> Option<Send> {
         if self.trace {
-            eprintln!("t={now} client-{} answer to attempt {}: {reply:?}", to.client, to.attempt);
+            eprintln!(
+                "t={now} client-{} answer to attempt {}: {reply:?}",
+                to.client, to.attempt
+            );
         }
         let Some(&hist) = self.attempts.get(&to.attempt) else {
             return None; // an answer to an attempt the client already gave up on
@@ -398,18 +406,24 @@ impl SimClients {
         entry.reply = Some(reply.clone());
         let first_sent = inflight.first_sent_local;
         match (&entry.op, &reply) {
-            (ClientOp::Acquire { key, .. }, ClientReply::Granted { token, expires_in_ms })
-            | (ClientOp::Renew { key, .. }, ClientReply::Renewed { token, expires_in_ms }) => {
+            (
+                ClientOp::Acquire { key, .. },
+                ClientReply::Granted {
+                    token,
+                    expires_in_ms,
+                },
+            )
+            | (
+                ClientOp::Renew { key, .. },
+                ClientReply::Renewed {
+                    token,
+                    expires_in_ms,
+                },
+            ) => {
                 let margin = expires_in_ms / 5;
                 let until_local = first_sent + (expires_in_ms - margin) * 1_000;
                 let until = client.real(until_local);
-                client.held.insert(
-                    key.clone(),
-                    Held {
-                        token: token.value,
-                        ttl_ms: *expires_in_ms,
-                    },
-                );
+                client.held.insert(key.clone(), Held { token: token.value });
                 self.stats.beliefs += 1;
                 let beliefs = self.beliefs.entry(key.clone()).or_default();
                 match beliefs
@@ -428,15 +442,14 @@ impl SimClients {
                 }
             }
             (ClientOp::Renew { key, .. }, ClientReply::Error(e))
-                if matches!(e.code, ErrorCode::StaleToken | ErrorCode::NotHolder) =>
+                if matches!(e.code, ErrorCode::StaleToken | ErrorCode::NotHolder)
+                    && client.held.remove(key).is_some() =>
             {
-                if client.held.remove(key).is_some() {
-                    self.stats.expiries_seen += 1;
-                }
+                // The lease ran out before the renew: the client learns it lost the lock.
+                self.stats.expiries_seen += 1;
             }
             _ => {}
         }
-        let _ = client.held.values().map(|h| h.ttl_ms).max();
         None
     }
 
@@ -446,8 +459,11 @@ impl SimClients {
         // One holder at a time.
         for (key, beliefs) in &self.beliefs {
             // An answer that arrived after its own deadline gives no belief at all.
-            let mut sorted: Vec<Belief> =
-                beliefs.iter().filter(|b| b.from < b.until).cloned().collect();
+            let mut sorted: Vec<Belief> = beliefs
+                .iter()
+                .filter(|b| b.from < b.until)
+                .cloned()
+                .collect();
             sorted.sort_by_key(|b| b.from);
             for (i, a) in sorted.iter().enumerate() {
                 for b in &sorted[i + 1..] {
@@ -470,8 +486,11 @@ impl SimClients {
         // Tokens grow in real time.
         let mut grants: BTreeMap<&str, Vec<(u64, u64, u64)>> = BTreeMap::new();
         for h in &self.history {
-            if let (ClientOp::Acquire { key, .. }, Some(ClientReply::Granted { token, .. }), Some(done)) =
-                (&h.op, &h.reply, h.complete_us)
+            if let (
+                ClientOp::Acquire { key, .. },
+                Some(ClientReply::Granted { token, .. }),
+                Some(done),
+            ) = (&h.op, &h.reply, h.complete_us)
             {
                 grants
                     .entry(key.as_str())
@@ -505,11 +524,11 @@ impl SimClients {
                 .history
                 .iter()
                 .filter_map(|w| match (&w.op, &w.reply, w.complete_us) {
-                    (ClientOp::Put { key: k, value, .. }, Some(ClientReply::Stored), Some(done))
-                        if k == key && done < h.invoke_us =>
-                    {
-                        write_index.get(value).copied()
-                    }
+                    (
+                        ClientOp::Put { key: k, value, .. },
+                        Some(ClientReply::Stored),
+                        Some(done),
+                    ) if k == key && done < h.invoke_us => write_index.get(value).copied(),
                     _ => None,
                 })
                 .max()
@@ -556,9 +575,18 @@ impl SimClients {
     }
 }
 
-fn end_belief(beliefs: &mut BTreeMap<String, Vec<Belief>>, key: &str, c: usize, token: u64, now: u64) {
+fn end_belief(
+    beliefs: &mut BTreeMap<String, Vec<Belief>>,
+    key: &str,
+    c: usize,
+    token: u64,
+    now: u64,
+) {
     if let Some(list) = beliefs.get_mut(key) {
-        for b in list.iter_mut().filter(|b| b.client == c && b.token == token) {
+        for b in list
+            .iter_mut()
+            .filter(|b| b.client == c && b.token == token)
+        {
             b.until = b.until.min(now).max(b.from);
         }
     }

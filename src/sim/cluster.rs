@@ -143,7 +143,6 @@ pub struct SimOutcome {
     pub violation: Option<(u64, Violation)>,
 }
 
-
 type Core = NodeCore<MemStorage, ReplyTo>;
 
 /// Largest drift of a node's clock from real time, in parts per million.
@@ -320,6 +319,7 @@ impl Cluster {
             applied_write_interval_us: self.cfg.applied_write_interval_us,
             applied_write_max_keys: 64,
             housekeeping_retry_us: 200_000,
+            readies_per_drive: 1,
             observe_log: true,
             #[cfg(test)]
             bugs: self.cfg.node_bugs,
@@ -449,8 +449,10 @@ impl Cluster {
             self.check_liveness();
             self.collect_violations();
             if self.checker.ok() {
-                self.clients
-                    .check(&self.write_index, self.healed_at.filter(|_| self.marker_done));
+                self.clients.check(
+                    &self.write_index,
+                    self.healed_at.filter(|_| self.marker_done),
+                );
                 self.collect_violations();
             }
             if !self.checker.ok() {
@@ -588,8 +590,7 @@ impl Cluster {
     }
 
     fn push_client_msg(&mut self, msg: ClientMsg) {
-        if self.healed_at.is_none()
-            && self.rng.random_range(0..1_000_000u32) < self.client_drop_ppm
+        if self.healed_at.is_none() && self.rng.random_range(0..1_000_000u32) < self.client_drop_ppm
         {
             return;
         }
@@ -637,11 +638,28 @@ impl Cluster {
         }
     }
 
-    /// Carries out a node's effects and runs the per-node checks.
-    fn after_core(&mut self, id: NodeId, result: Result<(), StorageError>) {
+    /// Carries out a node's effects and runs the per-node checks, one Ready at a time, so that a
+    /// crash can strike between two Readies.
+    fn after_core(&mut self, id: NodeId, mut result: Result<(), StorageError>) {
         loop {
+            if !self.after_one_drive(id, result) {
+                return;
+            }
             let Some(core) = self.nodes.get_mut(&id).and_then(|n| n.core.as_mut()) else {
                 return;
+            };
+            if !core.raft().has_ready() {
+                return;
+            }
+            result = core.drive();
+        }
+    }
+
+    /// Effects and checks after one drive; false if the node went down.
+    fn after_one_drive(&mut self, id: NodeId, result: Result<(), StorageError>) -> bool {
+        loop {
+            let Some(core) = self.nodes.get_mut(&id).and_then(|n| n.core.as_mut()) else {
+                return false;
             };
             let effects = core.take_effects();
             if effects.is_empty() {
@@ -666,7 +684,7 @@ impl Cluster {
                 let node = self.nodes.get_mut(&id).expect("exists");
                 let local = node.local(self.now_us);
                 let Some(core) = node.core.as_mut() else {
-                    return;
+                    return false;
                 };
                 if let Err(err) = core.snapshot_built(local, built) {
                     self.checker.violations.push(Violation {
@@ -685,17 +703,18 @@ impl Cluster {
                 if restart {
                     self.start_node(id);
                 }
-                return;
+                return false;
             }
             Err(err) => {
                 self.checker.violations.push(Violation {
                     invariant: "storage",
                     detail: format!("node {id}: {err}"),
                 });
-                return;
+                return false;
             }
         }
         self.after_drive_checks(id);
+        self.nodes.get(&id).is_some_and(|n| n.core.is_some())
     }
 
     fn observe(&mut self, id: NodeId, o: Observation) {
@@ -734,8 +753,10 @@ impl Cluster {
                 self.checker.on_apply(id, index, digest);
                 match (command, applied) {
                     (Some(command), Some(applied)) => {
-                        if let (crate::lock::Command::Put { value, .. }, crate::lock::Outcome::Stored) =
-                            (&command, &applied.outcome)
+                        if let (
+                            crate::lock::Command::Put { value, .. },
+                            crate::lock::Outcome::Stored,
+                        ) = (&command, &applied.outcome)
                         {
                             self.write_index.entry(value.clone()).or_insert(index);
                         }
@@ -751,7 +772,10 @@ impl Cluster {
             }
             Observation::MemberRemoved { id: gone } => {
                 if self.cfg.trace {
-                    eprintln!("t={} node {id} applied the removal of node {gone}", self.now_us);
+                    eprintln!(
+                        "t={} node {id} applied the removal of node {gone}",
+                        self.now_us
+                    );
                 }
                 let delay = self.rng.random_range(0..500_000);
                 if let Some(node) = self.nodes.get_mut(&gone) {
@@ -776,7 +800,10 @@ impl Cluster {
         let raft = core.raft();
         let commit = raft.commit_index();
         if commit < node.last_commit {
-            let detail = format!("node {id} commit went from {} to {commit}", node.last_commit);
+            let detail = format!(
+                "node {id} commit went from {} to {commit}",
+                node.last_commit
+            );
             self.checker.violations.push(Violation {
                 invariant: "commit monotonicity",
                 detail,
@@ -839,7 +866,11 @@ impl Cluster {
             (on(10_000), Action::Restart),
             (on(1_500), Action::Pause),
             (
-                if self.cfg.membership_changes { 3_000 } else { 0 },
+                if self.cfg.membership_changes {
+                    3_000
+                } else {
+                    0
+                },
                 Action::Membership,
             ),
             (500, Action::Transfer),
@@ -1184,7 +1215,12 @@ impl Cluster {
             .membership()
             .voters
             .iter()
-            .filter_map(|v| self.nodes.get(v).and_then(|n| n.core.as_ref()).map(|c| c.raft()))
+            .filter_map(|v| {
+                self.nodes
+                    .get(v)
+                    .and_then(|n| n.core.as_ref())
+                    .map(|c| c.raft())
+            })
             .collect();
         if voters.len() == core.raft().membership().voters.len() {
             let mut checker = std::mem::take(&mut self.checker);
