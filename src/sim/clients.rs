@@ -26,8 +26,11 @@ use crate::raft::NodeId;
 
 /// Largest drift of a client's clock from real time, in parts per million.
 pub const CLIENT_DRIFT_PPM: i64 = 5_000;
-/// Attempts per operation before a client gives up on it.
-const MAX_ATTEMPTS: u32 = 8;
+/// Attempts per operation before a client gives up on it …
+const MAX_ATTEMPTS: u32 = 60;
+/// … or time since its first attempt (the SDK's default retry budget is 30 s; elections after
+/// heavy faults and membership changes take up to a few simulated seconds).
+const GIVE_UP_AFTER_US: u64 = 4_000_000;
 /// How long a client waits for an answer beyond the operation's own wait.
 const ANSWER_TIMEOUT_US: u64 = 400_000;
 
@@ -310,7 +313,10 @@ impl SimClients {
     fn resend(&mut self, c: usize, now: u64, target: NodeId) -> Option<Send> {
         let client = &mut self.clients[c];
         let inflight = client.op.as_mut()?;
-        if inflight.attempts >= MAX_ATTEMPTS {
+        let drift = client.drift_ppm;
+        let first_sent =
+            (inflight.first_sent_local as i128 * 1_000_000 / (1_000_000 + drift as i128)) as u64;
+        if inflight.attempts >= MAX_ATTEMPTS || now >= first_sent + GIVE_UP_AFTER_US {
             let hist = inflight.hist;
             client.op = None;
             client.next_action_us = now + 1_000;
