@@ -88,6 +88,18 @@ pub enum Command {
         token: u64,
         lease_index: u64,
     },
+    /// Sets the limits every replica applies commands with (waiters per key, TTL bounds, sizes,
+    /// table bounds). Proposed by the first leader of a cluster from its configuration, so that
+    /// replicas never judge one entry differently because their flags differ.
+    SetLimits { limits: super::Limits },
+    /// Give the lock back without naming the token (seed 000's release): applies only if
+    /// `client_id` holds `key`. Releasing by token is safer — a client that lost its lease and
+    /// got it again under the same id cannot release the newer hold by mistake with a token.
+    ReleaseHeld {
+        key: String,
+        client_id: String,
+        request_id: String,
+    },
 }
 
 /// Why bytes could not be turned into a command, a snapshot or a state machine.
@@ -121,12 +133,14 @@ impl Command {
         match self {
             Command::Acquire { key, .. }
             | Command::Release { key, .. }
+            | Command::ReleaseHeld { key, .. }
             | Command::Renew { key, .. }
             | Command::CancelWait { key, .. }
             | Command::Put { key, .. }
             | Command::Delete { key, .. }
             | Command::Expire { key, .. }
             | Command::ExpireLease { key, .. } => key,
+            Command::SetLimits { .. } => "",
         }
     }
 
@@ -140,6 +154,11 @@ impl Command {
                 ..
             }
             | Command::Release {
+                client_id,
+                request_id,
+                ..
+            }
+            | Command::ReleaseHeld {
                 client_id,
                 request_id,
                 ..
@@ -258,6 +277,14 @@ mod tests {
                 key: "orders".into(),
                 token: 17,
                 lease_index: 40,
+            },
+            Command::SetLimits {
+                limits: crate::lock::Limits::default(),
+            },
+            Command::ReleaseHeld {
+                key: "orders".into(),
+                client_id: "worker-7".into(),
+                request_id: "r-45".into(),
             },
         ]
     }

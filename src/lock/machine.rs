@@ -26,6 +26,7 @@ const META_SEQ: &str = "meta/seq";
 const META_APPLIED: &str = "meta/applied";
 const META_DEDUPE_PREFIX: &str = "meta/dedupe/";
 const META_DEDUPE_NEXT: &str = "meta/dedupe_next";
+const META_LIMITS: &str = "meta/limits";
 const SNAPSHOT_VERSION: u8 = 1;
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -88,6 +89,32 @@ struct DedupeRecord {
     client_id: String,
     request_id: String,
     outcome: Outcome,
+    /// What the request was: its command kind and key. A request id reused for another kind or
+    /// key is refused instead of answered with this record. `None` in records written before
+    /// this was kept.
+    op: Option<(u8, String)>,
+}
+
+/// A dedupe record as written before records kept their operation (read back only).
+#[derive(Deserialize)]
+struct DedupeRecordV1 {
+    client_id: String,
+    request_id: String,
+    outcome: Outcome,
+}
+
+/// Kind and key of a command, for [`DedupeRecord::op`].
+fn op_of(command: &Command) -> (u8, String) {
+    let kind = match command {
+        Command::Acquire { .. } => 1,
+        Command::Release { .. } | Command::ReleaseHeld { .. } => 2,
+        Command::Renew { .. } => 3,
+        Command::CancelWait { .. } => 4,
+        Command::Put { .. } => 5,
+        Command::Delete { .. } => 6,
+        Command::Expire { .. } | Command::ExpireLease { .. } | Command::SetLimits { .. } => 0,
+    };
+    (kind, command.key().to_string())
 }
 
 /// A held lock, as the leader needs it to rebuild lease deadlines.
@@ -115,6 +142,8 @@ pub struct WaiterInfo {
 #[derive(Clone, Debug, Default)]
 pub struct LockStateMachine {
     limits: Limits,
+    /// Whether `limits` came through the log (`SetLimits`) rather than from the constructor.
+    limits_replicated: bool,
     applied_index: u64,
     /// The one cluster-wide fencing sequence: the last token handed out.
     fencing_seq: u64,
@@ -151,6 +180,11 @@ impl LockStateMachine {
 
     pub fn set_limits(&mut self, limits: Limits) {
         self.limits = limits;
+    }
+
+    /// Whether the limits in force were set through the log (`SetLimits`).
+    pub fn limits_replicated(&self) -> bool {
+        self.limits_replicated
     }
 
     pub fn applied_index(&self) -> u64 {
@@ -272,6 +306,9 @@ impl LockStateMachine {
         events: &mut Vec<Event>,
         replayed: &mut bool,
     ) -> Outcome {
+        if let Command::SetLimits { limits } = command {
+            return self.set_replicated_limits(limits);
+        }
         if let Err(rejection) = self.validate(command) {
             return rejection;
         }
@@ -281,7 +318,17 @@ impl LockStateMachine {
                 .dedupe_index
                 .get(&(client.to_string(), request.to_string()))
             {
-                let recorded = self.dedupe[&n].outcome.clone();
+                let record = &self.dedupe[&n];
+                if record.op.as_ref().is_some_and(|op| *op != op_of(command)) {
+                    return Outcome::rejected(
+                        RejectCode::RequestIdReused,
+                        format!(
+                            "request id {request:?} of client {client:?} was used for another \
+                             operation or key; use a new request id"
+                        ),
+                    );
+                }
+                let recorded = record.outcome.clone();
                 *replayed = true;
                 return match recorded {
                     Outcome::Queued { .. } => {
@@ -323,6 +370,19 @@ impl LockStateMachine {
                 key, value, guard, ..
             } => self.put(key, value, guard.as_ref()),
             Command::Delete { key, guard, .. } => self.delete(key, guard.as_ref()),
+            Command::SetLimits { .. } => {
+                Outcome::rejected(RejectCode::InvalidRequest, "unreachable")
+            }
+            Command::ReleaseHeld { key, client_id, .. } => {
+                match self.locks.get(key).and_then(|e| e.holder.as_ref()) {
+                    Some(h) if *h.client_id == **client_id => {
+                        self.vacate(key, events);
+                        Outcome::Released
+                    }
+                    Some(_) => Outcome::NotHolder,
+                    None => Outcome::StaleToken { current: None },
+                }
+            }
             Command::Expire { key, token } => self.expire(key, *token, None, events),
             Command::ExpireLease {
                 key,
@@ -332,7 +392,7 @@ impl LockStateMachine {
         };
         if outcome.is_recorded() {
             if let Some((client, request)) = command.dedupe_id() {
-                self.record(client, request, outcome.clone());
+                self.record(client, request, outcome.clone(), op_of(command));
             }
         }
         outcome
@@ -368,6 +428,11 @@ impl LockStateMachine {
                 request_id,
                 ..
             }
+            | Command::ReleaseHeld {
+                client_id,
+                request_id,
+                ..
+            }
             | Command::Renew {
                 client_id,
                 request_id,
@@ -388,7 +453,7 @@ impl LockStateMachine {
                 request_id,
                 ..
             } => &[client_id, request_id],
-            Command::Expire { .. } | Command::ExpireLease { .. } => &[],
+            Command::Expire { .. } | Command::ExpireLease { .. } | Command::SetLimits { .. } => &[],
         };
         if ids.iter().any(|id| id.len() > l.id_bytes_max) {
             return Err(Outcome::rejected(
@@ -439,7 +504,11 @@ impl LockStateMachine {
                 check_guard(guard.as_ref(), l)?;
             }
             Command::Delete { guard, .. } => check_guard(guard.as_ref(), l)?,
-            Command::CancelWait { .. } | Command::Expire { .. } | Command::ExpireLease { .. } => {}
+            Command::CancelWait { .. }
+            | Command::ReleaseHeld { .. }
+            | Command::Expire { .. }
+            | Command::ExpireLease { .. }
+            | Command::SetLimits { .. } => {}
         }
         Ok(())
     }
@@ -716,6 +785,24 @@ impl LockStateMachine {
         Outcome::Deleted { existed }
     }
 
+    fn set_replicated_limits(&mut self, limits: &Limits) -> Outcome {
+        let sane = limits.key_bytes_max > 0
+            && limits.id_bytes_max > 0
+            && limits.ttl_ms_max > 0
+            && limits.waiters_per_key_max > 0
+            && limits.locks_held_max > 0;
+        if !sane {
+            return Outcome::rejected(
+                RejectCode::InvalidRequest,
+                "limits must allow keys, ids, leases, waiters and locks",
+            );
+        }
+        self.limits = limits.clone();
+        self.limits_replicated = true;
+        self.dirty.insert(META_LIMITS.to_string());
+        Outcome::Stored
+    }
+
     fn mark_lock(&mut self, key: &str) {
         if self
             .locks
@@ -729,7 +816,7 @@ impl LockStateMachine {
 
     // ----- exactly-once table ----------------------------------------------------------------
 
-    fn record(&mut self, client_id: &str, request_id: &str, outcome: Outcome) {
+    fn record(&mut self, client_id: &str, request_id: &str, outcome: Outcome, op: (u8, String)) {
         let n = self.dedupe_next;
         self.dedupe_next += 1;
         self.dedupe.insert(
@@ -738,6 +825,7 @@ impl LockStateMachine {
                 client_id: client_id.into(),
                 request_id: request_id.into(),
                 outcome,
+                op: Some(op),
             },
         );
         self.dedupe_index
@@ -783,6 +871,7 @@ impl LockStateMachine {
             META_SEQ => Some(self.fencing_seq.to_be_bytes().to_vec()),
             META_APPLIED => Some(self.applied_index.to_be_bytes().to_vec()),
             META_DEDUPE_NEXT => Some(self.dedupe_next.to_be_bytes().to_vec()),
+            META_LIMITS => self.limits_replicated.then(|| encode_plain(&self.limits)),
             _ => None,
         }
     }
@@ -802,7 +891,7 @@ impl LockStateMachine {
         keys.extend(self.locks.keys().map(|k| format!("{LOCK_PREFIX}{k}")));
         keys.extend(self.data.keys().map(|k| format!("{DATA_PREFIX}{k}")));
         keys.extend(self.dedupe.keys().map(|&n| dedupe_key(n)));
-        keys.extend([META_SEQ, META_APPLIED, META_DEDUPE_NEXT].map(String::from));
+        keys.extend([META_SEQ, META_APPLIED, META_DEDUPE_NEXT, META_LIMITS].map(String::from));
         keys.sort();
         keys.into_iter()
             .filter_map(|k| self.value_of(&k).map(|v| (k.into_bytes(), v)))
@@ -847,7 +936,17 @@ impl LockStateMachine {
                 let n: u64 = n
                     .parse()
                     .map_err(|_| DecodeError::InvalidState(format!("bad dedupe key {key}")))?;
-                let rec: DedupeRecord = decode_plain(&value)?;
+                let rec: DedupeRecord = match decode_plain(&value) {
+                    Ok(rec) => rec,
+                    Err(err) => decode_plain::<DedupeRecordV1>(&value)
+                        .map(|old| DedupeRecord {
+                            client_id: old.client_id,
+                            request_id: old.request_id,
+                            outcome: old.outcome,
+                            op: None,
+                        })
+                        .map_err(|_| err)?,
+                };
                 sm.dedupe_index
                     .insert((rec.client_id.clone(), rec.request_id.clone()), n);
                 sm.dedupe.insert(n, rec);
@@ -856,6 +955,10 @@ impl LockStateMachine {
                     META_SEQ => sm.fencing_seq = u64_of(&value, "meta/seq")?,
                     META_APPLIED => sm.applied_index = u64_of(&value, "meta/applied")?,
                     META_DEDUPE_NEXT => sm.dedupe_next = u64_of(&value, "meta/dedupe_next")?,
+                    META_LIMITS => {
+                        sm.limits = decode_plain(&value)?;
+                        sm.limits_replicated = true;
+                    }
                     other => {
                         return Err(DecodeError::InvalidState(format!(
                             "unknown state key {other}"

@@ -110,6 +110,8 @@ pub enum RejectCode {
     LimitReached,
     /// The log index was not above the applied index; the entry was applied before.
     AlreadyApplied,
+    /// The request id was already used by this client for another operation or key.
+    RequestIdReused,
 }
 
 /// A notification for a party other than the proposer.

@@ -56,7 +56,7 @@ struct Model {
     queues: BTreeMap<String, VecDeque<MWaiter>>,
     data: BTreeMap<String, Vec<u8>>,
     /// Remembered outcomes, oldest first.
-    dedupe: VecDeque<((String, String), Outcome)>,
+    dedupe: VecDeque<((String, String), Outcome, (&'static str, String))>,
     /// Index of the command being applied (the caller counts it: one per `apply`).
     index: u64,
 }
@@ -69,26 +69,32 @@ impl Model {
         }
     }
 
-    fn remembered(&self, client: &str, request: &str) -> Option<Outcome> {
+    fn remembered(&self, client: &str, request: &str) -> Option<(Outcome, (&'static str, String))> {
         self.dedupe
             .iter()
-            .find(|((c, r), _)| c == client && r == request)
-            .map(|(_, o)| o.clone())
+            .find(|((c, r), _, _)| c == client && r == request)
+            .map(|(_, o, op)| (o.clone(), op.clone()))
     }
 
-    fn remember(&mut self, client: &str, request: &str, outcome: Outcome) {
+    fn remember(
+        &mut self,
+        client: &str,
+        request: &str,
+        outcome: Outcome,
+        op: (&'static str, String),
+    ) {
         if request.is_empty() {
             return;
         }
         self.dedupe
-            .push_back(((client.into(), request.into()), outcome));
+            .push_back(((client.into(), request.into()), outcome, op));
         while self.dedupe.len() > self.limits.dedupe_entries_max {
             self.dedupe.pop_front();
         }
     }
 
     fn rewrite(&mut self, client: &str, request: &str, outcome: Outcome) {
-        for ((c, r), o) in self.dedupe.iter_mut() {
+        for ((c, r), o, _) in self.dedupe.iter_mut() {
             if c == client && r == request {
                 *o = outcome.clone();
             }
@@ -157,7 +163,14 @@ impl Model {
         self.index += 1;
         // Inputs in these tests are always within the size limits; see the targeted tests.
         if let Some((client, request)) = ids(cmd) {
-            if let Some(o) = self.remembered(client, request) {
+            if let Some((o, op)) = self.remembered(client, request) {
+                // A request id used again for another operation or key is refused.
+                if op != model_op(cmd) {
+                    return Outcome::Rejected {
+                        code: RejectCode::RequestIdReused,
+                        message: String::new(),
+                    };
+                }
                 if let (Outcome::Queued { .. }, Some(pos)) =
                     (&o, self.position(cmd.key(), client, request))
                 {
@@ -296,6 +309,18 @@ impl Model {
                 },
                 None => Outcome::StaleToken { current: None },
             },
+            Command::ReleaseHeld { key, client_id, .. } => match self.holders.get(key) {
+                Some(h) if &h.client == client_id => {
+                    self.hand_off(key);
+                    Outcome::Released
+                }
+                Some(_) => Outcome::NotHolder,
+                None => Outcome::StaleToken { current: None },
+            },
+            Command::SetLimits { limits } => {
+                self.limits = limits.clone();
+                Outcome::Stored
+            }
             Command::Expire { key, token } => match self.holders.get(key) {
                 Some(h) if h.token == *token => {
                     let client_id = h.client.clone();
@@ -339,7 +364,7 @@ impl Model {
         };
         if out.is_recorded() {
             if let Some((c, r)) = ids(cmd) {
-                self.remember(c, r, out.clone());
+                self.remember(c, r, out.clone(), model_op(cmd));
             }
         }
         out
@@ -354,6 +379,11 @@ fn ids(cmd: &Command) -> Option<(&str, &str)> {
             ..
         }
         | Command::Release {
+            client_id,
+            request_id,
+            ..
+        }
+        | Command::ReleaseHeld {
             client_id,
             request_id,
             ..
@@ -378,6 +408,20 @@ fn ids(cmd: &Command) -> Option<(&str, &str)> {
 }
 
 /// Rejection messages are for humans; compare codes only.
+/// What kind of operation on which key a request was, as the exactly-once rule compares them.
+fn model_op(cmd: &Command) -> (&'static str, String) {
+    let kind = match cmd {
+        Command::Acquire { .. } => "acquire",
+        Command::Release { .. } | Command::ReleaseHeld { .. } => "release",
+        Command::Renew { .. } => "renew",
+        Command::CancelWait { .. } => "cancel",
+        Command::Put { .. } => "put",
+        Command::Delete { .. } => "delete",
+        Command::Expire { .. } | Command::ExpireLease { .. } | Command::SetLimits { .. } => "",
+    };
+    (kind, cmd.key().to_string())
+}
+
 fn normalize(o: Outcome) -> Outcome {
     match o {
         Outcome::Rejected { code, .. } => Outcome::Rejected {

@@ -2,13 +2,13 @@
 //! Translation to each wire format happens at the edge (`ws.rs`, `grpc.rs`); this is the one
 //! place that names the error codes.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::lock::FencingToken;
 use crate::raft::NodeId;
 
 /// The closed set of error codes a client can receive (DESIGN.md §6).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum ErrorCode {
     /// This node is not the leader; `leaderId`/`leaderAddr` say where to go.
@@ -37,6 +37,8 @@ pub enum ErrorCode {
     /// The client already holds this lock (acquired under another request id); the error carries
     /// the current token. Locks are not re-entrant.
     AlreadyHeld,
+    /// The request id was already used by this client for another operation or key.
+    RequestIdReused,
 }
 
 impl ErrorCode {
@@ -54,6 +56,7 @@ impl ErrorCode {
             ErrorCode::Busy => "BUSY",
             ErrorCode::NotWaiting => "NOT_WAITING",
             ErrorCode::AlreadyHeld => "ALREADY_HELD",
+            ErrorCode::RequestIdReused => "REQUEST_ID_REUSED",
         }
     }
 
@@ -66,7 +69,7 @@ impl ErrorCode {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ApiError {
     pub code: ErrorCode,
     pub message: String,
@@ -88,8 +91,9 @@ impl ApiError {
     }
 }
 
-/// One client operation.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// One client operation. (Serialized only between nodes, when a follower forwards a request to
+/// the leader.)
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ClientOp {
     Acquire {
         key: String,
@@ -104,6 +108,12 @@ pub enum ClientOp {
         client_id: String,
         request_id: String,
         token: u64,
+    },
+    /// Release without a token: applies if `client_id` holds `key`.
+    ReleaseHeld {
+        key: String,
+        client_id: String,
+        request_id: String,
     },
     Renew {
         key: String,
@@ -140,7 +150,7 @@ impl ClientOp {
     pub fn name(&self) -> &'static str {
         match self {
             ClientOp::Acquire { .. } => "acquire",
-            ClientOp::Release { .. } => "release",
+            ClientOp::Release { .. } | ClientOp::ReleaseHeld { .. } => "release",
             ClientOp::Renew { .. } => "renew",
             ClientOp::CancelWait { .. } => "cancel_wait",
             ClientOp::Put { .. } => "put",
@@ -153,6 +163,7 @@ impl ClientOp {
         match self {
             ClientOp::Acquire { key, .. }
             | ClientOp::Release { key, .. }
+            | ClientOp::ReleaseHeld { key, .. }
             | ClientOp::Renew { key, .. }
             | ClientOp::CancelWait { key, .. }
             | ClientOp::Put { key, .. }
@@ -163,7 +174,7 @@ impl ClientOp {
 }
 
 /// The answer to one [`ClientOp`].
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ClientReply {
     Granted {
         token: FencingToken,

@@ -59,6 +59,9 @@ pub struct NodeSettings {
     pub applied_write_max_keys: usize,
     /// An expiry or cancel proposal not applied within this long is proposed again.
     pub housekeeping_retry_us: Micros,
+    /// The limits this node proposes for the cluster when it leads one whose limits were never
+    /// set through the log (`Command::SetLimits`). Apply always uses the replicated limits.
+    pub configured_limits: Option<crate::lock::Limits>,
     /// Readies processed per [`NodeCore::drive`] (the simulator takes one at a time, to crash a
     /// node between two of them).
     pub readies_per_drive: usize,
@@ -80,6 +83,7 @@ impl Default for NodeSettings {
             applied_write_max_keys: 8192,
             housekeeping_retry_us: 1_000 * MS,
             readies_per_drive: 64,
+            configured_limits: None,
             observe_log: false,
             #[cfg(test)]
             bugs: NodeBugs::default(),
@@ -261,6 +265,8 @@ pub struct NodeCore<S: Storage, R> {
     snapshot_in_progress: bool,
     /// Set when storage failed: the node must stop.
     failed: bool,
+    /// When this leader last proposed the cluster's limits.
+    limits_proposed_at: Option<Micros>,
 }
 
 impl<S: Storage, R> NodeCore<S, R> {
@@ -297,6 +303,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             applied_written_at: now,
             snapshot_in_progress: false,
             failed: false,
+            limits_proposed_at: None,
         }
     }
 
@@ -456,6 +463,15 @@ impl<S: Storage, R> NodeCore<S, R> {
                     key: key.clone(),
                     value: token,
                 },
+                key,
+                client_id,
+                request_id,
+            },
+            ClientOp::ReleaseHeld {
+                key,
+                client_id,
+                request_id,
+            } => Command::ReleaseHeld {
                 key,
                 client_id,
                 request_id,
@@ -1032,7 +1048,10 @@ impl<S: Storage, R> NodeCore<S, R> {
                     self.end_lease(key, matches!(applied.outcome, Outcome::Expired { .. }));
                 }
                 if self.bug(|b| b.lease_ended_after_hand_off)
-                    && matches!(command, Command::Release { .. })
+                    && matches!(
+                        command,
+                        Command::Release { .. } | Command::ReleaseHeld { .. }
+                    )
                 {
                     // The release's answer ends the lease the hand-off just started.
                     return;
@@ -1257,6 +1276,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             ),
             Outcome::Rejected { code, message } => {
                 let code = match code {
+                    RejectCode::RequestIdReused => ErrorCode::RequestIdReused,
                     RejectCode::TooLarge => ErrorCode::TooLarge,
                     RejectCode::QueueFull | RejectCode::LimitReached => ErrorCode::Busy,
                     RejectCode::InvalidRequest | RejectCode::AlreadyApplied => {
@@ -1310,6 +1330,16 @@ impl<S: Storage, R> NodeCore<S, R> {
             Some(at) => now >= at + retry,
         };
         let mut commands = Vec::new();
+        if let Some(limits) = &self.cfg.configured_limits {
+            if !self.sm.limits_replicated() && due(self.limits_proposed_at) {
+                let cmd = Command::SetLimits {
+                    limits: limits.clone(),
+                };
+                if self.raft.propose(vec![Bytes::from(cmd.encode())]).is_ok() {
+                    self.limits_proposed_at = Some(now);
+                }
+            }
+        }
         for (key, lease) in &self.leases {
             if lease.deadline <= now && due(lease.expiry_proposed_at) {
                 commands.push(if only_token {

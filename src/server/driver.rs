@@ -108,6 +108,8 @@ pub struct DriverConfig {
     pub waiter_reclaim: Duration,
     /// Inputs handled per loop turn before the resulting Ready is processed.
     pub max_batch_inputs: usize,
+    /// Limits this node proposes for a cluster whose limits were never set.
+    pub limits: crate::lock::Limits,
 }
 
 /// Storage that times its flushes for `raftlock_fsync_duration_seconds`.
@@ -297,6 +299,7 @@ impl Driver {
             snapshot_entries: cfg.snapshot_entries,
             snapshot_bytes: cfg.snapshot_bytes,
             waiter_reclaim_us: cfg.waiter_reclaim.as_micros() as Micros,
+            configured_limits: Some(cfg.limits.clone()),
             ..NodeSettings::default()
         };
         let storage = TimedStorage {

@@ -439,4 +439,49 @@ impl ppb::peer_server::Peer for PeerApi {
             },
         }))
     }
+
+    async fn forward_client(
+        &self,
+        request: Request<ppb::ForwardClientRequest>,
+    ) -> Result<Response<ppb::ForwardClientReply>, Status> {
+        self.authorize(&request)?;
+        let r = request.into_inner();
+        let op: ClientOp = serde_json::from_slice(&r.op_json)
+            .map_err(|e| Status::invalid_argument(format!("undecodable operation: {e}")))?;
+        let conn = super::ws::next_conn();
+        // If the forwarding node drops the call (its client went away), this node treats the
+        // request's waiters like those of a closed connection.
+        let _gone = DisconnectOnDrop {
+            driver: self.driver.clone(),
+            conn,
+        };
+        let (tx, rx) = oneshot::channel();
+        let reply = match self.driver.try_send(Input::Client {
+            op,
+            conn,
+            reply: tx,
+        }) {
+            Ok(()) => rx.await.unwrap_or_else(|_| {
+                ClientReply::error(ErrorCode::Unavailable, "node is shutting down")
+            }),
+            Err(_) => ClientReply::error(ErrorCode::Busy, "the leader's request queue is full"),
+        };
+        let reply_json = serde_json::to_vec(&reply)
+            .map_err(|e| Status::internal(format!("answer does not encode: {e}")))?;
+        Ok(Response::new(ppb::ForwardClientReply { reply_json }))
+    }
+}
+
+/// Tells the driver a forwarded request's connection is gone when the call ends.
+struct DisconnectOnDrop {
+    driver: mpsc::Sender<Input>,
+    conn: u64,
+}
+
+impl Drop for DisconnectOnDrop {
+    fn drop(&mut self) {
+        let _ = self
+            .driver
+            .try_send(Input::Disconnected { conn: self.conn });
+    }
 }

@@ -37,6 +37,7 @@ pub struct AppState {
     pub limits: Arc<ClientLimits>,
     pub connections: Arc<Semaphore>,
     pub addresses: AddressBook,
+    pub forwarder: Arc<super::forward::Forwarder>,
 }
 
 pub fn router(state: AppState) -> Router {

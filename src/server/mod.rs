@@ -6,6 +6,7 @@ pub mod cli;
 pub mod config;
 pub mod convert;
 pub mod driver;
+pub mod forward;
 pub mod grpc;
 pub mod http;
 pub mod node;

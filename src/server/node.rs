@@ -94,7 +94,9 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
         None
     };
     let sm =
-        LockStateMachine::from_kv_with_limits(recovered.applied_state.clone(), lock_limits(&cfg))
+        // Apply uses the limits replicated through the log (`SetLimits`, proposed from these
+        // flags by the cluster's first leader); until then every replica uses the defaults.
+        LockStateMachine::from_kv_with_limits(recovered.applied_state.clone(), Limits::default())
             .map_err(|e| NodeError::State(e.to_string()))?;
     let mut raft_cfg = Config::new(cfg.node_id, seed_from_clock(cfg.node_id));
     raft_cfg.election_ticks = cfg.election_ticks;
@@ -144,6 +146,7 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
             snapshot_bytes: cfg.snapshot_bytes,
             waiter_reclaim: cfg.waiter_reclaim,
             max_batch_inputs: 1024,
+            limits: lock_limits(&cfg),
         },
         input_rx,
         status_tx,
@@ -206,6 +209,12 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
         }),
         connections: Arc::new(Semaphore::new(cfg.max_connections)),
         addresses: addresses.clone(),
+        forwarder: Arc::new(super::forward::Forwarder::new(
+            cfg.node_id,
+            cfg.cluster_token.clone(),
+            cfg.max_pending_requests,
+            cfg.max_message_bytes,
+        )),
     };
     let lock_service = LockServiceServer::new(LockApi {
         state: state.clone(),

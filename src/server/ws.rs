@@ -19,6 +19,11 @@ use crate::lock::FencingToken;
 
 static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
 
+/// A fresh connection id (also used for requests forwarded from other nodes).
+pub fn next_conn() -> u64 {
+    NEXT_CONN.fetch_add(1, Ordering::Relaxed)
+}
+
 /// Command types of the seed design, plus extensions.
 pub const APPEND_DATA: u64 = 2;
 pub const LOCK_ACQUIRE: u64 = 3;
@@ -28,7 +33,7 @@ pub const CANCEL_WAIT: u64 = 6;
 pub const READ: u64 = 7;
 
 #[derive(Debug, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 struct WsRequest {
     command_type: u64,
     key: String,
@@ -47,10 +52,12 @@ struct WsRequest {
     value: Option<String>,
     #[serde(default)]
     delete: Option<bool>,
+    /// Answer `NOT_LEADER` with the leader's address instead of forwarding to the leader.
+    #[serde(default)]
+    redirect: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 struct WsToken {
     /// The lock the token belongs to (defaults to the request's key).
     #[serde(default)]
@@ -60,8 +67,10 @@ struct WsToken {
 
 /// Serves one WebSocket connection until it closes.
 pub async fn serve_socket(socket: WebSocket, state: AppState) {
-    let conn = NEXT_CONN.fetch_add(1, Ordering::Relaxed);
+    let conn = next_conn();
     state.metrics.client_connections.inc();
+    // Turns true when the connection closes: forwarded requests stop waiting for the leader.
+    let (closed_tx, closed_rx) = tokio::sync::watch::channel(false);
     let (mut sink, mut stream) = socket.split();
     let (out_tx, mut out_rx) = mpsc::channel::<String>(state.limits.max_inflight_per_connection);
     let writer = tokio::spawn(async move {
@@ -104,14 +113,16 @@ pub async fn serve_socket(socket: WebSocket, state: AppState) {
         };
         let state = state.clone();
         let out = out_tx.clone();
+        let closed = closed_rx.clone();
         tokio::spawn(async move {
-            let reply = handle_text(&text, conn, &state).await;
+            let reply = handle_text(&text, conn, &state, Some(closed)).await;
             if let Some(reply) = reply {
                 let _ = out.send(reply).await;
             }
             drop(permit);
         });
     }
+    let _ = closed_tx.send(true);
     let _ = state.driver.send(Input::Disconnected { conn }).await;
     drop(out_tx);
     let _ = writer.await;
@@ -119,7 +130,12 @@ pub async fn serve_socket(socket: WebSocket, state: AppState) {
 }
 
 /// Parses, validates and executes one request; returns the JSON reply.
-pub async fn handle_text(text: &str, conn: u64, state: &AppState) -> Option<String> {
+pub async fn handle_text(
+    text: &str,
+    conn: u64,
+    state: &AppState,
+    closed: Option<tokio::sync::watch::Receiver<bool>>,
+) -> Option<String> {
     let raw: Value = match serde_json::from_str(text) {
         Ok(v) => v,
         Err(err) => {
@@ -134,17 +150,58 @@ pub async fn handle_text(text: &str, conn: u64, state: &AppState) -> Option<Stri
             return Some(error_json(&raw, &e));
         }
     };
-    let op = match to_op(request, state) {
+    let forward = !request.redirect.unwrap_or(false);
+    let op = match to_op(request, state, conn) {
         Ok(op) => op,
         Err(e) => return Some(error_json(&raw, &e)),
     };
-    let release = matches!(op, ClientOp::Release { .. });
-    let reply = execute(op, conn, state).await;
+    let release = matches!(op, ClientOp::Release { .. } | ClientOp::ReleaseHeld { .. });
+    let reply = execute_on(op, conn, state, closed, forward).await;
     Some(reply_json(&raw, &reply, release))
 }
 
-/// Sends `op` to the driver and waits for its answer.
+/// Executes `op` on this node, or — on a follower that knows the leader — forwards it there.
 pub async fn execute(op: ClientOp, conn: u64, state: &AppState) -> ClientReply {
+    execute_on(op, conn, state, None, true).await
+}
+
+/// Like [`execute`]; `closed` ends a forwarded request when the client goes away, and
+/// `forward: false` answers `NOT_LEADER` (with the leader's address) instead of forwarding.
+pub async fn execute_on(
+    op: ClientOp,
+    conn: u64,
+    state: &AppState,
+    closed: Option<tokio::sync::watch::Receiver<bool>>,
+    forward: bool,
+) -> ClientReply {
+    if forward {
+        if let Some(peer) = forward_target(state) {
+            state
+                .metrics
+                .requests_total
+                .with_label_values(&[op.name(), "forwarded"])
+                .inc();
+            return state.forwarder.forward(&peer, &op, closed).await;
+        }
+    }
+    execute_here(op, conn, state).await
+}
+
+/// The leader's peer address, when this node is a follower that knows one.
+fn forward_target(state: &AppState) -> Option<String> {
+    let s = state.status.borrow();
+    if s.role == "leader" || s.leader_id == 0 || s.leader_id == s.id {
+        return None;
+    }
+    state
+        .addresses
+        .get(s.leader_id)
+        .map(|a| a.peer)
+        .filter(|p| !p.is_empty())
+}
+
+/// Sends `op` to this node's driver and waits for its answer.
+pub async fn execute_here(op: ClientOp, conn: u64, state: &AppState) -> ClientReply {
     let (tx, rx) = oneshot::channel();
     let name = op.name();
     let input = Input::Client {
@@ -164,7 +221,22 @@ pub async fn execute(op: ClientOp, conn: u64, state: &AppState) -> ClientReply {
         .unwrap_or_else(|_| ClientReply::error(ErrorCode::Unavailable, "node is shutting down"))
 }
 
-fn to_op(r: WsRequest, state: &AppState) -> Result<ClientOp, ApiError> {
+/// A request id for a request that came without one (seed 000's client sends none): unique per
+/// request, so any number of requests on one connection — queued on many keys, say — are each
+/// tracked and answered. Such requests are not deduplicated across retries.
+fn auto_request_id(conn: u64) -> String {
+    static BOOT: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    let boot = *BOOT.get_or_init(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+    });
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    format!("~{boot:x}.{conn}.{n}")
+}
+
+fn to_op(r: WsRequest, state: &AppState, conn: u64) -> Result<ClientOp, ApiError> {
     let limits = &state.limits;
     let invalid = |m: &str| ApiError::new(ErrorCode::InvalidRequest, m);
     if r.key.is_empty() {
@@ -185,7 +257,11 @@ fn to_op(r: WsRequest, state: &AppState) -> Result<ClientOp, ApiError> {
     if needs_client && client_id.is_empty() {
         return Err(invalid("`clientId` is required"));
     }
-    let request_id = r.request_id.unwrap_or_default();
+    let request_id = match r.request_id {
+        Some(id) if !id.is_empty() => id,
+        _ if r.command_type == READ => String::new(),
+        _ => auto_request_id(conn),
+    };
     // A guarded write names the lock whose token guards it; other commands use the key itself.
     let guard = r.fencing_token.as_ref().map(|t| FencingToken {
         key: t.key.clone().unwrap_or_else(|| r.key.clone()),
@@ -218,11 +294,19 @@ fn to_op(r: WsRequest, state: &AppState) -> Result<ClientOp, ApiError> {
                 wait_timeout_ms: r.wait_timeout,
             }
         }
-        LOCK_RELEASE => ClientOp::Release {
-            key: r.key,
-            client_id,
-            request_id,
-            token: token.ok_or_else(|| invalid("`fencingToken` is required to release"))?,
+        LOCK_RELEASE => match token {
+            Some(token) => ClientOp::Release {
+                key: r.key,
+                client_id,
+                request_id,
+                token,
+            },
+            // Seed 000's release names no token: it releases if `clientId` holds the lock.
+            None => ClientOp::ReleaseHeld {
+                key: r.key,
+                client_id,
+                request_id,
+            },
         },
         LOCK_RENEW => ClientOp::Renew {
             key: r.key,

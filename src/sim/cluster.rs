@@ -320,6 +320,7 @@ impl Cluster {
             applied_write_max_keys: 64,
             housekeeping_retry_us: 200_000,
             readies_per_drive: 1,
+            configured_limits: Some(sim_lock_limits()),
             observe_log: true,
             #[cfg(test)]
             bugs: self.cfg.node_bugs,
@@ -343,9 +344,10 @@ impl Cluster {
             } else {
                 None
             };
+            // Until the first leader's `SetLimits` applies, every replica uses the defaults.
             let sm = LockStateMachine::from_kv_with_limits(
                 recovered.applied_state.clone(),
-                sim_lock_limits(),
+                Limits::default(),
             )
             .map_err(|e| e.to_string())?;
             let initial = InitialState {

@@ -166,7 +166,7 @@ impl LockChecker {
                     .queue
                     .push_back((client_id.clone(), request_id.clone()));
             }
-            (Command::Release { .. }, Outcome::Released) => {
+            (Command::Release { .. } | Command::ReleaseHeld { .. }, Outcome::Released) => {
                 self.keys.entry(key.clone()).or_default().holder = None;
             }
             _ => {}
