@@ -7,6 +7,7 @@ pub mod config;
 pub mod convert;
 pub mod driver;
 pub mod grpc;
+pub mod grpc_seed;
 pub mod http;
 pub mod node;
 pub mod proto;
