@@ -1,5 +1,6 @@
-//! The `data-store` command line: the fenced resource. `POST /write` accepts a write only with a current fencing
-//! token; every accepted write is flushed to a text file before the answer.
+//! The `data-store` command line: the fenced resource. `POST /write` (or `POST /`) accepts a write
+//! only with a current fencing token; every accepted write is flushed to a text file before the
+//! answer.
 
 use std::ffi::OsString;
 use std::path::PathBuf;

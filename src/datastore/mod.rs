@@ -4,12 +4,16 @@
 //!
 //! Every accepted write is appended to a text file and flushed before the answer; on restart the
 //! file rebuilds the highest token per key. One line per write:
-//! `<key>\t<token>\t<clientID>\t<data as JSON string>`.
+//! `<key>\t<token>\t<clientID>\t<data as JSON string>`. A last line cut short by a crash (no
+//! newline, or unparsable) was never acknowledged: it is truncated at start, with a warning and
+//! `raftlock_datastore_repaired_lines_total`. A bad line anywhere else refuses to start.
+//!
+//! `POST /write` and `POST /` (seed 000's client names no path) take the same JSON body.
 
 pub mod cli;
 
 use std::collections::HashMap;
-use std::io::{BufRead, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -18,7 +22,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use prometheus::{IntCounterVec, Opts, Registry};
+use prometheus::{IntCounter, IntCounterVec, Opts, Registry};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -88,33 +92,53 @@ impl DataStore {
         }
         let mut highest = HashMap::new();
         let mut recent = std::collections::VecDeque::new();
+        let mut repaired_lines = 0;
         if path.exists() {
-            let file = std::fs::File::open(path).map_err(open_err)?;
-            for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
-                let line = line.map_err(open_err)?;
-                if line.is_empty() {
-                    continue;
+            let bytes = std::fs::read(path).map_err(open_err)?;
+            let replay = replay_log(&bytes);
+            let writes = match replay {
+                Ok(Replay { writes, torn: None }) => writes,
+                Ok(Replay {
+                    writes,
+                    torn: Some(torn),
+                }) => {
+                    // Only the last line can be torn: every write is one append of a whole line
+                    // followed by a flush, and it is acknowledged only after the flush. A crash
+                    // mid-append leaves an unacknowledged partial line; drop it.
+                    tracing::warn!(
+                        file = %path.display(),
+                        line = torn.line,
+                        offset = torn.offset,
+                        bytes = bytes.len() as u64 - torn.offset,
+                        reason = %torn.reason,
+                        "repairing a torn last line (a write interrupted by a crash, never \
+                         acknowledged): truncating the log to its last complete line"
+                    );
+                    let file = std::fs::OpenOptions::new()
+                        .write(true)
+                        .open(path)
+                        .map_err(open_err)?;
+                    file.set_len(torn.offset).map_err(open_err)?;
+                    file.sync_all().map_err(open_err)?;
+                    repaired_lines = 1;
+                    writes
                 }
-                let corrupt = |reason: &str| DataStoreError::Corrupt {
-                    path: path.to_path_buf(),
-                    line: i + 1,
-                    reason: reason.to_string(),
-                };
-                let mut parts = line.splitn(4, '\t');
-                let (Some(key), Some(token), Some(client), Some(data)) =
-                    (parts.next(), parts.next(), parts.next(), parts.next())
-                else {
-                    return Err(corrupt("expected 4 tab-separated fields"));
-                };
-                let token: u64 = token
-                    .parse()
-                    .map_err(|_| corrupt("token is not a number"))?;
-                let data: String =
-                    serde_json::from_str(data).map_err(|_| corrupt("data is not a JSON string"))?;
-                let entry = highest.entry(key.to_string()).or_insert(0);
-                *entry = (*entry).max(token);
+                Err((line, reason)) => {
+                    return Err(DataStoreError::Corrupt {
+                        path: path.to_path_buf(),
+                        line,
+                        reason: format!(
+                            "{reason} (not the last line, so this is damage, not a torn write; \
+                             refusing to start)"
+                        ),
+                    })
+                }
+            };
+            for w in writes {
+                let entry = highest.entry(w.key.clone()).or_insert(0);
+                *entry = (*entry).max(w.token);
                 recent.push_back(
-                    json!({"key": key, "fencingToken": token, "clientID": client, "data": data}),
+                    json!({"key": w.key, "fencingToken": w.token, "clientID": w.client, "data": w.data}),
                 );
                 if recent.len() > MAX_RECENT {
                     recent.pop_front();
@@ -138,6 +162,15 @@ impl DataStore {
         registry
             .register(Box::new(writes.clone()))
             .expect("unique metric");
+        let repaired = IntCounter::new(
+            "raftlock_datastore_repaired_lines_total",
+            "Torn last lines (writes interrupted by a crash) truncated from the log at start.",
+        )
+        .expect("valid metric");
+        repaired.inc_by(repaired_lines);
+        registry
+            .register(Box::new(repaired.clone()))
+            .expect("unique metric");
         Ok(DataStore {
             inner: Arc::new(Mutex::new(Inner {
                 highest,
@@ -153,6 +186,8 @@ impl DataStore {
     pub fn router(self) -> Router {
         Router::new()
             .route("/write", post(write))
+            // Seed 000's client posts to the bare address.
+            .route("/", post(write))
             .route("/data", get(read_data))
             .route("/healthz", get(|| async { "ok" }))
             .route("/metrics", get(metrics))
@@ -163,6 +198,89 @@ impl DataStore {
     pub fn highest(&self, key: &str) -> Option<u64> {
         self.inner.lock().ok()?.highest.get(key).copied()
     }
+}
+
+/// One write read back from the log.
+#[derive(Debug, PartialEq)]
+struct LoggedWrite {
+    key: String,
+    token: u64,
+    client: String,
+    data: String,
+}
+
+/// Where the log's torn last line starts.
+#[derive(Debug, PartialEq)]
+struct Torn {
+    /// 1-based line number.
+    line: usize,
+    /// Byte offset of the line's start: the log is truncated to this length.
+    offset: u64,
+    reason: String,
+}
+
+#[derive(Debug, PartialEq)]
+struct Replay {
+    writes: Vec<LoggedWrite>,
+    torn: Option<Torn>,
+}
+
+fn parse_line(line: &[u8]) -> Result<LoggedWrite, &'static str> {
+    let line = std::str::from_utf8(line).map_err(|_| "not UTF-8")?;
+    let mut parts = line.splitn(4, '\t');
+    let (Some(key), Some(token), Some(client), Some(data)) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return Err("expected 4 tab-separated fields");
+    };
+    let token: u64 = token.parse().map_err(|_| "token is not a number")?;
+    let data: String = serde_json::from_str(data).map_err(|_| "data is not a JSON string")?;
+    Ok(LoggedWrite {
+        key: key.to_string(),
+        token,
+        client: client.to_string(),
+        data,
+    })
+}
+
+/// Parses the whole log. The last line is torn when it lacks its newline (an append cut short)
+/// or does not parse; any other line that does not parse is an error `(line, reason)`. Empty
+/// lines are skipped.
+fn replay_log(bytes: &[u8]) -> Result<Replay, (usize, String)> {
+    let mut writes = Vec::new();
+    let mut offset = 0usize;
+    let mut number = 0usize;
+    while offset < bytes.len() {
+        number += 1;
+        let rest = &bytes[offset..];
+        let (line, terminated) = match rest.iter().position(|&b| b == b'\n') {
+            Some(end) => (&rest[..end], true),
+            None => (rest, false),
+        };
+        let next = offset + line.len() + usize::from(terminated);
+        let last = next >= bytes.len();
+        let torn = |reason: &str| Torn {
+            line: number,
+            offset: offset as u64,
+            reason: reason.to_string(),
+        };
+        if !terminated {
+            let torn = Some(torn("no trailing newline"));
+            return Ok(Replay { writes, torn });
+        }
+        if !line.is_empty() {
+            match parse_line(line) {
+                Ok(w) => writes.push(w),
+                Err(reason) if last => {
+                    let torn = Some(torn(reason));
+                    return Ok(Replay { writes, torn });
+                }
+                Err(reason) => return Err((number, reason.to_string())),
+            }
+        }
+        offset = next;
+    }
+    Ok(Replay { writes, torn: None })
 }
 
 #[derive(Deserialize)]
@@ -283,4 +401,53 @@ async fn metrics(State(store): State<DataStore>) -> Response {
     let mut buf = Vec::new();
     let _ = prometheus::TextEncoder::new().encode(&store.registry.gather(), &mut buf);
     String::from_utf8(buf).unwrap_or_default().into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const A: &str = "k\t1\tc\t\"a\"\n";
+    const B: &str = "k\t2\tc\t\"b\"\n";
+
+    #[test]
+    fn a_clean_log_replays_every_line() {
+        let r = replay_log(format!("{A}\n{B}").as_bytes()).unwrap();
+        assert_eq!(r.torn, None);
+        assert_eq!(r.writes.len(), 2);
+        assert_eq!(r.writes[1].token, 2);
+    }
+
+    #[test]
+    fn an_unterminated_last_line_is_torn() {
+        let log = format!("{A}{B}k\t3\tc\t\"par");
+        let r = replay_log(log.as_bytes()).unwrap();
+        assert_eq!(r.writes.len(), 2);
+        let torn = r.torn.unwrap();
+        assert_eq!(torn.line, 3);
+        assert_eq!(torn.offset as usize, A.len() + B.len());
+        // Even a fragment that happens to parse was never acknowledged.
+        let r = replay_log(format!("{A}{}", B.trim_end()).as_bytes()).unwrap();
+        assert_eq!(r.writes.len(), 1);
+        assert_eq!(r.torn.unwrap().offset as usize, A.len());
+    }
+
+    #[test]
+    fn an_unparsable_last_line_is_torn() {
+        let log = format!("{A}\0\0\0\n");
+        let r = replay_log(log.as_bytes()).unwrap();
+        assert_eq!(r.writes.len(), 1);
+        assert_eq!(r.torn.unwrap().offset as usize, A.len());
+    }
+
+    #[test]
+    fn a_bad_line_before_the_last_is_an_error() {
+        let log = format!("{A}garbage\n{B}");
+        assert_eq!(
+            replay_log(log.as_bytes()),
+            Err((2, "expected 4 tab-separated fields".to_string()))
+        );
+        let log = format!("{A}garbage\nk\t3\tc\t\"par");
+        assert_eq!(replay_log(log.as_bytes()).unwrap_err().0, 2);
+    }
 }

@@ -8,6 +8,7 @@ pub mod convert;
 pub mod driver;
 pub mod forward;
 pub mod grpc;
+pub mod grpc_seed;
 pub mod http;
 pub mod node;
 pub mod proto;

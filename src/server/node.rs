@@ -13,11 +13,13 @@ use tracing::{debug, error, info, warn};
 use super::config::NodeConfig;
 use super::driver::{Driver, DriverConfig, NodeStatus};
 use super::grpc::{LockApi, PeerApi};
+use super::grpc_seed::SeedLockApi;
 use super::http::{router, AppState, ClientLimits};
 use super::proto::lock::lock_service_server::LockServiceServer;
 use super::proto::peer::peer_client::PeerClient;
 use super::proto::peer::peer_server::PeerServer;
 use super::proto::peer::{FetchPeerListReply, FetchPeerListRequest, JoinClusterRequest};
+use super::proto::seed004::lock_service_server::LockServiceServer as SeedLockServiceServer;
 use super::transport::{AddressBook, LocalIdentity, PeerTransport, TOKEN_HEADER};
 use crate::lock::{Limits, LockStateMachine};
 use crate::raft::{Config, InitialState, Membership, Raft};
@@ -193,7 +195,8 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
         });
     let peer_task = tokio::spawn(peer_server);
 
-    // Client port: WebSocket + HTTP + gRPC LockService on one listener.
+    // Client port: WebSocket + HTTP + gRPC (`raftlock.lock.v1.LockService` and seed 004's
+    // `api.LockService`) on one listener.
     let state = AppState {
         driver: input_tx.clone(),
         status: status_rx.clone(),
@@ -220,7 +223,13 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
         state: state.clone(),
     })
     .max_decoding_message_size(cfg.max_message_bytes);
-    let grpc_routes = tonic::service::Routes::new(lock_service).into_axum_router();
+    let seed_lock_service = SeedLockServiceServer::new(SeedLockApi {
+        state: state.clone(),
+    })
+    .max_decoding_message_size(cfg.max_message_bytes);
+    let grpc_routes = tonic::service::Routes::new(lock_service)
+        .add_service(seed_lock_service)
+        .into_axum_router();
     let app = router(state).merge(grpc_routes);
     let mut client_shutdown = shutdown.clone();
     let client_task = tokio::spawn(async move {

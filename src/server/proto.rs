@@ -1,4 +1,5 @@
-//! Generated protobuf and gRPC code for `proto/peer.proto` and `proto/lock.proto`.
+//! Generated protobuf and gRPC code for `proto/peer.proto`, `proto/lock.proto` and seed 004's
+//! `proto/seed004/api/lock_service.proto`.
 
 #![allow(clippy::all, missing_docs)]
 
@@ -8,4 +9,9 @@ pub mod peer {
 
 pub mod lock {
     tonic::include_proto!("raftlock.lock.v1");
+}
+
+/// Seed 004's `api.LockService` (server side only).
+pub mod seed004 {
+    tonic::include_proto!("api");
 }
