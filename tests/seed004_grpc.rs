@@ -203,9 +203,23 @@ async fn seed004_python_client_acquires_and_releases() {
         vec!["--default-ttl".into(), format!("{DEFAULT_TTL_MS}ms")]
     });
     let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
-    // The leader for now. Once followers forward client requests to the leader, this scenario
-    // also runs against a follower (the seed's client knows one address and no redirects).
-    let addr = cluster.nodes[(leader - 1) as usize].client_addr();
+    // The seed's client knows one address and follows no redirects: point it at a follower,
+    // which forwards to the leader. The lock state is read from the leader.
+    let leader_addr = cluster.nodes[(leader - 1) as usize].client_addr();
+    let addr = cluster
+        .nodes
+        .iter()
+        .find(|n| n.id != leader)
+        .expect("a follower")
+        .client_addr();
+    let deadline = std::time::Instant::now() + LEADER_TIMEOUT;
+    while http_json(&addr, "/status").await.unwrap_or(Value::Null)["leaderId"] != leader {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "follower never learned the leader"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let key = "settlement-batch-20260101";
 
     // Bad input is refused and changes nothing.
@@ -213,12 +227,12 @@ async fn seed004_python_client_acquires_and_releases() {
     assert_refused(&answer, "acquired", "INVALID_REQUEST");
     let answer = client.acquire(&addr, key, "").await;
     assert_refused(&answer, "acquired", "INVALID_REQUEST");
-    assert_eq!(lock_state(&addr, key).await, Value::Null);
+    assert_eq!(lock_state(&leader_addr, key).await, Value::Null);
 
     // Granted: lease_id is the fencing token in decimal, held with the default TTL.
     let answer = client.acquire(&addr, key, "worker-a").await;
     let lease_a = lease_of(&answer);
-    let state = lock_state(&addr, key).await;
+    let state = lock_state(&leader_addr, key).await;
     assert_eq!(state["holder"], "worker-a", "{state}");
     assert_eq!(state["fencingToken"], lease_a, "{state}");
     assert_eq!(state["ttlMs"], DEFAULT_TTL_MS, "{state}");
@@ -235,7 +249,7 @@ async fn seed004_python_client_acquires_and_releases() {
     // The same owner again: not re-entrant, and the message names the lease it holds.
     let answer = client.acquire(&addr, key, "worker-a").await;
     assert_refused(&answer, "acquired", &format!("lease_id {lease_a}"));
-    let state = lock_state(&addr, key).await;
+    let state = lock_state(&leader_addr, key).await;
     assert_eq!(state["holder"], "worker-a", "{state}");
     assert_eq!(state["waiters"], json!([]), "nobody queued: {state}");
 
@@ -259,7 +273,7 @@ async fn seed004_python_client_acquires_and_releases() {
     assert_refused(&answer, "released", "not held");
     let answer = client.release(&addr, "", &lease_a.to_string()).await;
     assert_refused(&answer, "released", "INVALID_REQUEST");
-    let state = lock_state(&addr, key).await;
+    let state = lock_state(&leader_addr, key).await;
     assert_eq!(state["holder"], "worker-a", "{state}");
     assert_eq!(state["fencingToken"], lease_a, "{state}");
 
@@ -267,7 +281,7 @@ async fn seed004_python_client_acquires_and_releases() {
     let answer = client.release(&addr, key, &lease_a.to_string()).await;
     assert_eq!(answer["released"], true, "{answer}");
     assert_eq!(answer["error_message"], "", "{answer}");
-    assert_eq!(lock_state(&addr, key).await, Value::Null);
+    assert_eq!(lock_state(&leader_addr, key).await, Value::Null);
     // Once only.
     let answer = client.release(&addr, key, &lease_a.to_string()).await;
     assert_refused(&answer, "released", "not held");
@@ -279,7 +293,7 @@ async fn seed004_python_client_acquires_and_releases() {
     // worker-a's old lease cannot release worker-b's lock.
     let answer = client.release(&addr, key, &lease_a.to_string()).await;
     assert_refused(&answer, "released", "not the current lease");
-    let state = lock_state(&addr, key).await;
+    let state = lock_state(&leader_addr, key).await;
     assert_eq!(state["holder"], "worker-b", "{state}");
     assert_eq!(state["fencingToken"], lease_b, "{state}");
     let answer = client.release(&addr, key, &lease_b.to_string()).await;

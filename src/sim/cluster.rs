@@ -214,6 +214,9 @@ pub struct Cluster {
     min_voters: usize,
     max_inflight_appends: usize,
     max_batch_bytes: usize,
+    /// Small in some seeds, so that a leader cut off from its quorum refuses proposals (`BUSY`),
+    /// its own expiries included.
+    max_uncommitted_entries: usize,
     clients: SimClients,
     locks: LockChecker,
     healed_at: Option<u64>,
@@ -245,6 +248,7 @@ impl Cluster {
         let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
         let max_inflight_appends = *[1, 2, 4, 16].choose(&mut rng).expect("non-empty");
         let max_batch_bytes = *[1, 100, 512, 4096].choose(&mut rng).expect("non-empty");
+        let max_uncommitted_entries = *[6, 24, 100_000].choose(&mut rng).expect("non-empty");
         let mut clients = SimClients::new(4, 3, 1, &mut rng);
         clients.trace = cfg.trace;
         let mut cluster = Cluster {
@@ -256,6 +260,7 @@ impl Cluster {
             marker_done: false,
             max_inflight_appends,
             max_batch_bytes,
+            max_uncommitted_entries,
             rng,
             now_us: 0,
             nodes: BTreeMap::new(),
@@ -303,6 +308,7 @@ impl Cluster {
         cfg.pre_vote = self.cfg.pre_vote;
         cfg.max_inflight_appends = self.max_inflight_appends;
         cfg.max_batch_bytes = self.max_batch_bytes;
+        cfg.max_uncommitted_entries = self.max_uncommitted_entries;
         cfg.snapshot_chunk_bytes = 512;
         #[cfg(test)]
         {

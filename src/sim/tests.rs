@@ -272,7 +272,7 @@ fn caught_expiry_that_checks_only_the_token() {
 fn caught_housekeeping_never_retried() {
     assert_node_bug_caught(
         "housekeeping_never_retried",
-        400,
+        600,
         NodeBugs {
             housekeeping_never_retried: true,
             ..NodeBugs::default()
