@@ -34,10 +34,12 @@ async fn locks_over_websocket_and_grpc_with_redirects() {
     let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
     let leader_addr = cluster.nodes[(leader - 1) as usize].client_addr();
 
-    // A follower redirects to the leader's client address.
+    // A follower asked for a redirect answers with the leader's client address.
     let follower = cluster.nodes.iter().find(|n| n.id != leader).unwrap();
     let mut ws = ws_connect(&follower.client_addr()).await;
-    let reply = ws_request(&mut ws, &acquire("orders", "w1", "r1", 10_000)).await;
+    let mut redirect = acquire("orders", "w1", "r1", 10_000);
+    redirect["redirect"] = json!(true);
+    let reply = ws_request(&mut ws, &redirect).await;
     assert_eq!(reply["success"], false, "{reply}");
     assert_eq!(reply["error"]["code"], "NOT_LEADER", "{reply}");
     assert_eq!(reply["error"]["leaderId"], leader, "{reply}");
@@ -383,6 +385,11 @@ async fn bad_input_gets_errors_and_changes_nothing() {
     let cluster = Cluster::start(3);
     let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
     let addr = cluster.nodes[(leader - 1) as usize].client_addr();
+    // One good request first: everything the new leader proposes by itself (its no-op, the
+    // cluster's limits) commits before it.
+    let mut warmup = ws_connect(&addr).await;
+    let ok = ws_request(&mut warmup, &acquire("warmup", "c", "w", 1_000)).await;
+    assert_eq!(ok["success"], true, "{ok}");
     let before = http_json(&addr, "/status").await.unwrap()["commitIndex"]
         .as_u64()
         .unwrap();
@@ -406,7 +413,8 @@ async fn bad_input_gets_errors_and_changes_nothing() {
             "INVALID_REQUEST",
         ),
         (
-            json!({"commandType": 4, "key": "k", "clientId": "c"}).to_string(),
+            json!({"commandType": 4, "key": "k", "clientId": "c", "fencingToken": {"value": "x"}})
+                .to_string(),
             "INVALID_REQUEST",
         ),
         (

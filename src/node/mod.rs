@@ -852,6 +852,8 @@ impl<S: Storage, R> NodeCore<S, R> {
                 term: self.raft.term(),
             });
             self.rebuild_deadlines();
+            self.limits_proposed_at = None;
+            self.propose_limits_if_unset();
         } else if !is_leader && self.was_leader {
             self.observe(Observation::LostLeadership {
                 term: self.raft.term(),
@@ -1330,15 +1332,8 @@ impl<S: Storage, R> NodeCore<S, R> {
             Some(at) => now >= at + retry,
         };
         let mut commands = Vec::new();
-        if let Some(limits) = &self.cfg.configured_limits {
-            if !self.sm.limits_replicated() && due(self.limits_proposed_at) {
-                let cmd = Command::SetLimits {
-                    limits: limits.clone(),
-                };
-                if self.raft.propose(vec![Bytes::from(cmd.encode())]).is_ok() {
-                    self.limits_proposed_at = Some(now);
-                }
-            }
+        if self.limits_proposed_at.is_none_or(|at| now >= at + retry) {
+            self.propose_limits_if_unset();
         }
         for (key, lease) in &self.leases {
             if lease.deadline <= now && due(lease.expiry_proposed_at) {
@@ -1429,6 +1424,22 @@ impl<S: Storage, R> NodeCore<S, R> {
         let membership = self.raft.membership().clone();
         self.promote_when_caught_up
             .retain(|l| membership.learners.contains(l) || !membership.contains(*l));
+    }
+
+    /// A leader of a cluster whose limits were never set through the log proposes its own.
+    fn propose_limits_if_unset(&mut self) {
+        let Some(limits) = &self.cfg.configured_limits else {
+            return;
+        };
+        if self.sm.limits_replicated() || !self.raft.is_leader() {
+            return;
+        }
+        let cmd = Command::SetLimits {
+            limits: limits.clone(),
+        };
+        if self.raft.propose(vec![Bytes::from(cmd.encode())]).is_ok() {
+            self.limits_proposed_at = Some(self.now);
+        }
     }
 
     // ----- applied state and snapshots -------------------------------------------------------
