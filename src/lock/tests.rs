@@ -56,7 +56,7 @@ struct Model {
     queues: BTreeMap<String, VecDeque<MWaiter>>,
     data: BTreeMap<String, Vec<u8>>,
     /// Remembered outcomes, oldest first.
-    dedupe: VecDeque<((String, String), Outcome, (&'static str, String))>,
+    dedupe: VecDeque<((String, String), Outcome, ModelOp)>,
     /// Index of the command being applied (the caller counts it: one per `apply`).
     index: u64,
 }
@@ -69,7 +69,7 @@ impl Model {
         }
     }
 
-    fn remembered(&self, client: &str, request: &str) -> Option<(Outcome, (&'static str, String))> {
+    fn remembered(&self, client: &str, request: &str) -> Option<(Outcome, ModelOp)> {
         self.dedupe
             .iter()
             .find(|((c, r), _, _)| c == client && r == request)
@@ -408,8 +408,11 @@ fn ids(cmd: &Command) -> Option<(&str, &str)> {
 }
 
 /// Rejection messages are for humans; compare codes only.
+/// Kind and key of a request.
+type ModelOp = (&'static str, String);
+
 /// What kind of operation on which key a request was, as the exactly-once rule compares them.
-fn model_op(cmd: &Command) -> (&'static str, String) {
+fn model_op(cmd: &Command) -> ModelOp {
     let kind = match cmd {
         Command::Acquire { .. } => "acquire",
         Command::Release { .. } | Command::ReleaseHeld { .. } => "release",
