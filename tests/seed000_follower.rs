@@ -85,6 +85,17 @@ async fn seed_000_client_through_a_follower() {
     );
     let locks = http_json(&follower, "/locks").await.unwrap();
     assert_eq!(locks["locks"].as_array().map(Vec::len), Some(2), "{locks}");
+    // The unknown field was ignored, and counted.
+    let (_, metrics) = http_get(&follower, "/metrics").await.unwrap();
+    assert!(
+        metrics.contains("raftlock_ignored_fields_total 2"),
+        "ignored fields counted: {}",
+        metrics
+            .lines()
+            .filter(|l| l.contains("ignored"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
 
     // A releases both without tokens (seed 000's release); B is granted each, naming the key.
     let mut tokens = Vec::new();

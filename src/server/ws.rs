@@ -143,6 +143,28 @@ pub async fn handle_text(
             return Some(error_json(&Value::Null, &e));
         }
     };
+    // Fields from newer clients (or other designs) are ignored, and counted.
+    const KNOWN: &[&str] = &[
+        "commandType",
+        "key",
+        "clientId",
+        "requestId",
+        "ttl",
+        "waitTimeout",
+        "fencingToken",
+        "value",
+        "delete",
+        "redirect",
+    ];
+    if let Some(fields) = raw.as_object() {
+        let unknown = fields
+            .keys()
+            .filter(|k| !KNOWN.contains(&k.as_str()))
+            .count();
+        if unknown > 0 {
+            state.metrics.ignored_fields_total.inc_by(unknown as u64);
+        }
+    }
     let request: WsRequest = match serde_json::from_value(raw.clone()) {
         Ok(r) => r,
         Err(err) => {

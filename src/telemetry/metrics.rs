@@ -35,6 +35,7 @@ pub struct NodeMetrics {
     pub lock_expirations_total: IntCounter,
     pub lock_renewals_total: IntCounter,
     pub client_connections: IntGauge,
+    pub ignored_fields_total: IntCounter,
     pub requests_total: IntCounterVec,
     pub peer_messages_dropped_total: IntCounterVec,
 }
@@ -158,6 +159,10 @@ impl NodeMetrics {
             client_connections: reg!(gauge(
                 "raftlock_client_connections",
                 "Open client WebSocket connections."
+            )),
+            ignored_fields_total: reg!(counter(
+                "raftlock_ignored_fields_total",
+                "Fields of client WebSocket requests that the node does not know and ignored."
             )),
             requests_total: reg!(IntCounterVec::new(
                 Opts::new(
