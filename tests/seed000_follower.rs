@@ -161,3 +161,127 @@ async fn seed_000_client_through_a_follower() {
     .await;
     assert_eq!(again["success"], true, "{again}");
 }
+
+/// Sends `msg` through `ws` until an answer other than a retryable error arrives (a leader
+/// change may need a few tries); returns it.
+async fn until_answered(ws: &mut Ws, msg: &Value, id: &str) -> Value {
+    let deadline = Instant::now() + LEADER_TIMEOUT;
+    loop {
+        ws_send(ws, msg).await;
+        let reply = loop {
+            let r = ws_recv(ws, Duration::from_secs(15))
+                .await
+                .expect("an answer within 15 s");
+            if r["requestId"] == id {
+                break r;
+            }
+        };
+        let code = reply["error"]["code"].as_str().unwrap_or("");
+        if !matches!(code, "UNAVAILABLE" | "NO_LEADER" | "NOT_LEADER" | "BUSY") {
+            return reply;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still {code} after 20 s: {reply}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A waiter queued through a follower while the leader is SIGKILLed: its forwarded request
+/// ends with a retryable error, the same request id sent again through the same follower finds
+/// it still queued (exactly once: not queued twice), and it is granted once the holder releases.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forwarded_wait_survives_a_leader_change() {
+    let mut cluster = Cluster::start(3);
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let follower_id = cluster
+        .nodes
+        .iter()
+        .find(|n| n.id != leader)
+        .expect("a follower")
+        .id;
+    let follower = cluster.node(follower_id).client_addr();
+    let deadline = Instant::now() + LEADER_TIMEOUT;
+    while http_json(&follower, "/status").await.unwrap_or(Value::Null)["leaderId"] != leader {
+        assert!(
+            Instant::now() < deadline,
+            "follower never learned the leader"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let mut h = ws_connect(&follower).await;
+    let held = ws_request(
+        &mut h,
+        &json!({"commandType": 3, "key": "job", "clientId": "H", "requestId": "h1", "ttl": 60000}),
+    )
+    .await;
+    assert_eq!(held["success"], true, "{held}");
+    let h_token = held["fencingToken"]["value"].as_u64().expect("token");
+
+    let mut w = ws_connect(&follower).await;
+    let wait = json!({"commandType": 3, "key": "job", "clientId": "W", "requestId": "w1",
+                      "ttl": 60000, "waitTimeout": 60000});
+    ws_send(&mut w, &wait).await;
+    assert!(ws_recv(&mut w, Duration::from_millis(500)).await.is_none());
+
+    cluster.node(leader).kill();
+    // The forwarded wait ends with a retryable error (the leader is gone) …
+    let ended = ws_recv(&mut w, Duration::from_secs(15))
+        .await
+        .expect("the forwarded wait ends when the leader dies");
+    assert_eq!(ended["success"], false, "{ended}");
+    // … and the same request, sent again through the same follower, is still the one waiter.
+    let new_leader = loop {
+        let l = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+        if l != leader {
+            break l;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let new_leader_addr = cluster.node(new_leader).client_addr();
+    ws_send(&mut w, &wait).await;
+    let release = json!({"commandType": 4, "key": "job", "clientId": "H", "requestId": "h2",
+                         "fencingToken": {"key": "job", "value": h_token}});
+    // The waiter must be queued again before the release (or the release finds no waiter).
+    let deadline = Instant::now() + LEADER_TIMEOUT;
+    loop {
+        let locks = http_json(&new_leader_addr, "/locks?prefix=job")
+            .await
+            .unwrap();
+        if locks["locks"][0]["waiters"] == json!(["W"]) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "waiter not queued: {locks}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let released = until_answered(&mut h, &release, "h2").await;
+    assert_eq!(released["success"], true, "{released}");
+    let granted = loop {
+        let r = ws_recv(&mut w, Duration::from_secs(15))
+            .await
+            .expect("the waiter is granted");
+        if r["success"] == true {
+            break r;
+        }
+        let code = r["error"]["code"].as_str().unwrap_or("");
+        assert!(
+            matches!(code, "UNAVAILABLE" | "NO_LEADER" | "NOT_LEADER"),
+            "{r}"
+        );
+        ws_send(&mut w, &wait).await;
+    };
+    let w_token = granted["fencingToken"]["value"].as_u64().expect("token");
+    assert!(w_token > h_token, "{granted}");
+    let locks = http_json(&new_leader_addr, "/locks?prefix=job")
+        .await
+        .unwrap();
+    assert_eq!(locks["locks"][0]["holder"], "W", "{locks}");
+    assert_eq!(locks["locks"][0]["fencingToken"], w_token, "{locks}");
+    assert_eq!(
+        locks["locks"][0]["waiters"],
+        json!([]),
+        "queued once: {locks}"
+    );
+}
