@@ -229,6 +229,33 @@ impl LockStateMachine {
         self.locks.keys().filter_map(|k| self.holder(k)).collect()
     }
 
+    /// Locks (held or with waiters) whose key starts with `prefix`, in key order, at most
+    /// `limit`: each with its holder and its waiters in queue order. Visits only those keys.
+    pub fn locks_with_prefix(
+        &self,
+        prefix: &str,
+        limit: usize,
+    ) -> Vec<(String, Option<HeldLock>, Vec<WaiterInfo>)> {
+        self.locks
+            .range(prefix.to_string()..)
+            .take_while(|(key, _)| key.starts_with(prefix))
+            .take(limit)
+            .map(|(key, entry)| {
+                let waiters = entry
+                    .waiters
+                    .iter()
+                    .map(|w| WaiterInfo {
+                        key: key.clone(),
+                        client_id: w.client_id.to_string(),
+                        request_id: w.request_id.to_string(),
+                        wait_timeout_ms: w.wait_timeout_ms,
+                    })
+                    .collect();
+                (key.clone(), self.holder(key), waiters)
+            })
+            .collect()
+    }
+
     /// Every waiter, by key and then queue order.
     pub fn waiters(&self) -> Vec<WaiterInfo> {
         self.locks

@@ -195,7 +195,6 @@ struct Pending<R> {
     op: &'static str,
     reply: Option<R>,
     conn: u64,
-    wait_timeout_ms: Option<u64>,
     started: Micros,
 }
 
@@ -414,11 +413,10 @@ impl<S: Storage, R> NodeCore<S, R> {
             return;
         }
         let op_name = op.name();
-        let pending = |wait_timeout_ms, reply| Pending {
+        let pending = |reply| Pending {
             op: op_name,
             reply: Some(reply),
             conn,
-            wait_timeout_ms,
             started: now,
         };
         let command = match op {
@@ -450,7 +448,7 @@ impl<S: Storage, R> NodeCore<S, R> {
                     ttl_ms,
                     wait_timeout_ms,
                 };
-                self.batch.push((cmd, pending(wait_timeout_ms, reply)));
+                self.batch.push((cmd, pending(reply)));
                 return;
             }
             ClientOp::Release {
@@ -526,7 +524,7 @@ impl<S: Storage, R> NodeCore<S, R> {
                 request_id,
             },
         };
-        self.batch.push((command, pending(None, reply)));
+        self.batch.push((command, pending(reply)));
     }
 
     /// A client connection closed: its queued waiters lose their answer path and become
@@ -645,43 +643,21 @@ impl<S: Storage, R> NodeCore<S, R> {
 
     /// Locks and waiters whose key starts with `prefix` (at most `limit`).
     pub fn list_locks(&self, prefix: &str, limit: usize) -> Vec<LockInfo> {
-        let mut locks: BTreeMap<String, LockInfo> = BTreeMap::new();
-        for held in self.sm.held_locks() {
-            if held.key.starts_with(prefix) {
-                let left = self
-                    .leases
-                    .get(&held.key)
-                    .map(|l| l.deadline.saturating_sub(self.now) / MS);
-                locks.insert(
-                    held.key.clone(),
-                    LockInfo {
-                        key: held.key.clone(),
-                        holder: Some(held.client_id.clone()),
-                        fencing_token: Some(held.token),
-                        ttl_ms: Some(held.ttl_ms),
-                        expires_in_ms: left,
-                        waiters: Vec::new(),
-                    },
-                );
-            }
-        }
-        for waiter in self.sm.waiters() {
-            if waiter.key.starts_with(prefix) {
-                locks
-                    .entry(waiter.key.clone())
-                    .or_insert_with(|| LockInfo {
-                        key: waiter.key.clone(),
-                        holder: None,
-                        fencing_token: None,
-                        ttl_ms: None,
-                        expires_in_ms: None,
-                        waiters: Vec::new(),
-                    })
-                    .waiters
-                    .push(waiter.client_id.clone());
-            }
-        }
-        locks.into_values().take(limit).collect()
+        self.sm
+            .locks_with_prefix(prefix, limit)
+            .into_iter()
+            .map(|(key, held, waiters)| LockInfo {
+                expires_in_ms: held
+                    .as_ref()
+                    .and_then(|_| self.leases.get(&key))
+                    .map(|l| l.deadline.saturating_sub(self.now) / MS),
+                key,
+                holder: held.as_ref().map(|h| h.client_id.clone()),
+                fencing_token: held.as_ref().map(|h| h.token),
+                ttl_ms: held.as_ref().map(|h| h.ttl_ms),
+                waiters: waiters.into_iter().map(|w| w.client_id).collect(),
+            })
+            .collect()
     }
 
     // ----- errors ----------------------------------------------------------------------------
@@ -1140,50 +1116,42 @@ impl<S: Storage, R> NodeCore<S, R> {
                     request_id,
                     token,
                     ttl_ms,
-                } => {
-                    let id = (client_id.clone(), request_id.clone());
-                    self.wait_deadlines.remove(&id);
-                    if let Some(w) = self.waiting.remove(&id) {
-                        if let Some(r) = w.reply {
-                            self.observe(Observation::Answered {
-                                op: "acquire",
-                                result: "granted",
-                            });
-                            self.reply(
-                                r,
-                                ClientReply::Granted {
-                                    token: token.clone(),
-                                    expires_in_ms: *ttl_ms,
-                                },
-                            );
-                        }
-                    }
-                }
+                } => self.answer_waiter(
+                    client_id,
+                    request_id,
+                    ClientReply::Granted {
+                        token: token.clone(),
+                        expires_in_ms: *ttl_ms,
+                    },
+                ),
                 Event::Expired { .. } => {}
                 Event::WaiterRemoved {
                     client_id,
                     request_id,
                     ..
-                } => {
-                    let id = (client_id.clone(), request_id.clone());
-                    self.wait_deadlines.remove(&id);
-                    if let Some(w) = self.waiting.remove(&id) {
-                        if let Some(r) = w.reply {
-                            self.observe(Observation::Answered {
-                                op: "acquire",
-                                result: "WAIT_TIMEOUT",
-                            });
-                            self.reply(
-                                r,
-                                ClientReply::error(
-                                    ErrorCode::WaitTimeout,
-                                    "the lock was not granted within the wait timeout",
-                                ),
-                            );
-                        }
-                    }
-                }
+                } => self.answer_waiter(
+                    client_id,
+                    request_id,
+                    ClientReply::error(
+                        ErrorCode::WaitTimeout,
+                        "the lock was not granted within the wait timeout",
+                    ),
+                ),
             }
+        }
+    }
+
+    /// The waiter `(client_id, request_id)` left the queue: its deadline goes, and its client,
+    /// if attached here, gets `reply`.
+    fn answer_waiter(&mut self, client_id: &str, request_id: &str, reply: ClientReply) {
+        let id = (client_id.to_string(), request_id.to_string());
+        self.wait_deadlines.remove(&id);
+        if let Some(r) = self.waiting.remove(&id).and_then(|w| w.reply) {
+            self.observe(Observation::Answered {
+                op: "acquire",
+                result: reply.result_label(),
+            });
+            self.reply(r, reply);
         }
     }
 
@@ -1295,7 +1263,6 @@ impl<S: Storage, R> NodeCore<S, R> {
         if let Some(r) = pending.reply.take() {
             self.reply(r, reply);
         }
-        let _ = pending.wait_timeout_ms;
     }
 
     fn serve_reads(&mut self) {

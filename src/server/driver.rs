@@ -24,7 +24,7 @@ use super::transport::{AddressBook, PeerTransport};
 use crate::lock::LockStateMachine;
 use crate::node::{Effect, Micros, NodeCore, NodeSettings, Observation};
 use crate::raft::{Message, MessageBody, NodeId, Raft, Snapshot};
-use crate::storage::{Storage, StorageError};
+use crate::storage::{SledStorage, Storage, StorageError};
 use crate::telemetry::NodeMetrics;
 
 /// Inputs accepted by the driver.
@@ -190,73 +190,7 @@ impl<S: Storage> Storage for TimedStorage<S> {
 }
 
 type Reply = oneshot::Sender<ClientReply>;
-type Core = NodeCore<TimedStorage<Box<dyn Storage + Send>>, Reply>;
-
-impl Storage for Box<dyn Storage + Send> {
-    fn recover(&self) -> Result<crate::storage::RecoveredState, StorageError> {
-        (**self).recover()
-    }
-    fn append(&mut self, entries: &[crate::raft::Entry]) -> Result<(), StorageError> {
-        (**self).append(entries)
-    }
-    fn set_hard_state(&mut self, hs: crate::raft::HardState) -> Result<(), StorageError> {
-        (**self).set_hard_state(hs)
-    }
-    fn apply(
-        &mut self,
-        applied_index: crate::raft::Index,
-        changes: &[crate::storage::KvChange],
-    ) -> Result<(), StorageError> {
-        (**self).apply(applied_index, changes)
-    }
-    fn install_snapshot(
-        &mut self,
-        meta: &crate::raft::SnapshotMeta,
-        data: &[u8],
-    ) -> Result<(), StorageError> {
-        (**self).install_snapshot(meta, data)
-    }
-    fn begin_snapshot(&mut self, meta: &crate::raft::SnapshotMeta) -> Result<(), StorageError> {
-        (**self).begin_snapshot(meta)
-    }
-    fn write_snapshot_chunk(&mut self, offset: u64, chunk: &[u8]) -> Result<(), StorageError> {
-        (**self).write_snapshot_chunk(offset, chunk)
-    }
-    fn finish_snapshot(&mut self) -> Result<crate::raft::SnapshotMeta, StorageError> {
-        (**self).finish_snapshot()
-    }
-    fn build_snapshot(&self) -> Result<Snapshot, StorageError> {
-        (**self).build_snapshot()
-    }
-    fn snapshot_job(&self) -> Result<crate::storage::SnapshotJob, StorageError> {
-        (**self).snapshot_job()
-    }
-    fn compact(&mut self, upto: crate::raft::Index) -> Result<(), StorageError> {
-        (**self).compact(upto)
-    }
-    fn entries(
-        &self,
-        lo: crate::raft::Index,
-        hi: crate::raft::Index,
-    ) -> Result<Vec<crate::raft::Entry>, StorageError> {
-        (**self).entries(lo, hi)
-    }
-    fn term(&self, index: crate::raft::Index) -> Result<crate::raft::Term, StorageError> {
-        (**self).term(index)
-    }
-    fn first_index(&self) -> crate::raft::Index {
-        (**self).first_index()
-    }
-    fn last_index(&self) -> crate::raft::Index {
-        (**self).last_index()
-    }
-    fn applied_index(&self) -> crate::raft::Index {
-        (**self).applied_index()
-    }
-    fn flush(&mut self) -> Result<(), StorageError> {
-        (**self).flush()
-    }
-}
+type Core = NodeCore<TimedStorage<SledStorage>, Reply>;
 
 pub struct Driver {
     core: Core,
@@ -286,7 +220,7 @@ impl Driver {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         raft: Raft,
-        storage: Box<dyn Storage + Send>,
+        storage: SledStorage,
         sm: LockStateMachine,
         transport: PeerTransport,
         metrics: NodeMetrics,

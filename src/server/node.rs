@@ -138,7 +138,7 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
     let (status_tx, status_rx) = watch::channel(NodeStatus::default());
     let driver = Driver::new(
         raft,
-        Box::new(storage),
+        storage,
         sm,
         transport,
         metrics.clone(),

@@ -312,10 +312,8 @@ impl SimClients {
     /// Sends (again) the client's current operation to `target`.
     fn resend(&mut self, c: usize, now: u64, target: NodeId) -> Option<Send> {
         let client = &mut self.clients[c];
+        let first_sent = client.real(client.op.as_ref()?.first_sent_local);
         let inflight = client.op.as_mut()?;
-        let drift = client.drift_ppm;
-        let first_sent =
-            (inflight.first_sent_local as i128 * 1_000_000 / (1_000_000 + drift as i128)) as u64;
         if inflight.attempts >= MAX_ATTEMPTS || now >= first_sent + GIVE_UP_AFTER_US {
             let hist = inflight.hist;
             client.op = None;

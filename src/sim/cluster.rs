@@ -97,7 +97,6 @@ pub struct SimStats {
     pub committed: u64,
     pub snapshots_sent: u64,
     pub compactions: u64,
-    pub reads: u64,
     pub transfers: u64,
     pub grants: u64,
     pub expiries: u64,
@@ -120,7 +119,6 @@ impl SimStats {
         self.committed += other.committed;
         self.snapshots_sent += other.snapshots_sent;
         self.compactions += other.compactions;
-        self.reads += other.reads;
         self.transfers += other.transfers;
         self.grants += other.grants;
         self.expiries += other.expiries;
@@ -187,6 +185,8 @@ struct SimNode {
     last_commit: u64,
     /// Next index this node must apply (apply order check).
     next_apply: u64,
+    /// Applied index at which this node's lock state was last compared with the replicas'.
+    state_checked_at: u64,
 }
 
 impl SimNode {
@@ -298,6 +298,7 @@ impl Cluster {
             decommissioned: false,
             last_commit: 0,
             next_apply: 0,
+            state_checked_at: 0,
         };
         self.nodes.insert(id, node);
         self.start_node(id);
@@ -820,7 +821,9 @@ impl Cluster {
         }
         let sm = core.state_machine();
         let applied = sm.applied_index();
-        if applied > 0 {
+        // Compared once per newly reached applied index, not after every Ready.
+        if applied > 0 && applied != node.state_checked_at {
+            node.state_checked_at = applied;
             let digest = fnv(&sm.snapshot());
             match self.lock_state_at.get(&applied) {
                 Some(&seen) if seen != digest => {

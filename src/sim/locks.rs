@@ -142,7 +142,7 @@ impl LockChecker {
                     ),
                     None => {
                         self.granted.insert(id, token.value);
-                        self.grant(index, &key, client_id, request_id, token.value, false);
+                        self.grant(index, &key, client_id, request_id, token.value);
                     }
                 }
             }
@@ -197,7 +197,7 @@ impl LockChecker {
                     self.granted
                         .insert((client_id.clone(), request_id.clone()), token.value);
                     let k = token.key.clone();
-                    self.grant(index, &k, client_id, request_id, token.value, true);
+                    self.grant(index, &k, client_id, request_id, token.value);
                 }
                 Event::Expired { token, .. } => {
                     self.expiries += 1;
@@ -232,28 +232,15 @@ impl LockChecker {
         }
     }
 
-    fn grant(
-        &mut self,
-        index: Index,
-        key: &str,
-        client: &str,
-        request: &str,
-        token: u64,
-        from_queue: bool,
-    ) {
+    fn grant(&mut self, index: Index, key: &str, client: &str, request: &str, token: u64) {
         self.grants += 1;
         let model = self.keys.entry(key.to_string()).or_default();
         let mut failures = Vec::new();
         if let Some((holder, _, held)) = &model.holder {
-            {
-                let _ = from_queue;
-                failures.push((
-                    "mutual exclusion",
-                    format!(
-                        "index {index}: {client} granted {key} while {holder} holds token {held}"
-                    ),
-                ));
-            }
+            failures.push((
+                "mutual exclusion",
+                format!("index {index}: {client} granted {key} while {holder} holds token {held}"),
+            ));
         }
         if token <= model.last_token {
             failures.push((

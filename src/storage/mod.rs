@@ -81,7 +81,7 @@ impl RecoveredState {
 /// crash keeps a prefix of the write calls made since the last flush (never a later write
 /// without an earlier one).
 ///
-/// Object safe, so a driver can hold a `Box<dyn Storage>`.
+/// Object safe, so a caller can hold a `Box<dyn Storage>`.
 pub trait Storage {
     /// Reads back and verifies everything durable (and everything written since). Checksums,
     /// log contiguity and the applied index are checked; any problem is an error.
