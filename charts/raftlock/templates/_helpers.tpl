@@ -1,0 +1,121 @@
+{{/* Chart name, truncated to a DNS label. */}}
+{{- define "raftlock.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+Full name: the prefix of every resource. Kept to 40 characters so that a pod name
+(<fullname>-NN) and its volume claim (data-<fullname>-NN) stay valid DNS labels, and so that the
+StatefulSet's controller-revision-hash label fits.
+*/}}
+{{- define "raftlock.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "raftlock.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Labels on every object. */}}
+{{- define "raftlock.labels" -}}
+helm.sh/chart: {{ include "raftlock.chart" . }}
+app.kubernetes.io/name: {{ include "raftlock.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Values.image.tag | default .Chart.AppVersion | trunc 63 | trimSuffix "-" | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: raftlock
+{{- end -}}
+
+{{/* Selector labels of the lock nodes. */}}
+{{- define "raftlock.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "raftlock.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: lock-node
+{{- end -}}
+
+{{/* Selector labels of the data store. */}}
+{{- define "raftlock.dataStore.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "raftlock.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: data-store
+{{- end -}}
+
+{{- define "raftlock.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion | toString) -}}
+{{- end -}}
+
+{{- define "raftlock.headlessName" -}}
+{{- printf "%s-headless" (include "raftlock.fullname" .) -}}
+{{- end -}}
+
+{{- define "raftlock.dataStore.fullname" -}}
+{{- printf "%s-data-store" (include "raftlock.fullname" .) -}}
+{{- end -}}
+
+{{- define "raftlock.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "raftlock.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Cluster DNS suffix of the headless service: <headless>.<namespace>.svc.cluster.local */}}
+{{- define "raftlock.headlessDomain" -}}
+{{- printf "%s.%s.svc.cluster.local" (include "raftlock.headlessName" .) .Release.Namespace -}}
+{{- end -}}
+
+{{/* Peer address of pod ordinal $i: call with (list $ $i). */}}
+{{- define "raftlock.peerAddress" -}}
+{{- $ctx := index . 0 -}}
+{{- printf "%s-%d.%s:%d" (include "raftlock.fullname" $ctx) (int (index . 1)) (include "raftlock.headlessDomain" $ctx) (int $ctx.Values.ports.peer) -}}
+{{- end -}}
+
+{{/* Peer addresses of pods 0..replicas-1, comma-separated: the --join list of every pod. */}}
+{{- define "raftlock.joinList" -}}
+{{- $addrs := list -}}
+{{- range $i := until (int .Values.replicas) -}}
+{{- $addrs = append $addrs (include "raftlock.peerAddress" (list $ $i)) -}}
+{{- end -}}
+{{- join "," $addrs -}}
+{{- end -}}
+
+{{/* Client address of the client Service (any pod; followers forward to the leader). */}}
+{{- define "raftlock.clientServiceAddress" -}}
+{{- printf "%s.%s.svc.cluster.local:%d" (include "raftlock.fullname" .) .Release.Namespace (int .Values.service.port) -}}
+{{- end -}}
+
+{{- define "raftlock.dataStoreHost" -}}
+{{- printf "%s.%s.svc.cluster.local" (include "raftlock.dataStore.fullname" .) .Release.Namespace -}}
+{{- end -}}
+
+{{/* Whether a cluster token is configured, and the Secret that holds it. */}}
+{{- define "raftlock.hasToken" -}}
+{{- if or .Values.existingSecret .Values.clusterToken -}}true{{- end -}}
+{{- end -}}
+
+{{- define "raftlock.tokenSecretName" -}}
+{{- if .Values.existingSecret -}}
+{{- .Values.existingSecret -}}
+{{- else -}}
+{{- printf "%s-token" (include "raftlock.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* storageClassName for a persistence block: "" omits it (cluster default), "-" sets "". */}}
+{{- define "raftlock.storageClass" -}}
+{{- if eq .storageClass "-" -}}
+storageClassName: ""
+{{- else if .storageClass -}}
+storageClassName: {{ .storageClass | quote }}
+{{- end -}}
+{{- end -}}
