@@ -65,7 +65,11 @@ if [ "${1:-}" = "--render-only" ]; then
     case "$1" in
       --release) release="$2"; shift 2 ;;
       --namespace) namespace="$2"; shift 2 ;;
-      *) values+=("$1"); shift ;;
+      *)
+        [ -f "$1" ] || { echo "no such values file: $1" >&2; exit 2; }
+        values+=("$1")
+        shift
+        ;;
     esac
   done
   ensure_python_tools
@@ -106,7 +110,7 @@ elif ! ensure_actionlint; then
   status=1
 else
   actionlint --version | head -1
-  # shellcheck/pyflakes integration runs when those tools are installed.
+  # actionlint also runs shellcheck on `run:` scripts when shellcheck is installed.
   if (cd "$ROOT" && actionlint "${workflows[@]#"$ROOT"/}"); then
     echo "ok   actionlint: ${workflows[*]#"$ROOT"/}"
   else
