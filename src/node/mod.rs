@@ -568,6 +568,14 @@ impl<S: Storage, R> NodeCore<S, R> {
             return Err("not the leader".into());
         }
         let membership = self.raft.membership();
+        if membership.voters.contains(&id) {
+            // Only a server with an empty log asks to join: a voter that lost its data must not
+            // vote again as if it remembered its term and log.
+            return Err(format!(
+                "node {id} is already a voter; if it lost its data, remove it first \
+                 (lockctl members remove --id {id}) and let it join again"
+            ));
+        }
         if membership.contains(id) {
             if membership.learners.contains(&id) && !self.promote_when_caught_up.contains(&id) {
                 self.promote_when_caught_up.push(id);

@@ -45,6 +45,10 @@ struct Args {
     /// Join a running cluster through these peers: `host:port[,host:port]`.
     #[arg(long)]
     join: Option<String>,
+    /// With --join: the node with this id starts a new cluster when its data directory is empty
+    /// and no --join peer knows of one; every other node joins (same flags on every pod).
+    #[arg(long)]
+    bootstrap_id: Option<u64>,
     /// Shared secret peers must present (x-raftlock-cluster-token). Empty disables the check.
     #[arg(long)]
     cluster_token: Option<String>,
@@ -114,6 +118,7 @@ impl Args {
             advertise_client,
             initial_cluster,
             join,
+            bootstrap_id,
             cluster_token,
             tick,
             election_ticks,

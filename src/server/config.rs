@@ -36,6 +36,11 @@ pub struct NodeConfig {
     /// `host:port[,host:port]` — peers to ask when joining a running cluster.
     #[serde(default)]
     pub join: String,
+    /// With `join`: the node with this id bootstraps a new one-node cluster when its data
+    /// directory is empty and none of the `join` peers knows of a cluster; every other node
+    /// joins. Lets every pod of a StatefulSet run with the same flags. 0 disables.
+    #[serde(default)]
+    pub bootstrap_id: NodeId,
     /// Shared secret every peer must present; empty disables the check.
     #[serde(default)]
     pub cluster_token: String,
@@ -166,6 +171,12 @@ impl NodeConfig {
             return invalid(
                 "bootstrap",
                 "choose one of --bootstrap, --initial-cluster, --join",
+            );
+        }
+        if self.bootstrap_id != 0 && self.join.is_empty() {
+            return invalid(
+                "bootstrap_id",
+                "needs --join (the peers asked whether a cluster already exists)",
             );
         }
         self.initial_members()?;

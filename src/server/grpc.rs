@@ -1,5 +1,8 @@
 //! gRPC services: the public `LockService` (client port) and the `Peer` service (peer port).
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
 use tokio::sync::{mpsc, oneshot};
 use tonic::{Request, Response, Status, Streaming};
 use tracing::debug;
@@ -238,6 +241,11 @@ pub struct PeerApi {
     pub addresses: AddressBook,
     pub cluster_token: String,
     pub status: tokio::sync::watch::Receiver<super::driver::NodeStatus>,
+    /// False while a new node started with `--join` waits for the leader to accept it: until
+    /// then it takes no Raft message, so a voter that lost its data and started afresh under its
+    /// old id cannot be fed the log (and vote) as if it remembered its term — the leader refuses
+    /// its join until an operator removes the old member.
+    pub admitted: Arc<AtomicBool>,
 }
 
 impl PeerApi {
@@ -277,6 +285,12 @@ impl ppb::peer_server::Peer for PeerApi {
         let mut stream = request.into_inner();
         while let Some(next) = stream.message().await? {
             match message_from_pb(next) {
+                Ok(_) if !self.admitted.load(Ordering::Acquire) => {
+                    debug!(
+                        peer = from,
+                        "dropping raft message: not admitted to the cluster yet"
+                    )
+                }
                 Ok(msg) if msg.from == from || from == 0 => {
                     // Never block the stream on a busy driver: Raft tolerates loss.
                     let _ = self.driver.try_send(Input::Peer(msg));

@@ -2,6 +2,7 @@
 //! the driver, serve peers and clients, join a cluster if asked, and stop cleanly.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -75,6 +76,11 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
         .initial_members()
         .map_err(|e| NodeError::Config(e.to_string()))?;
 
+    // A StatefulSet runs every pod with the same flags: the pod named by `bootstrap_id` starts
+    // the cluster, but only when no peer already belongs to one (its volume was lost, say).
+    let bootstrap = cfg.bootstrap
+        || (fresh && cfg.bootstrap_id == cfg.node_id && !cluster_exists(&cfg, &shutdown).await);
+
     let addresses = AddressBook::default();
     addresses.learn(cfg.node_id, &cfg.advertise_peer, &cfg.advertise_client);
     for (id, peer) in &initial_members {
@@ -82,7 +88,7 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
     }
     let initial_membership = if !fresh {
         Membership::default()
-    } else if cfg.bootstrap {
+    } else if bootstrap {
         Membership::with_voters([cfg.node_id])
     } else if !initial_members.is_empty() {
         Membership::with_voters(initial_members.keys().copied())
@@ -153,7 +159,7 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
         input_rx,
         status_tx,
     );
-    let single_fresh_voter = fresh && cfg.bootstrap;
+    let single_fresh_voter = fresh && bootstrap;
     let driver_shutdown = shutdown.clone();
     // The Raft driver runs on its own thread with a single-threaded runtime: it waits for the
     // disk on every Ready, and doing that on an I/O worker would stall clients and peers (or,
@@ -176,12 +182,15 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
         info!("bootstrapped a one-node cluster");
     }
 
-    // Peer port.
+    // Peer port. A fresh node that joins takes Raft messages only once the leader accepted it.
+    let joining = fresh && !bootstrap && !cfg.join_peers().is_empty();
+    let admitted = Arc::new(AtomicBool::new(!joining));
     let peer_api = PeerApi {
         driver: input_tx.clone(),
         addresses: addresses.clone(),
         cluster_token: cfg.cluster_token.clone(),
         status: status_rx.clone(),
+        admitted: admitted.clone(),
     };
     let peer_service = PeerServer::new(peer_api)
         .max_decoding_message_size(cfg.max_message_bytes)
@@ -247,10 +256,14 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
         shutdown.clone(),
     ));
 
-    if fresh && !cfg.join_peers().is_empty() {
+    if joining {
         let join_cfg = cfg.clone();
         let join_shutdown = shutdown.clone();
-        tokio::spawn(async move { join_cluster(join_cfg, join_shutdown).await });
+        let join_admitted = admitted.clone();
+        let join_addresses = addresses.clone();
+        tokio::spawn(async move {
+            join_cluster(join_cfg, join_addresses, join_admitted, join_shutdown).await
+        });
     }
 
     let _ = shutdown.wait_for(|s| *s).await;
@@ -263,11 +276,22 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
 }
 
 /// Asks the listed peers to add this node, hopping to the leader they name (at most five hops per
-/// round), and retries rounds with backoff until it is accepted or the node shuts down.
-async fn join_cluster(cfg: NodeConfig, shutdown: watch::Receiver<bool>) {
-    let peers = cfg.join_peers();
+/// round), and retries rounds with backoff until it is accepted (then `admitted` turns true) or
+/// the node shuts down. A pod that cannot join yet keeps trying (its peers may still be
+/// starting, or an operator must first remove the member it replaces); it stays unready meanwhile.
+async fn join_cluster(
+    cfg: NodeConfig,
+    addresses: AddressBook,
+    admitted: Arc<AtomicBool>,
+    shutdown: watch::Receiver<bool>,
+) {
+    let peers: Vec<String> = cfg
+        .join_peers()
+        .into_iter()
+        .filter(|p| *p != cfg.advertise_peer)
+        .collect();
     let mut backoff = Duration::from_millis(100);
-    for round in 0..120u32 {
+    for round in 0u64.. {
         if *shutdown.borrow() {
             return;
         }
@@ -276,7 +300,14 @@ async fn join_cluster(cfg: NodeConfig, shutdown: watch::Receiver<bool>) {
             for hop in 0..5 {
                 match ask_to_join(&cfg, &target).await {
                     Ok(reply) if reply.success => {
+                        admitted.store(true, Ordering::Release);
                         info!(via = %target, hop, "joined the cluster as a learner");
+                        // Learn every member's addresses now: if the leader fails before this
+                        // node hears from the others, it must still reach them to elect a new one.
+                        match fetch_peer_list(&cfg, &target).await {
+                            Ok(reply) => learn_peer_list(&addresses, reply),
+                            Err(err) => debug!(via = %target, cause = %err, "no peer list yet"),
+                        }
                         return;
                     }
                     Ok(reply) if !reply.leader_addr.is_empty() && reply.leader_addr != target => {
@@ -288,16 +319,48 @@ async fn join_cluster(cfg: NodeConfig, shutdown: watch::Receiver<bool>) {
                         break;
                     }
                     Err(err) => {
-                        warn!(via = %target, cause = %err, "join attempt failed");
+                        debug!(via = %target, cause = %err, "join attempt failed");
                         break;
                     }
                 }
             }
         }
-        warn!(round, "could not join yet; retrying");
+        if round % 10 == 0 {
+            warn!(round, peers = ?peers, "could not join yet; retrying");
+        }
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(Duration::from_secs(2));
     }
+}
+
+/// Asks the `join` peers (other than this node) whether any of them belongs to a cluster, for a
+/// few rounds. Unreachable peers and peers without members count as "no cluster".
+async fn cluster_exists(cfg: &NodeConfig, shutdown: &watch::Receiver<bool>) -> bool {
+    let peers: Vec<String> = cfg
+        .join_peers()
+        .into_iter()
+        .filter(|p| *p != cfg.advertise_peer)
+        .collect();
+    for round in 0..3 {
+        if *shutdown.borrow() {
+            return false;
+        }
+        for peer in &peers {
+            match fetch_peer_list(cfg, peer).await {
+                Ok(reply) if !reply.peer_set.is_empty() => {
+                    info!(via = %peer, members = ?reply.peer_set, "a cluster exists; joining it");
+                    return true;
+                }
+                Ok(_) => debug!(via = %peer, "peer belongs to no cluster yet"),
+                Err(err) => debug!(via = %peer, cause = %err, "peer not reachable"),
+            }
+        }
+        if round < 2 {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    }
+    info!(peers = ?peers, "no peer knows of a cluster; bootstrapping a new one");
+    false
 }
 
 async fn ask_to_join(
@@ -356,17 +419,19 @@ async fn refresh_addresses(
             continue;
         }
         match fetch_peer_list(&cfg, &leader_peer).await {
-            Ok(reply) => {
-                for id in reply.peer_set {
-                    let peer = reply.peer_address.get(&id).map_or("", String::as_str);
-                    let client = reply.client_address.get(&id).map_or("", String::as_str);
-                    addresses.learn(id, peer, client);
-                }
-            }
+            Ok(reply) => learn_peer_list(&addresses, reply),
             Err(err) => {
                 debug!(leader = %leader_peer, cause = %err, "could not fetch the peer list")
             }
         }
+    }
+}
+
+fn learn_peer_list(addresses: &AddressBook, reply: FetchPeerListReply) {
+    for id in reply.peer_set {
+        let peer = reply.peer_address.get(&id).map_or("", String::as_str);
+        let client = reply.client_address.get(&id).map_or("", String::as_str);
+        addresses.learn(id, peer, client);
     }
 }
 
