@@ -80,10 +80,14 @@ app.kubernetes.io/component: data-store
 {{- printf "%s-%d.%s:%d" (include "raftlock.fullname" $ctx) (int (index . 1)) (include "raftlock.headlessDomain" $ctx) (int $ctx.Values.ports.peer) -}}
 {{- end -}}
 
-{{/* Peer addresses of pods 0..replicas-1, comma-separated: the --join list of every pod. */}}
+{{/*
+Peers a new pod asks to join through: the first three pods (fewer when replicas < 3). Any member
+will do (a follower hands the join to the leader), and a list that does not grow with replicas
+keeps the pod template unchanged when the StatefulSet is scaled, so scaling restarts no pod.
+*/}}
 {{- define "raftlock.joinList" -}}
 {{- $addrs := list -}}
-{{- range $i := until (int .Values.replicas) -}}
+{{- range $i := until (min 3 (int .Values.replicas) | int) -}}
 {{- $addrs = append $addrs (include "raftlock.peerAddress" (list $ $i)) -}}
 {{- end -}}
 {{- join "," $addrs -}}
