@@ -61,10 +61,143 @@ fn builder_rejects_bad_settings() {
         .build()
         .unwrap_err();
     assert!(err.to_string().contains("safety margin"), "{err}");
+    let err = RaftLockClient::builder()
+        .endpoint("127.0.0.1:1")
+        .retry_policy(RetryPolicy {
+            jitter_factor: 1.5,
+            ..RetryPolicy::default()
+        })
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("jitter_factor"), "{err}");
+    let err = RaftLockClient::builder()
+        .endpoint("127.0.0.1:1")
+        .keepalive(Duration::from_secs(2), Duration::from_secs(1))
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("keepalive"), "{err}");
+    let err = RaftLockClient::builder()
+        .endpoint("127.0.0.1:1")
+        .renew_interval(Duration::ZERO)
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("renew interval"), "{err}");
     assert!(RaftLockClient::builder()
         .endpoint("ws://127.0.0.1:50051/ws")
         .build()
         .is_ok());
+}
+
+/// A TCP proxy that, once stalled, keeps its connections open but forwards nothing: a peer that
+/// vanished without closing (a partition, a paused host). New connections are refused.
+struct StallProxy {
+    addr: String,
+    stalled: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl StallProxy {
+    async fn start(target: String) -> StallProxy {
+        use std::sync::atomic::Ordering;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let stalled = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stalled.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((inbound, _)) = listener.accept().await {
+                if flag.load(Ordering::SeqCst) {
+                    continue;
+                }
+                let Ok(outbound) = tokio::net::TcpStream::connect(&target).await else {
+                    continue;
+                };
+                let (ri, wi) = inbound.into_split();
+                let (ro, wo) = outbound.into_split();
+                for (mut from, mut to, flag) in [
+                    (
+                        Box::new(ri) as Box<dyn tokio::io::AsyncRead + Unpin + Send>,
+                        Box::new(wo) as Box<dyn tokio::io::AsyncWrite + Unpin + Send>,
+                        flag.clone(),
+                    ),
+                    (Box::new(ro), Box::new(wi), flag.clone()),
+                ] {
+                    tokio::spawn(async move {
+                        let mut buf = vec![0u8; 16 * 1024];
+                        let mut held = Vec::new();
+                        loop {
+                            let Ok(n) = from.read(&mut buf).await else {
+                                break;
+                            };
+                            if n == 0 {
+                                break;
+                            }
+                            if flag.load(Ordering::SeqCst) {
+                                // Swallow the bytes, keep the sockets open.
+                                held.push(n);
+                                continue;
+                            }
+                            if to.write_all(&buf[..n]).await.is_err() {
+                                break;
+                            }
+                        }
+                        drop(held);
+                        // Keep the write half open while stalled, so nothing sees a close.
+                        while flag.load(Ordering::SeqCst) {
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                        }
+                    });
+                }
+            }
+        });
+        StallProxy {
+            addr,
+            stalled,
+            task,
+        }
+    }
+
+    fn stall(&self) {
+        self.stalled
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Drop for StallProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keepalive_notices_a_silent_connection_and_moves_on() {
+    let cluster = Cluster::start(3);
+    cluster.wait_for_leader(Duration::from_secs(20)).await;
+    let proxy = StallProxy::start(cluster.nodes[0].client_addr()).await;
+    // The request timeout is far longer than the test allows: only the keepalive can notice
+    // that the first connection went silent.
+    let client = RaftLockClient::builder()
+        .endpoints([proxy.addr.clone(), cluster.nodes[1].client_addr()])
+        .client_id("keepalive")
+        .request_timeout(Duration::from_secs(120))
+        .keepalive(Duration::from_millis(200), Duration::from_millis(1000))
+        .retry_policy(RetryPolicy {
+            max_elapsed: Duration::from_secs(300),
+            ..RetryPolicy::default()
+        })
+        .build()
+        .unwrap();
+    client
+        .put("ka/k", "1", None)
+        .await
+        .expect("first put through the proxy");
+    proxy.stall();
+    let second = tokio::time::timeout(Duration::from_secs(60), client.put("ka/k", "2", None)).await;
+    assert!(
+        matches!(second, Ok(Ok(()))),
+        "the silent connection was not given up: {second:?}"
+    );
+    assert_eq!(client.get("ka/k").await.unwrap().as_deref(), Some("2"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,7 +6,7 @@
 //! was already applied with the original outcome instead of applying it twice.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::{Duration, Instant};
 
@@ -70,6 +70,7 @@ impl Conn {
         timeout: Duration,
         max_inflight: usize,
         max_message_bytes: usize,
+        keepalive: Option<Keepalive>,
     ) -> Result<Conn, String> {
         let url = format!("ws://{addr}/ws");
         let mut config = tokio_tungstenite::tungstenite::protocol::WebSocketConfig::default();
@@ -87,19 +88,49 @@ impl Conn {
         let pending: Pending = Arc::default();
         let closed = Arc::new(AtomicBool::new(false));
         let writer_closed = closed.clone();
+        // When anything last arrived on the connection (pongs included).
+        let opened = Instant::now();
+        let last_heard = Arc::new(AtomicU64::new(0));
+        let writer_heard = last_heard.clone();
+        let writer_pending = pending.clone();
         let writer = tokio::spawn(async move {
-            while let Some(text) = out_rx.recv().await {
-                if sink.send(Message::text(text)).await.is_err() {
-                    break;
+            let period = keepalive.map_or(Duration::from_secs(3600), |k| k.interval);
+            let mut ping = tokio::time::interval_at((Instant::now() + period).into(), period);
+            ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    next = out_rx.recv() => {
+                        let Some(text) = next else { break };
+                        if sink.send(Message::text(text)).await.is_err() {
+                            break;
+                        }
+                    }
+                    _ = ping.tick(), if keepalive.is_some() => {
+                        let Some(k) = keepalive else { continue };
+                        let heard = opened + Duration::from_millis(writer_heard.load(Ordering::SeqCst));
+                        if heard.elapsed() > k.timeout {
+                            // Silent for too long: give up on this connection, wake every
+                            // caller ("connection lost": they retry elsewhere, same request id).
+                            writer_closed.store(true, Ordering::SeqCst);
+                            writer_pending.lock().unwrap_or_else(|p| p.into_inner()).clear();
+                            break;
+                        }
+                        let send = sink.send(Message::Ping(Vec::new().into()));
+                        match tokio::time::timeout(k.timeout, send).await {
+                            Ok(Ok(())) => {}
+                            _ => break,
+                        }
+                    }
                 }
             }
             writer_closed.store(true, Ordering::SeqCst);
-            let _ = sink.close().await;
+            let _ = tokio::time::timeout(Duration::from_secs(1), sink.close()).await;
         });
         let reader_pending = pending.clone();
         let reader_closed = closed.clone();
         let reader = tokio::spawn(async move {
             while let Some(Ok(msg)) = stream.next().await {
+                last_heard.store(opened.elapsed().as_millis() as u64, Ordering::SeqCst);
                 let text = match msg {
                     Message::Text(t) => t.to_string(),
                     Message::Binary(b) => String::from_utf8_lossy(&b).into_owned(),
@@ -212,6 +243,15 @@ pub(crate) struct SessionConfig {
     pub retry: RetryPolicy,
     pub max_inflight: usize,
     pub max_message_bytes: usize,
+    pub keepalive: Option<Keepalive>,
+}
+
+/// Pings on an idle connection, and how long a connection may stay silent before it is taken
+/// for dead (a peer that vanished without closing: a partition, a paused or powered-off host).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Keepalive {
+    pub interval: Duration,
+    pub timeout: Duration,
 }
 
 struct SessionState {
@@ -268,6 +308,7 @@ impl Session {
                 self.cfg.connect_timeout,
                 self.cfg.max_inflight,
                 self.cfg.max_message_bytes,
+                self.cfg.keepalive,
             )
             .await
             {
@@ -384,7 +425,7 @@ impl Session {
             match backoff.next() {
                 Some(delay) => {
                     let left = policy.max_elapsed.saturating_sub(started.elapsed());
-                    tokio::time::sleep(delay.min(left)).await;
+                    tokio::time::sleep(policy.jittered(delay).min(left)).await;
                 }
                 None => return Err(give_up(failure)),
             }

@@ -8,9 +8,9 @@ use serde_json::json;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use super::conn::{ReplyKind, Session, SessionConfig};
+use super::conn::{Keepalive, ReplyKind, Session, SessionConfig};
 use super::error::ClientError;
-use super::RetryPolicy;
+use super::{random_u64, RetryPolicy};
 
 /// Longest client id accepted by the builder, and longest owner id sent: the server's default
 /// limit on ids (`Limits::id_bytes_max`).
@@ -56,6 +56,9 @@ pub struct ClientBuilder {
     retry: RetryPolicy,
     max_inflight: usize,
     max_message_bytes: usize,
+    renew_interval: Option<Duration>,
+    release_on_drop_timeout: Duration,
+    keepalive: Option<Keepalive>,
 }
 
 impl Default for ClientBuilder {
@@ -70,6 +73,12 @@ impl Default for ClientBuilder {
             retry: RetryPolicy::default(),
             max_inflight: 1024,
             max_message_bytes: 1 << 20,
+            renew_interval: None,
+            release_on_drop_timeout: Duration::from_secs(5),
+            keepalive: Some(Keepalive {
+                interval: Duration::from_secs(5),
+                timeout: Duration::from_secs(15),
+            }),
         }
     }
 }
@@ -131,6 +140,35 @@ impl ClientBuilder {
         self
     }
 
+    /// How often [`LockHandle::auto_renew`] renews. Default: a third of the lock's TTL; never
+    /// more than half of it (a longer interval is shortened to half the TTL).
+    pub fn renew_interval(mut self, interval: Duration) -> Self {
+        self.renew_interval = Some(interval);
+        self
+    }
+
+    /// How long the release sent when a [`LockHandle`] is dropped unreleased may take (it runs
+    /// in the background, retrying within this bound; the lock lapses at its TTL if it fails).
+    /// Default 5 s.
+    pub fn release_on_drop_timeout(mut self, timeout: Duration) -> Self {
+        self.release_on_drop_timeout = timeout;
+        self
+    }
+
+    /// Pings the node every `interval` and takes the connection for dead when nothing arrived
+    /// for `timeout` (a node or network that vanished without closing it): requests waiting on
+    /// it are retried on another node. Default every 5 s, dead after 15 s.
+    pub fn keepalive(mut self, interval: Duration, timeout: Duration) -> Self {
+        self.keepalive = Some(Keepalive { interval, timeout });
+        self
+    }
+
+    /// No pings: a silent connection is noticed only by request timeouts.
+    pub fn without_keepalive(mut self) -> Self {
+        self.keepalive = None;
+        self
+    }
+
     pub fn build(self) -> Result<RaftLockClient, ClientError> {
         let bad = |m: String| Err(ClientError::Config(m));
         if self.endpoints.is_empty() {
@@ -169,6 +207,17 @@ impl ClientBuilder {
         if self.max_inflight == 0 {
             return bad("max_inflight must be at least 1".into());
         }
+        if self.renew_interval.is_some_and(|i| i.is_zero()) {
+            return bad("the renew interval must be positive".into());
+        }
+        if let Some(k) = self.keepalive {
+            if k.interval.is_zero() || k.timeout < k.interval {
+                return bad(format!(
+                    "keepalive interval ({:?}) must be positive and not exceed its timeout ({:?})",
+                    k.interval, k.timeout
+                ));
+            }
+        }
         self.retry.validate().map_err(ClientError::Config)?;
         let session = Session::new(SessionConfig {
             endpoints,
@@ -177,6 +226,7 @@ impl ClientBuilder {
             retry: self.retry.clone(),
             max_inflight: self.max_inflight,
             max_message_bytes: self.max_message_bytes,
+            keepalive: self.keepalive,
         });
         Ok(RaftLockClient {
             inner: Arc::new(Inner {
@@ -186,6 +236,8 @@ impl ClientBuilder {
                 safety_margin: self.safety_margin,
                 seq: AtomicU64::new(1),
                 run: random_u64(),
+                renew_interval: self.renew_interval,
+                release_on_drop_timeout: self.release_on_drop_timeout,
             }),
         })
     }
@@ -204,20 +256,6 @@ fn default_client_id() -> String {
     )
 }
 
-/// A value that differs between processes and calls (std's randomly keyed hasher, fed the
-/// time), for client ids and request-id prefixes; not for anything secret.
-fn random_u64() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos()),
-    );
-    h.write_u32(std::process::id());
-    h.finish()
-}
-
 struct Inner {
     session: Session,
     client_id: String,
@@ -226,6 +264,8 @@ struct Inner {
     seq: AtomicU64,
     /// Distinguishes request ids of this client instance from an earlier one with the same id.
     run: u64,
+    renew_interval: Option<Duration>,
+    release_on_drop_timeout: Duration,
 }
 
 /// The everyday client: acquire, try-acquire, release, renew, and replicated KV.
@@ -612,7 +652,8 @@ impl LockHandle {
         Ok(())
     }
 
-    /// Starts renewing in the background at a third of the TTL. The returned renewer's
+    /// Starts renewing in the background, at a third of the TTL unless the builder's
+    /// `renew_interval` says otherwise. The returned renewer's
     /// [`AutoRenewer::lost`] resolves — before the server could grant the lock to anyone
     /// else — if renewal fails.
     pub fn auto_renew(&self) -> AutoRenewer {
@@ -653,8 +694,9 @@ impl Drop for LockHandle {
             let owner = std::mem::take(&mut self.owner);
             let key = std::mem::take(&mut self.key);
             let token = self.token;
+            let bound = client.inner.release_on_drop_timeout;
             rt.spawn(async move {
-                let _ = client.release_as(&owner, &key, token).await;
+                let _ = tokio::time::timeout(bound, client.release_as(&owner, &key, token)).await;
             });
         }
     }
@@ -677,7 +719,12 @@ impl AutoRenewer {
     ) -> AutoRenewer {
         let (tx, rx) = watch::channel(None);
         let task = tokio::spawn(async move {
-            let interval = (ttl / 3).max(Duration::from_millis(1));
+            let interval = client
+                .inner
+                .renew_interval
+                .unwrap_or(ttl / 3)
+                .min(ttl / 2)
+                .max(Duration::from_millis(1));
             let mut last_attempt = Instant::now();
             loop {
                 let deadline = *valid_until.lock().unwrap_or_else(|p| p.into_inner());

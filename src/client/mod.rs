@@ -53,7 +53,9 @@ pub struct RetryPolicy {
     pub max_attempts: usize,
     /// Give up once this much time has passed since the first attempt.
     pub max_elapsed: Duration,
-    pub jitter: bool,
+    /// Each delay is multiplied by a random factor in `[1 - jitter_factor, 1 + jitter_factor]`,
+    /// so clients that failed together do not retry together. 0 disables; at most 1.
+    pub jitter_factor: f32,
 }
 
 impl Default for RetryPolicy {
@@ -64,7 +66,7 @@ impl Default for RetryPolicy {
             factor: 2.0,
             max_attempts: 40,
             max_elapsed: Duration::from_secs(30),
-            jitter: true,
+            jitter_factor: 0.2,
         }
     }
 }
@@ -85,19 +87,45 @@ impl RetryPolicy {
         if self.min_delay > self.max_delay {
             return Err("retry min_delay must not exceed max_delay".into());
         }
+        if !(0.0..=1.0).contains(&self.jitter_factor) {
+            return Err(format!(
+                "retry jitter_factor {} must be within 0..=1",
+                self.jitter_factor
+            ));
+        }
         Ok(())
     }
 
     pub(crate) fn builder(&self) -> backon::ExponentialBuilder {
-        let b = backon::ExponentialBuilder::default()
+        backon::ExponentialBuilder::default()
             .with_min_delay(self.min_delay)
             .with_max_delay(self.max_delay)
             .with_factor(self.factor.max(1.0))
-            .with_max_times(self.max_attempts);
-        if self.jitter {
-            b.with_jitter()
-        } else {
-            b
-        }
+            .with_max_times(self.max_attempts)
     }
+
+    /// `delay` scaled by a random factor in `[1 - jitter_factor, 1 + jitter_factor]`.
+    pub(crate) fn jittered(&self, delay: Duration) -> Duration {
+        let j = f64::from(self.jitter_factor.clamp(0.0, 1.0));
+        if j == 0.0 {
+            return delay;
+        }
+        // A uniform number in [0, 1) from 53 random bits.
+        let unit = (random_u64() >> 11) as f64 / (1u64 << 53) as f64;
+        delay.mul_f64(1.0 - j + 2.0 * j * unit)
+    }
+}
+
+/// A value that differs between processes and calls (std's randomly keyed hasher, fed the
+/// time), for client ids, request-id prefixes and jitter; not for anything secret.
+pub(crate) fn random_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.write_u32(std::process::id());
+    h.finish()
 }
