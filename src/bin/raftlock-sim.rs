@@ -64,7 +64,7 @@ fn main() -> ExitCode {
         }
     }
     println!(
-        "sim: seeds={} violations={} elections={} leader_changes={} partitions={} crashes={} pauses={} membership_changes={} committed={} grants={} expiries={} snapshots={} compactions={} transfers={} history_ops={} hold_intervals_checked={} reads_checked={} client_expiries={} redirects={} retries={}",
+        "sim: seeds={} violations={} elections={} leader_changes={} partitions={} crashes={} pauses={} membership_changes={} committed={} grants={} expiries={} snapshots={} compactions={} transfers={} history_ops={} hold_intervals_checked={} reads_checked={} linearizability_checks={} lin_unchecked={} client_expiries={} redirects={} retries={}",
         args.seeds,
         violations,
         total.elections,
@@ -82,6 +82,8 @@ fn main() -> ExitCode {
         total.history_ops,
         total.beliefs_checked,
         total.reads_checked,
+        total.lin_checked,
+        total.lin_unchecked,
         total.client_expiries,
         total.redirects,
         total.client_retries,

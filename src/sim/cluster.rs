@@ -104,6 +104,8 @@ pub struct SimStats {
     pub history_ops: u64,
     pub beliefs_checked: u64,
     pub reads_checked: u64,
+    pub lin_checked: u64,
+    pub lin_unchecked: u64,
     pub client_expiries: u64,
     pub redirects: u64,
     pub client_retries: u64,
@@ -126,6 +128,8 @@ impl SimStats {
         self.history_ops += other.history_ops;
         self.beliefs_checked += other.beliefs_checked;
         self.reads_checked += other.reads_checked;
+        self.lin_checked += other.lin_checked;
+        self.lin_unchecked += other.lin_unchecked;
         self.client_expiries += other.client_expiries;
         self.redirects += other.redirects;
         self.client_retries += other.client_retries;
@@ -144,7 +148,7 @@ pub struct SimOutcome {
 type Core = NodeCore<MemStorage, ReplyTo>;
 
 /// Largest drift of a node's clock from real time, in parts per million.
-const NODE_DRIFT_PPM: i64 = 5_000;
+pub const NODE_DRIFT_PPM: i64 = 5_000;
 
 #[derive(Clone, Copy, Debug)]
 enum Action {
@@ -461,6 +465,7 @@ impl Cluster {
                 self.clients.check(
                     &self.write_index,
                     self.healed_at.filter(|_| self.marker_done),
+                    NODE_DRIFT_PPM as u64,
                 );
                 self.collect_violations();
             }
@@ -480,6 +485,8 @@ impl Cluster {
         self.stats.history_ops = ops;
         self.stats.beliefs_checked = beliefs;
         self.stats.reads_checked = self.clients.stats.reads_checked;
+        self.stats.lin_checked = self.clients.stats.lin_checked;
+        self.stats.lin_unchecked = self.clients.stats.lin_unchecked;
         self.stats.client_expiries = self.clients.stats.expiries_seen;
         self.stats.redirects = self.clients.stats.redirects;
         self.stats.client_retries = self.clients.stats.retries;

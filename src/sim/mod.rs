@@ -8,6 +8,7 @@
 pub mod checker;
 pub mod clients;
 pub mod cluster;
+pub mod linearizability;
 pub mod locks;
 pub mod network;
 
