@@ -28,6 +28,9 @@ struct Args {
     /// Disable PreVote (to watch partitioned nodes disrupt leaders).
     #[arg(long)]
     no_pre_vote: bool,
+    /// A node resuming from a pause handles waiting client requests before waiting peer messages.
+    #[arg(long)]
+    clients_first_on_resume: bool,
     /// Disable fault injection (no partitions, crashes, loss, duplication).
     #[arg(long)]
     no_faults: bool,
@@ -47,6 +50,7 @@ fn main() -> ExitCode {
         let mut cfg = SimConfig::new(seed, args.nodes as usize);
         cfg.steps = args.steps;
         cfg.pre_vote = !args.no_pre_vote;
+        cfg.clients_first_on_resume = args.clients_first_on_resume;
         cfg.faults = !args.no_faults;
         cfg.membership_changes = !args.no_membership;
         cfg.crash_intensity = args.crash_intensity;

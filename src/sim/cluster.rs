@@ -42,6 +42,11 @@ pub struct SimConfig {
     /// Events (message deliveries and ticks) before the final liveness phase.
     pub steps: u64,
     pub pre_vote: bool,
+    /// A node resuming from a pause handles the client requests that waited for it before the
+    /// peer messages that did (a real event loop may find either socket ready first). With it,
+    /// a leader deposed while it was stopped sees its clients' requests before it learns of the
+    /// new term: a targeted schedule for read bugs.
+    pub clients_first_on_resume: bool,
     /// Inject partitions, crashes, loss, duplication and delay.
     pub faults: bool,
     /// Add learners, promote them, remove followers and leaders.
@@ -71,6 +76,7 @@ impl SimConfig {
             nodes,
             steps: 4_000,
             pre_vote: true,
+            clients_first_on_resume: false,
             faults: true,
             membership_changes: true,
             snapshot_every: 48,
@@ -557,6 +563,19 @@ impl Cluster {
             return;
         }
         let local = node.local(now);
+        if self.cfg.clients_first_on_resume && !node.client_inbox.is_empty() {
+            // The client requests, and the Ready they make, before any waiting peer message.
+            let client_inbox = std::mem::take(&mut node.client_inbox);
+            let Some(core) = node.core.as_mut() else {
+                return;
+            };
+            for (op, to) in client_inbox {
+                core.client_request(local, op, to.client as u64, to);
+            }
+            let result = core.drive();
+            self.after_core(id, result);
+        }
+        let node = self.nodes.get_mut(&id).expect("exists");
         let inbox = std::mem::take(&mut node.inbox);
         let client_inbox = std::mem::take(&mut node.client_inbox);
         let Some(core) = node.core.as_mut() else {
