@@ -406,3 +406,21 @@ fn caught_membership_guards_off() {
         ],
     );
 }
+
+// The history check on its own: with leader expiries that check only the token, a client's
+// history has no linearization (a lock granted to another client while its holder's renewed
+// lease cannot have run out). Other checks may see it first on other seeds; this one asks for
+// the new check by name.
+#[test]
+fn linearizability_check_catches_expiry_that_checks_only_the_token() {
+    assert_node_bug_caught(
+        "expiry_checks_only_token (linearizable)",
+        // Caught at seed 45 on 3 nodes.
+        150,
+        NodeBugs {
+            expiry_checks_only_token: true,
+            ..NodeBugs::default()
+        },
+        &["linearizable"],
+    );
+}
