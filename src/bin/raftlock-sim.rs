@@ -28,6 +28,9 @@ struct Args {
     /// Disable PreVote (to watch partitioned nodes disrupt leaders).
     #[arg(long)]
     no_pre_vote: bool,
+    /// A node resuming from a pause handles waiting client requests before waiting peer messages.
+    #[arg(long)]
+    clients_first_on_resume: bool,
     /// Disable fault injection (no partitions, crashes, loss, duplication).
     #[arg(long)]
     no_faults: bool,
@@ -47,6 +50,7 @@ fn main() -> ExitCode {
         let mut cfg = SimConfig::new(seed, args.nodes as usize);
         cfg.steps = args.steps;
         cfg.pre_vote = !args.no_pre_vote;
+        cfg.clients_first_on_resume = args.clients_first_on_resume;
         cfg.faults = !args.no_faults;
         cfg.membership_changes = !args.no_membership;
         cfg.crash_intensity = args.crash_intensity;
@@ -64,7 +68,7 @@ fn main() -> ExitCode {
         }
     }
     println!(
-        "sim: seeds={} violations={} elections={} leader_changes={} partitions={} crashes={} pauses={} membership_changes={} committed={} grants={} expiries={} snapshots={} compactions={} transfers={} history_ops={} hold_intervals_checked={} reads_checked={} client_expiries={} redirects={} retries={}",
+        "sim: seeds={} violations={} elections={} leader_changes={} partitions={} crashes={} pauses={} membership_changes={} committed={} grants={} expiries={} snapshots={} compactions={} transfers={} history_ops={} hold_intervals_checked={} reads_checked={} linearizability_checks={} lin_unchecked={} client_expiries={} redirects={} retries={}",
         args.seeds,
         violations,
         total.elections,
@@ -82,6 +86,8 @@ fn main() -> ExitCode {
         total.history_ops,
         total.beliefs_checked,
         total.reads_checked,
+        total.lin_checked,
+        total.lin_unchecked,
         total.client_expiries,
         total.redirects,
         total.client_retries,

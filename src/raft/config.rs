@@ -102,4 +102,14 @@ pub struct Bugs {
     pub append_without_prev_check: bool,
     /// Send the vote reply before the hard state recording the vote is durable (§5.1, Figure 2).
     pub vote_before_persist: bool,
+    /// Answer a ReadIndex read at once, without the heartbeat round that confirms a majority
+    /// still follows this leader (§6.4): a deposed leader serves stale reads.
+    pub read_index_without_heartbeat: bool,
+    /// A won PreVote round is taken as a won election: the pre-candidate adopts the prospective
+    /// term and leads it, though PreVote grants record no vote (§9.6), so two pre-candidates can
+    /// both lead one term.
+    pub prevote_counts_as_vote: bool,
+    /// A leader proposes a membership change while another is uncommitted, or before it has
+    /// committed an entry of its own term (§4.1 and its single-server-change bug fix).
+    pub membership_guards_off: bool,
 }

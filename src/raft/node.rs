@@ -459,10 +459,11 @@ impl Raft {
     /// fix for the single-server change bug) and while another change is uncommitted.
     pub fn propose_membership(&mut self, change: MembershipChange) -> Result<Index, ProposeError> {
         self.check_can_propose(1)?;
-        if !self.committed_in_current_term() {
+        let guards = !self.bug(|b| b.membership_guards_off);
+        if guards && !self.committed_in_current_term() {
             return Err(ProposeError::LeaderNotReady);
         }
-        if self.membership_index > self.log.committed {
+        if guards && self.membership_index > self.log.committed {
             return Err(ProposeError::MembershipChangePending);
         }
         let next = self.membership.apply(change)?;
@@ -522,7 +523,8 @@ impl Raft {
 
     fn register_read(&mut self, ctx: u64) {
         let index = self.log.committed;
-        if self.membership.voters.len() == 1 && self.membership.is_voter(self.id) {
+        let alone = self.membership.voters.len() == 1 && self.membership.is_voter(self.id);
+        if alone || self.bug(|b| b.read_index_without_heartbeat) {
             self.read_states.push(ReadState { ctx, index });
             return;
         }
@@ -894,7 +896,12 @@ impl Raft {
         }
         self.votes.entry(from).or_insert(granted);
         if self.tally_won() {
-            if pre_vote {
+            if pre_vote && self.bug(|b| b.prevote_counts_as_vote) {
+                self.term += 1;
+                self.vote = self.id;
+                self.stats.elections_started += 1;
+                self.become_leader();
+            } else if pre_vote {
                 self.campaign(false, false);
             } else {
                 self.become_leader();

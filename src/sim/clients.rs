@@ -13,6 +13,9 @@
 //!   invoked carries a smaller token than that acquire's grant;
 //! - **linearizable reads**: a read returns the value of a write that committed no earlier than
 //!   every write acknowledged before the read was invoked (write order is the log order);
+//! - **linearizable**: each key's history (lock operations, or KV puts and reads) has a
+//!   linearization against a sequential model in which leases end only once real time may have
+//!   reached them (see [`super::linearizability`]);
 //! - **every request answered**: once the network is healed and a leader is stable, every
 //!   operation completes with an answer (not by giving up).
 
@@ -21,6 +24,7 @@ use std::collections::BTreeMap;
 use rand::Rng;
 
 use super::checker::Violation;
+use super::linearizability::{self, KvOp, LinOp, LockOp, OpKind};
 use crate::node::api::{ClientOp, ClientReply, ErrorCode};
 use crate::raft::NodeId;
 
@@ -109,6 +113,10 @@ pub struct ClientStats {
     pub beliefs: u64,
     pub expiries_seen: u64,
     pub reads_checked: u64,
+    /// Keys whose whole history was checked for linearizability, and keys left unchecked (too
+    /// long a history or too large a search).
+    pub lin_checked: u64,
+    pub lin_unchecked: u64,
 }
 
 pub struct SimClients {
@@ -459,7 +467,13 @@ impl SimClients {
 
     /// The checks over the whole history. `write_index` gives the log index a `Put` value
     /// committed at (from the applied log).
-    pub fn check(&mut self, write_index: &BTreeMap<Vec<u8>, u64>, healed_at: Option<u64>) {
+    /// `lease_drift_ppm` is the largest drift of a node's clock (leases are timed by nodes).
+    pub fn check(
+        &mut self,
+        write_index: &BTreeMap<Vec<u8>, u64>,
+        healed_at: Option<u64>,
+        lease_drift_ppm: u64,
+    ) {
         // One holder at a time.
         for (key, beliefs) in &self.beliefs {
             // An answer that arrived after its own deadline gives no belief at all.
@@ -571,6 +585,121 @@ impl SimClients {
                 });
             }
         }
+        // Every key's history is linearizable (after the other checks, which name a more
+        // specific property when they fail).
+        if !self.violations.is_empty() {
+            return;
+        }
+        let report = linearizability::check_all(&self.lin_histories(), lease_drift_ppm);
+        self.stats.lin_checked += report.checked;
+        self.stats.lin_unchecked += report.unchecked;
+        if let Some((key, detail)) = report.violation {
+            self.violations.push(Violation {
+                invariant: "linearizable",
+                detail: format!("{key}: {detail}"),
+            });
+        }
+    }
+
+    /// Each key's history in the linearizability checker's terms. Operations whose answer says
+    /// they had no effect and that constrain no state (refused writes, invalid requests, cancels)
+    /// are left out; operations without an answer may have taken effect or not.
+    pub fn lin_histories(&self) -> BTreeMap<String, Vec<LinOp>> {
+        // Values are numbered in the order they appear (they are unique strings per write).
+        let mut values: BTreeMap<(&str, &[u8]), u32> = BTreeMap::new();
+        fn value_id<'a>(
+            key: &'a str,
+            v: &'a [u8],
+            values: &mut BTreeMap<(&'a str, &'a [u8]), u32>,
+        ) -> u32 {
+            let next = values.len() as u32;
+            *values.entry((key, v)).or_insert(next)
+        }
+        let mut out: BTreeMap<String, Vec<LinOp>> = BTreeMap::new();
+        for h in &self.history {
+            let answered = h.reply.as_ref();
+            let code = match answered {
+                Some(ClientReply::Error(e)) => Some(e.code),
+                _ => None,
+            };
+            let kind = match (&h.op, answered) {
+                (ClientOp::Acquire { ttl_ms, .. }, None) => Some(LockOp::AcquireUnknown {
+                    ttl_us: ttl_ms * 1_000,
+                }),
+                (
+                    ClientOp::Acquire { .. },
+                    Some(ClientReply::Granted {
+                        token,
+                        expires_in_ms,
+                    }),
+                ) => Some(LockOp::Granted {
+                    token: token.value,
+                    ttl_us: expires_in_ms * 1_000,
+                }),
+                (ClientOp::Acquire { .. }, Some(ClientReply::Error(e))) => match e.code {
+                    ErrorCode::AlreadyHeld => Some(LockOp::AlreadyHeld {
+                        token: e.current_token,
+                    }),
+                    ErrorCode::WaitTimeout => Some(LockOp::HeldByOther),
+                    _ => None,
+                },
+                (ClientOp::Release { token, .. }, None) => {
+                    Some(LockOp::ReleaseUnknown { token: *token })
+                }
+                (ClientOp::Release { token, .. }, Some(ClientReply::Released)) => {
+                    Some(LockOp::Released { token: *token })
+                }
+                (ClientOp::Renew { token, ttl_ms, .. }, None) => Some(LockOp::RenewUnknown {
+                    token: *token,
+                    ttl_us: ttl_ms * 1_000,
+                }),
+                (
+                    ClientOp::Renew { token, .. },
+                    Some(ClientReply::Renewed { expires_in_ms, .. }),
+                ) => Some(LockOp::Renewed {
+                    token: *token,
+                    ttl_us: expires_in_ms * 1_000,
+                }),
+                (ClientOp::Release { token, .. } | ClientOp::Renew { token, .. }, Some(_)) => {
+                    match code {
+                        Some(ErrorCode::StaleToken) => Some(LockOp::StaleToken { token: *token }),
+                        Some(ErrorCode::NotHolder) => Some(LockOp::NotHolder { token: *token }),
+                        _ => None,
+                    }
+                }
+                _ => None,
+            }
+            .map(OpKind::Lock)
+            .or_else(|| {
+                match (&h.op, answered) {
+                    (ClientOp::Put { key, value, .. }, None | Some(ClientReply::Stored)) => {
+                        Some(KvOp::Put {
+                            value: value_id(key, value, &mut values),
+                        })
+                    }
+                    (ClientOp::Delete { .. }, None) => Some(KvOp::Delete { existed: None }),
+                    (ClientOp::Delete { .. }, Some(ClientReply::Deleted { existed })) => {
+                        Some(KvOp::Delete {
+                            existed: Some(*existed),
+                        })
+                    }
+                    (ClientOp::Get { key }, Some(ClientReply::Value(v))) => Some(KvOp::Get {
+                        value: v.as_ref().map(|v| value_id(key, v, &mut values)),
+                    }),
+                    _ => None,
+                }
+                .map(OpKind::Kv)
+            });
+            if let Some(kind) = kind {
+                out.entry(h.op.key().to_string()).or_default().push(LinOp {
+                    client: h.client,
+                    invoke: h.invoke_us,
+                    complete: h.reply.as_ref().and(h.complete_us),
+                    kind,
+                });
+            }
+        }
+        out
     }
 
     /// Number of operations and belief intervals checked.

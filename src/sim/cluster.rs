@@ -42,6 +42,11 @@ pub struct SimConfig {
     /// Events (message deliveries and ticks) before the final liveness phase.
     pub steps: u64,
     pub pre_vote: bool,
+    /// A node resuming from a pause handles the client requests that waited for it before the
+    /// peer messages that did (a real event loop may find either socket ready first). With it,
+    /// a leader deposed while it was stopped sees its clients' requests before it learns of the
+    /// new term: a targeted schedule for read bugs.
+    pub clients_first_on_resume: bool,
     /// Inject partitions, crashes, loss, duplication and delay.
     pub faults: bool,
     /// Add learners, promote them, remove followers and leaders.
@@ -71,6 +76,7 @@ impl SimConfig {
             nodes,
             steps: 4_000,
             pre_vote: true,
+            clients_first_on_resume: false,
             faults: true,
             membership_changes: true,
             snapshot_every: 48,
@@ -104,6 +110,8 @@ pub struct SimStats {
     pub history_ops: u64,
     pub beliefs_checked: u64,
     pub reads_checked: u64,
+    pub lin_checked: u64,
+    pub lin_unchecked: u64,
     pub client_expiries: u64,
     pub redirects: u64,
     pub client_retries: u64,
@@ -126,6 +134,8 @@ impl SimStats {
         self.history_ops += other.history_ops;
         self.beliefs_checked += other.beliefs_checked;
         self.reads_checked += other.reads_checked;
+        self.lin_checked += other.lin_checked;
+        self.lin_unchecked += other.lin_unchecked;
         self.client_expiries += other.client_expiries;
         self.redirects += other.redirects;
         self.client_retries += other.client_retries;
@@ -144,7 +154,7 @@ pub struct SimOutcome {
 type Core = NodeCore<MemStorage, ReplyTo>;
 
 /// Largest drift of a node's clock from real time, in parts per million.
-const NODE_DRIFT_PPM: i64 = 5_000;
+pub const NODE_DRIFT_PPM: i64 = 5_000;
 
 #[derive(Clone, Copy, Debug)]
 enum Action {
@@ -461,6 +471,7 @@ impl Cluster {
                 self.clients.check(
                     &self.write_index,
                     self.healed_at.filter(|_| self.marker_done),
+                    NODE_DRIFT_PPM as u64,
                 );
                 self.collect_violations();
             }
@@ -480,6 +491,8 @@ impl Cluster {
         self.stats.history_ops = ops;
         self.stats.beliefs_checked = beliefs;
         self.stats.reads_checked = self.clients.stats.reads_checked;
+        self.stats.lin_checked = self.clients.stats.lin_checked;
+        self.stats.lin_unchecked = self.clients.stats.lin_unchecked;
         self.stats.client_expiries = self.clients.stats.expiries_seen;
         self.stats.redirects = self.clients.stats.redirects;
         self.stats.client_retries = self.clients.stats.retries;
@@ -550,6 +563,19 @@ impl Cluster {
             return;
         }
         let local = node.local(now);
+        if self.cfg.clients_first_on_resume && !node.client_inbox.is_empty() {
+            // The client requests, and the Ready they make, before any waiting peer message.
+            let client_inbox = std::mem::take(&mut node.client_inbox);
+            let Some(core) = node.core.as_mut() else {
+                return;
+            };
+            for (op, to) in client_inbox {
+                core.client_request(local, op, to.client as u64, to);
+            }
+            let result = core.drive();
+            self.after_core(id, result);
+        }
+        let node = self.nodes.get_mut(&id).expect("exists");
         let inbox = std::mem::take(&mut node.inbox);
         let client_inbox = std::mem::take(&mut node.client_inbox);
         let Some(core) = node.core.as_mut() else {

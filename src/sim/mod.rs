@@ -8,6 +8,7 @@
 pub mod checker;
 pub mod clients;
 pub mod cluster;
+pub mod linearizability;
 pub mod locks;
 pub mod network;
 
@@ -30,6 +31,9 @@ pub fn replay_command(cfg: &SimConfig) -> String {
     );
     if !cfg.pre_vote {
         cmd.push_str(" --no-pre-vote");
+    }
+    if cfg.clients_first_on_resume {
+        cmd.push_str(" --clients-first-on-resume");
     }
     if !cfg.faults {
         cmd.push_str(" --no-faults");
