@@ -99,6 +99,36 @@ else
   status=1
 fi
 
+echo "== alert rules: promtool check rules; the Grafana dashboard is up to date"
+if ! command -v promtool >/dev/null 2>&1; then
+  echo "FAIL promtool not found (apt-get install prometheus)"
+  status=1
+elif "$PYTHON" "$HELPER" render --chart "$CHART" --out "$tmp/monitoring.yaml" \
+    "$CHART/ci/monitoring-values.yaml" \
+  && "$PYTHON" - "$tmp/monitoring.yaml" "$tmp/rules.yaml" <<'PY'
+import sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d and d.get("kind") == "PrometheusRule"]
+if len(docs) != 1:
+    sys.exit(f"expected one PrometheusRule with ci/monitoring-values.yaml, found {len(docs)}")
+yaml.safe_dump({"groups": docs[0]["spec"]["groups"]}, open(sys.argv[2], "w"))
+PY
+then
+  if promtool check rules "$tmp/rules.yaml"; then
+    echo "ok   promtool check rules"
+  else
+    echo "FAIL promtool check rules"
+    status=1
+  fi
+else
+  echo "FAIL could not render the PrometheusRule"
+  status=1
+fi
+if "$PYTHON" "$ROOT/deploy/grafana/generate.py" --check; then
+  echo "ok   deploy/grafana/raftlock.json and the chart's copy are generated and current"
+else
+  status=1
+fi
+
 echo "== workflows: actionlint"
 shopt -s nullglob
 workflows=("$ROOT"/.github/workflows/*.yml "$ROOT"/.github/workflows/*.yaml)

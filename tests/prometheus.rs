@@ -148,9 +148,103 @@ async fn prometheus_scrapes_the_cluster() {
             break Ok(());
         }
     };
+    // Every query of the Grafana dashboard parses and runs on this Prometheus (its variables
+    // replaced as Grafana would), and names only metrics the binaries export.
+    let mut failures = Vec::new();
+    let mut checked = 0;
+    if outcome.is_ok() {
+        for expr in dashboard_queries() {
+            let q = expr
+                .replace("$__rate_interval", "1m")
+                .replace("$namespace", ".*")
+                .replace("$job", ".*");
+            let answer = query(&prom_addr, &q).await;
+            checked += 1;
+            if answer["status"] != "success" {
+                failures.push(format!("{q}\n  -> {answer}"));
+            }
+        }
+    }
     let _ = prom.kill();
     let _ = prom.wait();
     if let Err(e) = outcome {
         panic!("{e}");
     }
+    assert!(
+        failures.is_empty(),
+        "dashboard queries Prometheus refuses:\n{}",
+        failures.join("\n")
+    );
+    assert!(checked > 20, "only {checked} dashboard queries found");
+}
+
+/// The `expr` of every panel target in deploy/grafana/raftlock.json.
+fn dashboard_queries() -> Vec<String> {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/grafana/raftlock.json");
+    let text = std::fs::read_to_string(path).expect("dashboard");
+    let dash: Value = serde_json::from_str(&text).expect("dashboard JSON");
+    let mut out = Vec::new();
+    for panel in dash["panels"].as_array().expect("panels") {
+        for t in panel["targets"].as_array().into_iter().flatten() {
+            if let Some(e) = t["expr"].as_str() {
+                out.push(e.to_string());
+            }
+        }
+    }
+    out
+}
+
+/// Metric names exported by lock-node and data-store, as written in their sources.
+fn exported_metric_names() -> Vec<String> {
+    let mut names = Vec::new();
+    for file in ["src/telemetry/metrics.rs", "src/datastore/mod.rs"] {
+        let path = format!("{}/{file}", env!("CARGO_MANIFEST_DIR"));
+        let text = std::fs::read_to_string(&path).expect("source");
+        for piece in text.split('"').skip(1).step_by(2) {
+            if piece.starts_with("raftlock_")
+                && piece.chars().all(|c| c.is_ascii_lowercase() || c == '_')
+            {
+                names.push(piece.to_string());
+            }
+        }
+    }
+    names
+}
+
+#[test]
+fn dashboard_and_alerts_name_only_exported_metrics() {
+    let exported = exported_metric_names();
+    assert!(exported.len() > 20, "{exported:?}");
+    let alerts = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/charts/raftlock/templates/prometheusrule.yaml"
+    ))
+    .expect("alert rules");
+    let mut used = Vec::new();
+    for text in dashboard_queries().iter().chain([&alerts]) {
+        let mut rest = text.as_str();
+        while let Some(at) = rest.find("raftlock_") {
+            let tail = &rest[at..];
+            let end = tail
+                .find(|c: char| !(c.is_ascii_lowercase() || c == '_'))
+                .unwrap_or(tail.len());
+            used.push(tail[..end].to_string());
+            rest = &tail[end..];
+        }
+    }
+    assert!(used.len() > 20, "{used:?}");
+    let unknown: Vec<_> = used
+        .iter()
+        .filter(|name| {
+            let base = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| name.strip_suffix(s))
+                .unwrap_or(name);
+            !exported.iter().any(|e| e == base || e == name.as_str())
+        })
+        .collect();
+    assert!(
+        unknown.is_empty(),
+        "the dashboard or alerts use metrics nobody exports: {unknown:?}"
+    );
 }
