@@ -38,6 +38,8 @@ pub struct AppState {
     pub connections: Arc<Semaphore>,
     pub addresses: AddressBook,
     pub forwarder: Arc<super::forward::Forwarder>,
+    /// Turns true when the node stops: WebSocket connections finish what is in flight and close.
+    pub shutdown: watch::Receiver<bool>,
 }
 
 pub fn router(state: AppState) -> Router {

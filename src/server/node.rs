@@ -227,6 +227,7 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
             cfg.max_pending_requests,
             cfg.max_message_bytes,
         )),
+        shutdown: shutdown.clone(),
     };
     let lock_service = LockServiceServer::new(LockApi {
         state: state.clone(),

@@ -65,6 +65,9 @@ struct WsToken {
     value: u64,
 }
 
+/// How long a stopping node waits for a connection's requests in flight before closing it.
+const SHUTDOWN_DRAIN: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Serves one WebSocket connection until it closes.
 pub async fn serve_socket(socket: WebSocket, state: AppState) {
     let conn = next_conn();
@@ -82,7 +85,20 @@ pub async fn serve_socket(socket: WebSocket, state: AppState) {
         let _ = sink.close().await;
     });
     let inflight = Arc::new(Semaphore::new(state.limits.max_inflight_per_connection));
-    while let Some(Ok(frame)) = stream.next().await {
+    let mut shutdown = state.shutdown.clone();
+    loop {
+        let frame = tokio::select! {
+            frame = stream.next() => frame,
+            _ = async { shutdown.wait_for(|s| *s).await.map(|_| ()) } => {
+                // The node is stopping: take no new request, give the ones in flight a moment
+                // to be answered (a queued waiter may not be), then close, so that a rolling
+                // restart does not wait on open connections.
+                let all = state.limits.max_inflight_per_connection as u32;
+                let _ = tokio::time::timeout(SHUTDOWN_DRAIN, inflight.acquire_many(all)).await;
+                break;
+            }
+        };
+        let Some(Ok(frame)) = frame else { break };
         let text = match frame {
             WsMessage::Text(t) => t.to_string(),
             WsMessage::Binary(b) => match String::from_utf8(b.to_vec()) {
