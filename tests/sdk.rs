@@ -125,10 +125,7 @@ impl StallProxy {
                     tokio::spawn(async move {
                         let mut buf = vec![0u8; 16 * 1024];
                         let mut held = Vec::new();
-                        loop {
-                            let Ok(n) = from.read(&mut buf).await else {
-                                break;
-                            };
+                        while let Ok(n) = from.read(&mut buf).await {
                             if n == 0 {
                                 break;
                             }

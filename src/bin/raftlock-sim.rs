@@ -31,6 +31,10 @@ struct Args {
     /// A node resuming from a pause handles waiting client requests before waiting peer messages.
     #[arg(long)]
     clients_first_on_resume: bool,
+    /// Replace the random faults with the targeted Figure 8 schedule (Raft paper §5.4.2),
+    /// round after round; meant for --nodes 5.
+    #[arg(long)]
+    figure8: bool,
     /// Disable fault injection (no partitions, crashes, loss, duplication).
     #[arg(long)]
     no_faults: bool,
@@ -51,6 +55,7 @@ fn main() -> ExitCode {
         cfg.steps = args.steps;
         cfg.pre_vote = !args.no_pre_vote;
         cfg.clients_first_on_resume = args.clients_first_on_resume;
+        cfg.figure8 = args.figure8;
         cfg.faults = !args.no_faults;
         cfg.membership_changes = !args.no_membership;
         cfg.crash_intensity = args.crash_intensity;

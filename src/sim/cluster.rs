@@ -30,7 +30,7 @@ use super::network::{Network, NetworkFaults};
 use crate::lock::{Limits, LockStateMachine};
 use crate::node::api::{ClientOp, ClientReply};
 use crate::node::{Effect, NodeCore, NodeSettings, Observation};
-use crate::raft::{Config, InitialState, Membership, Message, NodeId, Raft};
+use crate::raft::{Config, Index, InitialState, Membership, Message, NodeId, Raft, Term};
 use crate::storage::{MemStorage, Storage, StorageError};
 
 /// What one simulation run does.
@@ -47,6 +47,15 @@ pub struct SimConfig {
     /// a leader deposed while it was stopped sees its clients' requests before it learns of the
     /// new term: a targeted schedule for read bugs.
     pub clients_first_on_resume: bool,
+    /// Replace the random fault table with the targeted Figure 8 schedule of the Raft paper
+    /// (§5.4.2), repeated for the whole run: a leader and one follower are cut off while the
+    /// leader appends an entry; the other nodes elect a rival, cut off the moment it wins (its
+    /// no-op stays on it alone); the stranded pair and one more node elect a third leader, which
+    /// crashes — its messages in flight lost — the moment it advances its commit index; the
+    /// rival, the third node and the last node may then elect a leader. The network's loss,
+    /// duplication and delay stay on; no pauses, membership changes or transfers. Needs exactly
+    /// 5 nodes: with any other number it injects nothing beyond the network's faults.
+    pub figure8: bool,
     /// Inject partitions, crashes, loss, duplication and delay.
     pub faults: bool,
     /// Add learners, promote them, remove followers and leaders.
@@ -77,6 +86,7 @@ impl SimConfig {
             steps: 4_000,
             pre_vote: true,
             clients_first_on_resume: false,
+            figure8: false,
             faults: true,
             membership_changes: true,
             snapshot_every: 48,
@@ -176,6 +186,54 @@ enum ClientMsg {
 /// The client id the liveness marker is answered to.
 const MARKER_CLIENT: usize = usize::MAX;
 
+/// The client id of the proposals the Figure 8 schedule makes; their answers are dropped.
+const SCHEDULE_CLIENT: usize = usize::MAX - 1;
+
+/// Simulated time a phase of the Figure 8 schedule may take before the round is given up.
+const FIGURE8_PHASE_US: u64 = 1_500_000;
+
+/// Where the Figure 8 schedule ([`SimConfig::figure8`]) stands. Node names follow the round:
+/// the `leader` and its `peer` are stranded, the `rival` wins among the rest, the `third` joins
+/// the stranded pair to elect the recounting leader, and the `lone` node waits apart.
+#[derive(Clone, Debug)]
+enum Figure8 {
+    /// Everything healed and restarted: waiting for a leader whose whole log every node holds.
+    Settle { since: u64 },
+    /// The leader and its peer are cut off from the rest; a proposal made to the leader must
+    /// reach the peer.
+    Stranded {
+        leader: NodeId,
+        peer: NodeId,
+        term: Term,
+        base: Index,
+        since: u64,
+    },
+    /// The rest elect a leader, cut off the moment it wins.
+    Rival {
+        pair: [NodeId; 2],
+        rest: Vec<NodeId>,
+        term: Term,
+        since: u64,
+    },
+    /// The rival is cut off with its no-op; the pair and the third node elect a leader, which
+    /// crashes the moment it advances its commit index.
+    Recount {
+        pair: [NodeId; 2],
+        third: NodeId,
+        rival: NodeId,
+        lone: NodeId,
+        rival_term: Term,
+        since: u64,
+    },
+    /// The recounting leader is down; the rival, the third and the lone node may elect a leader
+    /// while the pair's other node is cut off.
+    Return {
+        group: [NodeId; 3],
+        term: Term,
+        since: u64,
+    },
+}
+
 struct SimNode {
     id: NodeId,
     core: Option<Core>,
@@ -235,6 +293,9 @@ pub struct Cluster {
     lock_state_at: BTreeMap<u64, u64>,
     /// Log index each `Put` value committed at (first apply).
     write_index: BTreeMap<Vec<u8>, u64>,
+    /// The Figure 8 schedule's phase (unused unless `cfg.figure8`).
+    figure8: Figure8,
+    figure8_rounds: u64,
 }
 
 const MAX_MEMBERS: usize = 7;
@@ -266,6 +327,8 @@ impl Cluster {
             locks: LockChecker::default(),
             lock_state_at: BTreeMap::new(),
             write_index: BTreeMap::new(),
+            figure8: Figure8::Settle { since: 0 },
+            figure8_rounds: 0,
             healed_at: None,
             marker_done: false,
             max_inflight_appends,
@@ -659,6 +722,9 @@ impl Cluster {
                 self.after_core(id, result);
             }
             ClientMsg::Answer(to, reply) => {
+                if to.client == SCHEDULE_CLIENT {
+                    return;
+                }
                 if to.client == MARKER_CLIENT {
                     if matches!(reply, ClientReply::Stored) {
                         self.marker_done = true;
@@ -761,6 +827,9 @@ impl Cluster {
                 }
                 if self.cfg.trace {
                     eprintln!("t={} node {id} leads term {term}", self.now_us);
+                }
+                if self.cfg.figure8 && self.healed_at.is_none() {
+                    self.figure8_on_leader(id, term);
                 }
             }
             Observation::Persisted(entries) => self.checker.on_persist(id, &entries),
@@ -872,7 +941,10 @@ impl Cluster {
             // Adversarial crash point: a leader dies right after advancing its commit index,
             // before followers learn of it — where commit-rule bugs (Figure 8) do their damage.
             let is_leader = raft.is_leader();
-            if self.cfg.faults
+            let term = raft.term();
+            if self.cfg.figure8 && self.healed_at.is_none() && is_leader {
+                self.figure8_on_commit(id, term);
+            } else if self.cfg.faults
                 && self.healed_at.is_none()
                 && is_leader
                 && self.rng.random_range(0..1_000_000u32) < 20_000 * self.cfg.crash_intensity
@@ -887,6 +959,10 @@ impl Cluster {
     /// Draws at most one fault for this step. Weights are per million steps.
     fn inject(&mut self) {
         if self.healed_at.is_some() {
+            return;
+        }
+        if self.cfg.figure8 {
+            self.figure8_step();
             return;
         }
         let faults = self.cfg.faults;
@@ -1106,6 +1182,224 @@ impl Cluster {
             let result = core.drive();
             self.stats.transfers += 1;
             self.after_core(leader, result);
+        }
+    }
+
+    // ----- the Figure 8 schedule ------------------------------------------------------------
+
+    /// One step of the Figure 8 schedule: starts a round once the cluster has settled, moves on
+    /// once the stranded leader's entry reached its peer, and gives a phase up after
+    /// [`FIGURE8_PHASE_US`]. Elections and commits move the other phases
+    /// ([`Self::figure8_on_leader`], [`Self::figure8_on_commit`]).
+    fn figure8_step(&mut self) {
+        let now = self.now_us;
+        match self.figure8.clone() {
+            Figure8::Settle { since } => self.figure8_start_round(since),
+            Figure8::Stranded {
+                leader,
+                peer,
+                term,
+                base,
+                since,
+            } => {
+                let reached = self
+                    .nodes
+                    .get(&peer)
+                    .and_then(|n| n.core.as_ref())
+                    .is_some_and(|c| c.raft().term_at(base + 1) == Some(term));
+                if reached {
+                    let rest: Vec<NodeId> = self
+                        .all_ids()
+                        .into_iter()
+                        .filter(|&n| n != leader && n != peer)
+                        .collect();
+                    self.trace_figure8(format!(
+                        "entry {} of term {term} reached peer {peer}; {rest:?} elect a rival",
+                        base + 1
+                    ));
+                    self.figure8 = Figure8::Rival {
+                        pair: [leader, peer],
+                        rest,
+                        term,
+                        since: now,
+                    };
+                } else if now > since + FIGURE8_PHASE_US {
+                    self.figure8_settle();
+                }
+            }
+            Figure8::Rival { since, .. }
+            | Figure8::Recount { since, .. }
+            | Figure8::Return { since, .. } => {
+                if now > since + FIGURE8_PHASE_US {
+                    self.figure8_settle();
+                }
+            }
+        }
+    }
+
+    /// Heals the network, restarts every node that is down and waits for the cluster to settle.
+    fn figure8_settle(&mut self) {
+        self.trace_figure8("settle".into());
+        self.network.heal();
+        let down: Vec<NodeId> = self
+            .nodes
+            .values()
+            .filter(|n| n.core.is_none() && !n.decommissioned)
+            .map(|n| n.id)
+            .collect();
+        for id in down {
+            self.start_node(id);
+        }
+        self.figure8 = Figure8::Settle { since: self.now_us };
+    }
+
+    /// Once a leader has led for a while and every node holds its whole, committed log (or after
+    /// a second of waiting for that), cuts the leader and one random follower off from the
+    /// rest and proposes an entry to the leader.
+    fn figure8_start_round(&mut self, settling_since: u64) {
+        let now = self.now_us;
+        if now < settling_since + 200_000 {
+            return;
+        }
+        let ids = self.all_ids();
+        if ids.len() != 5 || self.alive_ids().len() != ids.len() {
+            return;
+        }
+        let Some(leader) = self.leader() else { return };
+        let raft = self.nodes[&leader].core.as_ref().expect("leader").raft();
+        let (term, base) = (raft.term(), raft.last_index());
+        let settled = raft.commit_index() == base
+            && ids.iter().all(|id| {
+                let r = self.nodes[id].core.as_ref().expect("alive").raft();
+                r.last_index() == base && r.term_at(base) == raft.term_at(base)
+            });
+        if !settled && now < settling_since + 1_000_000 {
+            return;
+        }
+        let followers: Vec<NodeId> = ids.iter().copied().filter(|&n| n != leader).collect();
+        let peer = *followers.choose(&mut self.rng).expect("four followers");
+        let rest: Vec<NodeId> = followers.into_iter().filter(|&n| n != peer).collect();
+        self.network.partition(&[leader, peer], &rest);
+        self.stats.partitions += 1;
+        self.figure8_rounds += 1;
+        let round = self.figure8_rounds;
+        self.trace_figure8(format!(
+            "round {round}: leader {leader} (term {term}, last index {base}, settled {settled}) stranded with {peer}"
+        ));
+        let op = ClientOp::Put {
+            key: "figure8".into(),
+            value: format!("round {round}").into_bytes(),
+            guard: None,
+            client_id: "simulator-figure8".into(),
+            request_id: format!("round-{round}"),
+        };
+        let to = ReplyTo {
+            client: SCHEDULE_CLIENT,
+            attempt: 0,
+        };
+        self.client_send((leader, op, to));
+        self.figure8 = Figure8::Stranded {
+            leader,
+            peer,
+            term,
+            base,
+            since: now,
+        };
+    }
+
+    /// A node became leader: the rival is cut off the moment it wins (its no-op reaches no one),
+    /// and the pair and a random third node may elect the next leader; a leader elected in the
+    /// last phase ends the round.
+    fn figure8_on_leader(&mut self, id: NodeId, term: Term) {
+        let now = self.now_us;
+        match self.figure8.clone() {
+            Figure8::Rival {
+                pair,
+                rest,
+                term: stranded_term,
+                ..
+            } if rest.contains(&id) && term > stranded_term => {
+                let others: Vec<NodeId> = rest.iter().copied().filter(|&n| n != id).collect();
+                let Some(&third) = others.choose(&mut self.rng) else {
+                    self.figure8_settle();
+                    return;
+                };
+                let lone: Vec<NodeId> = others.into_iter().filter(|&n| n != third).collect();
+                let all = self.all_ids();
+                let not_rival: Vec<NodeId> = all.iter().copied().filter(|&n| n != id).collect();
+                self.network.heal();
+                self.network.partition(&[id], &not_rival);
+                self.network.partition(&[pair[0], pair[1], third], &lone);
+                self.stats.partitions += 1;
+                self.trace_figure8(format!(
+                    "rival {id} won term {term} and is cut off; {pair:?} and {third} elect, {lone:?} apart"
+                ));
+                self.figure8 = Figure8::Recount {
+                    pair,
+                    third,
+                    rival: id,
+                    lone: lone.first().copied().unwrap_or(id),
+                    rival_term: term,
+                    since: now,
+                };
+            }
+            Figure8::Return {
+                group,
+                term: recount_term,
+                ..
+            } if group.contains(&id) && term > recount_term => {
+                self.trace_figure8(format!("node {id} won term {term} after the recount"));
+                self.figure8_settle();
+            }
+            _ => {}
+        }
+    }
+
+    /// A leader advanced its commit index: in the recount phase it crashes at once, and the
+    /// messages it has in flight are lost with it; the rival, the third and the lone node are
+    /// joined, the pair's other node is kept apart.
+    fn figure8_on_commit(&mut self, id: NodeId, term: Term) {
+        let Figure8::Recount {
+            pair,
+            third,
+            rival,
+            lone,
+            rival_term,
+            ..
+        } = self.figure8.clone()
+        else {
+            return;
+        };
+        if term <= rival_term || !pair.contains(&id) {
+            return;
+        }
+        let commit = self
+            .nodes
+            .get(&id)
+            .and_then(|n| n.core.as_ref())
+            .map_or(0, |c| c.raft().commit_index());
+        self.crash_node(id);
+        let other = if pair[0] == id { pair[1] } else { pair[0] };
+        let all = self.all_ids();
+        self.network.heal();
+        for cut in [id, other] {
+            let rest: Vec<NodeId> = all.iter().copied().filter(|&n| n != cut).collect();
+            self.network.partition(&[cut], &rest);
+        }
+        self.stats.partitions += 1;
+        self.trace_figure8(format!(
+            "leader {id} of term {term} committed up to {commit} and crashed; {rival}, {third}, {lone} may elect, {other} apart"
+        ));
+        self.figure8 = Figure8::Return {
+            group: [rival, third, lone],
+            term,
+            since: self.now_us,
+        };
+    }
+
+    fn trace_figure8(&self, what: String) {
+        if self.cfg.trace {
+            eprintln!("t={} figure8: {what}", self.now_us);
         }
     }
 

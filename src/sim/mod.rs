@@ -35,6 +35,9 @@ pub fn replay_command(cfg: &SimConfig) -> String {
     if cfg.clients_first_on_resume {
         cmd.push_str(" --clients-first-on-resume");
     }
+    if cfg.figure8 {
+        cmd.push_str(" --figure8");
+    }
     if !cfg.faults {
         cmd.push_str(" --no-faults");
     }
