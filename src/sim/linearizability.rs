@@ -25,7 +25,7 @@
 //! The search is bounded: a key with more than [`MAX_OPS_PER_KEY`] operations, or whose search
 //! explores more than [`STEP_BUDGET`] states, is counted as unchecked rather than failed.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
 
 /// Keys with more operations than this are not checked (the set of linearized operations is a
 /// fixed-width bitset).
@@ -122,7 +122,7 @@ pub enum Verdict {
     Violation(String),
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 struct Holder {
     client: usize,
     /// `None` when the grant had no answer: its token is unknown.
@@ -131,7 +131,7 @@ struct Holder {
     expires_lb: u64,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 struct State {
     holder: Option<Holder>,
     /// Highest token granted so far.
@@ -159,7 +159,7 @@ struct Search<'a> {
     ops: &'a [LinOp],
     /// Largest clock drift of a node, in parts per million.
     drift_ppm: u64,
-    seen: HashSet<(Bits, State)>,
+    seen: BTreeSet<(Bits, State)>,
     steps: u64,
     budget: u64,
     /// The most operations any partial linearization placed, and the earliest-answered
@@ -177,7 +177,7 @@ pub fn check_key(ops: &[LinOp], drift_ppm: u64, budget: u64) -> Verdict {
     let mut search = Search {
         ops: &sorted,
         drift_ppm,
-        seen: HashSet::new(),
+        seen: BTreeSet::new(),
         steps: 0,
         budget,
         deepest: (0, None),
