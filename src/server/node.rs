@@ -271,8 +271,12 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
     info!("shutting down");
     let _ = driver_done.await;
     drop(input_tx);
-    let _ = tokio::time::timeout(Duration::from_secs(5), peer_task).await;
-    let _ = tokio::time::timeout(Duration::from_secs(5), client_task).await;
+    // Peers keep their Raft streams open for good: once the driver has stopped there is nothing
+    // left to answer on them, so do not wait long. Client connections drain for up to 2 s.
+    let _ = tokio::join!(
+        tokio::time::timeout(Duration::from_secs(1), peer_task),
+        tokio::time::timeout(Duration::from_secs(5), client_task),
+    );
     Ok(())
 }
 
