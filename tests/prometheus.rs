@@ -31,7 +31,7 @@ fn tool_available(name: &str) -> bool {
     found
 }
 
-/// Names DESIGN.md §8 requires on every node.
+/// Names every node must export (the README lists them).
 const REQUIRED: &[&str] = &[
     "raftlock_term",
     "raftlock_is_leader",

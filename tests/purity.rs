@@ -1,6 +1,6 @@
 //! The consensus core (`src/raft`) and the lock state machine (`src/lock`) must stay pure: no
 //! async runtime, no clock, no network, no filesystem, no storage engine and no unseeded
-//! randomness. This test reads their sources and fails on any such import (DESIGN.md §2).
+//! randomness. This test reads their sources and fails on any such import.
 
 use std::path::{Path, PathBuf};
 

@@ -1,4 +1,4 @@
-//! Bounds on everything the lock state machine stores (DESIGN §9): key and value sizes, ids,
+//! Bounds on everything the lock state machine stores: key and value sizes, ids,
 //! lease and wait lengths, waiters per key, held locks, data entries, and the dedupe table.
 //!
 //! Limits are part of the replicated state (persisted under `meta/limits`), so every replica

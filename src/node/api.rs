@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use crate::lock::FencingToken;
 use crate::raft::NodeId;
 
-/// The closed set of error codes a client can receive (DESIGN.md §6).
+/// The closed set of error codes a client can receive (README: "Wire protocols").
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum ErrorCode {

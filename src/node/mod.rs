@@ -856,7 +856,7 @@ impl<S: Storage, R> NodeCore<S, R> {
 
     /// On election (or a snapshot installed while leading): every held lock gets a full TTL
     /// from now, every queued waiter its wait timeout or a reclaim window from now, whichever is
-    /// longer, in which its client can re-attach (DESIGN.md §4).
+    /// longer, in which its client can re-attach (README: "What RaftLock guarantees").
     fn rebuild_deadlines(&mut self) {
         let now = self.now;
         self.leases = self

@@ -1,4 +1,5 @@
-//! Safety invariants of DESIGN.md §3, checked by the simulator after every step.
+//! Raft's safety invariants (election safety, log matching, leader completeness, state machine
+//! safety), checked by the simulator after every step.
 //!
 //! Each check names the property of the Raft paper (Figure 3) it enforces. The checker only
 //! observes: it is fed what nodes persisted, committed and applied, and what leaders appeared.

@@ -1,4 +1,4 @@
-//! Lock traffic in the simulator and the checks of DESIGN.md §4 across all faults.
+//! Lock traffic in the simulator and the lock guarantees checked across all faults.
 //!
 //! Simulated clients issue acquire, release, renew, wait and cancel through Raft while the leader
 //! proposes expiries. Every node applies the committed log to its own `LockStateMachine`; the

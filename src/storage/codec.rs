@@ -362,7 +362,7 @@ pub fn encode_snapshot_data<'a>(pairs: impl IntoIterator<Item = (&'a [u8], &'a [
 }
 
 fn push_chunk(data: &mut Vec<u8>, bytes: &[u8]) {
-    // Keys and values are bounded far below 4 GiB by the state machine (DESIGN.md §9).
+    // Keys and values are bounded far below 4 GiB by the state machine's limits.
     let len = u32::try_from(bytes.len()).unwrap_or(u32::MAX);
     data.extend_from_slice(&len.to_be_bytes());
     data.extend_from_slice(&bytes[..len as usize]);

@@ -8,8 +8,8 @@
 //! ```
 //!
 //! The node driver is the only caller. It writes a whole `Ready` (entries and hard state), calls
-//! [`Storage::flush`] once (group commit), and only then lets votes and append replies leave
-//! (DESIGN.md §5). Two implementations follow the same [`Storage`] trait and pass one conformance
+//! [`Storage::flush`] once (group commit), and only then lets votes and append replies leave.
+//! Two implementations follow the same [`Storage`] trait and pass one conformance
 //! suite: [`SledStorage`] on disk and [`MemStorage`], an in-memory model of a disk that loses
 //! everything not flushed when [`MemStorage::crash`] is called (used by the simulator).
 //!

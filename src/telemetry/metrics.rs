@@ -1,5 +1,5 @@
-//! The Prometheus metrics of a lock node (DESIGN.md §8). Names are fixed: the Grafana dashboard
-//! and alert rules in `deploy/` use exactly these. Base units, `_total` for counters, prefix
+//! The Prometheus metrics of a lock node (listed in the README). Names are fixed: the Grafana
+//! dashboard (`deploy/grafana`) and the chart's alert rules use exactly these. Base units, `_total` for counters, prefix
 //! `raftlock_`.
 
 use prometheus::{

@@ -67,7 +67,7 @@ pub struct Ports {
 }
 
 impl Ports {
-    /// DESIGN.md §1: node i on peer 8080+i and client 50050+i, the data store on 8000.
+    /// Node i listens on peer 8080+i and client 50050+i, the data store on 8000.
     pub fn standard(data_store: u16) -> Ports {
         Ports {
             peer_base: 8080,
