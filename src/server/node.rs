@@ -290,11 +290,7 @@ async fn join_cluster(
     admitted: Arc<AtomicBool>,
     shutdown: watch::Receiver<bool>,
 ) {
-    let peers: Vec<String> = cfg
-        .join_peers()
-        .into_iter()
-        .filter(|p| *p != cfg.advertise_peer)
-        .collect();
+    let peers = other_join_peers(&cfg);
     let mut backoff = Duration::from_millis(100);
     for round in 0u64.. {
         if *shutdown.borrow() {
@@ -338,14 +334,18 @@ async fn join_cluster(
     }
 }
 
+/// The `join` peers other than this node (a StatefulSet lists every pod, itself included).
+fn other_join_peers(cfg: &NodeConfig) -> Vec<String> {
+    cfg.join_peers()
+        .into_iter()
+        .filter(|p| *p != cfg.advertise_peer)
+        .collect()
+}
+
 /// Asks the `join` peers (other than this node) whether any of them belongs to a cluster, for a
 /// few rounds. Unreachable peers and peers without members count as "no cluster".
 async fn cluster_exists(cfg: &NodeConfig, shutdown: &watch::Receiver<bool>) -> bool {
-    let peers: Vec<String> = cfg
-        .join_peers()
-        .into_iter()
-        .filter(|p| *p != cfg.advertise_peer)
-        .collect();
+    let peers = other_join_peers(cfg);
     for round in 0..3 {
         if *shutdown.borrow() {
             return false;

@@ -1237,10 +1237,8 @@ impl Cluster {
         }
     }
 
-    /// Heals the network, restarts every node that is down and waits for the cluster to settle.
-    fn figure8_settle(&mut self) {
-        self.trace_figure8("settle".into());
-        self.network.heal();
+    /// Starts every node that is down (crashed, not removed from the cluster).
+    fn restart_down_nodes(&mut self) {
         let down: Vec<NodeId> = self
             .nodes
             .values()
@@ -1250,6 +1248,13 @@ impl Cluster {
         for id in down {
             self.start_node(id);
         }
+    }
+
+    /// Heals the network, restarts every node that is down and waits for the cluster to settle.
+    fn figure8_settle(&mut self) {
+        self.trace_figure8("settle".into());
+        self.network.heal();
+        self.restart_down_nodes();
         self.figure8 = Figure8::Settle { since: self.now_us };
     }
 
@@ -1425,15 +1430,7 @@ impl Cluster {
         self.healed_at = Some(self.now_us);
         self.network.heal();
         self.network.faults = NetworkFaults::calm();
-        let down: Vec<NodeId> = self
-            .nodes
-            .values()
-            .filter(|n| n.core.is_none() && !n.decommissioned)
-            .map(|n| n.id)
-            .collect();
-        for id in down {
-            self.start_node(id);
-        }
+        self.restart_down_nodes();
         for node in self.nodes.values_mut() {
             node.paused_until = node.paused_until.min(self.now_us);
             if let Some(core) = node.core.as_mut() {

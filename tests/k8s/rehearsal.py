@@ -127,6 +127,10 @@ class Pods:
     def container(self, pod):
         return f"{self.prefix}-{pod}"
 
+    def secret_keys(self, name):
+        secret = one(self.docs, "Secret", lambda d: d["metadata"]["name"] == name)
+        return list(secret.get("stringData") or {}) + list(secret.get("data") or {})
+
     def secret_value(self, name, key):
         secret = one(self.docs, "Secret", lambda d: d["metadata"]["name"] == name)
         if key in (secret.get("stringData") or {}):
@@ -141,10 +145,9 @@ class Pods:
         env = {}
         for source in container.get("envFrom") or []:
             if "secretRef" in source:
-                secret = one(self.docs, "Secret",
-                             lambda d: d["metadata"]["name"] == source["secretRef"]["name"])
-                for k in list((secret.get("stringData") or {})) + list(secret.get("data") or {}):
-                    env[k] = self.secret_value(source["secretRef"]["name"], k)
+                name = source["secretRef"]["name"]
+                for k in self.secret_keys(name):
+                    env[k] = self.secret_value(name, k)
             elif "configMapRef" in source:
                 cm = one(self.docs, "ConfigMap",
                          lambda d: d["metadata"]["name"] == source["configMapRef"]["name"])
@@ -267,9 +270,7 @@ class Pods:
             items = cm.get("data") or {}
         else:
             name = volume["secret"]["secretName"]
-            secret = one(self.docs, "Secret", lambda x: x["metadata"]["name"] == name)
-            items = {k: self.secret_value(name, k)
-                     for k in list(secret.get("stringData") or {}) + list(secret.get("data") or {})}
+            items = {k: self.secret_value(name, k) for k in self.secret_keys(name)}
         for k, v in items.items():
             with open(os.path.join(d, k), "w") as f:
                 f.write(v)
