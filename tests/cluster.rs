@@ -572,3 +572,40 @@ async fn log_is_compacted_by_bytes() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// With a cluster token, a peer call without it (or with a wrong one) is refused and changes
+/// nothing; a Raft stream that names no sender node is refused even with the token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peers_without_the_cluster_token_are_refused() {
+    use raftlock::server::proto::peer::{
+        peer_client::PeerClient, RaftMessage, RemoveServerRequest,
+    };
+    let cluster = Cluster::start_with(3, |_| vec!["--cluster-token".into(), "s3cret-token".into()]);
+    let leader = cluster.wait_for_leader(Duration::from_secs(20)).await;
+    let leader_node = cluster.nodes.iter().find(|n| n.id == leader).unwrap();
+    let mut peer = PeerClient::connect(format!("http://{}", leader_node.peer_addr()))
+        .await
+        .unwrap();
+    for token in [None, Some("s3cret-tokex"), Some("s3cret-token-and-more")] {
+        let mut request = tonic::Request::new(RemoveServerRequest { server_id: 2 });
+        if let Some(t) = token {
+            request
+                .metadata_mut()
+                .insert("x-raftlock-cluster-token", t.parse().unwrap());
+        }
+        let status = peer.remove_server(request).await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::Unauthenticated, "{token:?}");
+    }
+    // A stream with the token but without the sender's node id.
+    let mut request = tonic::Request::new(futures::stream::iter(Vec::<RaftMessage>::new()));
+    request
+        .metadata_mut()
+        .insert("x-raftlock-cluster-token", "s3cret-token".parse().unwrap());
+    let status = peer.raft(request).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    // Nothing changed: still three voters.
+    let s = http_json(&leader_node.client_addr(), "/status")
+        .await
+        .unwrap();
+    assert_eq!(s["voters"].as_array().unwrap().len(), 3, "{s}");
+}

@@ -105,6 +105,15 @@ async fn post_to_root_is_a_write() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("writes.log");
     let store = start(&file).await;
+    // Every result's counter exists before the first write of that kind.
+    assert_eq!(
+        metric(
+            &store.addr,
+            "raftlock_datastore_writes_total{result=\"stale\"}"
+        )
+        .await,
+        Some(0.0)
+    );
 
     let (status, body) = post(&store.addr, "/", &write("orders", 5, "first")).await;
     assert_eq!((status, &body["success"]), (200, &json!(true)), "{body}");
@@ -116,8 +125,12 @@ async fn post_to_root_is_a_write() {
     assert_eq!(status, 409, "{body}");
     let (status, body) = post(&store.addr, "/", &json!({"nonsense": true})).await;
     assert_eq!(status, 400, "{body}");
-    let (status, _) = post(&store.addr, "/write", &write("orders", 6, "second")).await;
-    assert_eq!(status, 200);
+    // Fields the store does not know are ignored (a newer client, an older store).
+    let mut extra = write("orders", 6, "second");
+    extra["clientVersion"] = json!("2.0");
+    extra["fencingToken"]["mac"] = json!("ab12");
+    let (status, body) = post(&store.addr, "/write", &extra).await;
+    assert_eq!(status, 200, "{body}");
 
     let (_, data) = http_get(&store.addr, "/data?key=orders").await.unwrap();
     let data: Value = serde_json::from_str(&data).unwrap();

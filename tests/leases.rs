@@ -445,3 +445,34 @@ async fn acquire_by_current_holder_with_new_request_id_is_already_held() {
     assert_eq!(entry["holder"], "A", "{entry}");
     assert_eq!(entry["fencingToken"], token, "{entry}");
 }
+
+/// A retried acquire answered from the exactly-once table gets the time left on the lease, not
+/// the full TTL again; once the hold has ended, the retry is told so (`STALE_TOKEN`) instead of
+/// receiving the old grant. (Found by `tests/chaos.rs`: a client that retried after a paused node
+/// came back believed it held a lock that had expired and been granted to another client.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_grant_reports_the_time_left_and_never_an_ended_hold() {
+    let cluster = Cluster::start(3);
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let addr = addr_of(&cluster, leader);
+    let mut a = ws_connect(&addr).await;
+    let g1 = request(&mut a, &acquire("k", "A", "r1", 1_500, None)).await;
+    assert_eq!(g1["success"], true, "{g1}");
+    let token = token_of(&g1);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let retry = request(&mut a, &acquire("k", "A", "r1", 1_500, None)).await;
+    assert_eq!(retry["success"], true, "{retry}");
+    assert_eq!(token_of(&retry), token, "{retry}");
+    let left = retry["expiresInMs"].as_u64().expect("expiresInMs");
+    assert!(
+        left <= 800,
+        "a retry 700 ms later still got {left} ms: {retry}"
+    );
+    // The lease runs out and B takes the lock; A's retry must not look like a grant.
+    let mut b = ws_connect(&addr).await;
+    let gb = request(&mut b, &acquire("k", "B", "b1", 10_000, Some(10_000))).await;
+    assert_eq!(gb["success"], true, "{gb}");
+    let late = request(&mut a, &acquire("k", "A", "r1", 1_500, None)).await;
+    assert_eq!(late["success"], false, "{late}");
+    assert_eq!(code_of(&late), "STALE_TOKEN", "{late}");
+}

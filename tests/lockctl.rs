@@ -268,3 +268,171 @@ fn demo_passes() {
     assert!(text.contains("stale writes accepted: 0"), "{text}");
     assert!(text.contains("failovers: 1"), "{text}");
 }
+
+/// `lockctl up` in the background; SIGTERM and a bounded wait when dropped, so a failing test
+/// does not leave a cluster behind.
+struct Up {
+    child: std::process::Child,
+}
+
+impl Up {
+    fn terminate(&mut self) -> Option<std::process::ExitStatus> {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if let Ok(Some(s)) = self.child.try_wait() {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        None
+    }
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            self.terminate();
+        }
+    }
+}
+
+async fn leader_among(addrs: &[String], not: u64, timeout: Duration) -> u64 {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        for a in addrs {
+            if let Ok(s) = http_json(a, "/status").await {
+                let id = s["id"].as_u64().unwrap_or(0);
+                if s["role"] == "leader" && id != not {
+                    return id;
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("no leader (other than {not}) within {timeout:?}");
+}
+
+fn state_pids(dir: &Path) -> Vec<u32> {
+    let text = std::fs::read_to_string(dir.join("lockctl-up.json")).expect("state file");
+    let v: serde_json::Value = serde_json::from_str(&text).expect("state json");
+    v["nodes"]
+        .as_array()
+        .expect("nodes")
+        .iter()
+        .chain(std::iter::once(&v["dataStore"]))
+        .filter_map(|n| n["pid"].as_u64().map(|p| p as u32))
+        .collect()
+}
+
+/// `lockctl up` keeps running when a node is killed; `lockctl node kill/start` act on it; the
+/// cluster elects a new leader that serves locks, the restarted node rejoins, and SIGTERM stops
+/// every child.
+#[test]
+fn up_survives_a_killed_leader_and_restarts_it() {
+    let base = (0..50)
+        .map(|_| free_port().saturating_sub(30))
+        .find(|&b| {
+            b > 1024 && (b..=b + 20).all(|p| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok())
+        })
+        .expect("free port range");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("cluster");
+    let out_path = dir.path().join("up.out");
+    let mut up = Up {
+        child: Command::new(LOCKCTL)
+            .args(["up", "--data-dir", &data.display().to_string()])
+            .args(["--peer-port-base", &base.to_string()])
+            .args(["--client-port-base", &(base + 10).to_string()])
+            .args(["--data-store-port", &(base + 20).to_string()])
+            .stdout(std::fs::File::create(&out_path).expect("out file"))
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("lockctl up"),
+    };
+    let clients: Vec<String> = (1..=3)
+        .map(|i| format!("127.0.0.1:{}", base + 10 + i))
+        .collect();
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let leader = rt.block_on(leader_among(&clients, 0, Duration::from_secs(40)));
+    let node = |action: &str, id: u64| {
+        let out = Command::new(LOCKCTL)
+            .args(["node", action, &id.to_string()])
+            .args(["--data-dir", &data.display().to_string()])
+            .output()
+            .expect("lockctl node");
+        assert!(
+            out.status.success(),
+            "lockctl node {action} {id}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+
+    node("kill", leader);
+    assert!(
+        up.child.try_wait().expect("wait").is_none(),
+        "lockctl up exited when a node was killed"
+    );
+    let new_leader = rt.block_on(leader_among(&clients, leader, Duration::from_secs(30)));
+    // The new leader serves locks.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let out = lockctl(&clients)
+            .args(["--output", "json", "acquire", "after-failover"])
+            .output()
+            .expect("acquire");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        if out.status.success() && v["acquired"] == true {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no lock after failover: {out:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let text = std::fs::read_to_string(&out_path).unwrap_or_default();
+    assert!(
+        text.contains(&format!("lock-node {leader} exited")),
+        "up did not report the exit:\n{text}"
+    );
+
+    node("start", leader);
+    let rejoined = &clients[(leader - 1) as usize];
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let ready = rt.block_on(http_get(rejoined, "/readyz"));
+        let status = rt.block_on(http_json(rejoined, "/status"));
+        if let (Ok((200, _)), Ok(s)) = (ready, status) {
+            if s["leaderId"].as_u64().is_some_and(|l| l != 0)
+                && s["voters"].as_array().map_or(0, |v| v.len()) == 3
+            {
+                break;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "node {leader} did not rejoin (leader was {new_leader})"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(
+        up.child.try_wait().expect("wait").is_none(),
+        "up is running"
+    );
+
+    let pids = state_pids(&data);
+    assert_eq!(pids.len(), 4, "three nodes and the data store: {pids:?}");
+    let status = up.terminate().expect("lockctl up did not stop on SIGTERM");
+    assert!(status.success(), "lockctl up: {status}");
+    std::thread::sleep(Duration::from_millis(100));
+    for p in pids {
+        assert!(!is_running(p), "child {p} survived lockctl up");
+    }
+    assert!(
+        !data.join("lockctl-up.json").exists(),
+        "state file left behind"
+    );
+}

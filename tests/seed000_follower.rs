@@ -27,33 +27,11 @@ async fn reply_for_key(ws: &mut Ws, key: &str, timeout: Duration) -> Option<Valu
     }
 }
 
-fn follower_of(cluster: &Cluster, leader: u64) -> String {
-    cluster
-        .nodes
-        .iter()
-        .find(|n| n.id != leader)
-        .expect("a follower")
-        .client_addr()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn seed_000_client_through_a_follower() {
     let cluster = Cluster::start(3);
     let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
-    let follower = follower_of(&cluster, leader);
-    // Let the follower learn who leads.
-    let deadline = Instant::now() + LEADER_TIMEOUT;
-    loop {
-        let s = http_json(&follower, "/status").await.unwrap_or(Value::Null);
-        if s["leaderId"] == leader {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "follower never learned the leader"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let (_, follower) = follower_knowing(&cluster, leader).await;
 
     // Client A takes two locks over one connection, with no request ids.
     let mut a = ws_connect(&follower).await;
@@ -195,21 +173,7 @@ async fn until_answered(ws: &mut Ws, msg: &Value, id: &str) -> Value {
 async fn forwarded_wait_survives_a_leader_change() {
     let mut cluster = Cluster::start(3);
     let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
-    let follower_id = cluster
-        .nodes
-        .iter()
-        .find(|n| n.id != leader)
-        .expect("a follower")
-        .id;
-    let follower = cluster.node(follower_id).client_addr();
-    let deadline = Instant::now() + LEADER_TIMEOUT;
-    while http_json(&follower, "/status").await.unwrap_or(Value::Null)["leaderId"] != leader {
-        assert!(
-            Instant::now() < deadline,
-            "follower never learned the leader"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let (_, follower) = follower_knowing(&cluster, leader).await;
 
     let mut h = ws_connect(&follower).await;
     let held = ws_request(

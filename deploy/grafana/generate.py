@@ -119,6 +119,12 @@ def dashboard():
         series("Replication lag (entries) per follower",
                [(f"max by (peer) (raftlock_replication_lag_entries{{{SEL}}})", "node {{peer}}")],
                description="Entries the leader has that each follower has not acknowledged."),
+        series("Replication lag (seconds) per follower",
+               [(f"max by (peer) (raftlock_replication_lag_seconds{{{SEL}}} and on(instance) "
+                 f"raftlock_is_leader{{{SEL}}} == 1)", "node {{peer}}")],
+               unit="s",
+               description="Age of the oldest entry each follower has not acknowledged "
+                           "(0 when caught up)."),
         series("Peer round trip", quantiles("raftlock_peer_rtt_seconds", "peer"), unit="s"),
     )
     L.line(

@@ -73,7 +73,7 @@ fn main() -> ExitCode {
         }
     }
     println!(
-        "sim: seeds={} violations={} elections={} leader_changes={} partitions={} crashes={} pauses={} membership_changes={} committed={} grants={} expiries={} snapshots={} compactions={} transfers={} history_ops={} hold_intervals_checked={} reads_checked={} linearizability_checks={} lin_unchecked={} client_expiries={} redirects={} retries={}",
+        "sim: seeds={} violations={} elections={} leader_changes={} partitions={} crashes={} pauses={} membership_changes={} committed={} grants={} expiries={} snapshots={} compactions={} transfers={} history_ops={} hold_intervals_checked={} reads_checked={} linearizability_checks={} lin_unchecked={} client_expiries={} redirects={} retries={} log_ticks={}",
         args.seeds,
         violations,
         total.elections,
@@ -96,6 +96,7 @@ fn main() -> ExitCode {
         total.client_expiries,
         total.redirects,
         total.client_retries,
+        total.ticks,
     );
     if violations == 0 {
         ExitCode::SUCCESS

@@ -162,6 +162,10 @@ impl DataStore {
         registry
             .register(Box::new(writes.clone()))
             .expect("unique metric");
+        // Every result exists from the start, so `increase()` sees the first stale write.
+        for result in ["accepted", "stale", "invalid"] {
+            writes.with_label_values(&[result]);
+        }
         let repaired = IntCounter::new(
             "raftlock_datastore_repaired_lines_total",
             "Torn last lines (writes interrupted by a crash) truncated from the log at start.",
@@ -283,8 +287,8 @@ fn replay_log(bytes: &[u8]) -> Result<Replay, (usize, String)> {
     Ok(Replay { writes, torn: None })
 }
 
+/// Fields the store does not know are ignored, so a newer client works with an older store.
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
 struct WriteRequest {
     #[serde(rename = "clientID")]
     client_id: String,
@@ -294,7 +298,6 @@ struct WriteRequest {
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
 struct Token {
     key: String,
     value: u64,

@@ -88,10 +88,9 @@ pub enum Command {
         token: u64,
         lease_index: u64,
     },
-    /// Sets the limits every replica applies commands with (waiters per key, TTL bounds, sizes,
-    /// table bounds). Proposed by the first leader of a cluster from its configuration, so that
-    /// replicas never judge one entry differently because their flags differ.
-    SetLimits { limits: super::Limits },
+    /// Limits in the encoding used before client sessions existed (read from old logs only; a
+    /// leader proposes [`Command::SetLimits`]).
+    SetLimitsV1 { limits: super::limits::LimitsV1 },
     /// Give the lock back without naming the token (seed 000's release): applies only if
     /// `client_id` holds `key`. Releasing by token is safer — a client that lost its lease and
     /// got it again under the same id cannot release the newer hold by mistake with a token.
@@ -100,6 +99,17 @@ pub enum Command {
         client_id: String,
         request_id: String,
     },
+    /// Sets the limits every replica applies commands with (waiters per key, TTL bounds, sizes,
+    /// table and session bounds). Proposed by the first leader of a cluster from its
+    /// configuration, so that replicas never judge one entry differently because their flags
+    /// differ.
+    SetLimits { limits: super::Limits },
+    /// Advances the log clock by `elapsed_ms`: the time the proposing leader measured on its
+    /// monotonic clock since its previous tick. Client sessions idle for longer than
+    /// `session_idle_ms` of log time are closed when it applies. Proposed by the leader about once
+    /// a second while sessions exist; a gap between two leaders is not counted (sessions live
+    /// longer, never shorter).
+    Tick { elapsed_ms: u64 },
 }
 
 /// Why bytes could not be turned into a command, a snapshot or a state machine.
@@ -140,7 +150,7 @@ impl Command {
             | Command::Delete { key, .. }
             | Command::Expire { key, .. }
             | Command::ExpireLease { key, .. } => key,
-            Command::SetLimits { .. } => "",
+            Command::SetLimits { .. } | Command::SetLimitsV1 { .. } | Command::Tick { .. } => "",
         }
     }
 
@@ -286,6 +296,7 @@ mod tests {
                 client_id: "worker-7".into(),
                 request_id: "r-45".into(),
             },
+            Command::Tick { elapsed_ms: 1_000 },
         ]
     }
 
@@ -293,6 +304,39 @@ mod tests {
     fn every_command_round_trips() {
         for cmd in sample() {
             assert_eq!(Command::decode(&cmd.encode()), Ok(cmd));
+        }
+    }
+
+    #[test]
+    fn limits_written_before_sessions_still_decode() {
+        // Variant 8 with the nine fields limits had before client sessions.
+        let old = crate::lock::limits::LimitsV1 {
+            key_bytes_max: 64,
+            value_bytes_max: 128,
+            id_bytes_max: 32,
+            ttl_ms_max: 60_000,
+            wait_timeout_ms_max: 60_000,
+            waiters_per_key_max: 8,
+            locks_held_max: 100,
+            data_entries_max: 100,
+            dedupe_entries_max: 1_000,
+        };
+        let bytes = Command::SetLimitsV1 {
+            limits: old.clone(),
+        }
+        .encode();
+        assert_eq!(bytes[1], 8, "the old variant keeps its index");
+        match Command::decode(&bytes) {
+            Ok(Command::SetLimitsV1 { limits }) => {
+                let new = crate::lock::Limits::from(limits);
+                assert_eq!(new.waiters_per_key_max, 8);
+                assert_eq!(new.dedupe_entries_max, 1_000);
+                assert_eq!(
+                    new.sessions_max,
+                    crate::lock::Limits::default().sessions_max
+                );
+            }
+            other => panic!("decoded {other:?}"),
         }
     }
 

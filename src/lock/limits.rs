@@ -1,5 +1,6 @@
 //! Bounds on everything the lock state machine stores: key and value sizes, ids,
-//! lease and wait lengths, waiters per key, held locks, data entries, and the dedupe table.
+//! lease and wait lengths, waiters per key, held locks, data entries, client sessions and the
+//! answers they remember.
 //!
 //! Limits are part of the replicated state (persisted under `meta/limits`), so every replica
 //! judges every command the same way. Input beyond a bound is answered with
@@ -26,9 +27,20 @@ pub struct Limits {
     pub locks_held_max: usize,
     /// Entries in the replicated key-value data.
     pub data_entries_max: usize,
-    /// Entries in the `(client_id, request_id)` dedupe table; the oldest entry is evicted first.
+    /// Remembered answers (`(client_id, request_id)` → outcome) across all client sessions.
     /// Zero disables deduplication.
     pub dedupe_entries_max: usize,
+    /// Client sessions (client ids with remembered answers) at once.
+    pub sessions_max: usize,
+    /// Remembered answers one client session may hold.
+    pub session_entries_max: usize,
+    /// A session whose client sent no request for this long (log time, see `Command::Tick`) is
+    /// closed and its answers forgotten — unless one of its acquires is still queued.
+    pub session_idle_ms: u64,
+    /// An answer is kept at least this long (log time) after it was given, whatever the bounds:
+    /// a bound that could only be kept by forgetting a younger answer refuses the new request
+    /// instead. Retries within this time are always answered from the table.
+    pub dedupe_retain_ms: u64,
 }
 
 impl Default for Limits {
@@ -42,7 +54,43 @@ impl Default for Limits {
             waiters_per_key_max: 1024,
             locks_held_max: 1_000_000,
             data_entries_max: 1_000_000,
-            dedupe_entries_max: 100_000,
+            dedupe_entries_max: 500_000,
+            sessions_max: 10_000,
+            session_entries_max: 100_000,
+            session_idle_ms: 5 * 60 * 1000,
+            dedupe_retain_ms: 60 * 1000,
+        }
+    }
+}
+
+/// Limits as encoded before client sessions existed (log entries and state written then are
+/// read back through this; the session bounds take their defaults).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LimitsV1 {
+    pub key_bytes_max: usize,
+    pub value_bytes_max: usize,
+    pub id_bytes_max: usize,
+    pub ttl_ms_max: u64,
+    pub wait_timeout_ms_max: u64,
+    pub waiters_per_key_max: usize,
+    pub locks_held_max: usize,
+    pub data_entries_max: usize,
+    pub dedupe_entries_max: usize,
+}
+
+impl From<LimitsV1> for Limits {
+    fn from(old: LimitsV1) -> Self {
+        Limits {
+            key_bytes_max: old.key_bytes_max,
+            value_bytes_max: old.value_bytes_max,
+            id_bytes_max: old.id_bytes_max,
+            ttl_ms_max: old.ttl_ms_max,
+            wait_timeout_ms_max: old.wait_timeout_ms_max,
+            waiters_per_key_max: old.waiters_per_key_max,
+            locks_held_max: old.locks_held_max,
+            data_entries_max: old.data_entries_max,
+            dedupe_entries_max: old.dedupe_entries_max,
+            ..Limits::default()
         }
     }
 }

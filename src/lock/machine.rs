@@ -8,9 +8,20 @@
 //! ```
 //! State lives in one key space: `lock/<key>` (holder, token, ttl, FIFO waiters), `data/<key>`
 //! (replicated values), `meta/seq` (the one fencing sequence), `meta/applied` and
-//! `meta/dedupe/<n>` (the bounded exactly-once table). Only ordered maps are iterated, so the same
-//! log always yields byte-identical state. Time never enters: lease deadlines are tracked by the
-//! leader, which proposes `Expire` with the token it saw.
+//! `meta/dedupe/<n>` (the exactly-once table, grouped into client sessions), `meta/clock` (the log
+//! clock). Only ordered maps are iterated, so the same log always yields byte-identical state.
+//! Time never enters from outside: lease deadlines are tracked by the leader, which proposes
+//! `Expire` with the token it saw, and session idleness is measured on the log clock, which only
+//! `Tick` entries (proposed by the leader) advance.
+//!
+//! Client sessions (the Raft dissertation's §6.3 design): every remembered answer belongs to its
+//! client's session. A session closes — and only then are its answers forgotten — after
+//! `session_idle_ms` of log time without a new request from its client, unless one of its
+//! acquires is still queued. Bounds on sessions and on answers (per session and overall) are kept
+//! by forgetting the oldest *finished* answers older than `dedupe_retain_ms`; when no answer is
+//! that old, the new request is refused (`LimitReached`) and changes nothing. So a retry within
+//! `dedupe_retain_ms` of its answer, or from a client whose session is open and within bounds, is
+//! always answered with the original outcome.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
@@ -27,6 +38,12 @@ const META_APPLIED: &str = "meta/applied";
 const META_DEDUPE_PREFIX: &str = "meta/dedupe/";
 const META_DEDUPE_NEXT: &str = "meta/dedupe_next";
 const META_LIMITS: &str = "meta/limits";
+const META_CLOCK: &str = "meta/clock";
+/// Longest step one `Tick` may advance the log clock by: a leader that was paused (and has not
+/// noticed it lost leadership) cannot age every session at once.
+pub const TICK_MAX_MS: u64 = 10_000;
+/// Queued answers skipped at most while looking for the oldest finished one to forget.
+const EVICT_SCAN_MAX: usize = 1024;
 const SNAPSHOT_VERSION: u8 = 1;
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -84,6 +101,14 @@ struct LockEntry {
     waiters: VecDeque<Waiter>,
 }
 
+/// One client's session: its remembered answers by insertion number (oldest first).
+#[derive(Clone, Debug, Default)]
+struct Session {
+    records: BTreeSet<u64>,
+    /// How many of them answer an acquire that is still queued.
+    queued: usize,
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 struct DedupeRecord {
     client_id: String,
@@ -92,6 +117,17 @@ struct DedupeRecord {
     /// What the request was: its command kind and key. A request id reused for another kind or
     /// key is refused instead of answered with this record. `None` in records written before
     /// this was kept.
+    op: Option<(u8, String)>,
+    /// Log clock when the outcome was recorded or last changed (queued → granted / cancelled).
+    at_ms: u64,
+}
+
+/// A dedupe record as written before records kept their time (read back only).
+#[derive(Deserialize)]
+struct DedupeRecordV2 {
+    client_id: String,
+    request_id: String,
+    outcome: Outcome,
     op: Option<(u8, String)>,
 }
 
@@ -112,7 +148,11 @@ fn op_of(command: &Command) -> (u8, String) {
         Command::CancelWait { .. } => 4,
         Command::Put { .. } => 5,
         Command::Delete { .. } => 6,
-        Command::Expire { .. } | Command::ExpireLease { .. } | Command::SetLimits { .. } => 0,
+        Command::Expire { .. }
+        | Command::ExpireLease { .. }
+        | Command::SetLimits { .. }
+        | Command::SetLimitsV1 { .. }
+        | Command::Tick { .. } => 0,
     };
     (kind, command.key().to_string())
 }
@@ -154,6 +194,10 @@ pub struct LockStateMachine {
     /// (client, request) -> insertion number.
     dedupe_index: HashMap<(String, String), u64>,
     dedupe_next: u64,
+    /// Open client sessions by client id (derived from `dedupe`, not stored on its own).
+    sessions: BTreeMap<String, Session>,
+    /// The log clock in milliseconds: the sum of applied `Tick`s.
+    clock_ms: u64,
     locks_held: usize,
     waiters: usize,
     /// State keys changed since the last `take_changes`.
@@ -206,6 +250,21 @@ impl LockStateMachine {
 
     pub fn dedupe_len(&self) -> usize {
         self.dedupe.len()
+    }
+
+    /// Open client sessions.
+    pub fn session_count(&self) -> usize {
+        self.sessions.len()
+    }
+
+    /// Remembered answers in `client_id`'s session (0 when it has none).
+    pub fn session_len(&self, client_id: &str) -> usize {
+        self.sessions.get(client_id).map_or(0, |s| s.records.len())
+    }
+
+    /// The log clock: milliseconds of leader time carried by applied `Tick`s.
+    pub fn log_clock_ms(&self) -> u64 {
+        self.clock_ms
     }
 
     pub fn get(&self, key: &str) -> Option<&[u8]> {
@@ -333,8 +392,13 @@ impl LockStateMachine {
         events: &mut Vec<Event>,
         replayed: &mut bool,
     ) -> Outcome {
-        if let Command::SetLimits { limits } = command {
-            return self.set_replicated_limits(limits);
+        match command {
+            Command::SetLimits { limits } => return self.set_replicated_limits(limits),
+            Command::SetLimitsV1 { limits } => {
+                return self.set_replicated_limits(&limits.clone().into())
+            }
+            Command::Tick { elapsed_ms } => return self.tick(*elapsed_ms),
+            _ => {}
         }
         if let Err(rejection) = self.validate(command) {
             return rejection;
@@ -365,6 +429,9 @@ impl LockStateMachine {
                     }
                     other => other,
                 };
+            }
+            if let Err(refusal) = self.make_room(client) {
+                return refusal;
             }
         }
         let outcome = match command {
@@ -397,7 +464,7 @@ impl LockStateMachine {
                 key, value, guard, ..
             } => self.put(key, value, guard.as_ref()),
             Command::Delete { key, guard, .. } => self.delete(key, guard.as_ref()),
-            Command::SetLimits { .. } => {
+            Command::SetLimits { .. } | Command::SetLimitsV1 { .. } | Command::Tick { .. } => {
                 Outcome::rejected(RejectCode::InvalidRequest, "unreachable")
             }
             Command::ReleaseHeld { key, client_id, .. } => {
@@ -480,7 +547,11 @@ impl LockStateMachine {
                 request_id,
                 ..
             } => &[client_id, request_id],
-            Command::Expire { .. } | Command::ExpireLease { .. } | Command::SetLimits { .. } => &[],
+            Command::Expire { .. }
+            | Command::ExpireLease { .. }
+            | Command::SetLimits { .. }
+            | Command::SetLimitsV1 { .. }
+            | Command::Tick { .. } => &[],
         };
         if ids.iter().any(|id| id.len() > l.id_bytes_max) {
             return Err(Outcome::rejected(
@@ -535,7 +606,9 @@ impl LockStateMachine {
             | Command::ReleaseHeld { .. }
             | Command::Expire { .. }
             | Command::ExpireLease { .. }
-            | Command::SetLimits { .. } => {}
+            | Command::SetLimits { .. }
+            | Command::SetLimitsV1 { .. }
+            | Command::Tick { .. } => {}
         }
         Ok(())
     }
@@ -817,11 +890,19 @@ impl LockStateMachine {
             && limits.id_bytes_max > 0
             && limits.ttl_ms_max > 0
             && limits.waiters_per_key_max > 0
-            && limits.locks_held_max > 0;
+            && limits.locks_held_max > 0
+            && limits.session_idle_ms > 0;
         if !sane {
             return Outcome::rejected(
                 RejectCode::InvalidRequest,
                 "limits must allow keys, ids, leases, waiters and locks",
+            );
+        }
+        if limits.session_idle_ms < limits.dedupe_retain_ms {
+            // A closing session must never forget an answer younger than the retention.
+            return Outcome::rejected(
+                RejectCode::InvalidRequest,
+                "session_idle_ms must be at least dedupe_retain_ms",
             );
         }
         self.limits = limits.clone();
@@ -844,40 +925,179 @@ impl LockStateMachine {
     // ----- exactly-once table ----------------------------------------------------------------
 
     fn record(&mut self, client_id: &str, request_id: &str, outcome: Outcome, op: (u8, String)) {
+        if self.limits.dedupe_entries_max == 0 {
+            return;
+        }
+        self.insert_record(DedupeRecord {
+            client_id: client_id.into(),
+            request_id: request_id.into(),
+            outcome,
+            op: Some(op),
+            at_ms: self.clock_ms,
+        });
+    }
+
+    /// Stores `rec` as the newest record (highest insertion number) of the table and its session.
+    fn insert_record(&mut self, rec: DedupeRecord) {
         let n = self.dedupe_next;
         self.dedupe_next += 1;
-        self.dedupe.insert(
-            n,
-            DedupeRecord {
-                client_id: client_id.into(),
-                request_id: request_id.into(),
-                outcome,
-                op: Some(op),
-            },
-        );
+        let session = self.sessions.entry(rec.client_id.clone()).or_default();
+        session.records.insert(n);
+        session.queued += usize::from(matches!(rec.outcome, Outcome::Queued { .. }));
         self.dedupe_index
-            .insert((client_id.into(), request_id.into()), n);
+            .insert((rec.client_id.clone(), rec.request_id.clone()), n);
+        self.dedupe.insert(n, rec);
         self.dirty.insert(dedupe_key(n));
         self.dirty.insert(META_DEDUPE_NEXT.to_string());
-        // Bounded and deterministic: evict the oldest records first.
-        while self.dedupe.len() > self.limits.dedupe_entries_max {
-            let Some((old, rec)) = self.dedupe.pop_first() else {
-                break;
-            };
-            self.dedupe_index.remove(&(rec.client_id, rec.request_id));
-            self.dirty.insert(dedupe_key(old));
+    }
+
+    /// Forgets record `n` (and its session when it was the last one).
+    fn remove_record(&mut self, n: u64) -> Option<DedupeRecord> {
+        let rec = self.dedupe.remove(&n)?;
+        self.dirty.insert(dedupe_key(n));
+        self.dedupe_index
+            .remove(&(rec.client_id.clone(), rec.request_id.clone()));
+        if let Some(session) = self.sessions.get_mut(&rec.client_id) {
+            session.records.remove(&n);
+            if matches!(rec.outcome, Outcome::Queued { .. }) {
+                session.queued = session.queued.saturating_sub(1);
+            }
+            if session.records.is_empty() {
+                self.sessions.remove(&rec.client_id);
+            }
+        }
+        Some(rec)
+    }
+
+    /// A queued acquire's answer changed (granted or cancelled): a retry must now see that. The
+    /// record moves to the newest position, so that its retention counts from this answer.
+    fn update_record(&mut self, client_id: &str, request_id: &str, outcome: Outcome) {
+        let id = (client_id.to_string(), request_id.to_string());
+        let Some(&n) = self.dedupe_index.get(&id) else {
+            return;
+        };
+        if let Some(mut rec) = self.remove_record(n) {
+            rec.outcome = outcome;
+            rec.at_ms = self.clock_ms;
+            self.insert_record(rec);
         }
     }
 
-    /// A queued acquire's answer changed (granted or cancelled): a retry must now see that.
-    fn update_record(&mut self, client_id: &str, request_id: &str, outcome: Outcome) {
-        let id = (client_id.to_string(), request_id.to_string());
-        if let Some(&n) = self.dedupe_index.get(&id) {
-            if let Some(rec) = self.dedupe.get_mut(&n) {
-                rec.outcome = outcome;
-                self.dirty.insert(dedupe_key(n));
+    /// Whether record `n` may be forgotten to keep a bound: finished (not a queued acquire) and
+    /// answered at least `dedupe_retain_ms` ago.
+    fn evictable(&self, n: u64) -> Option<bool> {
+        let rec = self.dedupe.get(&n)?;
+        if matches!(rec.outcome, Outcome::Queued { .. }) {
+            return Some(false);
+        }
+        Some(rec.at_ms.saturating_add(self.limits.dedupe_retain_ms) <= self.clock_ms)
+    }
+
+    /// The oldest record among `candidates` (in insertion order) that may be forgotten. Records
+    /// are in answer order, so the first finished record that is too young ends the search.
+    fn oldest_evictable(&self, candidates: impl Iterator<Item = u64>) -> Option<u64> {
+        let mut skipped = 0;
+        for n in candidates {
+            let rec = self.dedupe.get(&n)?;
+            if matches!(rec.outcome, Outcome::Queued { .. }) {
+                skipped += 1;
+                if skipped > EVICT_SCAN_MAX {
+                    return None;
+                }
+                continue;
+            }
+            return self.evictable(n).unwrap_or(false).then_some(n);
+        }
+        None
+    }
+
+    /// Makes room for one more answer from `client_id` within every bound, forgetting the oldest
+    /// finished answers past their retention; refuses when a bound cannot be kept that way.
+    fn make_room(&mut self, client_id: &str) -> Result<(), Outcome> {
+        let l = &self.limits;
+        if l.dedupe_entries_max == 0 {
+            return Ok(());
+        }
+        let (sessions_max, per_session, total) =
+            (l.sessions_max, l.session_entries_max, l.dedupe_entries_max);
+        let retain = l.dedupe_retain_ms;
+        if !self.sessions.contains_key(client_id) && self.sessions.len() >= sessions_max {
+            return Err(Outcome::rejected(
+                RejectCode::LimitReached,
+                format!(
+                    "{sessions_max} client sessions are open; a session closes after {} ms \
+                     without requests from its client — retry later",
+                    self.limits.session_idle_ms
+                ),
+            ));
+        }
+        while self.session_len(client_id) >= per_session {
+            let oldest = self
+                .sessions
+                .get(client_id)
+                .and_then(|s| self.oldest_evictable(s.records.iter().copied()));
+            match oldest {
+                Some(n) => {
+                    self.remove_record(n);
+                }
+                None => {
+                    return Err(Outcome::rejected(
+                        RejectCode::LimitReached,
+                        format!(
+                            "client {client_id:?} has {per_session} answered requests younger \
+                             than {retain} ms; retry later"
+                        ),
+                    ))
+                }
             }
         }
+        while self.dedupe.len() >= total {
+            match self.oldest_evictable(self.dedupe.keys().copied()) {
+                Some(n) => {
+                    self.remove_record(n);
+                }
+                None => {
+                    return Err(Outcome::rejected(
+                        RejectCode::LimitReached,
+                        format!(
+                            "{total} answered requests are younger than {retain} ms; retry later"
+                        ),
+                    ))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// `Tick`: advances the log clock, then closes idle sessions (those with a queued acquire
+    /// stay open).
+    fn tick(&mut self, elapsed_ms: u64) -> Outcome {
+        self.clock_ms = self.clock_ms.saturating_add(elapsed_ms.min(TICK_MAX_MS));
+        self.dirty.insert(META_CLOCK.to_string());
+        let idle = self.limits.session_idle_ms;
+        let clock = self.clock_ms;
+        let closing: Vec<String> = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| s.queued == 0)
+            .filter(|(_, s)| {
+                let newest = s.records.last().and_then(|n| self.dedupe.get(n));
+                newest.is_none_or(|r| r.at_ms.saturating_add(idle) <= clock)
+            })
+            .map(|(client, _)| client.clone())
+            .collect();
+        for client in closing {
+            let records: Vec<u64> = self
+                .sessions
+                .get(&client)
+                .map(|s| s.records.iter().copied().collect())
+                .unwrap_or_default();
+            // Removing a session's last record closes the session.
+            for n in records {
+                self.remove_record(n);
+            }
+        }
+        Outcome::Stored
     }
 
     // ----- persistence -----------------------------------------------------------------------
@@ -898,6 +1118,7 @@ impl LockStateMachine {
             META_SEQ => Some(self.fencing_seq.to_be_bytes().to_vec()),
             META_APPLIED => Some(self.applied_index.to_be_bytes().to_vec()),
             META_DEDUPE_NEXT => Some(self.dedupe_next.to_be_bytes().to_vec()),
+            META_CLOCK => (self.clock_ms > 0).then(|| self.clock_ms.to_be_bytes().to_vec()),
             META_LIMITS => self.limits_replicated.then(|| encode_plain(&self.limits)),
             _ => None,
         }
@@ -918,7 +1139,16 @@ impl LockStateMachine {
         keys.extend(self.locks.keys().map(|k| format!("{LOCK_PREFIX}{k}")));
         keys.extend(self.data.keys().map(|k| format!("{DATA_PREFIX}{k}")));
         keys.extend(self.dedupe.keys().map(|&n| dedupe_key(n)));
-        keys.extend([META_SEQ, META_APPLIED, META_DEDUPE_NEXT, META_LIMITS].map(String::from));
+        keys.extend(
+            [
+                META_SEQ,
+                META_APPLIED,
+                META_DEDUPE_NEXT,
+                META_LIMITS,
+                META_CLOCK,
+            ]
+            .map(String::from),
+        );
         keys.sort();
         keys.into_iter()
             .filter_map(|k| self.value_of(&k).map(|v| (k.into_bytes(), v)))
@@ -965,25 +1195,45 @@ impl LockStateMachine {
                     .map_err(|_| DecodeError::InvalidState(format!("bad dedupe key {key}")))?;
                 let rec: DedupeRecord = match decode_plain(&value) {
                     Ok(rec) => rec,
-                    Err(err) => decode_plain::<DedupeRecordV1>(&value)
+                    Err(err) => decode_plain::<DedupeRecordV2>(&value)
                         .map(|old| DedupeRecord {
                             client_id: old.client_id,
                             request_id: old.request_id,
                             outcome: old.outcome,
-                            op: None,
+                            op: old.op,
+                            at_ms: 0,
+                        })
+                        .or_else(|_| {
+                            decode_plain::<DedupeRecordV1>(&value).map(|old| DedupeRecord {
+                                client_id: old.client_id,
+                                request_id: old.request_id,
+                                outcome: old.outcome,
+                                op: None,
+                                at_ms: 0,
+                            })
                         })
                         .map_err(|_| err)?,
                 };
                 sm.dedupe_index
                     .insert((rec.client_id.clone(), rec.request_id.clone()), n);
+                let session = sm.sessions.entry(rec.client_id.clone()).or_default();
+                session.records.insert(n);
+                session.queued += usize::from(matches!(rec.outcome, Outcome::Queued { .. }));
                 sm.dedupe.insert(n, rec);
             } else {
                 match key.as_str() {
                     META_SEQ => sm.fencing_seq = u64_of(&value, "meta/seq")?,
                     META_APPLIED => sm.applied_index = u64_of(&value, "meta/applied")?,
                     META_DEDUPE_NEXT => sm.dedupe_next = u64_of(&value, "meta/dedupe_next")?,
+                    META_CLOCK => sm.clock_ms = u64_of(&value, "meta/clock")?,
                     META_LIMITS => {
-                        sm.limits = decode_plain(&value)?;
+                        sm.limits = match decode_plain(&value) {
+                            Ok(limits) => limits,
+                            // Written before client sessions existed.
+                            Err(err) => decode_plain::<crate::lock::limits::LimitsV1>(&value)
+                                .map(Limits::from)
+                                .map_err(|_| err)?,
+                        };
                         sm.limits_replicated = true;
                     }
                     other => {

@@ -14,6 +14,6 @@ mod outcome;
 mod tests;
 
 pub use command::{Command, DecodeError, FencingToken};
-pub use limits::Limits;
+pub use limits::{Limits, LimitsV1};
 pub use machine::{HeldLock, LockStateMachine, WaiterInfo};
 pub use outcome::{Applied, Event, Outcome, RejectCode};

@@ -56,8 +56,10 @@ struct Model {
     holders: BTreeMap<String, MHolder>,
     queues: BTreeMap<String, VecDeque<MWaiter>>,
     data: BTreeMap<String, Vec<u8>>,
-    /// Remembered outcomes, oldest first.
-    dedupe: VecDeque<((String, String), Outcome, ModelOp)>,
+    /// Remembered outcomes with the log time they were given, oldest answer first.
+    dedupe: VecDeque<((String, String), Outcome, ModelOp, u64)>,
+    /// Sum of the applied ticks (each at most 10 s).
+    clock: u64,
     /// Index of the command being applied (the caller counts it: one per `apply`).
     index: u64,
 }
@@ -73,8 +75,8 @@ impl Model {
     fn remembered(&self, client: &str, request: &str) -> Option<(Outcome, ModelOp)> {
         self.dedupe
             .iter()
-            .find(|((c, r), _, _)| c == client && r == request)
-            .map(|(_, o, op)| (o.clone(), op.clone()))
+            .find(|((c, r), _, _, _)| c == client && r == request)
+            .map(|(_, o, op, _)| (o.clone(), op.clone()))
     }
 
     fn remember(
@@ -84,20 +86,86 @@ impl Model {
         outcome: Outcome,
         op: (&'static str, String),
     ) {
-        if request.is_empty() {
+        if request.is_empty() || self.limits.dedupe_entries_max == 0 {
             return;
         }
         self.dedupe
-            .push_back(((client.into(), request.into()), outcome, op));
-        while self.dedupe.len() > self.limits.dedupe_entries_max {
-            self.dedupe.pop_front();
+            .push_back(((client.into(), request.into()), outcome, op, self.clock));
+    }
+
+    /// A queued answer changed: it becomes the newest answer, given now.
+    fn rewrite(&mut self, client: &str, request: &str, outcome: Outcome) {
+        let found = self
+            .dedupe
+            .iter()
+            .position(|((c, r), _, _, _)| c == client && r == request);
+        if let Some(i) = found {
+            if let Some((id, _, op, _)) = self.dedupe.remove(i) {
+                self.dedupe.push_back((id, outcome, op, self.clock));
+            }
         }
     }
 
-    fn rewrite(&mut self, client: &str, request: &str, outcome: Outcome) {
-        for ((c, r), o, _) in self.dedupe.iter_mut() {
-            if c == client && r == request {
-                *o = outcome.clone();
+    fn clients_with_answers(&self) -> Vec<String> {
+        let mut clients: Vec<String> = self.dedupe.iter().map(|((c, _), ..)| c.clone()).collect();
+        clients.sort();
+        clients.dedup();
+        clients
+    }
+
+    /// Forgets the oldest finished answer (of `client`, or of anyone) if it is past its
+    /// retention; false when there is none.
+    fn forget_oldest(&mut self, client: Option<&str>) -> bool {
+        let first_finished = self.dedupe.iter().position(|((c, _), o, _, _)| {
+            client.is_none_or(|want| c == want) && !matches!(o, Outcome::Queued { .. })
+        });
+        match first_finished {
+            Some(i) if self.dedupe[i].3 + self.limits.dedupe_retain_ms <= self.clock => {
+                self.dedupe.remove(i);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Room for one more answer of `client` within the session and table bounds.
+    fn make_room(&mut self, client: &str) -> bool {
+        if self.limits.dedupe_entries_max == 0 {
+            return true;
+        }
+        let sessions = self.clients_with_answers();
+        if !sessions.iter().any(|c| c == client) && sessions.len() >= self.limits.sessions_max {
+            return false;
+        }
+        let of_client = |m: &Model| m.dedupe.iter().filter(|((c, _), ..)| c == client).count();
+        while of_client(self) >= self.limits.session_entries_max {
+            if !self.forget_oldest(Some(client)) {
+                return false;
+            }
+        }
+        while self.dedupe.len() >= self.limits.dedupe_entries_max {
+            if !self.forget_oldest(None) {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// The log clock moves; sessions idle for `session_idle_ms` without a queued acquire close.
+    fn tick(&mut self, elapsed: u64) {
+        self.clock += elapsed.min(10_000);
+        for client in self.clients_with_answers() {
+            let answers: Vec<_> = self
+                .dedupe
+                .iter()
+                .filter(|((c, _), ..)| *c == client)
+                .collect();
+            let queued = answers
+                .iter()
+                .any(|(_, o, _, _)| matches!(o, Outcome::Queued { .. }));
+            let newest = answers.last().map_or(0, |a| a.3);
+            if !queued && newest + self.limits.session_idle_ms <= self.clock {
+                self.dedupe.retain(|((c, _), ..)| *c != client);
             }
         }
     }
@@ -178,6 +246,12 @@ impl Model {
                     return Outcome::Queued { position: pos };
                 }
                 return o;
+            }
+            if !self.make_room(client) {
+                return Outcome::Rejected {
+                    code: RejectCode::LimitReached,
+                    message: String::new(),
+                };
             }
         }
         let out = match cmd {
@@ -322,6 +396,14 @@ impl Model {
                 self.limits = limits.clone();
                 Outcome::Stored
             }
+            Command::SetLimitsV1 { limits } => {
+                self.limits = limits.clone().into();
+                Outcome::Stored
+            }
+            Command::Tick { elapsed_ms } => {
+                self.tick(*elapsed_ms);
+                Outcome::Stored
+            }
             Command::Expire { key, token } => match self.holders.get(key) {
                 Some(h) if h.token == *token => {
                     let client_id = h.client.clone();
@@ -421,7 +503,11 @@ fn model_op(cmd: &Command) -> ModelOp {
         Command::CancelWait { .. } => "cancel",
         Command::Put { .. } => "put",
         Command::Delete { .. } => "delete",
-        Command::Expire { .. } | Command::ExpireLease { .. } | Command::SetLimits { .. } => "",
+        Command::Expire { .. }
+        | Command::ExpireLease { .. }
+        | Command::SetLimits { .. }
+        | Command::SetLimitsV1 { .. }
+        | Command::Tick { .. } => "",
     };
     (kind, cmd.key().to_string())
 }
@@ -508,11 +594,15 @@ fn random_command(rng: &mut Rng, seq: u64) -> Command {
             client_id,
             request_id,
         },
-        _ => Command::Delete {
+        95..=97 => Command::Delete {
             key: format!("d{}", rng.below(3)),
             guard: None,
             client_id,
             request_id,
+        },
+        // The log clock moves (occasionally by more than one tick may carry).
+        _ => Command::Tick {
+            elapsed_ms: rng.below(3_000) + if rng.below(10) == 0 { 20_000 } else { 0 },
         },
     }
 }
@@ -522,7 +612,11 @@ fn small_limits() -> Limits {
         waiters_per_key_max: 2,
         locks_held_max: 3,
         data_entries_max: 2,
-        dedupe_entries_max: 16,
+        dedupe_entries_max: 12,
+        sessions_max: 3,
+        session_entries_max: 5,
+        session_idle_ms: 5_000,
+        dedupe_retain_ms: 2_000,
         ..Limits::default()
     }
 }
@@ -566,7 +660,11 @@ fn observe_model(m: &Model) -> Observed {
     (held, waiters)
 }
 
-fn run_model_case(seed: u64, steps: usize) {
+/// Runs one random sequence against the model; returns how many requests a session or table
+/// bound refused and how many sessions ticks closed (so the caller can check both happened).
+fn run_model_case(seed: u64, steps: usize) -> (usize, usize) {
+    let mut refused = 0;
+    let mut closed = 0;
     let mut rng = Rng(seed);
     let limits = small_limits();
     let mut sm = LockStateMachine::new(limits.clone());
@@ -587,7 +685,21 @@ fn run_model_case(seed: u64, steps: usize) {
         }
         let cmd = random_command(&mut rng, model.seq);
         let index = step as u64 + 1;
+        let sessions_before = sm.session_count();
         let got = normalize(sm.apply(index, &cmd).outcome);
+        if matches!(cmd, Command::Tick { .. }) {
+            closed += sessions_before - sm.session_count();
+        }
+        if matches!(
+            got,
+            Outcome::Rejected {
+                code: RejectCode::LimitReached,
+                ..
+            }
+        ) && ids(&cmd).is_some()
+        {
+            refused += 1;
+        }
         let want = normalize(model.apply(&cmd));
         history.push(format!("{index}: {cmd:?} -> {got:?}"));
         let tail = || history[history.len().saturating_sub(25)..].join("\n");
@@ -612,13 +724,20 @@ fn run_model_case(seed: u64, steps: usize) {
             );
         }
     }
+    (refused, closed)
 }
 
 #[test]
 fn model_based_random_sequences() {
+    let (mut refused, mut closed) = (0, 0);
     for seed in 0..400 {
-        run_model_case(seed, 300);
+        let (r, c) = run_model_case(seed, 300);
+        refused += r;
+        closed += c;
     }
+    // The runs reach the session bounds and close idle sessions (small limits make them).
+    assert!(refused > 100, "only {refused} requests met a session bound");
+    assert!(closed > 100, "only {closed} sessions closed");
 }
 
 // ----- determinism ---------------------------------------------------------------------------
@@ -897,23 +1016,151 @@ fn retried_requests_get_their_original_outcome() {
     assert_eq!(s.sm.fencing_sequence(), holder.token);
 }
 
+fn tick(ms: u64) -> Command {
+    Command::Tick { elapsed_ms: ms }
+}
+
+fn is_limit(o: &Outcome) -> bool {
+    matches!(
+        o,
+        Outcome::Rejected {
+            code: RejectCode::LimitReached,
+            ..
+        }
+    )
+}
+
 #[test]
-fn dedupe_table_is_bounded_and_evicts_oldest_first() {
+fn a_full_table_refuses_new_requests_instead_of_forgetting_young_answers() {
     let limits = Limits {
         dedupe_entries_max: 4,
+        dedupe_retain_ms: 1_000,
         ..Limits::default()
     };
     let mut s = Sm::new(limits);
-    for i in 0..10 {
+    for i in 0..2 {
         let t = s.token(acquire("k", "a", &format!("a{i}"), None));
         s.apply(release("k", "a", &format!("r{i}"), t));
-        assert!(s.sm.dedupe_len() <= 4);
     }
-    // "a0" was evicted long ago: a retry is evaluated anew (and acts at most once: it grants
-    // a fresh lock because the lock is free, which is the documented bound of the table).
     assert_eq!(s.sm.dedupe_len(), 4);
-    let again = s.token(acquire("k", "a", "a9", None));
-    assert!(again > 0);
+    // Every answer is younger than the retention: a new request is refused and changes nothing.
+    let (out, _) = s.apply(acquire("k", "a", "a2", None));
+    assert!(is_limit(&out), "{out:?}");
+    assert!(s.sm.holder("k").is_none());
+    assert_eq!(s.sm.dedupe_len(), 4);
+    // A retry of a remembered request is still answered from the table.
+    assert_eq!(s.apply(release("k", "a", "r1", 2)).0, Outcome::Released);
+    // Once the oldest answers are past their retention they make room, oldest first.
+    s.apply(tick(1_000));
+    let t = s.token(acquire("k", "a", "a2", None));
+    assert_eq!(s.sm.dedupe_len(), 4);
+    // "a0" was forgotten: a retry of it is a new request (the lock is held by a under "a2").
+    assert!(matches!(
+        s.apply(acquire("k", "a", "a0", None)).0,
+        Outcome::AlreadyHeld { .. }
+    ));
+    assert_eq!(s.sm.holder("k").map(|h| h.token), Some(t));
+}
+
+#[test]
+fn a_busy_client_cannot_push_out_another_clients_answers() {
+    let limits = Limits {
+        session_entries_max: 3,
+        dedupe_retain_ms: 1_000,
+        ..Limits::default()
+    };
+    let mut s = Sm::new(limits);
+    let tb = s.token(acquire("kb", "b", "b1", None));
+    assert_eq!(s.apply(release("kb", "b", "b2", tb)).0, Outcome::Released);
+    // a fills its own session, then is refused until its own answers age.
+    for i in 0..3 {
+        s.apply(Command::Put {
+            key: "d".into(),
+            value: vec![i],
+            guard: None,
+            client_id: "a".into(),
+            request_id: format!("p{i}"),
+        });
+    }
+    assert_eq!(s.sm.session_len("a"), 3);
+    let put = |req: &str| Command::Put {
+        key: "d".into(),
+        value: b"x".to_vec(),
+        guard: None,
+        client_id: "a".into(),
+        request_id: req.into(),
+    };
+    assert!(is_limit(&s.apply(put("p3")).0));
+    assert_eq!(s.sm.get("d"), Some(&[2u8][..]));
+    s.apply(tick(1_000));
+    for i in 3..20 {
+        assert_eq!(s.apply(put(&format!("p{i}"))).0, Outcome::Stored, "p{i}");
+        s.apply(tick(1_000));
+    }
+    assert_eq!(s.sm.session_len("a"), 3);
+    // b's retried release is still answered Released, not STALE_TOKEN.
+    assert_eq!(s.apply(release("kb", "b", "b2", tb)).0, Outcome::Released);
+    assert_eq!(s.sm.session_len("b"), 2);
+}
+
+#[test]
+fn idle_sessions_close_through_the_log_and_queued_ones_stay() {
+    let limits = Limits {
+        session_idle_ms: 10_000,
+        sessions_max: 3,
+        ..Limits::default()
+    };
+    let mut s = Sm::new(limits);
+    let ta = s.token(acquire("k", "a", "a1", None));
+    assert_eq!(
+        s.apply(acquire("k", "b", "b1", None)).0,
+        Outcome::Queued { position: 1 }
+    );
+    s.apply(Command::Put {
+        key: "d".into(),
+        value: b"v".to_vec(),
+        guard: None,
+        client_id: "c".into(),
+        request_id: "c1".into(),
+    });
+    assert_eq!(s.sm.session_count(), 3);
+    // A fourth client is refused while three sessions are open.
+    let (out, _) = s.apply(acquire("k2", "d", "d1", None));
+    assert!(is_limit(&out), "{out:?}");
+    assert!(s.sm.holder("k2").is_none());
+    // A tick can move the clock by at most TICK_MAX_MS.
+    s.apply(tick(60_000));
+    assert_eq!(s.sm.log_clock_ms(), 10_000);
+    // a and c were idle for 10 s: closed. b waits in the queue: its session stays open.
+    assert_eq!(s.sm.session_count(), 1);
+    assert_eq!(s.sm.session_len("b"), 1);
+    assert_eq!(
+        s.apply(acquire("k", "b", "b1", None)).0,
+        Outcome::Queued { position: 1 }
+    );
+    // d now gets a session.
+    s.token(acquire("k2", "d", "d1", None));
+    // a's lock is untouched by its session closing; the grant to b moves b's answer.
+    let (out, events) = s.apply(release("k", "a", "a2", ta));
+    assert_eq!(out, Outcome::Released);
+    assert!(matches!(events.as_slice(), [Event::Granted { .. }]));
+    s.apply(tick(9_999));
+    assert_eq!(
+        s.sm.session_len("b"),
+        1,
+        "b's grant was answered 9.999 s ago"
+    );
+    let tb = match s.apply(acquire("k", "b", "b1", None)).0 {
+        Outcome::Granted { token, .. } => token.value,
+        other => panic!("b's retry: {other:?}"),
+    };
+    s.apply(tick(1));
+    assert_eq!(s.sm.session_len("b"), 0);
+    // The state survives a snapshot with the clock and sessions intact.
+    let restored = LockStateMachine::restore(&s.sm.snapshot(), Limits::default()).expect("restore");
+    assert_eq!(restored.log_clock_ms(), s.sm.log_clock_ms());
+    assert_eq!(restored.session_count(), s.sm.session_count());
+    assert_eq!(restored.holder("k").map(|h| h.token), Some(tb));
 }
 
 #[test]
@@ -952,6 +1199,7 @@ fn limits_are_answered_with_errors_and_change_nothing() {
         locks_held_max: 1,
         data_entries_max: 1,
         dedupe_entries_max: 8,
+        ..Limits::default()
     };
     let mut s = Sm::new(limits.clone());
     s.token(acquire("k", "a", "1", None));

@@ -159,6 +159,47 @@ impl ClientOp {
         }
     }
 
+    /// The OpenTelemetry span name of this operation's request.
+    pub fn span_name(&self) -> &'static str {
+        match self {
+            ClientOp::Acquire { .. } => "lock.acquire",
+            ClientOp::Release { .. } | ClientOp::ReleaseHeld { .. } => "lock.release",
+            ClientOp::Renew { .. } => "lock.renew",
+            ClientOp::CancelWait { .. } => "lock.cancel_wait",
+            ClientOp::Put { .. } => "kv.put",
+            ClientOp::Delete { .. } => "kv.delete",
+            ClientOp::Get { .. } => "kv.get",
+        }
+    }
+
+    /// The requesting client's id (empty for reads).
+    pub fn client_id(&self) -> &str {
+        match self {
+            ClientOp::Acquire { client_id, .. }
+            | ClientOp::Release { client_id, .. }
+            | ClientOp::ReleaseHeld { client_id, .. }
+            | ClientOp::Renew { client_id, .. }
+            | ClientOp::CancelWait { client_id, .. }
+            | ClientOp::Put { client_id, .. }
+            | ClientOp::Delete { client_id, .. } => client_id,
+            ClientOp::Get { .. } => "",
+        }
+    }
+
+    /// The request id (empty for reads).
+    pub fn request_id(&self) -> &str {
+        match self {
+            ClientOp::Acquire { request_id, .. }
+            | ClientOp::Release { request_id, .. }
+            | ClientOp::ReleaseHeld { request_id, .. }
+            | ClientOp::Renew { request_id, .. }
+            | ClientOp::CancelWait { request_id, .. }
+            | ClientOp::Put { request_id, .. }
+            | ClientOp::Delete { request_id, .. } => request_id,
+            ClientOp::Get { .. } => "",
+        }
+    }
+
     pub fn key(&self) -> &str {
         match self {
             ClientOp::Acquire { key, .. }

@@ -59,6 +59,9 @@ pub struct NodeSettings {
     pub applied_write_max_keys: usize,
     /// An expiry or cancel proposal not applied within this long is proposed again.
     pub housekeeping_retry_us: Micros,
+    /// While client sessions are open, the leader proposes a `Tick` (advancing the log clock
+    /// that session idleness is measured on) this often.
+    pub session_tick_us: Micros,
     /// The limits this node proposes for the cluster when it leads one whose limits were never
     /// set through the log (`Command::SetLimits`). Apply always uses the replicated limits.
     pub configured_limits: Option<crate::lock::Limits>,
@@ -82,6 +85,7 @@ impl Default for NodeSettings {
             applied_write_interval_us: 100 * MS,
             applied_write_max_keys: 8192,
             housekeeping_retry_us: 1_000 * MS,
+            session_tick_us: 1_000 * MS,
             readies_per_drive: 64,
             configured_limits: None,
             observe_log: false,
@@ -266,6 +270,9 @@ pub struct NodeCore<S: Storage, R> {
     failed: bool,
     /// When this leader last proposed the cluster's limits.
     limits_proposed_at: Option<Micros>,
+    /// While leading: the time the log clock was last advanced to (by a `Tick` this leader
+    /// proposed, or its election).
+    clock_ticked_at: Option<Micros>,
 }
 
 impl<S: Storage, R> NodeCore<S, R> {
@@ -303,6 +310,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             snapshot_in_progress: false,
             failed: false,
             limits_proposed_at: None,
+            clock_ticked_at: None,
         }
     }
 
@@ -837,6 +845,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             });
             self.rebuild_deadlines();
             self.limits_proposed_at = None;
+            self.clock_ticked_at = Some(self.now);
             self.propose_limits_if_unset();
         } else if !is_leader && self.was_leader {
             self.observe(Observation::LostLeadership {
@@ -846,6 +855,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             self.leases.clear();
             self.wait_deadlines.clear();
             self.promote_when_caught_up.clear();
+            self.clock_ticked_at = None;
             self.fail_all(
                 ErrorCode::Unavailable,
                 "leadership changed; retry with the same request id",
@@ -952,7 +962,15 @@ impl<S: Storage, R> NodeCore<S, R> {
                     }
                     self.on_events(&applied.events);
                     if let Some(pending) = pending {
-                        self.answer(&command, applied.outcome.clone(), pending);
+                        let outcome = if applied.replayed {
+                            self.replayed_outcome(applied.outcome.clone())
+                        } else {
+                            Ok(applied.outcome.clone())
+                        };
+                        match outcome {
+                            Ok(outcome) => self.answer(&command, outcome, pending),
+                            Err(reply) => self.send_answer(pending, reply),
+                        }
                     }
                     if self.cfg.observe_log {
                         self.observe(Observation::Applied {
@@ -1163,6 +1181,52 @@ impl<S: Storage, R> NodeCore<S, R> {
         }
     }
 
+    /// A grant or renew answered again from the exactly-once table (a retry) must not hand out a
+    /// hold that has since ended, nor a full TTL for a lease that started long ago: while the
+    /// hold lasts, the answer carries the time left on this leader's lease; once it ended
+    /// (expired, released, handed on), a retried acquire is told so (`STALE_TOKEN`) and a
+    /// retried renew gets 0 ms left.
+    fn replayed_outcome(&self, outcome: Outcome) -> Result<Outcome, ClientReply> {
+        let (token, ttl_ms, renewed) = match outcome {
+            Outcome::Granted { token, ttl_ms } => (token, ttl_ms, false),
+            Outcome::Renewed { token, ttl_ms } => (token, ttl_ms, true),
+            other => return Ok(other),
+        };
+        let holder = self.sm.holder(&token.key);
+        if renewed && holder.as_ref().is_none_or(|h| h.token != token.value) {
+            // The renew applied, and the hold has ended since: nothing is left of it.
+            return Ok(Outcome::Renewed { token, ttl_ms: 0 });
+        }
+        if holder.as_ref().is_none_or(|h| h.token != token.value) {
+            return Err(ClientReply::error(
+                ErrorCode::StaleToken,
+                format!(
+                    "this request was answered before with token {} for {:?}, but that hold has                      ended (expired, released or handed on; the current token is {:?}); acquire                      again with a new request id",
+                    token.value,
+                    token.key,
+                    holder.map(|h| h.token)
+                ),
+            ));
+        }
+        let left_ms = self
+            .leases
+            .get(&token.key)
+            .filter(|l| l.token == token.value)
+            .map_or(ttl_ms, |l| l.deadline.saturating_sub(self.now) / MS)
+            .min(ttl_ms);
+        Ok(if renewed {
+            Outcome::Renewed {
+                token,
+                ttl_ms: left_ms,
+            }
+        } else {
+            Outcome::Granted {
+                token,
+                ttl_ms: left_ms,
+            }
+        })
+    }
+
     fn answer(&mut self, command: &Command, outcome: Outcome, mut pending: Pending<R>) {
         let reply = match outcome {
             Outcome::Granted { token, ttl_ms } => ClientReply::Granted {
@@ -1264,6 +1328,10 @@ impl<S: Storage, R> NodeCore<S, R> {
                 ClientReply::error(code, message)
             }
         };
+        self.send_answer(pending, reply);
+    }
+
+    fn send_answer(&mut self, mut pending: Pending<R>, reply: ClientReply) {
         self.observe(Observation::Answered {
             op: pending.op,
             result: reply.result_label(),
@@ -1310,6 +1378,7 @@ impl<S: Storage, R> NodeCore<S, R> {
         if self.limits_proposed_at.is_none_or(|at| now >= at + retry) {
             self.propose_limits_if_unset();
         }
+        self.advance_log_clock();
         for (key, lease) in &self.leases {
             if lease.deadline <= now && due(lease.expiry_proposed_at) {
                 commands.push(if only_token {
@@ -1399,6 +1468,29 @@ impl<S: Storage, R> NodeCore<S, R> {
         let membership = self.raft.membership().clone();
         self.promote_when_caught_up
             .retain(|l| membership.learners.contains(l) || !membership.contains(*l));
+    }
+
+    /// While client sessions are open, the leader carries the time it measures into the log
+    /// about every `session_tick_us`, so that replicas close idle sessions at the same entry.
+    /// Time before this node led is never counted.
+    fn advance_log_clock(&mut self) {
+        let Some(since) = self.clock_ticked_at else {
+            self.clock_ticked_at = Some(self.now);
+            return;
+        };
+        if self.now < since + self.cfg.session_tick_us {
+            return;
+        }
+        if self.sm.session_count() == 0 {
+            // Nothing ages: time without sessions need not be carried.
+            self.clock_ticked_at = Some(self.now);
+            return;
+        }
+        let elapsed_ms = (self.now - since) / MS;
+        let cmd = Command::Tick { elapsed_ms };
+        if self.raft.propose(vec![Bytes::from(cmd.encode())]).is_ok() {
+            self.clock_ticked_at = Some(since + elapsed_ms * MS);
+        }
     }
 
     /// A leader of a cluster whose limits were never set through the log proposes its own.

@@ -97,6 +97,17 @@ struct Args {
     /// Bound of the queue between the client API and the Raft driver. Default 65536
     #[arg(long)]
     max_pending_requests: Option<usize>,
+    /// A client session (the answers kept for its request ids) closes after this long without a
+    /// request from its client. Default 5m
+    #[arg(long)]
+    session_idle: Option<String>,
+    /// Client sessions open at once. Default 10000
+    #[arg(long)]
+    max_sessions: Option<usize>,
+    /// An answer is kept at least this long; retries within it are answered from the table.
+    /// Default 1m
+    #[arg(long)]
+    dedupe_retain: Option<String>,
     /// Log format: text or json. Default text (filter with RUST_LOG)
     #[arg(long)]
     log_format: Option<String>,
@@ -135,6 +146,9 @@ impl Args {
             max_ttl,
             default_ttl,
             max_pending_requests,
+            session_idle,
+            max_sessions,
+            dedupe_retain,
             log_format
         );
         if let Some(dir) = &self.data_dir {
@@ -161,7 +175,6 @@ where
             return ExitCode::from(2);
         }
     };
-    crate::telemetry::init_logging(cfg.log_format == "json", "info");
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -173,6 +186,9 @@ where
         }
     };
     runtime.block_on(async move {
+        // Inside the runtime: the OTLP exporter (when configured) needs it.
+        let _telemetry =
+            crate::telemetry::init(cfg.log_format == "json", "info", Some("lock-node"));
         let (shutdown_tx, shutdown_rx) = watch::channel(false);
         tokio::spawn(async move {
             wait_for_signal().await;

@@ -67,6 +67,16 @@ pub struct NodeConfig {
     pub default_ttl: Duration,
     /// Bound of the queue from the client API to the node driver.
     pub max_pending_requests: usize,
+    /// A client session (the answers remembered for its request ids) closes after this long
+    /// without a request from its client.
+    #[serde(deserialize_with = "duration")]
+    pub session_idle: Duration,
+    /// Client sessions open at once.
+    pub max_sessions: usize,
+    /// An answer is remembered at least this long after it was given (retries within it are
+    /// always answered from the table).
+    #[serde(deserialize_with = "duration")]
+    pub dedupe_retain: Duration,
     /// `text` or `json`.
     pub log_format: String,
 }
@@ -91,6 +101,9 @@ pub const DEFAULTS: &[(&str, &str)] = &[
     ("max_ttl", "1h"),
     ("default_ttl", "10s"),
     ("max_pending_requests", "65536"),
+    ("session_idle", "5m"),
+    ("max_sessions", "10000"),
+    ("dedupe_retain", "1m"),
     ("log_format", "text"),
 ];
 
@@ -180,6 +193,18 @@ impl NodeConfig {
             );
         }
         self.initial_members()?;
+        if self.session_idle < Duration::from_secs(1) || self.max_sessions == 0 {
+            return invalid(
+                "session_idle",
+                "session_idle must be at least 1s and max_sessions positive",
+            );
+        }
+        if self.session_idle < self.dedupe_retain {
+            return invalid(
+                "session_idle",
+                "must be at least dedupe_retain (a closing session would forget answers a client may still retry)",
+            );
+        }
         if self.max_connections == 0 || self.max_message_bytes < 1024 {
             return invalid(
                 "max_connections",
@@ -267,6 +292,23 @@ mod tests {
         assert_eq!(cfg.default_ttl, Duration::from_secs(10));
         assert_eq!(cfg.initial_members().unwrap().len(), 2);
         assert_eq!(cfg.advertise_client, "0.0.0.0:50050");
+    }
+
+    #[test]
+    fn sessions_must_outlive_the_answers_they_keep() {
+        let err = NodeConfig::load(
+            None,
+            &[
+                ("node_id", "1".into()),
+                ("session_idle", "30s".into()),
+                ("dedupe_retain", "1m".into()),
+            ],
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("session_idle"), "{err}");
+        let cfg = NodeConfig::load(None, &[("node_id", "1".into())]).unwrap();
+        assert_eq!(cfg.session_idle, Duration::from_secs(300));
+        assert_eq!(cfg.dedupe_retain, Duration::from_secs(60));
     }
 
     #[test]

@@ -20,6 +20,7 @@ use tokio::time::Instant;
 use tracing::{error, info, warn};
 
 use super::api::{ApiError, ClientOp, ClientReply};
+use super::replication_lag::LagClock;
 use super::transport::{AddressBook, PeerTransport};
 use crate::lock::LockStateMachine;
 use crate::node::{Effect, Micros, NodeCore, NodeSettings, Observation};
@@ -180,6 +181,7 @@ impl<S: Storage> Storage for TimedStorage<S> {
         self.inner.applied_index()
     }
     fn flush(&mut self) -> Result<(), StorageError> {
+        let _span = tracing::debug_span!("raft.fsync").entered();
         let started = std::time::Instant::now();
         let result = self.inner.flush();
         self.metrics
@@ -208,6 +210,15 @@ pub struct Driver {
     heartbeat_sent: HashMap<NodeId, Instant>,
     /// Peers whose replication-lag series this node published while leading.
     lag_series: Vec<NodeId>,
+    /// While leading: when the log's entries were appended (for `raftlock_replication_lag_seconds`).
+    lag_clock: Option<LagClock>,
+}
+
+/// Drops a peer's replication-lag series (this node stopped leading or the peer left).
+fn remove_lag_series(m: &NodeMetrics, peer: NodeId) {
+    let label = peer.to_string();
+    let _ = m.replication_lag_entries.remove_label_values(&[&label]);
+    let _ = m.replication_lag_seconds.remove_label_values(&[&label]);
 }
 
 fn snapshot_thread_gone() -> StorageError {
@@ -252,6 +263,7 @@ impl Driver {
             snapshot_job: None,
             heartbeat_sent: HashMap::new(),
             lag_series: Vec::new(),
+            lag_clock: None,
         }
     }
 
@@ -281,8 +293,18 @@ impl Driver {
                             Err(_) => break,
                         }
                     }
+                    let span = tracing::debug_span!(
+                        "raft.batch",
+                        inputs = batch.len() as i64,
+                        commit_index = tracing::field::Empty,
+                    );
+                    let _entered = span.enter();
                     self.handle_inputs(batch);
-                    self.core.drive()
+                    let result = self.core.drive();
+                    if !span.is_disabled() {
+                        span.record("commit_index", self.core.raft().commit_index() as i64);
+                    }
+                    result
                 }
                 _ = shutdown.changed() => {
                     if *shutdown.borrow() {
@@ -422,6 +444,30 @@ impl Driver {
 
     /// Sends to a peer, timing one heartbeat per peer at a time.
     fn send_peer(&mut self, msg: &Message) {
+        // A span per append that carries entries (field values are computed only when traced).
+        let _span = match &msg.body {
+            MessageBody::Append {
+                entries,
+                prev_log_index,
+                ..
+            } if !entries.is_empty() => Some(
+                tracing::debug_span!(
+                    "raft.replicate",
+                    // Signed: OpenTelemetry has no unsigned integers.
+                    peer = msg.to as i64,
+                    entries = entries.len() as i64,
+                    bytes = entries.iter().map(|e| e.size_bytes()).sum::<usize>() as i64,
+                    from_index = (prev_log_index + 1) as i64,
+                    lag_entries = self
+                        .core
+                        .raft()
+                        .last_index()
+                        .saturating_sub(*prev_log_index) as i64,
+                )
+                .entered(),
+            ),
+            _ => None,
+        };
         if matches!(msg.body, MessageBody::Heartbeat { .. }) {
             let now = Instant::now();
             let timed = self.heartbeat_sent.entry(msg.to).or_insert(now);
@@ -484,9 +530,18 @@ impl Driver {
     fn observe(&self, o: Observation) {
         let m = &self.metrics;
         match o {
-            Observation::BecameLeader { term } => info!(term, "became leader"),
+            Observation::BecameLeader { term } => {
+                let voters = self.core.raft().membership().voters.len() as i64;
+                tracing::debug_span!("raft.election", term = term as i64, outcome = "won", voters)
+                    .in_scope(|| info!(term, "became leader"));
+            }
             Observation::LostLeadership { term, leader } => {
-                info!(term, leader, "no longer leader")
+                tracing::debug_span!(
+                    "raft.leadership_lost",
+                    term = term as i64,
+                    new_leader = leader as i64
+                )
+                .in_scope(|| info!(term, leader, "no longer leader"));
             }
             Observation::LeaderChanged { .. } => m.leader_changes_total.inc(),
             Observation::Granted { waited_us } => {
@@ -511,11 +566,18 @@ impl Driver {
             Observation::ProposalFailed => m.proposals_failed_total.inc(),
             Observation::SnapshotTaken { index, bytes } => {
                 m.snapshots_total.with_label_values(&["taken"]).inc();
-                info!(index, bytes, "snapshot taken, log compacted");
+                tracing::debug_span!(
+                    "raft.snapshot",
+                    kind = "taken",
+                    index = index as i64,
+                    bytes = bytes as i64
+                )
+                .in_scope(|| info!(index, bytes, "snapshot taken, log compacted"));
             }
             Observation::SnapshotInstalled { index } => {
                 m.snapshots_total.with_label_values(&["installed"]).inc();
-                info!(index, "installed snapshot from leader");
+                tracing::debug_span!("raft.snapshot", kind = "installed", index = index as i64)
+                    .in_scope(|| info!(index, "installed snapshot from leader"));
             }
             Observation::RemovedFromCluster => info!("this node was removed from the cluster"),
             Observation::Undecodable { index } => {
@@ -592,26 +654,35 @@ impl Driver {
         m.lock_waiters.set(status.waiters as i64);
         m.proposals_pending.set(self.core.pending_requests() as i64);
         if raft.is_leader() {
+            let now = std::time::Instant::now();
+            let clock = self
+                .lag_clock
+                .get_or_insert_with(|| LagClock::new(now, status.last_index));
+            clock.observe_last_index(now, status.last_index);
             let mut published = Vec::new();
+            let mut min_matched = status.last_index;
             for peer in membership.members().filter(|&p| p != raft.id()) {
                 if let Some((matched, _, _)) = raft.progress(peer) {
+                    let label = peer.to_string();
                     m.replication_lag_entries
-                        .with_label_values(&[&peer.to_string()])
+                        .with_label_values(&[&label])
                         .set(status.last_index.saturating_sub(matched) as i64);
+                    m.replication_lag_seconds
+                        .with_label_values(&[&label])
+                        .set(clock.lag(now, matched, status.last_index).as_secs_f64());
+                    min_matched = min_matched.min(matched);
                     published.push(peer);
                 }
             }
+            clock.forget_before(min_matched);
             for gone in self.lag_series.iter().filter(|p| !published.contains(p)) {
-                let _ = m
-                    .replication_lag_entries
-                    .remove_label_values(&[&gone.to_string()]);
+                remove_lag_series(m, *gone);
             }
             self.lag_series = published;
         } else {
+            self.lag_clock = None;
             for gone in self.lag_series.drain(..) {
-                let _ = m
-                    .replication_lag_entries
-                    .remove_label_values(&[&gone.to_string()]);
+                remove_lag_series(m, gone);
             }
         }
         self.status.send_if_modified(|old| {

@@ -86,6 +86,7 @@ impl Forwarder {
         peer_addr: &str,
         op: &ClientOp,
         closed: Option<watch::Receiver<bool>>,
+        traceparent: Option<String>,
     ) -> ClientReply {
         let Ok(_permit) = self.permits.clone().try_acquire_owned() else {
             return ClientReply::error(ErrorCode::Busy, "too many requests being forwarded");
@@ -106,6 +107,9 @@ impl Forwarder {
             if let Ok(v) = self.cluster_token.parse() {
                 request.metadata_mut().insert(TOKEN_HEADER, v);
             }
+        }
+        if let Some(v) = traceparent.and_then(|t| t.parse().ok()) {
+            request.metadata_mut().insert("traceparent", v);
         }
         let call = client.forward_client(request);
         let answer = match closed {

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use tokio::sync::{mpsc, oneshot};
 use tonic::{Request, Response, Status, Streaming};
-use tracing::debug;
+use tracing::{debug, Instrument};
 
 use super::api::{ApiError, ClientOp, ClientReply, ErrorCode};
 use super::convert::message_from_pb;
@@ -53,6 +53,7 @@ impl lpb::lock_service_server::LockService for LockApi {
         &self,
         request: Request<lpb::AcquireLockRequest>,
     ) -> Result<Response<lpb::AcquireLockResponse>, Status> {
+        let traceparent = super::ws::traceparent_header(request.metadata());
         let r = request.into_inner();
         let mut out = lpb::AcquireLockResponse::default();
         let fail = |out: &mut lpb::AcquireLockResponse, e: ApiError| {
@@ -91,7 +92,7 @@ impl lpb::lock_service_server::LockService for LockApi {
             ttl_ms,
             wait_timeout_ms: Some(r.client_timeout_ms as u64),
         };
-        match super::ws::execute(op, 0, &self.state).await {
+        match super::ws::execute_traced(op, 0, &self.state, "grpc", traceparent.as_deref()).await {
             ClientReply::Granted {
                 token,
                 expires_in_ms,
@@ -117,6 +118,7 @@ impl lpb::lock_service_server::LockService for LockApi {
         &self,
         request: Request<lpb::ReleaseLockRequest>,
     ) -> Result<Response<lpb::ReleaseLockResponse>, Status> {
+        let traceparent = super::ws::traceparent_header(request.metadata());
         let r = request.into_inner();
         let mut out = lpb::ReleaseLockResponse::default();
         if let Err(e) = check_key(&self.state, &r.resource_name, &r.owner_id) {
@@ -134,7 +136,7 @@ impl lpb::lock_service_server::LockService for LockApi {
             },
             token: r.fencing_token,
         };
-        match super::ws::execute(op, 0, &self.state).await {
+        match super::ws::execute_traced(op, 0, &self.state, "grpc", traceparent.as_deref()).await {
             ClientReply::Released => out.released = true,
             ClientReply::Error(e) => {
                 out.error_code = e.code.as_str().into();
@@ -151,6 +153,7 @@ impl lpb::lock_service_server::LockService for LockApi {
         &self,
         request: Request<lpb::RenewLockRequest>,
     ) -> Result<Response<lpb::RenewLockResponse>, Status> {
+        let traceparent = super::ws::traceparent_header(request.metadata());
         let r = request.into_inner();
         let mut out = lpb::RenewLockResponse::default();
         if let Err(e) = check_key(&self.state, &r.resource_name, &r.owner_id) {
@@ -173,7 +176,7 @@ impl lpb::lock_service_server::LockService for LockApi {
                 r.ttl_ms
             },
         };
-        match super::ws::execute(op, 0, &self.state).await {
+        match super::ws::execute_traced(op, 0, &self.state, "grpc", traceparent.as_deref()).await {
             ClientReply::Renewed { expires_in_ms, .. } => {
                 out.renewed = true;
                 out.expires_in_ms = expires_in_ms;
@@ -257,7 +260,11 @@ impl PeerApi {
             .metadata()
             .get(TOKEN_HEADER)
             .and_then(|v| v.to_str().ok());
-        if presented == Some(self.cluster_token.as_str()) {
+        // Constant time: the comparison takes as long however much of the token was right.
+        use subtle::ConstantTimeEq;
+        let matches = presented
+            .is_some_and(|p| bool::from(p.as_bytes().ct_eq(self.cluster_token.as_bytes())));
+        if matches {
             Ok(())
         } else {
             Err(Status::unauthenticated("missing or wrong cluster token"))
@@ -280,6 +287,12 @@ impl ppb::peer_server::Peer for PeerApi {
                 .to_string()
         };
         let from: u64 = header(NODE_ID_HEADER).parse().unwrap_or(0);
+        if from == 0 {
+            // A stream must say which node it speaks for; its messages must then carry that id.
+            return Err(Status::invalid_argument(format!(
+                "a raft stream needs the {NODE_ID_HEADER} header with a node id"
+            )));
+        }
         self.addresses
             .learn(from, &header(PEER_ADDR_HEADER), &header(CLIENT_ADDR_HEADER));
         let mut stream = request.into_inner();
@@ -291,7 +304,7 @@ impl ppb::peer_server::Peer for PeerApi {
                         "dropping raft message: not admitted to the cluster yet"
                     )
                 }
-                Ok(msg) if msg.from == from || from == 0 => {
+                Ok(msg) if msg.from == from => {
                     // Never block the stream on a busy driver: Raft tolerates loss.
                     let _ = self.driver.try_send(Input::Peer(msg));
                 }
@@ -459,9 +472,11 @@ impl ppb::peer_server::Peer for PeerApi {
         request: Request<ppb::ForwardClientRequest>,
     ) -> Result<Response<ppb::ForwardClientReply>, Status> {
         self.authorize(&request)?;
+        let traceparent = super::ws::traceparent_header(request.metadata());
         let r = request.into_inner();
         let op: ClientOp = serde_json::from_slice(&r.op_json)
             .map_err(|e| Status::invalid_argument(format!("undecodable operation: {e}")))?;
+        let span = super::ws::request_span(&op, "forwarded", traceparent.as_deref());
         let conn = super::ws::next_conn();
         // If the forwarding node drops the call (its client went away), this node treats the
         // request's waiters like those of a closed connection.
@@ -475,11 +490,12 @@ impl ppb::peer_server::Peer for PeerApi {
             conn,
             reply: tx,
         }) {
-            Ok(()) => rx.await.unwrap_or_else(|_| {
+            Ok(()) => rx.instrument(span.clone()).await.unwrap_or_else(|_| {
                 ClientReply::error(ErrorCode::Unavailable, "node is shutting down")
             }),
             Err(_) => ClientReply::error(ErrorCode::Busy, "the leader's request queue is full"),
         };
+        super::ws::finish_span(&span, &reply);
         let reply_json = serde_json::to_vec(&reply)
             .map_err(|e| Status::internal(format!("answer does not encode: {e}")))?;
         Ok(Response::new(ppb::ForwardClientReply { reply_json }))

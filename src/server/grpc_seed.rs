@@ -111,7 +111,12 @@ fn check_key(state: &AppState, key: &str) -> Result<(), String> {
 impl SeedLockApi {
     /// Sends `op` to the driver and waits at most `wait` for its answer.
     async fn execute(&self, op: ClientOp, wait: Duration) -> Result<ClientReply, String> {
-        match tokio::time::timeout(wait, super::ws::execute(op, 0, &self.state)).await {
+        match tokio::time::timeout(
+            wait,
+            super::ws::execute_traced(op, 0, &self.state, "grpc-seed", None),
+        )
+        .await
+        {
             Ok(reply) => Ok(reply),
             Err(_) => Err(format!(
                 "UNAVAILABLE: no answer from the cluster within {} ms; the operation may still \

@@ -12,5 +12,6 @@ pub mod grpc_seed;
 pub mod http;
 pub mod node;
 pub mod proto;
+pub mod replication_lag;
 pub mod transport;
 pub mod ws;

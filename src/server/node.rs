@@ -67,6 +67,13 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
             source,
         })?;
 
+    if cfg.cluster_token.is_empty() && !cfg.peer_listen.ip().is_loopback() {
+        tracing::warn!(
+            peer_listen = %cfg.peer_listen,
+            "the peer port is reachable beyond this host and no --cluster-token is set: anyone \
+             who reaches it can join the cluster or remove members; set a cluster token"
+        );
+    }
     std::fs::create_dir_all(&cfg.data_dir)
         .map_err(|e| NodeError::Config(format!("cannot create {}: {e}", cfg.data_dir.display())))?;
     let storage = SledStorage::open(cfg.data_dir.join("raft"))?;
@@ -478,6 +485,9 @@ pub fn lock_limits(cfg: &NodeConfig) -> Limits {
         value_bytes_max: cfg.max_value_bytes,
         ttl_ms_max: cfg.max_ttl.as_millis() as u64,
         waiters_per_key_max: cfg.max_waiters_per_key,
+        session_idle_ms: cfg.session_idle.as_millis() as u64,
+        sessions_max: cfg.max_sessions,
+        dedupe_retain_ms: cfg.dedupe_retain.as_millis() as u64,
         ..Limits::default()
     }
 }

@@ -12,6 +12,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
+use tracing::{Instrument, Span};
+
 use super::api::{ApiError, ClientOp, ClientReply, ErrorCode};
 use super::driver::Input;
 use super::http::AppState;
@@ -55,6 +57,9 @@ struct WsRequest {
     /// Answer `NOT_LEADER` with the leader's address instead of forwarding to the leader.
     #[serde(default)]
     redirect: Option<bool>,
+    /// W3C trace context of the caller's span: this request's span becomes its child.
+    #[serde(default)]
+    traceparent: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -171,6 +176,7 @@ pub async fn handle_text(
         "value",
         "delete",
         "redirect",
+        "traceparent",
     ];
     if let Some(fields) = raw.as_object() {
         let unknown = fields
@@ -189,22 +195,90 @@ pub async fn handle_text(
         }
     };
     let forward = !request.redirect.unwrap_or(false);
+    let traceparent = request.traceparent.clone();
     let op = match to_op(request, state, conn) {
         Ok(op) => op,
         Err(e) => return Some(error_json(&raw, &e)),
     };
     let release = matches!(op, ClientOp::Release { .. } | ClientOp::ReleaseHeld { .. });
-    let reply = execute_on(op, conn, state, closed, forward).await;
+    let span = request_span(&op, "websocket", traceparent.as_deref());
+    let reply = execute_on(op, conn, state, closed, forward)
+        .instrument(span.clone())
+        .await;
+    finish_span(&span, &reply);
     Some(reply_json(&raw, &reply, release))
+}
+
+/// The span of one client request, from its arrival at this node to its answer (debug level:
+/// created only when traces are exported). A child of `traceparent` when the caller sent one.
+pub fn request_span(op: &ClientOp, via: &'static str, traceparent: Option<&str>) -> Span {
+    let span = tracing::debug_span!(
+        "lock.request",
+        otel.name = op.span_name(),
+        otel.kind = "server",
+        op = op.name(),
+        key = %op.key(),
+        client_id = op.client_id(),
+        request_id = op.request_id(),
+        via,
+        forwarded = tracing::field::Empty,
+        outcome = tracing::field::Empty,
+        fencing_token = tracing::field::Empty,
+        trace_id = tracing::field::Empty,
+    );
+    if !span.is_disabled() {
+        crate::telemetry::adopt_parent(&span, traceparent);
+    }
+    span
+}
+
+/// The `traceparent` a gRPC caller sent in its metadata.
+pub fn traceparent_header(metadata: &tonic::metadata::MetadataMap) -> Option<String> {
+    metadata
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
+}
+
+/// Records a request's answer on its span.
+pub fn finish_span(span: &Span, reply: &ClientReply) {
+    if span.is_disabled() {
+        return;
+    }
+    span.record("outcome", reply.result_label());
+    if let ClientReply::Granted { token, .. } | ClientReply::Renewed { token, .. } = reply {
+        // As a signed integer: OpenTelemetry has no unsigned type (u64 would become a string).
+        span.record(
+            "fencing_token",
+            i64::try_from(token.value).unwrap_or(i64::MAX),
+        );
+    }
 }
 
 /// Executes `op` on this node, or — on a follower that knows the leader — forwards it there.
 pub async fn execute(op: ClientOp, conn: u64, state: &AppState) -> ClientReply {
-    execute_on(op, conn, state, None, true).await
+    execute_traced(op, conn, state, "http", None).await
 }
 
-/// Like [`execute`]; `closed` ends a forwarded request when the client goes away, and
-/// `forward: false` answers `NOT_LEADER` (with the leader's address) instead of forwarding.
+/// Like [`execute`], in a request span that continues the caller's trace (`traceparent`).
+pub async fn execute_traced(
+    op: ClientOp,
+    conn: u64,
+    state: &AppState,
+    via: &'static str,
+    traceparent: Option<&str>,
+) -> ClientReply {
+    let span = request_span(&op, via, traceparent);
+    let reply = execute_on(op, conn, state, None, true)
+        .instrument(span.clone())
+        .await;
+    finish_span(&span, &reply);
+    reply
+}
+
+/// Like [`execute`] (in the caller's span); `closed` ends a forwarded request when the client
+/// goes away, and `forward: false` answers `NOT_LEADER` (with the leader's address) instead of
+/// forwarding.
 pub async fn execute_on(
     op: ClientOp,
     conn: u64,
@@ -219,9 +293,20 @@ pub async fn execute_on(
                 .requests_total
                 .with_label_values(&[op.name(), "forwarded"])
                 .inc();
-            return state.forwarder.forward(&peer, &op, closed).await;
+            let span = Span::current();
+            span.record("forwarded", true);
+            let traceparent = if span.is_disabled() {
+                None
+            } else {
+                crate::telemetry::traceparent_of(&span)
+            };
+            return state
+                .forwarder
+                .forward(&peer, &op, closed, traceparent)
+                .await;
         }
     }
+    Span::current().record("forwarded", false);
     execute_here(op, conn, state).await
 }
 

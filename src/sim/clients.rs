@@ -626,21 +626,23 @@ impl SimClients {
                 (ClientOp::Acquire { ttl_ms, .. }, None) => Some(LockOp::AcquireUnknown {
                     ttl_us: ttl_ms * 1_000,
                 }),
-                (
-                    ClientOp::Acquire { .. },
-                    Some(ClientReply::Granted {
-                        token,
-                        expires_in_ms,
-                    }),
-                ) => Some(LockOp::Granted {
-                    token: token.value,
-                    ttl_us: expires_in_ms * 1_000,
-                }),
-                (ClientOp::Acquire { .. }, Some(ClientReply::Error(e))) => match e.code {
+                // The lease starts at the grant with the TTL asked for; a retry's answer carries
+                // only the time left (`expires_in_ms`), which is not the lease's length.
+                (ClientOp::Acquire { ttl_ms, .. }, Some(ClientReply::Granted { token, .. })) => {
+                    Some(LockOp::Granted {
+                        token: token.value,
+                        ttl_us: ttl_ms * 1_000,
+                    })
+                }
+                (ClientOp::Acquire { ttl_ms, .. }, Some(ClientReply::Error(e))) => match e.code {
                     ErrorCode::AlreadyHeld => Some(LockOp::AlreadyHeld {
                         token: e.current_token,
                     }),
                     ErrorCode::WaitTimeout => Some(LockOp::HeldByOther),
+                    // A retry told that its grant has already ended: the grant happened.
+                    ErrorCode::StaleToken => Some(LockOp::AcquireUnknown {
+                        ttl_us: ttl_ms * 1_000,
+                    }),
                     _ => None,
                 },
                 (ClientOp::Release { token, .. }, None) => {
@@ -653,13 +655,12 @@ impl SimClients {
                     token: *token,
                     ttl_us: ttl_ms * 1_000,
                 }),
-                (
-                    ClientOp::Renew { token, .. },
-                    Some(ClientReply::Renewed { expires_in_ms, .. }),
-                ) => Some(LockOp::Renewed {
-                    token: *token,
-                    ttl_us: expires_in_ms * 1_000,
-                }),
+                (ClientOp::Renew { token, ttl_ms, .. }, Some(ClientReply::Renewed { .. })) => {
+                    Some(LockOp::Renewed {
+                        token: *token,
+                        ttl_us: ttl_ms * 1_000,
+                    })
+                }
                 (ClientOp::Release { token, .. } | ClientOp::Renew { token, .. }, Some(_)) => {
                     match code {
                         Some(ErrorCode::StaleToken) => Some(LockOp::StaleToken { token: *token }),

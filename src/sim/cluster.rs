@@ -125,6 +125,7 @@ pub struct SimStats {
     pub client_expiries: u64,
     pub redirects: u64,
     pub client_retries: u64,
+    pub ticks: u64,
 }
 
 impl SimStats {
@@ -149,6 +150,7 @@ impl SimStats {
         self.client_expiries += other.client_expiries;
         self.redirects += other.redirects;
         self.client_retries += other.client_retries;
+        self.ticks += other.ticks;
     }
 }
 
@@ -399,6 +401,7 @@ impl Cluster {
             applied_write_interval_us: self.cfg.applied_write_interval_us,
             applied_write_max_keys: 64,
             housekeeping_retry_us: 200_000,
+            session_tick_us: 1_000_000,
             readies_per_drive: 1,
             configured_limits: Some(sim_lock_limits()),
             observe_log: true,
@@ -550,6 +553,7 @@ impl Cluster {
         self.stats.committed = self.checker.max_committed();
         self.stats.grants = self.locks.grants;
         self.stats.expiries = self.locks.expiries;
+        self.stats.ticks = self.locks.ticks;
         let (ops, beliefs) = self.clients.checked();
         self.stats.history_ops = ops;
         self.stats.beliefs_checked = beliefs;
@@ -1574,13 +1578,17 @@ impl Cluster {
     }
 }
 
-/// Small queues so the simulator exercises queue bounds. The dedupe table holds more than a
-/// run's requests: a retry after eviction would act twice (a known limit of the bounded table,
-/// tested on its own in `src/lock/tests.rs`).
+/// Small queues and short client sessions so the simulator exercises their bounds: sessions close
+/// after 6 s of log time without a request, and answers are kept at least 5 s — longer than a
+/// simulated client retries one request (`GIVE_UP_AFTER_US` plus its answer timeout), so every
+/// retry must still be answered from the table.
 fn sim_lock_limits() -> Limits {
     Limits {
         waiters_per_key_max: 3,
         dedupe_entries_max: 4096,
+        session_entries_max: 1024,
+        session_idle_ms: 6_000,
+        dedupe_retain_ms: 5_000,
         ..Limits::default()
     }
 }

@@ -40,6 +40,8 @@ pub struct LockChecker {
     skipped: Vec<Index>,
     pub grants: u64,
     pub expiries: u64,
+    /// Applied `Tick`s (the log clock moving; idle client sessions close on them).
+    pub ticks: u64,
     pub violations: Vec<Violation>,
 }
 
@@ -95,6 +97,9 @@ impl LockChecker {
     }
 
     fn check_step(&mut self, index: Index, command: &Command, applied: &Applied) {
+        if matches!(command, Command::Tick { .. }) {
+            self.ticks += 1;
+        }
         let key = command.key().to_string();
         // A retried request is answered from the exactly-once table and changes nothing.
         if let Some(id) = command

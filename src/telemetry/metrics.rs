@@ -3,7 +3,7 @@
 //! `raftlock_`.
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
@@ -20,6 +20,7 @@ pub struct NodeMetrics {
     pub applied_index: IntGauge,
     pub last_log_index: IntGauge,
     pub replication_lag_entries: IntGaugeVec,
+    pub replication_lag_seconds: GaugeVec,
     pub peer_rtt_seconds: HistogramVec,
     pub proposals_committed_total: IntCounter,
     pub proposals_failed_total: IntCounter,
@@ -99,6 +100,13 @@ impl NodeMetrics {
                 Opts::new(
                     "raftlock_replication_lag_entries",
                     "Leader only: entries a peer is behind the leader's last index."
+                ),
+                &["peer"]
+            )),
+            replication_lag_seconds: reg!(GaugeVec::new(
+                Opts::new(
+                    "raftlock_replication_lag_seconds",
+                    "Leader only: age of the oldest entry a peer has not matched (0 when caught up)."
                 ),
                 &["peer"]
             )),
@@ -211,6 +219,7 @@ mod tests {
             .with_label_values(&["acquire", "granted"])
             .inc();
         m.replication_lag_entries.with_label_values(&["2"]).set(5);
+        m.replication_lag_seconds.with_label_values(&["2"]).set(1.5);
         let text = m.render();
         for name in [
             "raftlock_term 3",
@@ -220,6 +229,7 @@ mod tests {
             "raftlock_lock_wait_seconds_bucket",
             "raftlock_requests_total{op=\"acquire\",result=\"granted\"} 1",
             "raftlock_replication_lag_entries{peer=\"2\"} 5",
+            "raftlock_replication_lag_seconds{peer=\"2\"} 1.5",
         ] {
             assert!(text.contains(name), "missing {name} in:\n{text}");
         }

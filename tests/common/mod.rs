@@ -16,12 +16,23 @@ use tokio_tungstenite::tungstenite::Message as WsMessage;
 pub type Ws =
     tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
 
+/// A port that is free now, chosen below Linux's ephemeral range (32768 and up), so that no
+/// outgoing connection can take it between this call and the moment a child process binds it.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    const LOW: u32 = 10_000;
+    const SPAN: u32 = 22_000;
+    // Different test processes start at different places; one process walks its own sequence.
+    let start = std::process::id().wrapping_mul(2_654_435_761) % SPAN;
+    for _ in 0..SPAN {
+        let step = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = LOW + (start + step.wrapping_mul(7_919)) % SPAN;
+        if TcpListener::bind(("127.0.0.1", port as u16)).is_ok() {
+            return port as u16;
+        }
+    }
+    panic!("no free port between {LOW} and {}", LOW + SPAN)
 }
 
 pub struct NodeProc {
@@ -274,6 +285,26 @@ pub async fn ws_request(ws: &mut Ws, value: &Value) -> Value {
         .expect("a reply within 10s")
 }
 
+/// A follower of `leader` once its `/status` names that leader (bounded wait): its id and
+/// client address.
+pub async fn follower_knowing(cluster: &Cluster, leader: u64) -> (u64, String) {
+    let node = cluster
+        .nodes
+        .iter()
+        .find(|n| n.id != leader)
+        .expect("a follower");
+    let addr = node.client_addr();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while http_json(&addr, "/status").await.unwrap_or(Value::Null)["leaderId"] != leader {
+        assert!(
+            Instant::now() < deadline,
+            "follower never learned the leader"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    (node.id, addr)
+}
+
 /// Client addresses of all nodes.
 pub fn endpoints(cluster: &Cluster) -> Vec<String> {
     cluster.nodes.iter().map(|n| n.client_addr()).collect()
@@ -382,17 +413,29 @@ impl DataStoreProc {
                 &dir.path().join("writes.log").display().to_string(),
             ])
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(std::fs::File::create(dir.path().join("data-store.log")).expect("log file"))
             .spawn()
             .expect("start data-store");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if http_get(&addr, "/healthz").await.is_ok() {
+        let store = DataStoreProc { addr, child, dir };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if http_get(&store.addr, "/healthz").await.is_ok() {
                 break;
             }
+            assert!(
+                Instant::now() < deadline,
+                "data-store on {} did not answer /healthz in 20 s; its log:\n{}",
+                store.addr,
+                store.log()
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        DataStoreProc { addr, child, dir }
+        store
+    }
+
+    /// What the data store has written to stderr so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("data-store.log")).unwrap_or_default()
     }
 }
 

@@ -17,8 +17,10 @@ fn self_exe() -> PathBuf {
 pub struct Managed {
     pub name: String,
     pub child: Option<Child>,
-    args: Vec<String>,
-    log: PathBuf,
+    pub args: Vec<String>,
+    pub log: PathBuf,
+    /// How the last run ended, once `up` has seen it exit.
+    pub last_exit: Option<String>,
 }
 
 impl Managed {
@@ -28,6 +30,7 @@ impl Managed {
             child: None,
             args,
             log,
+            last_exit: None,
         };
         m.start()?;
         Ok(m)
@@ -49,6 +52,28 @@ impl Managed {
         Ok(())
     }
 
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
+    /// The last `n` lines of this process's log file (its stderr).
+    pub fn log_tail(&self, n: usize) -> Vec<String> {
+        use std::io::{Read, Seek, SeekFrom};
+        let Ok(mut f) = std::fs::File::open(&self.log) else {
+            return Vec::new();
+        };
+        let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+        let _ = f.seek(SeekFrom::Start(len.saturating_sub(16 * 1024)));
+        let mut buf = Vec::new();
+        let _ = f.read_to_end(&mut buf);
+        let text = String::from_utf8_lossy(&buf);
+        let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+        lines[lines.len().saturating_sub(n)..]
+            .iter()
+            .map(|l| strip_ansi(l))
+            .collect()
+    }
+
     /// SIGKILL: no flush, no leadership hand-over.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
@@ -67,13 +92,8 @@ pub struct Ports {
 }
 
 impl Ports {
-    /// Node i listens on peer 8080+i and client 50050+i, the data store on 8000.
-    pub fn standard(data_store: u16) -> Ports {
-        Ports {
-            peer_base: 8080,
-            client_base: 50050,
-            data_store,
-        }
+    pub fn peer_addr(&self, i: u64) -> String {
+        format!("127.0.0.1:{}", self.peer_base + i as u16)
     }
 }
 
@@ -182,17 +202,29 @@ impl LocalCluster {
         false
     }
 
-    /// Reports the first child that exited on its own.
-    pub fn exited(&mut self) -> Option<String> {
+    /// Reaps the children that exited since the last call (killed, stopped or crashed) and
+    /// reports each: its name, exit status and the last lines of its log.
+    pub fn reap_exited(&mut self) -> Vec<String> {
+        let mut out = Vec::new();
         for m in self.nodes.iter_mut().chain(self.data_store.iter_mut()) {
             if let Some(c) = m.child.as_mut() {
                 if let Ok(Some(status)) = c.try_wait() {
                     m.child = None;
-                    return Some(format!("{} exited ({status})", m.name));
+                    m.last_exit = Some(status.to_string());
+                    let mut report = format!(
+                        "{} exited ({status}); last lines of {}:",
+                        m.name,
+                        m.log.display()
+                    );
+                    for line in m.log_tail(5) {
+                        report.push_str("\n    ");
+                        report.push_str(&line);
+                    }
+                    out.push(report);
                 }
             }
         }
-        None
+        out
     }
 
     /// SIGTERM to every child, then SIGKILL to any still running after 10 s.
@@ -233,4 +265,22 @@ impl Drop for LocalCluster {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// Drops terminal colour sequences (ESC [ … letter) from a log line.
+fn strip_ansi(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for d in chars.by_ref() {
+                if d.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }

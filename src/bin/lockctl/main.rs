@@ -1,6 +1,7 @@
 //! `lockctl`: RaftLock's command-line tool — a local cluster (`up`), lock and admin commands,
 //! `run` a command under a lock, a failover `demo`, and a workload `simulate`.
 
+mod control;
 mod local;
 mod run;
 mod simulate;
@@ -23,9 +24,10 @@ const DEFAULT_ENDPOINTS: &str = "127.0.0.1:50051,127.0.0.1:50052,127.0.0.1:50053
 #[derive(Parser, Debug)]
 #[command(version, about = "RaftLock command-line tool")]
 struct Args {
-    /// Output format: human or json.
-    #[arg(long, global = true, default_value = "human", value_parser = ["human", "json"])]
-    output: String,
+    /// Output format: table (aligned columns for people; the default) or json (one JSON value,
+    /// for scripts). `human` is accepted as another name for table.
+    #[arg(long, global = true, value_parser = ["table", "json", "human"])]
+    output: Option<String>,
     /// Client addresses of the cluster (any node; the leader is found automatically).
     #[arg(long, global = true, env = "RAFTLOCK_ENDPOINTS", default_value = DEFAULT_ENDPOINTS, value_delimiter = ',')]
     endpoints: Vec<String>,
@@ -42,7 +44,9 @@ struct Args {
 enum Cmd {
     /// Run a local cluster of N lock nodes and the data store in the foreground. Node i listens
     /// on peer port 8080+i and client port 50050+i, the data store on 8000. Starting again with
-    /// the same --data-dir resumes the same cluster. Stops cleanly on Ctrl-C or SIGTERM.
+    /// the same --data-dir resumes the same cluster. A node that exits (or is killed) is
+    /// reported and the others keep running; `lockctl node` stops and starts nodes from another
+    /// terminal. Stops everything on Ctrl-C or SIGTERM.
     Up {
         #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=7))]
         nodes: u64,
@@ -50,6 +54,17 @@ enum Cmd {
         data_dir: PathBuf,
         #[arg(long, default_value_t = 8000)]
         data_store_port: u16,
+        /// Node i's peer port is this plus i.
+        #[arg(long, default_value_t = 8080)]
+        peer_port_base: u16,
+        /// Node i's client port is this plus i.
+        #[arg(long, default_value_t = 50050)]
+        client_port_base: u16,
+    },
+    /// Stop, kill, start or restart node N of the `lockctl up` running on --data-dir.
+    Node {
+        #[command(subcommand)]
+        action: NodeCmd,
     },
     /// Acquire a lock and print its fencing token. The lock stays held until released or until
     /// its TTL passes.
@@ -176,6 +191,27 @@ enum MembersCmd {
 }
 
 #[derive(Subcommand, Debug)]
+enum NodeCmd {
+    /// SIGTERM: a clean shutdown (a leader hands over).
+    Stop(NodeTarget),
+    /// SIGKILL: no flush, no hand-over — to watch a failover.
+    Kill(NodeTarget),
+    /// Start a stopped node again with the same data directory and ports, as a child of `up`.
+    Start(NodeTarget),
+    /// Stop (SIGTERM), then start.
+    Restart(NodeTarget),
+}
+
+#[derive(clap::Args, Debug)]
+struct NodeTarget {
+    /// The node id (1..=N).
+    id: u64,
+    /// The --data-dir `lockctl up` was started with.
+    #[arg(long, default_value = "./raftlock-dev")]
+    data_dir: PathBuf,
+}
+
+#[derive(Subcommand, Debug)]
 enum KvCmd {
     /// Linearizable read.
     Get { key: String },
@@ -249,21 +285,42 @@ fn emit(json_out: bool, value: Value, human: impl FnOnce()) {
 }
 
 async fn dispatch(args: Args) -> ExitCode {
-    let json_out = args.output == "json";
+    let json_out = args.output.as_deref() == Some("json");
     let first = args.endpoints.first().cloned().unwrap_or_default();
     match &args.command {
         Cmd::Up {
             nodes,
             data_dir,
             data_store_port,
-        } => up(*nodes, data_dir, *data_store_port).await,
+            peer_port_base,
+            client_port_base,
+        } => {
+            let ports = Ports {
+                peer_base: *peer_port_base,
+                client_base: *client_port_base,
+                data_store: *data_store_port,
+            };
+            up(*nodes, data_dir, ports).await
+        }
+        Cmd::Node { action } => {
+            let (t, a) = match action {
+                NodeCmd::Stop(t) => (t, control::NodeAction::Stop),
+                NodeCmd::Kill(t) => (t, control::NodeAction::Kill),
+                NodeCmd::Start(t) => (t, control::NodeAction::Start),
+                NodeCmd::Restart(t) => (t, control::NodeAction::Restart),
+            };
+            let (dir, id) = (t.data_dir.clone(), t.id);
+            tokio::task::spawn_blocking(move || control::node(&dir, id, a))
+                .await
+                .unwrap_or(ExitCode::FAILURE)
+        }
         Cmd::Status { endpoint } => {
             show(endpoint.as_deref().unwrap_or(&first), "/status", json_out).await
         }
         Cmd::Locks { prefix } => match AdminClient::new(args.endpoints.clone()) {
             Ok(admin) => match admin.locks(prefix).await {
                 Ok(v) => {
-                    emit(json_out, v.clone(), || print_human(&v, 0));
+                    emit(json_out, v.clone(), || print_table(&locks_table(&v)));
                     ExitCode::SUCCESS
                 }
                 Err(e) => fail(e),
@@ -432,7 +489,11 @@ async fn members(args: &Args, action: &MembersCmd, json_out: bool) -> ExitCode {
         MembersCmd::List => match AdminClient::new(args.endpoints.clone()) {
             Ok(admin) => match admin.members().await {
                 Ok(v) => {
-                    emit(json_out, v.clone(), || print_human(&v, 0));
+                    if json_out {
+                        println!("{v}");
+                    } else {
+                        print_table(&members_table(&v).await);
+                    }
                     ExitCode::SUCCESS
                 }
                 Err(e) => fail(e),
@@ -523,20 +584,29 @@ fn add_token<T>(req: &mut tonic::Request<T>, token: &str) {
     }
 }
 
-async fn up(nodes: u64, data_dir: &std::path::Path, data_store_port: u16) -> ExitCode {
-    let mut cluster = match LocalCluster::start(nodes, data_dir, Ports::standard(data_store_port)) {
+async fn up(nodes: u64, data_dir: &std::path::Path, ports: Ports) -> ExitCode {
+    if let Some(pid) = control::running_up(data_dir) {
+        return fail(format!(
+            "lockctl up (pid {pid}) is already running with --data-dir {}",
+            data_dir.display()
+        ));
+    }
+    let data_store_port = ports.data_store;
+    let mut cluster = match LocalCluster::start(nodes, data_dir, ports.clone()) {
         Ok(c) => c,
         Err(e) => return fail(e),
     };
+    control::remove_state(data_dir);
+    control::write_state(&cluster);
     println!(
         "RaftLock dev cluster ({nodes} nodes), data in {}",
         data_dir.display()
     );
     for i in 1..=nodes {
         println!(
-            "  node {i}: ws://127.0.0.1:{c}/ws  gRPC/HTTP 127.0.0.1:{c}  peer 127.0.0.1:{p}",
-            c = 50050 + i,
-            p = 8080 + i
+            "  node {i}: ws://{c}/ws  gRPC/HTTP {c}  peer {p}",
+            c = cluster.client_addr(i),
+            p = ports.peer_addr(i)
         );
     }
     println!("  data store: http://127.0.0.1:{data_store_port}/write");
@@ -547,28 +617,43 @@ async fn up(nodes: u64, data_dir: &std::path::Path, data_store_port: u16) -> Exi
             data_dir.display()
         ),
     }
+    println!(
+        "State in {}; `lockctl node stop|kill|start|restart N` acts on the nodes.",
+        control::state_file(data_dir).display()
+    );
     println!("Press Ctrl-C to stop.");
     let code = supervise(&mut cluster).await;
     cluster.stop();
+    control::remove_state(data_dir);
     println!("stopped");
     code
 }
 
-/// Waits for Ctrl-C / SIGTERM, reporting children that exit on their own.
+/// Until Ctrl-C / SIGTERM: reports children that exit (the others keep running), starts the
+/// nodes `lockctl node start` asks for, and keeps the state file current.
 async fn supervise(cluster: &mut LocalCluster) -> ExitCode {
+    use std::io::Write;
     use tokio::signal::unix::{signal, SignalKind};
     let Ok(mut term) = signal(SignalKind::terminate()) else {
         return ExitCode::FAILURE;
     };
-    let mut ticker = tokio::time::interval(Duration::from_millis(500));
+    let mut ticker = tokio::time::interval(Duration::from_millis(200));
     loop {
         tokio::select! {
             _ = tokio::signal::ctrl_c() => return ExitCode::SUCCESS,
             _ = term.recv() => return ExitCode::SUCCESS,
             _ = ticker.tick() => {
-                if let Some(what) = cluster.exited() {
-                    eprintln!("lockctl: {what}; see its log in {}", cluster.dir.display());
-                    return ExitCode::FAILURE;
+                let exited = cluster.reap_exited();
+                for what in &exited {
+                    println!("lockctl: {what}");
+                }
+                let started = control::take_requests(cluster);
+                for what in &started {
+                    println!("lockctl: {what}");
+                }
+                if !exited.is_empty() || !started.is_empty() {
+                    control::write_state(cluster);
+                    let _ = std::io::stdout().flush();
                 }
             }
         }
@@ -580,6 +665,8 @@ async fn show(endpoint: &str, path: &str, json: bool) -> ExitCode {
         Ok((200, value)) => {
             if json {
                 println!("{value}");
+            } else if path == "/status" {
+                print_table(&status_table(&value));
             } else {
                 print_human(&value, 0);
             }
@@ -628,4 +715,155 @@ fn scalar(v: &Value) -> String {
         Value::String(s) => s.clone(),
         other => other.to_string(),
     }
+}
+
+/// Prints rows (the first is the header) as columns padded to their widest cell.
+fn print_table(rows: &[Vec<String>]) {
+    let cols = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let widths: Vec<usize> = (0..cols)
+        .map(|c| {
+            rows.iter()
+                .filter_map(|r| r.get(c))
+                .map(|s| s.chars().count())
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    for row in rows {
+        let mut line = String::new();
+        for (c, cell) in row.iter().enumerate() {
+            if c + 1 == row.len() {
+                line.push_str(cell);
+            } else {
+                line.push_str(&format!("{cell:<w$}  ", w = widths[c]));
+            }
+        }
+        println!("{}", line.trim_end());
+    }
+}
+
+/// Milliseconds as people read them: 850ms, 12.3s, 4m05s, 2h03m.
+fn human_ms(ms: u64) -> String {
+    match ms {
+        0..=999 => format!("{ms}ms"),
+        1_000..=59_999 => format!("{:.1}s", ms as f64 / 1000.0),
+        60_000..=3_599_999 => format!("{}m{:02}s", ms / 60_000, ms / 1000 % 60),
+        _ => format!("{}h{:02}m", ms / 3_600_000, ms / 60_000 % 60),
+    }
+}
+
+fn cell(v: &Value) -> String {
+    match v {
+        Value::Null => "-".into(),
+        other => scalar(other),
+    }
+}
+
+fn locks_table(v: &Value) -> Vec<Vec<String>> {
+    let mut rows = vec![vec![
+        "KEY".into(),
+        "HOLDER".into(),
+        "TOKEN".into(),
+        "TIME LEFT".into(),
+        "TTL".into(),
+        "WAITERS".into(),
+    ]];
+    for l in v["locks"].as_array().into_iter().flatten() {
+        let waiters: Vec<String> = l["waiters"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(scalar)
+            .collect();
+        let waiters = if waiters.is_empty() {
+            "-".to_string()
+        } else {
+            format!("{} ({})", waiters.len(), waiters.join(", "))
+        };
+        rows.push(vec![
+            cell(&l["key"]),
+            cell(&l["holder"]),
+            cell(&l["fencingToken"]),
+            l["expiresInMs"].as_u64().map_or("-".into(), human_ms),
+            l["ttlMs"].as_u64().map_or("-".into(), human_ms),
+            waiters,
+        ]);
+    }
+    rows
+}
+
+fn status_table(s: &Value) -> Vec<Vec<String>> {
+    let list = |v: &Value| {
+        let ids: Vec<String> = v.as_array().into_iter().flatten().map(scalar).collect();
+        if ids.is_empty() {
+            "-".to_string()
+        } else {
+            ids.join(",")
+        }
+    };
+    let leader = match (s["leaderId"].as_u64(), s["leaderAddr"].as_str()) {
+        (Some(0) | None, _) => "none".to_string(),
+        (Some(id), Some(a)) if !a.is_empty() => format!("{id} ({a})"),
+        (Some(id), _) => id.to_string(),
+    };
+    let mut rows = vec![vec!["FIELD".into(), "VALUE".into()]];
+    for (k, v) in [
+        ("node", cell(&s["id"])),
+        ("role", cell(&s["role"])),
+        ("term", cell(&s["term"])),
+        ("leader", leader),
+        ("commit index", cell(&s["commitIndex"])),
+        ("applied index", cell(&s["appliedIndex"])),
+        ("last index", cell(&s["lastIndex"])),
+        ("voters", list(&s["voters"])),
+        ("learners", list(&s["learners"])),
+        ("locks held", cell(&s["locksHeld"])),
+        ("waiters", cell(&s["waiters"])),
+    ] {
+        rows.push(vec![k.to_string(), v]);
+    }
+    rows
+}
+
+/// Members with the role and term each reports on its own /status ("unreachable" if it does
+/// not answer).
+async fn members_table(v: &Value) -> Vec<Vec<String>> {
+    let mut rows = vec![vec![
+        "ID".into(),
+        "ROLE".into(),
+        "TERM".into(),
+        "VOTER".into(),
+        "CLIENT ADDR".into(),
+        "PEER ADDR".into(),
+    ]];
+    for m in v["members"].as_array().into_iter().flatten() {
+        let client = m["clientAddr"].as_str().unwrap_or("");
+        let status = if client.is_empty() {
+            None
+        } else {
+            tokio::time::timeout(Duration::from_secs(2), get_json(client, "/status"))
+                .await
+                .ok()
+                .and_then(Result::ok)
+                .filter(|(code, _)| *code == 200)
+                .map(|(_, s)| s)
+        };
+        let (role, term) = match &status {
+            Some(s) => (cell(&s["role"]), cell(&s["term"])),
+            None => ("unreachable".into(), "-".into()),
+        };
+        rows.push(vec![
+            cell(&m["id"]),
+            role,
+            term,
+            if m["voter"] == true { "yes" } else { "learner" }.into(),
+            if client.is_empty() {
+                "-".into()
+            } else {
+                client.to_string()
+            },
+            cell(&m["peerAddr"]),
+        ]);
+    }
+    rows
 }

@@ -1,0 +1,99 @@
+//! Client sessions on a real three-node cluster: the session bound refuses a new client with
+//! `BUSY` and changes nothing, an open session still answers retries from the table, and the
+//! leader's `Tick` entries close idle sessions — after which a new client is admitted and the
+//! old request ids are forgotten. Run with short settings (`--session-idle 2s`,
+//! `--dedupe-retain 1s`, `--max-sessions 2`).
+//!
+//! Every wait is bounded; everything is on 127.0.0.1.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{json, Value};
+
+const LEADER_TIMEOUT: Duration = Duration::from_secs(20);
+
+fn acquire(key: &str, client: &str, request: &str) -> Value {
+    json!({"commandType": 3, "key": key, "clientId": client, "ttl": 60000,
+           "requestId": request, "waitTimeout": 0})
+}
+
+fn error_code(reply: &Value) -> String {
+    reply["error"]["code"]
+        .as_str()
+        .or_else(|| reply["errorCode"].as_str())
+        .unwrap_or_default()
+        .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_are_bounded_and_close_through_the_log() {
+    let cluster = Cluster::start_with(3, |_| {
+        [
+            "--max-sessions",
+            "2",
+            "--session-idle",
+            "2s",
+            "--dedupe-retain",
+            "1s",
+        ]
+        .map(String::from)
+        .to_vec()
+    });
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let addr = cluster.nodes[leader as usize - 1].client_addr();
+    let mut ws = ws_connect(&addr).await;
+
+    // Two clients open the two sessions the cluster allows.
+    let a = ws_request(&mut ws, &acquire("k1", "a", "a1")).await;
+    assert_eq!(a["success"], true, "{a}");
+    let token_a = a["fencingToken"]["value"].as_u64().expect("token");
+    let b = ws_request(&mut ws, &acquire("k2", "b", "b1")).await;
+    assert_eq!(b["success"], true, "{b}");
+
+    // A third client is refused with BUSY, and its lock is not taken.
+    let c = ws_request(&mut ws, &acquire("k3", "c", "c1")).await;
+    assert_eq!(c["success"], false, "{c}");
+    assert_eq!(error_code(&c), "BUSY", "{c}");
+    let locks = http_json(&addr, "/locks").await.expect("/locks");
+    assert!(!locks.to_string().contains("\"k3\""), "{locks}");
+
+    // a's retry is answered from its open session with the original grant.
+    let again = ws_request(&mut ws, &acquire("k1", "a", "a1")).await;
+    assert_eq!(again["success"], true, "{again}");
+    assert_eq!(again["fencingToken"]["value"].as_u64(), Some(token_a));
+
+    // Once a and b have been idle for two seconds of log time, the leader's ticks close their
+    // sessions and c gets in (each attempt with a new request id).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        let r = ws_request(&mut ws, &acquire("k3", "c", &format!("c{attempt}"))).await;
+        if r["success"] == true {
+            break;
+        }
+        assert_eq!(error_code(&r), "BUSY", "{r}");
+        assert!(
+            Instant::now() < deadline,
+            "idle sessions never closed; last reply {r}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert!(attempt > 1, "c was admitted before any session closed");
+
+    // a's session closed, so "a1" is a new request now: a still holds k1 (locks are not
+    // sessions), and a lock is not re-entrant.
+    let late = ws_request(&mut ws, &acquire("k1", "a", "a1")).await;
+    assert_eq!(late["success"], false, "{late}");
+    assert_eq!(error_code(&late), "ALREADY_HELD", "{late}");
+    assert_eq!(
+        late["error"]["currentToken"]
+            .as_u64()
+            .or(late["currentToken"].as_u64()),
+        Some(token_a),
+        "{late}"
+    );
+}

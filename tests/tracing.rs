@@ -1,0 +1,211 @@
+//! OpenTelemetry traces from real lock-node processes: an OTLP/gRPC receiver built from the
+//! OpenTelemetry protocol crates collects what a three-node cluster exports when
+//! `OTEL_EXPORTER_OTLP_ENDPOINT` points at it. A client's acquire sent to a follower with a
+//! `traceparent` shows up as one trace across both nodes — the follower's span (forwarded) and the
+//! leader's — with the key, client, outcome and fencing token as attributes, under the standard
+//! resource (`service.name`, `OTEL_RESOURCE_ATTRIBUTES`). Raft's own spans (elections, batches,
+//! fsyncs, replication) arrive too.
+//!
+//! Every wait is bounded; everything is on 127.0.0.1.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::*;
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
+use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
+use opentelemetry_proto::tonic::common::v1::KeyValue;
+use opentelemetry_proto::tonic::trace::v1::Span;
+use serde_json::json;
+
+const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+const PARENT_ID: &str = "00f067aa0ba902b7";
+
+/// A span as received, with its resource's attributes.
+#[derive(Clone, Debug)]
+struct Received {
+    resource: Vec<KeyValue>,
+    span: Span,
+}
+
+#[derive(Clone, Default)]
+struct Collector {
+    spans: Arc<Mutex<Vec<Received>>>,
+}
+
+#[tonic::async_trait]
+impl TraceService for Collector {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        let mut spans = self.spans.lock().expect("lock");
+        for rs in request.into_inner().resource_spans {
+            let resource = rs.resource.map(|r| r.attributes).unwrap_or_default();
+            for ss in rs.scope_spans {
+                for span in ss.spans {
+                    spans.push(Received {
+                        resource: resource.clone(),
+                        span,
+                    });
+                }
+            }
+        }
+        Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+    }
+}
+
+fn attr(attrs: &[KeyValue], key: &str) -> Option<AnyValue> {
+    attrs
+        .iter()
+        .find(|kv| kv.key == key)
+        .and_then(|kv| kv.value.clone()?.value)
+}
+
+fn attr_str(attrs: &[KeyValue], key: &str) -> Option<String> {
+    match attr(attrs, key)? {
+        AnyValue::StringValue(s) => Some(s),
+        other => Some(format!("{other:?}")),
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_arrive_over_otlp_and_one_trace_crosses_the_forward() {
+    let collector = Collector::default();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    let server = tonic::transport::Server::builder()
+        .add_service(TraceServiceServer::new(collector.clone()))
+        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
+    let server = tokio::spawn(server);
+
+    // The nodes inherit these (this file holds one test, so nothing else reads the environment).
+    std::env::set_var(
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        format!("http://127.0.0.1:{port}"),
+    );
+    std::env::set_var("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=ci");
+    std::env::set_var("OTEL_BSP_SCHEDULE_DELAY", "200");
+    std::env::remove_var("OTEL_SERVICE_NAME");
+    std::env::remove_var("OTEL_SDK_DISABLED");
+
+    let cluster = Cluster::start(3);
+    let leader = cluster.wait_for_leader(Duration::from_secs(20)).await;
+    let (_, follower) = follower_knowing(&cluster, leader).await;
+
+    let mut ws = ws_connect(&follower).await;
+    let reply = ws_request(
+        &mut ws,
+        &json!({"commandType": 3, "key": "traced", "clientId": "t1", "requestId": "r1",
+                "ttl": 30000, "traceparent": format!("00-{TRACE_ID}-{PARENT_ID}-01")}),
+    )
+    .await;
+    assert_eq!(reply["success"], true, "{reply}");
+    let token = reply["fencingToken"]["value"].as_u64().expect("token");
+
+    // Both nodes' spans of the request, in the client's trace; Raft's spans.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let (follower_span, leader_span) = loop {
+        let spans = collector.spans.lock().expect("lock").clone();
+        let in_trace: Vec<&Received> = spans
+            .iter()
+            .filter(|r| hex(&r.span.trace_id) == TRACE_ID && r.span.name == "lock.acquire")
+            .collect();
+        let via = |v: &str| {
+            in_trace
+                .iter()
+                .find(|r| attr_str(&r.span.attributes, "via").as_deref() == Some(v))
+                .map(|r| (*r).clone())
+        };
+        let names: Vec<&str> = spans.iter().map(|r| r.span.name.as_str()).collect();
+        let raft_spans = [
+            "raft.election",
+            "raft.batch",
+            "raft.fsync",
+            "raft.replicate",
+        ]
+        .iter()
+        .all(|n| names.contains(n));
+        if let (Some(f), Some(l), true) = (via("websocket"), via("forwarded"), raft_spans) {
+            break (f, l);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "spans missing after 30 s; received {} spans named {:?}",
+            spans.len(),
+            {
+                let mut n = names.clone();
+                n.sort();
+                n.dedup();
+                n
+            }
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+
+    // The follower's span is the child of the client's span and is marked forwarded; the
+    // leader's span is the child of the follower's.
+    assert_eq!(hex(&follower_span.span.parent_span_id), PARENT_ID);
+    assert_eq!(leader_span.span.parent_span_id, follower_span.span.span_id);
+    for (who, r) in [("follower", &follower_span), ("leader", &leader_span)] {
+        let a = &r.span.attributes;
+        assert_eq!(attr_str(a, "key").as_deref(), Some("traced"), "{who}");
+        assert_eq!(attr_str(a, "client_id").as_deref(), Some("t1"), "{who}");
+        assert_eq!(attr_str(a, "request_id").as_deref(), Some("r1"), "{who}");
+        assert_eq!(attr_str(a, "outcome").as_deref(), Some("granted"), "{who}");
+        assert_eq!(
+            attr(a, "fencing_token"),
+            Some(AnyValue::IntValue(token as i64)),
+            "{who}"
+        );
+        assert_eq!(
+            attr_str(&r.resource, "service.name").as_deref(),
+            Some("lock-node"),
+            "{who}"
+        );
+        assert_eq!(
+            attr_str(&r.resource, "deployment.environment").as_deref(),
+            Some("ci"),
+            "{who}"
+        );
+        assert!(r.span.end_time_unix_nano >= r.span.start_time_unix_nano);
+    }
+    assert_eq!(
+        attr(&follower_span.span.attributes, "forwarded"),
+        Some(AnyValue::BoolValue(true))
+    );
+    let spans = collector.spans.lock().expect("lock").clone();
+    let election = spans
+        .iter()
+        .find(|r| r.span.name == "raft.election")
+        .expect("an election span");
+    assert!(matches!(
+        attr(&election.span.attributes, "term"),
+        Some(AnyValue::IntValue(t)) if t >= 1
+    ));
+    let replicate = spans
+        .iter()
+        .find(|r| r.span.name == "raft.replicate")
+        .expect("a replication span");
+    for key in ["peer", "entries", "bytes", "lag_entries"] {
+        assert!(
+            attr(&replicate.span.attributes, key).is_some(),
+            "raft.replicate without {key}"
+        );
+    }
+    drop(cluster);
+    server.abort();
+}
