@@ -4,7 +4,9 @@
 //! `traceparent` shows up as one trace across both nodes — the follower's span (forwarded) and the
 //! leader's — with the key, client, outcome and fencing token as attributes, under the standard
 //! resource (`service.name`, `OTEL_RESOURCE_ATTRIBUTES`). Raft's own spans (elections, batches,
-//! fsyncs, replication) arrive too.
+//! fsyncs, replication) arrive too. The Rust SDK (`trace_context`) and `lockctl` (the
+//! `TRACEPARENT` environment variable) continue their caller's trace the same way, and an acquire
+//! that waited in the queue records its place in line and its wait.
 //!
 //! Every wait is bounded; everything is on 127.0.0.1.
 
@@ -27,6 +29,11 @@ use serde_json::json;
 
 const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
 const PARENT_ID: &str = "00f067aa0ba902b7";
+/// The trace of the SDK's queued acquire, and of `lockctl acquire` (TRACEPARENT).
+const SDK_TRACE_ID: &str = "0af7651916cd43dd8448eb211c80319c";
+const SDK_PARENT_ID: &str = "b7ad6b7169203331";
+const CLI_TRACE_ID: &str = "5e1c3f2a9b8d47e6a0b1c2d3e4f50617";
+const CLI_PARENT_ID: &str = "1a2b3c4d5e6f7081";
 
 /// A span as received, with its resource's attributes.
 #[derive(Clone, Debug)]
@@ -206,6 +213,108 @@ async fn spans_arrive_over_otlp_and_one_trace_crosses_the_forward() {
             "raft.replicate without {key}"
         );
     }
+
+    // The SDK continues the caller's trace; its acquire waits behind a holder, and the grant's
+    // span says where it stood in the queue and how long it waited.
+    let leader_addr = cluster.nodes[(leader - 1) as usize].client_addr();
+    let mut holder = ws_connect(&leader_addr).await;
+    let held = ws_request(
+        &mut holder,
+        &json!({"commandType": 3, "key": "queued", "clientId": "holder", "requestId": "h1",
+                "ttl": 30000}),
+    )
+    .await;
+    assert_eq!(held["success"], true, "{held}");
+    let sdk = raftlock::client::RaftLockClient::builder()
+        .endpoint(follower.clone())
+        .client_id("sdk")
+        .trace_context(|| Some(format!("00-{SDK_TRACE_ID}-{SDK_PARENT_ID}-01")))
+        .build()
+        .expect("client");
+    let waiter = tokio::spawn(async move {
+        sdk.try_acquire("queued", Duration::from_secs(30), Duration::from_secs(20))
+            .await
+            .map(|h| h.map(|h| h.fencing_token()))
+    });
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let released = ws_request(
+        &mut holder,
+        &json!({"commandType": 4, "key": "queued", "clientId": "holder", "requestId": "h2",
+                "fencingToken": held["fencingToken"]}),
+    )
+    .await;
+    assert_eq!(released["success"], true, "{released}");
+    let sdk_token = waiter
+        .await
+        .expect("join")
+        .expect("the SDK's acquire answers")
+        .expect("the SDK's acquire is granted");
+
+    // lockctl continues the trace named by TRACEPARENT.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_lockctl"))
+        .args([
+            "--endpoints",
+            &follower,
+            "--output",
+            "json",
+            "acquire",
+            "cli-key",
+        ])
+        .env(
+            "TRACEPARENT",
+            format!("00-{CLI_TRACE_ID}-{CLI_PARENT_ID}-01"),
+        )
+        .output()
+        .expect("run lockctl");
+    assert!(
+        out.status.success(),
+        "lockctl acquire: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let (sdk_span, cli_span) = loop {
+        let spans = collector.spans.lock().expect("lock").clone();
+        let find = |trace: &str, via: &str| {
+            spans
+                .iter()
+                .find(|r| {
+                    hex(&r.span.trace_id) == trace
+                        && r.span.name == "lock.acquire"
+                        && attr_str(&r.span.attributes, "via").as_deref() == Some(via)
+                        && attr_str(&r.span.attributes, "outcome").as_deref() == Some("granted")
+                })
+                .cloned()
+        };
+        if let (Some(s), Some(c)) = (
+            find(SDK_TRACE_ID, "forwarded"),
+            find(CLI_TRACE_ID, "websocket"),
+        ) {
+            break (s, c);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no granted acquire spans in the SDK's and lockctl's traces after 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let a = &sdk_span.span.attributes;
+    assert_eq!(attr_str(a, "client_id").as_deref(), Some("sdk#1"));
+    assert_eq!(
+        attr(a, "fencing_token"),
+        Some(AnyValue::IntValue(sdk_token as i64))
+    );
+    assert_eq!(
+        attr(a, "queue_position"),
+        Some(AnyValue::IntValue(1)),
+        "{a:?}"
+    );
+    assert!(
+        matches!(attr(a, "wait_ms"), Some(AnyValue::IntValue(ms)) if ms >= 300),
+        "the SDK's acquire waited about 700 ms: {a:?}"
+    );
+    assert_eq!(hex(&cli_span.span.parent_span_id), CLI_PARENT_ID);
+    assert_eq!(attr(&cli_span.span.attributes, "queue_position"), None);
     drop(cluster);
     server.abort();
 }

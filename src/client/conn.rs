@@ -244,6 +244,33 @@ pub(crate) struct SessionConfig {
     pub max_inflight: usize,
     pub max_message_bytes: usize,
     pub keepalive: Option<Keepalive>,
+    pub trace_context: Option<TraceContext>,
+}
+
+/// Where the SDK gets the W3C `traceparent` of the caller's current span, asked once per
+/// operation (its retries send the same value). See [`crate::client::ClientBuilder::trace_context`].
+#[derive(Clone)]
+pub struct TraceContext(pub(crate) Arc<dyn Fn() -> Option<String> + Send + Sync>);
+
+impl std::fmt::Debug for TraceContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TraceContext(..)")
+    }
+}
+
+/// A `traceparent` in the W3C form `00-<32 hex trace id>-<16 hex span id>-<2 hex flags>`, with
+/// ids not all zero.
+pub fn is_traceparent(s: &str) -> bool {
+    let parts: Vec<&str> = s.split('-').collect();
+    let hex = |p: &str, n: usize| p.len() == n && p.bytes().all(|b| b.is_ascii_hexdigit());
+    let nonzero = |p: &str| p.bytes().any(|b| b != b'0');
+    parts.len() == 4
+        && parts[0] == "00"
+        && hex(parts[1], 32)
+        && nonzero(parts[1])
+        && hex(parts[2], 16)
+        && nonzero(parts[2])
+        && hex(parts[3], 2)
 }
 
 /// Pings on an idle connection, and how long a connection may stay silent before it is taken
@@ -352,6 +379,17 @@ impl Session {
         wait: Option<Duration>,
         policy: &RetryPolicy,
     ) -> Result<Value, ClientError> {
+        // The caller's trace, once for the operation and all its retries.
+        let traced;
+        let body = match self.cfg.trace_context.as_ref().and_then(|t| (t.0)()) {
+            Some(tp) if body.get("traceparent").is_none() && is_traceparent(&tp) => {
+                let mut b = body.clone();
+                b["traceparent"] = Value::String(tp);
+                traced = b;
+                &traced
+            }
+            _ => body,
+        };
         let started = Instant::now();
         let mut backoff = policy.builder().build();
         let mut attempts = 0u32;

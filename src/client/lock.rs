@@ -8,7 +8,7 @@ use serde_json::json;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use super::conn::{Keepalive, ReplyKind, Session, SessionConfig};
+use super::conn::{Keepalive, ReplyKind, Session, SessionConfig, TraceContext};
 use super::error::ClientError;
 use super::{random_u64, RetryPolicy};
 
@@ -59,6 +59,7 @@ pub struct ClientBuilder {
     renew_interval: Option<Duration>,
     release_on_drop_timeout: Duration,
     keepalive: Option<Keepalive>,
+    trace_context: Option<TraceContext>,
 }
 
 impl Default for ClientBuilder {
@@ -79,6 +80,7 @@ impl Default for ClientBuilder {
                 interval: Duration::from_secs(5),
                 timeout: Duration::from_secs(15),
             }),
+            trace_context: None,
         }
     }
 }
@@ -169,6 +171,21 @@ impl ClientBuilder {
         self
     }
 
+    /// Continues the caller's traces on the server: before each operation the SDK calls `source`
+    /// and, when it returns a W3C `traceparent` (`00-<trace id>-<span id>-<flags>`), sends it
+    /// with the request (all retries of the operation carry the same one), so lock-node's spans
+    /// of the request — on the follower that forwarded it and on the leader — join that trace.
+    /// The SDK does not depend on OpenTelemetry; with it, the source is typically the current
+    /// span's context injected by the W3C propagator. Values that are not a valid `traceparent`
+    /// are not sent.
+    pub fn trace_context<F>(mut self, source: F) -> Self
+    where
+        F: Fn() -> Option<String> + Send + Sync + 'static,
+    {
+        self.trace_context = Some(TraceContext(Arc::new(source)));
+        self
+    }
+
     pub fn build(self) -> Result<RaftLockClient, ClientError> {
         let bad = |m: String| Err(ClientError::Config(m));
         if self.endpoints.is_empty() {
@@ -227,6 +244,7 @@ impl ClientBuilder {
             max_inflight: self.max_inflight,
             max_message_bytes: self.max_message_bytes,
             keepalive: self.keepalive,
+            trace_context: self.trace_context.clone(),
         });
         Ok(RaftLockClient {
             inner: Arc::new(Inner {

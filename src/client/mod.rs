@@ -37,6 +37,7 @@ pub mod lock;
 use std::time::Duration;
 
 pub use admin::AdminClient;
+pub use conn::{is_traceparent, TraceContext};
 pub use error::ClientError;
 pub use lock::{
     AdvancedClient, AutoRenewer, ClientBuilder, LockHandle, LossReason, PendingAcquire,

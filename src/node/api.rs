@@ -214,12 +214,25 @@ impl ClientOp {
     }
 }
 
+/// How an acquire that was granted after waiting in the queue waited.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueuedInfo {
+    /// Its place in the key's queue when it joined (1 = next in line).
+    pub position: u32,
+    /// From joining the queue to the grant, in milliseconds (on the node that answered).
+    pub waited_ms: u64,
+}
+
 /// The answer to one [`ClientOp`].
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ClientReply {
     Granted {
         token: FencingToken,
         expires_in_ms: u64,
+        /// Set when the acquire waited in the queue before this grant (traces record it; old
+        /// nodes neither send nor expect it).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        queued: Option<QueuedInfo>,
     },
     Released,
     Renewed {

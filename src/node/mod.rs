@@ -30,7 +30,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use bytes::Bytes;
 
-use self::api::{ApiError, ClientOp, ClientReply, ErrorCode};
+use self::api::{ApiError, ClientOp, ClientReply, ErrorCode, QueuedInfo};
 use crate::lock::{Command, Event, FencingToken, LockStateMachine, Outcome, RejectCode};
 use crate::raft::{
     EntryPayload, Index, MembershipChange, Message, NodeId, ProposeError, Raft, Ready, Role,
@@ -208,6 +208,8 @@ struct Waiting<R> {
     reply: Option<R>,
     conn: u64,
     enqueued: Micros,
+    /// Its place in the queue when it was answered `Queued` (1 = next in line).
+    position: u32,
 }
 
 /// The leader's lease of one held lock.
@@ -1148,6 +1150,7 @@ impl<S: Storage, R> NodeCore<S, R> {
                     ClientReply::Granted {
                         token: token.clone(),
                         expires_in_ms: *ttl_ms,
+                        queued: None,
                     },
                 ),
                 Event::Expired { .. } => {}
@@ -1172,7 +1175,25 @@ impl<S: Storage, R> NodeCore<S, R> {
     fn answer_waiter(&mut self, client_id: &str, request_id: &str, reply: ClientReply) {
         let id = (client_id.to_string(), request_id.to_string());
         self.wait_deadlines.remove(&id);
-        if let Some(r) = self.waiting.remove(&id).and_then(|w| w.reply) {
+        let Some(waiting) = self.waiting.remove(&id) else {
+            return;
+        };
+        let reply = match reply {
+            ClientReply::Granted {
+                token,
+                expires_in_ms,
+                queued: None,
+            } => ClientReply::Granted {
+                token,
+                expires_in_ms,
+                queued: Some(QueuedInfo {
+                    position: waiting.position,
+                    waited_ms: self.now.saturating_sub(waiting.enqueued) / MS,
+                }),
+            },
+            other => other,
+        };
+        if let Some(r) = waiting.reply {
             self.observe(Observation::Answered {
                 op: "acquire",
                 result: reply.result_label(),
@@ -1232,6 +1253,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             Outcome::Granted { token, ttl_ms } => ClientReply::Granted {
                 token,
                 expires_in_ms: ttl_ms,
+                queued: None,
             },
             Outcome::AlreadyHeld { token, .. } => {
                 let mut err = ApiError::new(
@@ -1245,7 +1267,7 @@ impl<S: Storage, R> NodeCore<S, R> {
                 err.current_token = Some(token.value);
                 ClientReply::Error(err)
             }
-            Outcome::Queued { .. } | Outcome::AlreadyQueued { .. } => {
+            Outcome::Queued { position } | Outcome::AlreadyQueued { position } => {
                 let Command::Acquire {
                     key,
                     client_id,
@@ -1279,6 +1301,7 @@ impl<S: Storage, R> NodeCore<S, R> {
                             reply: Some(r),
                             conn: pending.conn,
                             enqueued: pending.started,
+                            position,
                         },
                     );
                 }

@@ -96,6 +96,7 @@ impl lpb::lock_service_server::LockService for LockApi {
             ClientReply::Granted {
                 token,
                 expires_in_ms,
+                ..
             } => {
                 out.acquired = true;
                 out.lease_id = token.value.to_string();

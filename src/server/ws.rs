@@ -224,6 +224,8 @@ pub fn request_span(op: &ClientOp, via: &'static str, traceparent: Option<&str>)
         forwarded = tracing::field::Empty,
         outcome = tracing::field::Empty,
         fencing_token = tracing::field::Empty,
+        queue_position = tracing::field::Empty,
+        wait_ms = tracing::field::Empty,
         trace_id = tracing::field::Empty,
     );
     if !span.is_disabled() {
@@ -252,6 +254,13 @@ pub fn finish_span(span: &Span, reply: &ClientReply) {
             "fencing_token",
             i64::try_from(token.value).unwrap_or(i64::MAX),
         );
+    }
+    if let ClientReply::Granted {
+        queued: Some(q), ..
+    } = reply
+    {
+        span.record("queue_position", i64::from(q.position));
+        span.record("wait_ms", i64::try_from(q.waited_ms).unwrap_or(i64::MAX));
     }
 }
 
@@ -504,6 +513,7 @@ fn reply_json(raw: &Value, reply: &ClientReply, release: bool) -> String {
         ClientReply::Granted {
             token,
             expires_in_ms,
+            ..
         } => json!({
             "success": true,
             "fencingToken": {"key": token.key, "value": token.value},

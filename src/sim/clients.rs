@@ -423,6 +423,7 @@ impl SimClients {
                 ClientReply::Granted {
                     token,
                     expires_in_ms,
+                    ..
                 },
             )
             | (

@@ -268,6 +268,18 @@ fn make_client(args: &Args) -> Result<RaftLockClient, ClientError> {
         format!("lockctl-{host}-{}", std::process::id())
     });
     b = b.client_id(id);
+    // OpenTelemetry's convention for passing trace context to a command: the TRACEPARENT
+    // environment variable. The requests of this command then join that trace.
+    if let Ok(tp) = std::env::var("TRACEPARENT") {
+        if raftlock::client::is_traceparent(&tp) {
+            b = b.trace_context(move || Some(tp.clone()));
+        } else {
+            eprintln!(
+                "lockctl: ignoring TRACEPARENT {tp:?}: not a W3C traceparent \
+                 (00-<32 hex trace id>-<16 hex span id>-<2 hex flags>)"
+            );
+        }
+    }
     b.build()
 }
 
