@@ -2,7 +2,10 @@
 //! WebSocket client (seed-000 style JSON, any node, its own retries) doing
 //! acquire → read the data store's counter → pause → fenced write of counter + 1 → release on one
 //! contended key, and a seeded nemesis that SIGKILLs and restarts nodes, SIGSTOPs them for
-//! longer than the lock TTL, and now and then SIGKILLs the whole cluster at once. Every operation is recorded; the checker then requires:
+//! longer than the lock TTL, now and then SIGKILLs the whole cluster at once, partitions the
+//! network (one node from another both ways or one way, the leader from everyone, or a bridge:
+//! two nodes that reach only the third) and jumps nodes' wall clocks by up to ten minutes either
+//! way. Every operation is recorded; the checker then requires:
 //!
 //! 1. the intervals in which a client believed it held the key (from the grant's answer until it
 //!    sent its release or its SDK safety deadline passed, whichever came first) never overlap;
@@ -13,7 +16,17 @@
 //! 5. after the nemesis stops, the cluster grants the lock again within 15 s;
 //! 6. the run made progress (some increments under faults).
 //!
-//! Bounded: 20 s of faults by default. Long form:
+//! Partitions need network namespaces: run as root (CI does), each node lives in a namespace of
+//! its own, joined to the others by a bridge in a hub namespace, and the test reaches them through
+//! a veth of its own into the hub (addresses 10.213.S.0/24, S chosen per run); a partition is an
+//! iptables DROP inside the receiving node's namespace. Without root the nodes run on 127.0.0.1
+//! and the nemesis does no partitions (`RAFTLOCK_REQUIRE_NETNS=1` makes that a failure). Clock
+//! jumps need libfaketime (Debian `faketime`; `RAFTLOCK_REQUIRE_FAKETIME=1` likewise): lock-node
+//! runs with it preloaded and only the wall clock faked (`DONT_FAKE_MONOTONIC=1`), since leases run
+//! on the monotonic clock, which a wall-clock step must not move.
+//!
+//! The run ends with one line, `chaos: seed=… ops=… partitions=… kills=… pauses=…
+//! clock_jumps=… violations=…`. Bounded: 20 s of faults by default. Long form:
 //! `RAFTLOCK_CHAOS_SECONDS=600 RAFTLOCK_CHAOS_SEED=7 cargo test --release --test chaos -- --nocapture`.
 //! The seed fixes the nemesis schedule (which node, which fault, how long); process timing is
 //! not deterministic, so a seed replays the schedule, not the exact interleaving.
@@ -57,6 +70,12 @@ struct History {
     writes: Vec<Write>,
     acquire_errors: usize,
     late_skips: usize,
+    /// Client operations invoked: acquires, counter reads, fenced writes, releases, cancels.
+    ops: usize,
+    /// Waits cancelled (answered `cancelled: true`).
+    cancels: usize,
+    /// Grants that arrived after their wait was cancelled.
+    cancel_violations: Vec<String>,
 }
 
 async fn post(addr: &str, path: &str, body: &Value, timeout: Duration) -> Option<u16> {
@@ -90,34 +109,46 @@ async fn read_counter(store: &str) -> Option<u64> {
 
 /// The work under the lock, shared by both kinds of client: read the counter, pause, write
 /// counter + 1 with `token` only while the hold is believed valid, and record the write and the
-/// hold (from `start` until the release is about to be sent or `valid_until`, if earlier).
+/// hold (from `start` until the release is about to be sent or the end of the belief, if
+/// earlier). `valid_until` says until when the client believes it holds the lock now (the SDK
+/// moves it on with each renewal). One hold in four is long — up to twice the TTL, renewed by
+/// the SDK meanwhile — so leader changes often fall inside a hold.
 #[allow(clippy::too_many_arguments)]
 async fn increment_while_valid(
     worker: usize,
     client_id: &str,
     token: u64,
     start: Instant,
-    valid_until: Instant,
+    valid_until: &(dyn Fn() -> Instant + Send + Sync),
+    long_holds: bool,
     store: &str,
     history: &Mutex<History>,
     rng: &mut rand_chacha::ChaCha8Rng,
 ) {
+    history.lock().unwrap().ops += 1;
     if let Some(value) = read_counter(store).await {
-        tokio::time::sleep(Duration::from_millis(rng.random_range(0..120))).await;
+        let pause_ms = if long_holds && rng.random_range(0..4) == 0 {
+            rng.random_range(300..(2 * TTL.as_millis() as u64))
+        } else {
+            rng.random_range(0..120)
+        };
+        tokio::time::sleep(Duration::from_millis(pause_ms)).await;
         let now = Instant::now();
-        if now + Duration::from_millis(20) < valid_until {
+        let until = valid_until();
+        if now + Duration::from_millis(20) < until {
             let body = json!({"clientID": client_id,
                               "fencingToken": {"key": KEY, "value": token},
                               "data": (value + 1).to_string()});
-            let status = post(store, "/write", &body, valid_until - now).await;
+            let status = post(store, "/write", &body, until - now).await;
             let mut h = history.lock().unwrap();
+            h.ops += 1;
             h.writes.push(Write {
                 worker,
                 token,
                 value: value + 1,
                 acked: status == Some(200),
             });
-            if Instant::now() > valid_until {
+            if Instant::now() > until {
                 // The client's own rule was broken by a slow write: reported, not hidden.
                 h.late_skips += 1;
             }
@@ -125,7 +156,7 @@ async fn increment_while_valid(
             history.lock().unwrap().late_skips += 1;
         }
     }
-    let end = valid_until.min(Instant::now());
+    let end = valid_until().min(Instant::now());
     history.lock().unwrap().holds.push(Hold {
         worker,
         token,
@@ -144,6 +175,7 @@ async fn worker(
 ) {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ (id as u64 + 1));
     while Instant::now() < stop_at {
+        history.lock().unwrap().ops += 1;
         let handle = match client
             .acquire_with(KEY, TTL, Some(Duration::from_secs(3)))
             .await
@@ -157,18 +189,23 @@ async fn worker(
             }
         };
         let start = Instant::now();
-        let (token, valid_until) = (handle.fencing_token(), handle.valid_until());
+        let token = handle.fencing_token();
+        // Renewed in the background while the work goes on (the SDK moves `valid_until` on).
+        let renewer = handle.auto_renew();
         increment_while_valid(
             id,
             &format!("w{id}"),
             token,
             start,
-            valid_until,
+            &|| handle.valid_until(),
+            true,
             &store,
             &history,
             &mut rng,
         )
         .await;
+        drop(renewer);
+        history.lock().unwrap().ops += 1;
         let _ = tokio::time::timeout(Duration::from_secs(3), handle.release()).await;
     }
 }
@@ -200,11 +237,18 @@ async fn raw_worker(
     let mut n = 0u64;
     while Instant::now() < stop_at {
         n += 1;
+        if rng.random_range(0..5) == 0 {
+            let node = &nodes[rng.random_range(0..nodes.len())];
+            let cancel_after = Duration::from_millis(rng.random_range(10..200));
+            cancelled_wait(id, n, node, cancel_after, &history).await;
+            continue;
+        }
         let request_id = format!("raw{id}-{n}");
         let msg = json!({"commandType": 3, "key": KEY, "clientId": format!("raw{id}"),
                          "requestId": request_id, "ttl": TTL.as_millis() as u64,
                          "waitTimeout": 3000});
         // Retry the same request on any node until answered (bounded).
+        history.lock().unwrap().ops += 1;
         let give_up = Instant::now() + Duration::from_secs(10);
         let mut granted = None;
         while Instant::now() < give_up {
@@ -237,7 +281,8 @@ async fn raw_worker(
             &format!("raw{id}"),
             token,
             start,
-            valid_until,
+            &move || valid_until,
+            false,
             &store,
             &history,
             &mut rng,
@@ -246,6 +291,7 @@ async fn raw_worker(
         let release = json!({"commandType": 4, "key": KEY, "clientId": format!("raw{id}"),
                              "requestId": format!("{request_id}-r"),
                              "fencingToken": {"key": KEY, "value": token}});
+        history.lock().unwrap().ops += 1;
         for node in &nodes {
             if ws_once(node, &release, Duration::from_secs(2))
                 .await
@@ -257,6 +303,319 @@ async fn raw_worker(
     }
 }
 
+/// Runs `ip` or `iptables` (with `ip netns exec NS` in front when `ns` is given); the error
+/// names the command.
+fn run(ns: Option<&str>, args: &[&str]) -> Result<(), String> {
+    let mut command = std::process::Command::new(if ns.is_some() { "ip" } else { args[0] });
+    match ns {
+        Some(ns) => command.args(["netns", "exec", ns]).args(args),
+        None => command.args(&args[1..]),
+    };
+    let out = command.output().map_err(|e| format!("{args:?}: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{ns:?} {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+/// One network namespace per node, joined by a bridge in a hub namespace, and a veth from the
+/// test's own namespace into the hub (so clients reach every node whatever the partition).
+/// Partitions are iptables rules inside the receiving node's namespace. Everything is deleted
+/// when dropped.
+struct NetLab {
+    prefix: String,
+    subnet: u32,
+    nodes: u64,
+}
+
+impl NetLab {
+    fn create(nodes: u64) -> Result<NetLab, String> {
+        let pid = std::process::id();
+        let lab = NetLab {
+            prefix: format!("rl{pid}"),
+            subnet: 16 + pid % 200,
+            nodes,
+        };
+        lab.build().inspect_err(|_| lab.remove())?;
+        Ok(lab)
+    }
+
+    fn hub(&self) -> String {
+        format!("{}h", self.prefix)
+    }
+    fn ns(&self, id: u64) -> String {
+        format!("{}n{id}", self.prefix)
+    }
+    fn ip(&self, id: u64) -> String {
+        format!("10.213.{}.{}", self.subnet, 10 + id)
+    }
+
+    fn build(&self) -> Result<(), String> {
+        let hub = self.hub();
+        run(None, &["ip", "netns", "add", &hub])?;
+        run(Some(&hub), &["ip", "link", "add", "br0", "type", "bridge"])?;
+        run(Some(&hub), &["ip", "link", "set", "br0", "up"])?;
+        // The test's own leg: `<prefix>r` here, `<prefix>q` in the hub.
+        let (here, there) = (format!("{}r", self.prefix), format!("{}q", self.prefix));
+        run(
+            None,
+            &[
+                "ip", "link", "add", &here, "type", "veth", "peer", "name", &there,
+            ],
+        )?;
+        run(None, &["ip", "link", "set", &there, "netns", &hub])?;
+        run(Some(&hub), &["ip", "link", "set", &there, "master", "br0"])?;
+        run(Some(&hub), &["ip", "link", "set", &there, "up"])?;
+        let own = format!("10.213.{}.1/24", self.subnet);
+        run(None, &["ip", "addr", "add", &own, "dev", &here])?;
+        run(None, &["ip", "link", "set", &here, "up"])?;
+        for id in 1..=self.nodes {
+            let ns = self.ns(id);
+            let (inside, outside) = (
+                format!("{}v{id}", self.prefix),
+                format!("{}p{id}", self.prefix),
+            );
+            run(None, &["ip", "netns", "add", &ns])?;
+            run(
+                None,
+                &[
+                    "ip", "link", "add", &inside, "type", "veth", "peer", "name", &outside,
+                ],
+            )?;
+            run(None, &["ip", "link", "set", &inside, "netns", &ns])?;
+            run(None, &["ip", "link", "set", &outside, "netns", &hub])?;
+            run(
+                Some(&hub),
+                &["ip", "link", "set", &outside, "master", "br0"],
+            )?;
+            run(Some(&hub), &["ip", "link", "set", &outside, "up"])?;
+            let addr = format!("{}/24", self.ip(id));
+            run(Some(&ns), &["ip", "addr", "add", &addr, "dev", &inside])?;
+            run(Some(&ns), &["ip", "link", "set", &inside, "up"])?;
+            run(Some(&ns), &["ip", "link", "set", "lo", "up"])?;
+            run(Some(&ns), &["iptables", "-w", "-F", "INPUT"])?;
+        }
+        Ok(())
+    }
+
+    /// `to` drops every packet from `from` (a one-way cut; both directions of TCP stall).
+    fn cut(&self, from: u64, to: u64) -> Result<(), String> {
+        let src = self.ip(from);
+        run(
+            Some(&self.ns(to)),
+            &["iptables", "-w", "-A", "INPUT", "-s", &src, "-j", "DROP"],
+        )
+    }
+
+    fn heal(&self) -> Result<(), String> {
+        for id in 1..=self.nodes {
+            run(Some(&self.ns(id)), &["iptables", "-w", "-F", "INPUT"])?;
+        }
+        Ok(())
+    }
+
+    fn remove(&self) {
+        let _ = run(None, &["ip", "link", "del", &format!("{}r", self.prefix)]);
+        for id in 1..=self.nodes {
+            let _ = run(None, &["ip", "netns", "del", &self.ns(id)]);
+        }
+        let _ = run(None, &["ip", "netns", "del", &self.hub()]);
+    }
+}
+
+impl Drop for NetLab {
+    fn drop(&mut self) {
+        self.remove();
+    }
+}
+
+/// libfaketime, preloaded into lock-node so the nemesis can move its wall clock: each node reads
+/// its offset from a file (re-read at most once a second); the monotonic clock is left alone.
+struct Clocks {
+    library: String,
+    dir: std::path::PathBuf,
+}
+
+impl Clocks {
+    fn find(dir: &std::path::Path) -> Option<Clocks> {
+        let library = [
+            "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1",
+            "/usr/lib/aarch64-linux-gnu/faketime/libfaketimeMT.so.1",
+            "/usr/lib/faketime/libfaketimeMT.so.1",
+        ]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).exists())?;
+        Some(Clocks {
+            library: library.to_string(),
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    fn file(&self, id: u64) -> std::path::PathBuf {
+        self.dir.join(format!("faketime-{id}"))
+    }
+
+    /// The environment node `id` runs with; its clock starts true.
+    fn env(&self, id: u64) -> Vec<(String, String)> {
+        self.set(id, 0);
+        vec![
+            ("LD_PRELOAD".into(), self.library.clone()),
+            (
+                "FAKETIME_TIMESTAMP_FILE".into(),
+                self.file(id).display().to_string(),
+            ),
+            ("FAKETIME_CACHE_DURATION".into(), "1".into()),
+            ("DONT_FAKE_MONOTONIC".into(), "1".into()),
+        ]
+    }
+
+    /// Node `id`'s wall clock reads true time + `offset_s` from now on.
+    fn set(&self, id: u64, offset_s: i64) {
+        std::fs::write(self.file(id), format!("{offset_s:+}\n")).expect("faketime file");
+    }
+}
+
+/// What the nemesis did, counted for the summary line.
+#[derive(Default)]
+struct Faults {
+    kills: usize,
+    pauses: usize,
+    partitions: usize,
+    clock_jumps: usize,
+}
+
+/// The node that says it leads, if one does within a second.
+async fn current_leader(cluster: &Cluster) -> Option<u64> {
+    for node in cluster.nodes.iter().filter(|n| n.child.is_some()) {
+        let status = tokio::time::timeout(
+            Duration::from_secs(1),
+            http_json(&node.client_addr(), "/status"),
+        )
+        .await;
+        if let Ok(Ok(status)) = status {
+            if status["role"] == "leader" {
+                return Some(node.id);
+            }
+        }
+    }
+    None
+}
+
+/// A wait given up: the raw client asks for the lock, then cancels the request (commandType 6)
+/// `cancel_after` later on the same connection. If the grant came first, the client held the
+/// lock from the grant's answer (recorded as a hold, believed until its lease minus a fifth) and
+/// releases it at once; a cancelled wait must never turn into a grant afterwards.
+async fn cancelled_wait(
+    id: usize,
+    n: u64,
+    node: &str,
+    cancel_after: Duration,
+    history: &Mutex<History>,
+) {
+    use futures::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::Message;
+    let client = format!("raw{id}");
+    let request_id = format!("raw{id}-{n}-c");
+    let url = format!("ws://{node}/ws");
+    let Ok(Ok((mut ws, _))) = tokio::time::timeout(
+        Duration::from_secs(2),
+        tokio_tungstenite::connect_async(url),
+    )
+    .await
+    else {
+        return;
+    };
+    let acquire = json!({"commandType": 3, "key": KEY, "clientId": client,
+                         "requestId": request_id, "ttl": TTL.as_millis() as u64,
+                         "waitTimeout": 3000});
+    let sent = Instant::now();
+    if ws
+        .send(Message::Text(acquire.to_string().into()))
+        .await
+        .is_err()
+    {
+        return;
+    }
+    history.lock().unwrap().ops += 1;
+    let cancel = json!({"commandType": 6, "key": KEY, "clientId": client,
+                        "requestId": request_id});
+    let mut cancel_sent = false;
+    let mut grant: Option<(u64, Instant, Instant)> = None;
+    let mut cancelled = false;
+    let give_up = Instant::now() + Duration::from_secs(5);
+    loop {
+        let wait = if cancel_sent {
+            give_up.saturating_duration_since(Instant::now())
+        } else {
+            cancel_after
+        };
+        match tokio::time::timeout(wait, ws.next()).await {
+            Err(_) if !cancel_sent => {
+                cancel_sent = ws
+                    .send(Message::Text(cancel.to_string().into()))
+                    .await
+                    .is_ok();
+                history.lock().unwrap().ops += 1;
+                if !cancel_sent {
+                    break;
+                }
+            }
+            Ok(Some(Ok(frame))) => {
+                let Ok(reply) = serde_json::from_str::<Value>(frame.to_text().unwrap_or("")) else {
+                    continue;
+                };
+                if let Some(token) = reply["fencingToken"]["value"].as_u64() {
+                    if reply["success"] == true && grant.is_none() {
+                        if cancelled {
+                            history.lock().unwrap().cancel_violations.push(format!(
+                                "raw{id}: request {request_id} was granted token {token} after \
+                                 its wait was cancelled"
+                            ));
+                        }
+                        let left = reply["expiresInMs"].as_u64().unwrap_or(0);
+                        let lease_end =
+                            sent + Duration::from_millis(left.min(TTL.as_millis() as u64));
+                        let start = Instant::now();
+                        let until = lease_end.checked_sub(TTL / 5).unwrap_or(start).max(start);
+                        grant = Some((token, start, until));
+                        if !cancel_sent {
+                            break;
+                        }
+                    }
+                } else if reply["cancelled"] == true {
+                    cancelled = true;
+                    history.lock().unwrap().cancels += 1;
+                }
+                let both = cancel_sent
+                    && (cancelled || reply["error"]["code"] == "NOT_WAITING" || grant.is_some());
+                if both && (grant.is_some() || cancelled) {
+                    break;
+                }
+            }
+            _ => break,
+        }
+    }
+    if let Some((token, start, until)) = grant {
+        let end = until.min(Instant::now());
+        let release = json!({"commandType": 4, "key": KEY, "clientId": client,
+                             "requestId": format!("{request_id}-r"),
+                             "fencingToken": {"key": KEY, "value": token}});
+        history.lock().unwrap().holds.push(Hold {
+            worker: 100 + id,
+            token,
+            start,
+            end,
+        });
+        history.lock().unwrap().ops += 1;
+        let _ = ws.send(Message::Text(release.to_string().into())).await;
+        let _ = tokio::time::timeout(Duration::from_secs(2), ws.next()).await;
+    }
+}
+
 fn signal(node: &NodeProc, sig: &str) {
     if let Some(child) = &node.child {
         let _ = std::process::Command::new("kill")
@@ -265,18 +624,35 @@ fn signal(node: &NodeProc, sig: &str) {
     }
 }
 
-/// Faults on a seeded schedule until `stop_at`; at most one node is down or paused at a time.
-/// Returns the schedule as text (printed with a failure).
-async fn nemesis(cluster: &mut Cluster, seed: u64, stop_at: Instant) -> Vec<String> {
+/// Faults on a seeded schedule until `stop_at`; at most one fault at a time, each healed before
+/// the next. Returns the schedule as text (printed with a failure) and the counts.
+async fn nemesis(
+    cluster: &mut Cluster,
+    lab: Option<&NetLab>,
+    clocks: Option<&Clocks>,
+    seed: u64,
+    stop_at: Instant,
+    leader_share_percent: u32,
+) -> (Vec<String>, Faults) {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let mut log = Vec::new();
+    let mut faults = Faults::default();
     let started = Instant::now();
     while Instant::now() < stop_at {
         tokio::time::sleep(Duration::from_millis(rng.random_range(400..1200))).await;
-        let id = rng.random_range(1..=3u64);
+        let mut id = rng.random_range(1..=3u64);
+        // Kills and pauses hit the current leader this often (a leader change in the middle
+        // of someone's hold is what lease bugs need); otherwise any node.
+        if rng.random_range(0..100) < leader_share_percent {
+            id = current_leader(cluster).await.unwrap_or(id);
+        }
         let at = started.elapsed().as_millis();
-        let dice = rng.random_range(0..100);
-        if dice < 8 {
+        let mut dice = rng.random_range(0..100);
+        // Faults this run cannot make fall back to kills and pauses.
+        if (56..82).contains(&dice) && lab.is_none() || dice >= 82 && clocks.is_none() {
+            dice %= 56;
+        }
+        if dice < 6 {
             let down = Duration::from_millis(rng.random_range(200..1000));
             log.push(format!(
                 "{at}ms: SIGKILL every node, restart after {down:?}"
@@ -284,28 +660,77 @@ async fn nemesis(cluster: &mut Cluster, seed: u64, stop_at: Instant) -> Vec<Stri
             for id in 1..=3 {
                 cluster.node(id).kill();
             }
+            faults.kills += 3;
             tokio::time::sleep(down).await;
             for id in 1..=3 {
                 cluster.node(id).start();
             }
-        } else if dice < 54 {
+        } else if dice < 32 {
             let down = Duration::from_millis(rng.random_range(200..1500));
             log.push(format!("{at}ms: SIGKILL node {id}, restart after {down:?}"));
             cluster.node(id).kill();
+            faults.kills += 1;
             tokio::time::sleep(down).await;
             cluster.node(id).start();
-        } else {
+        } else if dice < 56 {
             let paused = TTL * 2;
             log.push(format!("{at}ms: SIGSTOP node {id} for {paused:?}"));
             signal(cluster.node(id), "-STOP");
+            faults.pauses += 1;
             tokio::time::sleep(paused).await;
             signal(cluster.node(id), "-CONT");
+        } else if dice < 82 {
+            let lab = lab.expect("partitions only with a lab");
+            let held = Duration::from_millis(rng.random_range(500..3000));
+            let other = 1 + (id + rng.random_range(0..2u64)) % 3;
+            let third = 6 - id - other;
+            // (from, to) pairs to cut.
+            let (what, cuts): (String, Vec<(u64, u64)>) = match rng.random_range(0..4) {
+                0 => (
+                    format!("node {id} from node {other}, both ways"),
+                    vec![(id, other), (other, id)],
+                ),
+                1 => (format!("node {id} deaf to node {other}"), vec![(other, id)]),
+                2 => {
+                    let leader = current_leader(cluster).await.unwrap_or(id);
+                    let others: Vec<u64> = (1..=3).filter(|&n| n != leader).collect();
+                    (
+                        format!("the leader (node {leader}) from everyone"),
+                        others
+                            .iter()
+                            .flat_map(|&n| [(n, leader), (leader, n)])
+                            .collect(),
+                    )
+                }
+                _ => (
+                    format!("nodes {other} and {third} from each other (node {id} bridges)"),
+                    vec![(other, third), (third, other)],
+                ),
+            };
+            log.push(format!("{at}ms: partition {what} for {held:?}"));
+            for (from, to) in cuts {
+                lab.cut(from, to).expect("partition");
+            }
+            faults.partitions += 1;
+            tokio::time::sleep(held).await;
+            lab.heal().expect("heal");
+        } else {
+            let clocks = clocks.expect("clock jumps only with faketime");
+            let offset_s: i64 = rng.random_range(-600..=600);
+            log.push(format!(
+                "{at}ms: node {id}'s wall clock jumps to true time {offset_s:+} s"
+            ));
+            clocks.set(id, offset_s);
+            faults.clock_jumps += 1;
         }
     }
-    log
+    (log, faults)
 }
 
 fn check(history: &History, accepted: &[(u64, u64)]) -> Result<(), String> {
+    if let Some(v) = history.cancel_violations.first() {
+        return Err(v.clone());
+    }
     // 1 and 2: hold intervals never overlap; tokens rise in grant order.
     // An answer that arrived after its safety deadline (a paused node delivered it late) gave
     // no belief at all: only non-empty intervals count.
@@ -386,7 +811,54 @@ async fn fenced_increments_survive_kills_and_pauses() {
     );
     println!("chaos: seed {seed}, {seconds} s of faults (replay the schedule: {replay})");
 
-    let mut cluster = Cluster::start(3);
+    let required = |var: &str| std::env::var_os(var).is_some_and(|v| v == "1");
+    // A deliberately broken lock-node (built with the `mutations` feature) that the checker must
+    // catch: scripts/chaos-mutant.sh.
+    let mutant = std::env::var("RAFTLOCK_CHAOS_MUTANT_BIN").ok();
+    let mutation = std::env::var("RAFTLOCK_MUTATION").unwrap_or_default();
+    if mutant.is_some() {
+        println!("chaos: running lock-node with the bug {mutation:?} switched on");
+    }
+    let lab = match NetLab::create(3) {
+        Ok(lab) => Some(lab),
+        Err(e) => {
+            assert!(
+                !required("RAFTLOCK_REQUIRE_NETNS"),
+                "network namespaces are required (run as root): {e}"
+            );
+            println!("chaos: no network namespaces ({e}); no partitions in this run");
+            None
+        }
+    };
+    let clock_dir = tempfile::tempdir().expect("tempdir");
+    let clocks = Clocks::find(clock_dir.path());
+    if clocks.is_none() {
+        assert!(
+            !required("RAFTLOCK_REQUIRE_FAKETIME"),
+            "libfaketime is required (apt-get install faketime)"
+        );
+        println!("chaos: libfaketime not found (apt-get install faketime); no clock jumps");
+    }
+    let mut cluster = Cluster::start_custom(
+        3,
+        |node| {
+            if let Some(lab) = &lab {
+                node.host = lab.ip(node.id);
+                node.wrapper = ["ip", "netns", "exec", &lab.ns(node.id)]
+                    .map(String::from)
+                    .to_vec();
+            }
+            if let Some(clocks) = &clocks {
+                node.env = clocks.env(node.id);
+            }
+            if let Some(binary) = &mutant {
+                node.binary = binary.into();
+                node.env
+                    .push(("RAFTLOCK_MUTATION".into(), mutation.clone()));
+            }
+        },
+        |_| Vec::new(),
+    );
     cluster.wait_for_leader(Duration::from_secs(20)).await;
     let store = DataStoreProc::start().await;
     let endpoints = endpoints(&cluster);
@@ -417,8 +889,21 @@ async fn fenced_increments_survive_kills_and_pauses() {
         stop_at,
         seed,
     )));
-    let schedule = nemesis(&mut cluster, seed, stop_at).await;
-    // Heal: every node running and resumed.
+    // Against a broken build, every kill and pause hits the leader.
+    let leader_share_percent = if mutant.is_some() { 100 } else { 50 };
+    let (schedule, faults) = nemesis(
+        &mut cluster,
+        lab.as_ref(),
+        clocks.as_ref(),
+        seed,
+        stop_at,
+        leader_share_percent,
+    )
+    .await;
+    // Heal: every node running, resumed and connected (wall clocks stay where they jumped).
+    if let Some(lab) = &lab {
+        lab.heal().expect("heal");
+    }
     for id in 1..=3 {
         signal(cluster.node(id), "-CONT");
         if cluster.node(id).child.is_none() {
@@ -458,9 +943,11 @@ async fn fenced_increments_survive_kills_and_pauses() {
         .collect();
     let history = history.lock().unwrap();
     println!(
-        "chaos: {} holds, {} writes ({} acknowledged, {} accepted in the log), {} acquire errors, \
-         {} writes skipped or late at the safety deadline; recovery after healing {:?}",
+        "chaos: {} holds, {} cancelled waits, {} writes ({} acknowledged, {} accepted in the \
+         log), {} acquire errors, {} writes skipped or late at the safety deadline; recovery \
+         after healing {:?}",
         history.holds.len(),
+        history.cancels,
         history.writes.len(),
         history.writes.iter().filter(|w| w.acked).count(),
         accepted.len(),
@@ -483,6 +970,30 @@ async fn fenced_increments_survive_kills_and_pauses() {
         }
         Ok(())
     });
+    println!(
+        "chaos: seed={seed} ops={} partitions={} kills={} pauses={} clock_jumps={} violations={}",
+        history.ops,
+        faults.partitions,
+        faults.kills,
+        faults.pauses,
+        faults.clock_jumps,
+        usize::from(verdict.is_err())
+    );
+    if mutant.is_some() {
+        match verdict {
+            Err(violation) => {
+                println!(
+                    "chaos: the checker caught the broken lock-node ({mutation}): {violation}"
+                );
+                return;
+            }
+            Ok(()) => panic!(
+                "chaos: the broken lock-node ({mutation}) went unnoticed for {seconds} s \
+                 (seed {seed}); schedule:\n  {}",
+                schedule.join("\n  ")
+            ),
+        }
+    }
     if let Err(violation) = verdict {
         panic!(
             "chaos violation (seed {seed}): {violation}\nnemesis schedule:\n  {}\nreplay the \

@@ -322,14 +322,8 @@ async fn join_through_a_follower_then_remove() {
         .find(|n| n.id != leader)
         .unwrap()
         .peer_addr();
-    let mut fourth = NodeProc {
-        id: 4,
-        peer_port: free_port(),
-        client_port: free_port(),
-        data_dir: cluster.dir.path().join("node4"),
-        child: None,
-        extra_args: vec!["--join".into(), follower],
-    };
+    let mut fourth = NodeProc::new(4, cluster.dir.path().join("node4"));
+    fourth.extra_args = vec!["--join".into(), follower];
     fourth.start();
     let leader_addr = cluster.node(leader).client_addr();
     let deadline = std::time::Instant::now() + Duration::from_secs(30);

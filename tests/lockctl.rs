@@ -436,3 +436,62 @@ fn up_survives_a_killed_leader_and_restarts_it() {
         "state file left behind"
     );
 }
+
+/// Shell completions and the manual page come from the CLI definition: every subcommand is in
+/// both, and an unknown shell is refused with a clear error.
+#[test]
+fn completions_and_man_page_cover_every_subcommand() {
+    let subcommands = [
+        "up",
+        "acquire",
+        "release",
+        "renew",
+        "run",
+        "locks",
+        "status",
+        "members",
+        "node",
+        "kv",
+        "demo",
+        "simulate",
+        "completions",
+        "man",
+    ];
+    for shell in ["bash", "zsh", "fish"] {
+        let out = Command::new(LOCKCTL)
+            .args(["completions", shell])
+            .output()
+            .expect("lockctl completions");
+        assert!(out.status.success(), "{shell}: {out:?}");
+        let script = String::from_utf8_lossy(&out.stdout);
+        for sub in subcommands {
+            assert!(script.contains(sub), "{shell} completion lacks {sub}");
+        }
+    }
+    let out = Command::new(LOCKCTL)
+        .arg("man")
+        .output()
+        .expect("lockctl man");
+    assert!(out.status.success(), "{out:?}");
+    let page = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        page.starts_with(".ie") || page.contains(".TH lockctl"),
+        "{page}"
+    );
+    assert!(
+        page.contains(".TH lockctl 1"),
+        "not the lockctl page: {page}"
+    );
+    for sub in subcommands {
+        assert!(page.contains(sub), "the man page lacks {sub}");
+    }
+    let out = Command::new(LOCKCTL)
+        .args(["completions", "cmd-exe"])
+        .output()
+        .expect("lockctl completions");
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("possible values"),
+        "{out:?}"
+    );
+}

@@ -154,6 +154,115 @@ async fn lock_cycles(addr: &str, client: &str, cycles: usize, deadline: Instant)
     done
 }
 
+/// `rounds` hand-offs on one key through `addr`: a holder renews its lease, a second client
+/// queues behind it, the holder releases and the waiter is granted (the wait, hold and renewal
+/// metrics get values).
+async fn contended_hand_offs(addr: &str, label: &str, rounds: usize) {
+    let mut holder = ws_connect(addr).await;
+    let mut waiter = ws_connect(addr).await;
+    for i in 0..rounds {
+        let r = ws_request(
+            &mut holder,
+            &acquire("handoff", "holder", &format!("{label}-h{i}")),
+        )
+        .await;
+        assert_eq!(r["success"], true, "{r}");
+        let token = r["fencingToken"]["value"].clone();
+        let renew = serde_json::json!({"commandType": 5, "key": "handoff", "clientId": "holder",
+            "requestId": format!("{label}-hn{i}"), "ttl": 60000,
+            "fencingToken": {"key": "handoff", "value": token}});
+        let r = ws_request(&mut holder, &renew).await;
+        assert_eq!(r["success"], true, "{r}");
+        ws_send(
+            &mut waiter,
+            &acquire("handoff", "waiter", &format!("{label}-w{i}")),
+        )
+        .await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let r = ws_request(
+            &mut holder,
+            &release("handoff", "holder", &format!("{label}-hr{i}"), &token),
+        )
+        .await;
+        assert_eq!(r["success"], true, "{r}");
+        let granted = ws_recv(&mut waiter, Duration::from_secs(10))
+            .await
+            .expect("the waiter's grant");
+        assert_eq!(granted["success"], true, "{granted}");
+        let token = granted["fencingToken"]["value"].clone();
+        let r = ws_request(
+            &mut waiter,
+            &release("handoff", "waiter", &format!("{label}-wr{i}"), &token),
+        )
+        .await;
+        assert_eq!(r["success"], true, "{r}");
+    }
+}
+
+/// Acquire/release cycles on a client's own keys until `stop`, through the nodes in turn: on a
+/// failed connection or an error answer the client moves on to the next node. Returns the
+/// cycles completed.
+async fn steady_cycles(
+    endpoints: Vec<String>,
+    client: usize,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> usize {
+    let mut done = 0;
+    let mut n = 0u64;
+    let mut node = client;
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        node = (node + 1) % endpoints.len();
+        let url = format!("ws://{}/ws", endpoints[node]);
+        let Ok(Ok((mut ws, _))) = tokio::time::timeout(
+            Duration::from_secs(2),
+            tokio_tungstenite::connect_async(url),
+        )
+        .await
+        else {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            n += 1;
+            let key = format!("steady-{client}-{}", n % 4);
+            let who = format!("steady-{client}");
+            let Some(granted) = ask(&mut ws, acquire(&key, &who, &format!("{who}-a{n}"))).await
+            else {
+                break;
+            };
+            let token = granted["fencingToken"]["value"].clone();
+            let released = ask(&mut ws, release(&key, &who, &format!("{who}-r{n}"), &token)).await;
+            if released.is_none() {
+                break;
+            }
+            done += 1;
+            // About 20 cycles a second per client: a steady rate the panels can show.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    done
+}
+
+/// One request on `ws`; the answer if it came within 3 s and says `success`.
+async fn ask(ws: &mut Ws, msg: Value) -> Option<Value> {
+    use futures::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::Message;
+    ws.send(Message::Text(msg.to_string().into())).await.ok()?;
+    let reply = tokio::time::timeout(Duration::from_secs(3), ws.next())
+        .await
+        .ok()??
+        .ok()?;
+    let reply: Value = serde_json::from_str(reply.to_text().ok()?).ok()?;
+    (reply["success"] == true).then_some(reply)
+}
+
+fn unix_seconds() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock after 1970")
+        .as_secs_f64()
+}
+
 /// POSTs a fenced write to the data store; returns the HTTP status, or what went wrong.
 async fn fenced_write(store: &str, key: &str, token: &Value) -> Result<u16, String> {
     let body = serde_json::json!({"clientID": "prom-test", "fencingToken": {"key": key, "value": token}, "data": "x"})
@@ -300,35 +409,9 @@ async fn prometheus_scrapes_the_cluster() {
     );
     let prom_log_text = || std::fs::read_to_string(&prom_log).unwrap_or_default();
 
-    // Workload before the failure, and a stale fenced write: two grants of one key, the newer
-    // token written first, then the older one (refused with 409).
+    // Workload before Prometheus is up (the lock metrics have values from the first scrape).
     let workload_deadline = Instant::now() + Duration::from_secs(25);
     let before = lock_cycles(&addr, "before", 150, workload_deadline).await;
-    let mut ws = ws_connect(&addr).await;
-    let mut tokens = Vec::new();
-    for i in 0..2 {
-        let r = ws_request(&mut ws, &acquire("fenced", "writer", &format!("f{i}"))).await;
-        assert_eq!(r["success"], true, "{r}");
-        let token = r["fencingToken"]["value"].clone();
-        let r = ws_request(
-            &mut ws,
-            &release("fenced", "writer", &format!("fr{i}"), &token),
-        )
-        .await;
-        assert_eq!(r["success"], true, "{r}");
-        tokens.push(token);
-    }
-    drop(ws);
-    for (token, expected) in [(&tokens[1], 200), (&tokens[0], 409)] {
-        let status = fenced_write(&store.addr, "fenced", token).await;
-        assert_eq!(
-            status,
-            Ok(expected),
-            "fenced write with token {token}; data-store log:\n{}",
-            store.log()
-        );
-    }
-
     // Prometheus has the whole cluster (and the lag series of the first leader) before the kill.
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut last = Value::Null;
@@ -360,17 +443,68 @@ async fn prometheus_scrapes_the_cluster() {
         panic!("{e}");
     }
 
-    // SIGKILL the leader in the middle of the workload; a new leader takes over and the
-    // workload goes on through it.
+    // A steady workload through every node (followers forward) for PHASE, then SIGKILL the
+    // leader; a new leader takes over and the workload goes on through the survivors for
+    // another PHASE. Prometheus scrapes every second throughout, so the dashboard's range
+    // queries below see the traffic on both sides of the failure.
+    const PHASE: Duration = Duration::from_secs(12);
+    let endpoints: Vec<String> = cluster.nodes.iter().map(|n| n.client_addr()).collect();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut steady = Vec::new();
+    for client in 0..3 {
+        steady.push(tokio::spawn(steady_cycles(
+            endpoints.clone(),
+            client,
+            stop.clone(),
+        )));
+    }
+    // A stale fenced write: two grants of one key, the newer token written first, then the
+    // older one (refused with 409).
+    let mut ws = ws_connect(&addr).await;
+    let mut tokens = Vec::new();
+    for i in 0..2 {
+        let r = ws_request(&mut ws, &acquire("fenced", "writer", &format!("f{i}"))).await;
+        assert_eq!(r["success"], true, "{r}");
+        let token = r["fencingToken"]["value"].clone();
+        let r = ws_request(
+            &mut ws,
+            &release("fenced", "writer", &format!("fr{i}"), &token),
+        )
+        .await;
+        assert_eq!(r["success"], true, "{r}");
+        tokens.push(token);
+    }
+    drop(ws);
+    for (token, expected) in [(&tokens[1], 200), (&tokens[0], 409)] {
+        let status = fenced_write(&store.addr, "fenced", token).await;
+        assert_eq!(
+            status,
+            Ok(expected),
+            "fenced write with token {token}; data-store log:\n{}",
+            store.log()
+        );
+    }
+
+    contended_hand_offs(&addr, "before", 3).await;
+    tokio::time::sleep(PHASE).await;
     let killed_addr = cluster.node(leader).client_addr();
+    let killed_at = unix_seconds();
     cluster.node(leader).kill();
     let new_leader = cluster.wait_for_leader(Duration::from_secs(20)).await;
     assert_ne!(new_leader, leader);
     let new_addr = cluster.node(new_leader).client_addr();
-    let after = lock_cycles(&new_addr, "after", 150, workload_deadline).await;
+    let after = lock_cycles(&new_addr, "after", 150, workload_deadline + PHASE * 2).await;
+    contended_hand_offs(&new_addr, "after", 3).await;
+    tokio::time::sleep(PHASE.saturating_sub(Duration::from_secs_f64(unix_seconds() - killed_at)))
+        .await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut steady_cycles_done = 0;
+    for task in steady {
+        steady_cycles_done += task.await.expect("workload task");
+    }
     assert!(
-        before + after >= 200,
-        "only {before} + {after} lock cycles succeeded"
+        before + after >= 200 && steady_cycles_done > 0,
+        "only {before} + {after} lock cycles (and {steady_cycles_done} steady ones) succeeded"
     );
 
     // Wait for the rules to see the failure: every group evaluated without error, every
@@ -510,6 +644,50 @@ async fn prometheus_scrapes_the_cluster() {
         failures.join("\n")
     );
     assert!(checked > 20, "only {checked} dashboard queries found");
+
+    // Every panel draws something from this run: a range query over the whole run returns at
+    // least one finite point for one of the panel's queries. The answers are kept for
+    // scripts/plot-panels.py, which draws the README's picture of the key panels.
+    let end = unix_seconds();
+    let begin = end - started.elapsed().as_secs_f64() - 5.0;
+    let mut empty = Vec::new();
+    let mut drawn = Vec::new();
+    for (title, exprs) in dashboard_panels() {
+        let mut series = Vec::new();
+        for expr in &exprs {
+            let q = expr
+                .replace("$__rate_interval", "5s")
+                .replace("$namespace", ".*")
+                .replace("$job", ".*");
+            let path = format!(
+                "/api/v1/query_range?query={}&start={begin:.3}&end={end:.3}&step=1",
+                encode(&q)
+            );
+            let answer = http_json(&prom_addr, &path).await.unwrap_or(Value::Null);
+            for s in answer["data"]["result"].as_array().into_iter().flatten() {
+                series.push(serde_json::json!({"query": expr, "metric": s["metric"], "values": s["values"]}));
+            }
+        }
+        let finite = series.iter().any(|s| {
+            s["values"].as_array().into_iter().flatten().any(|v| {
+                v[1].as_str()
+                    .and_then(|x| x.parse::<f64>().ok())
+                    .is_some_and(f64::is_finite)
+            })
+        });
+        if !finite {
+            empty.push(title.clone());
+        }
+        drawn.push(serde_json::json!({"title": title, "series": series}));
+    }
+    let out = concat!(env!("CARGO_TARGET_TMPDIR"), "/prometheus-panels.json");
+    let run = serde_json::json!({"begin": begin, "end": end, "killed_leader": leader,
+                                 "killed_at": killed_at, "panels": drawn});
+    std::fs::write(out, run.to_string()).expect("write the panels' data");
+    assert!(
+        empty.is_empty(),
+        "dashboard panels with no data from this run: {empty:?}"
+    );
     eprintln!(
         "prometheus test: {before} + {after} lock cycles, leader {leader} killed, new leader \
          {new_leader} (lag in seconds of the killed node and the live follower: {lags:?}), {} rules \
@@ -517,6 +695,26 @@ async fn prometheus_scrapes_the_cluster() {
         records.len() + alerts.len(),
         started.elapsed()
     );
+}
+
+/// `(title, queries)` of every panel of deploy/grafana/raftlock.json that has queries.
+fn dashboard_panels() -> Vec<(String, Vec<String>)> {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/grafana/raftlock.json");
+    let text = std::fs::read_to_string(path).expect("dashboard");
+    let dash: Value = serde_json::from_str(&text).expect("dashboard JSON");
+    let mut out = Vec::new();
+    for panel in dash["panels"].as_array().expect("panels") {
+        let exprs: Vec<String> = panel["targets"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|t| t["expr"].as_str().map(str::to_string))
+            .collect();
+        if !exprs.is_empty() {
+            out.push((panel["title"].as_str().unwrap_or("?").to_string(), exprs));
+        }
+    }
+    out
 }
 
 /// The `expr` of every panel target in deploy/grafana/raftlock.json.
@@ -587,5 +785,83 @@ fn dashboard_and_alerts_name_only_exported_metrics() {
     assert!(
         unknown.is_empty(),
         "the dashboard or alerts use metrics nobody exports: {unknown:?}"
+    );
+}
+
+/// Span names lock-node creates, as written in its sources (`lock.*`, `kv.*`, `raft.*`).
+fn span_names() -> Vec<String> {
+    let mut names = Vec::new();
+    for file in [
+        "src/node/api.rs",
+        "src/server/driver.rs",
+        "src/server/ws.rs",
+    ] {
+        let path = format!("{}/{file}", env!("CARGO_MANIFEST_DIR"));
+        let text = std::fs::read_to_string(&path).expect("source");
+        for piece in text.split('"').skip(1).step_by(2) {
+            let named = ["lock.", "kv.", "raft."]
+                .iter()
+                .any(|p| piece.starts_with(p) && piece.len() > p.len());
+            if named
+                && piece
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c == '_' || c == '.')
+                && !names.iter().any(|n| n == piece)
+                // The tracing name of the request span; it is exported as `otel.name`
+                // (lock.acquire, …).
+                && piece != "lock.request"
+            {
+                names.push(piece.to_string());
+            }
+        }
+    }
+    names
+}
+
+/// The README's observability section has one table row per metric, span and alert.
+#[test]
+fn readme_lists_every_metric_span_and_alert() {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).expect("README");
+    let start = readme
+        .find("\n## Observability")
+        .expect("an Observability section");
+    let section = &readme[start + 1..];
+    let section = &section[..section[3..].find("\n## ").map_or(section.len(), |e| e + 3)];
+    let rows: Vec<&str> = section
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `"))
+        .filter_map(|l| l.split('`').next())
+        .collect();
+    let mut metrics = exported_metric_names();
+    // (Series of histograms quoted by the sources' own tests.)
+    metrics.retain(|m| !m.ends_with("_bucket"));
+    metrics.dedup();
+    let spans = span_names();
+    let (_, _, alerts) = rules_in_files();
+    assert!(metrics.len() > 20 && spans.len() > 10 && alerts.len() > 5);
+    let missing: Vec<&String> = metrics
+        .iter()
+        .chain(&spans)
+        .chain(&alerts)
+        .filter(|name| !rows.contains(&name.as_str()))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "README's Observability section has no row for {missing:?}"
+    );
+    let unknown: Vec<&&str> = rows
+        .iter()
+        .filter(|row| {
+            !metrics
+                .iter()
+                .chain(&spans)
+                .chain(&alerts)
+                .any(|n| n == *row)
+        })
+        .collect();
+    assert!(
+        unknown.is_empty(),
+        "README's Observability section lists what does not exist: {unknown:?}"
     );
 }

@@ -41,14 +41,7 @@ async fn wait_voters(node: &NodeProc, voters: &[u64], timeout: Duration) -> Valu
 
 fn statefulset_nodes(dir: &std::path::Path, n: u64) -> Vec<NodeProc> {
     let mut nodes: Vec<NodeProc> = (1..=n)
-        .map(|id| NodeProc {
-            id,
-            peer_port: free_port(),
-            client_port: free_port(),
-            data_dir: dir.join(format!("node{id}")),
-            child: None,
-            extra_args: Vec::new(),
-        })
+        .map(|id| NodeProc::new(id, dir.join(format!("node{id}"))))
         .collect();
     let join = nodes
         .iter()

@@ -71,8 +71,9 @@ pub struct NodeSettings {
     /// Emit [`Observation::Persisted`] and [`Observation::Applied`] (the simulator's checkers
     /// use them; lock-node leaves this off).
     pub observe_log: bool,
-    /// Known bugs, switched on by simulator tests to show the checkers catch them.
-    #[cfg(test)]
+    /// Known bugs, switched on by simulator tests (and, in a lock-node built with the
+    /// `mutations` feature, by `RAFTLOCK_MUTATION`) to show the checkers catch them.
+    #[cfg(any(test, feature = "mutations"))]
     pub bugs: NodeBugs,
 }
 
@@ -89,13 +90,14 @@ impl Default for NodeSettings {
             readies_per_drive: 64,
             configured_limits: None,
             observe_log: false,
-            #[cfg(test)]
+            #[cfg(any(test, feature = "mutations"))]
             bugs: NodeBugs::default(),
         }
     }
 }
 
-/// Lease and housekeeping bugs that the simulator must catch (switched on in test builds only).
+/// Lease and housekeeping bugs that the simulator and the chaos harness must catch (switched on
+/// in test builds and in a lock-node built with the `mutations` feature, never otherwise).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct NodeBugs {
     /// The lease ends when the release that handed the lock to a waiter is answered.
@@ -104,8 +106,28 @@ pub struct NodeBugs {
     pub lease_only_for_local_grants: bool,
     /// Expiry checks only the token (a renew racing it is acknowledged, then expired).
     pub expiry_checks_only_token: bool,
+    /// A new leader ends the leases it inherits at once instead of giving each a full TTL from
+    /// its election (it cannot know when the old leader last renewed them).
+    pub no_lease_wait_after_election: bool,
     /// An expiry or cancel proposal is never retried.
     pub housekeeping_never_retried: bool,
+}
+
+impl NodeBugs {
+    /// The bug named `name` switched on (the names of the fields above), for a lock-node built
+    /// with the `mutations` feature to show that the chaos checker catches it.
+    pub fn named(name: &str) -> Option<NodeBugs> {
+        let mut bugs = NodeBugs::default();
+        match name {
+            "lease_ended_after_hand_off" => bugs.lease_ended_after_hand_off = true,
+            "lease_only_for_local_grants" => bugs.lease_only_for_local_grants = true,
+            "expiry_checks_only_token" => bugs.expiry_checks_only_token = true,
+            "no_lease_wait_after_election" => bugs.no_lease_wait_after_election = true,
+            "housekeeping_never_retried" => bugs.housekeeping_never_retried = true,
+            _ => return None,
+        }
+        Some(bugs)
+    }
 }
 
 /// Something the shell must do or may record.
@@ -381,12 +403,12 @@ impl<S: Storage, R> NodeCore<S, R> {
         self.effects.push(Effect::Reply(to, reply));
     }
 
-    #[cfg(test)]
+    #[cfg(any(test, feature = "mutations"))]
     fn bug(&self, which: impl Fn(&NodeBugs) -> bool) -> bool {
         which(&self.cfg.bugs)
     }
 
-    #[cfg(not(test))]
+    #[cfg(not(any(test, feature = "mutations")))]
     fn bug(&self, _which: impl Fn(&NodeBugs) -> bool) -> bool {
         false
     }
@@ -876,10 +898,15 @@ impl<S: Storage, R> NodeCore<S, R> {
             .held_locks()
             .into_iter()
             .map(|h| {
+                let full_ttl = if self.bug(|b| b.no_lease_wait_after_election) {
+                    0
+                } else {
+                    h.ttl_ms * MS
+                };
                 let lease = Lease {
                     token: h.token,
                     lease_index: h.lease_index,
-                    deadline: now + h.ttl_ms * MS,
+                    deadline: now + full_ttl,
                     started: now,
                     expiry_proposed_at: None,
                 };
@@ -1222,10 +1249,14 @@ impl<S: Storage, R> NodeCore<S, R> {
             return Err(ClientReply::error(
                 ErrorCode::StaleToken,
                 format!(
-                    "this request was answered before with token {} for {:?}, but that hold has                      ended (expired, released or handed on; the current token is {:?}); acquire                      again with a new request id",
+                    "this request was answered before with token {} for {:?}, but that hold has \
+                     ended (expired, released or handed on; the current token is {}); acquire \
+                     again with a new request id",
                     token.value,
                     token.key,
-                    holder.map(|h| h.token)
+                    holder.map_or("none (the lock is free)".to_string(), |h| h
+                        .token
+                        .to_string())
                 ),
             ));
         }

@@ -247,6 +247,20 @@ impl Driver {
             configured_limits: Some(cfg.limits.clone()),
             ..NodeSettings::default()
         };
+        // A lock-node built with the `mutations` feature runs with the named bug switched on:
+        // only for showing that the chaos checker catches it (scripts/chaos-mutant.sh).
+        #[cfg(feature = "mutations")]
+        let settings = {
+            let mut settings = settings;
+            if let Ok(name) = std::env::var("RAFTLOCK_MUTATION") {
+                let bugs = crate::node::NodeBugs::named(&name).unwrap_or_else(|| {
+                    panic!("RAFTLOCK_MUTATION={name} names no known bug");
+                });
+                tracing::warn!(mutation = %name, "running with a deliberate bug switched on");
+                settings.bugs = bugs;
+            }
+            settings
+        };
         let storage = TimedStorage {
             inner: storage,
             metrics: metrics.clone(),

@@ -65,7 +65,8 @@ fn new_request_id(node_id: u64) -> String {
 }
 
 /// How long to wait for the cluster, from the seed's `client_timeout_ms`.
-fn commit_wait(client_timeout_ms: i64) -> Duration {
+#[doc(hidden)]
+pub fn commit_wait(client_timeout_ms: i64) -> Duration {
     if client_timeout_ms <= 0 {
         COMMIT_WAIT_DEFAULT
     } else {
@@ -87,7 +88,8 @@ fn describe(e: &ApiError) -> String {
 }
 
 /// A lease id is the fencing token in decimal: digits only, no sign or spaces, fits in a u64.
-fn parse_lease_id(text: &str) -> Option<u64> {
+#[doc(hidden)]
+pub fn parse_lease_id(text: &str) -> Option<u64> {
     if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
         return None;
     }

@@ -10,6 +10,7 @@ pub mod forward;
 pub mod grpc;
 pub mod grpc_seed;
 pub mod http;
+pub mod listener;
 pub mod node;
 pub mod proto;
 pub mod replication_lag;

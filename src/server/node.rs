@@ -249,7 +249,15 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
         .into_axum_router();
     let app = router(state).merge(grpc_routes);
     let mut client_shutdown = shutdown.clone();
+    let max_tcp_connections = cfg.max_connections + super::listener::EXTRA_TCP_CONNECTIONS;
+    let refused = metrics.client_connections_refused_total.clone();
     let client_task = tokio::spawn(async move {
+        let client_listener = super::listener::ClientListener::new(
+            client_listener,
+            max_tcp_connections,
+            super::listener::REQUEST_HEAD_DEADLINE,
+            refused,
+        );
         axum::serve(client_listener, app)
             .with_graceful_shutdown(async move {
                 let _ = client_shutdown.wait_for(|s| *s).await;

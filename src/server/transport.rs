@@ -149,6 +149,10 @@ impl PeerTransport {
 
     fn start_peer(&self, to: NodeId) -> mpsc::Sender<RaftMessage> {
         let (tx, rx) = mpsc::channel(PEER_QUEUE_MESSAGES);
+        // The peer's drop counter exists (at 0) from the first message on.
+        self.metrics
+            .peer_messages_dropped_total
+            .with_label_values(&[&to.to_string()]);
         if let Ok(mut peers) = self.peers.write() {
             peers.insert(to, tx.clone());
         }

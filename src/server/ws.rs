@@ -16,7 +16,7 @@ use tracing::{Instrument, Span};
 
 use super::api::{ApiError, ClientOp, ClientReply, ErrorCode};
 use super::driver::Input;
-use super::http::AppState;
+use super::http::{AppState, ClientLimits};
 use crate::lock::FencingToken;
 
 static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
@@ -196,7 +196,7 @@ pub async fn handle_text(
     };
     let forward = !request.redirect.unwrap_or(false);
     let traceparent = request.traceparent.clone();
-    let op = match to_op(request, state, conn) {
+    let op = match to_op(request, &state.limits, conn) {
         Ok(op) => op,
         Err(e) => return Some(error_json(&raw, &e)),
     };
@@ -297,26 +297,54 @@ pub async fn execute_on(
 ) -> ClientReply {
     if forward {
         if let Some(peer) = forward_target(state) {
-            state
-                .metrics
-                .requests_total
-                .with_label_values(&[op.name(), "forwarded"])
-                .inc();
-            let span = Span::current();
-            span.record("forwarded", true);
-            let traceparent = if span.is_disabled() {
-                None
-            } else {
-                crate::telemetry::traceparent_of(&span)
-            };
-            return state
-                .forwarder
-                .forward(&peer, &op, closed, traceparent)
-                .await;
+            return forward_to(&peer, op, state, closed).await;
         }
     }
     Span::current().record("forwarded", false);
-    execute_here(op, conn, state).await
+    if !forward {
+        return execute_here(op, conn, state).await;
+    }
+    let reply = execute_here(op.clone(), conn, state).await;
+    // This node stopped leading between the check above and its driver's answer. The driver
+    // refused the request without proposing it, so sending it to the new leader now is the same
+    // as sending it there first (and a client that asked for forwarding gets no redirect).
+    if let ClientReply::Error(e) = &reply {
+        let me = state.status.borrow().id;
+        let leader = (e.code == ErrorCode::NotLeader && e.leader_id != 0 && e.leader_id != me)
+            .then(|| state.addresses.get(e.leader_id))
+            .flatten()
+            .map(|a| a.peer)
+            .filter(|p| !p.is_empty());
+        if let Some(peer) = leader {
+            return forward_to(&peer, op, state, closed).await;
+        }
+    }
+    reply
+}
+
+/// Forwards `op` to the leader at `peer` (one hop) and returns its answer.
+async fn forward_to(
+    peer: &str,
+    op: ClientOp,
+    state: &AppState,
+    closed: Option<tokio::sync::watch::Receiver<bool>>,
+) -> ClientReply {
+    state
+        .metrics
+        .requests_total
+        .with_label_values(&[op.name(), "forwarded"])
+        .inc();
+    let span = Span::current();
+    span.record("forwarded", true);
+    let traceparent = if span.is_disabled() {
+        None
+    } else {
+        crate::telemetry::traceparent_of(&span)
+    };
+    state
+        .forwarder
+        .forward(peer, &op, closed, traceparent)
+        .await
 }
 
 /// The leader's peer address, when this node is a follower that knows one.
@@ -368,8 +396,22 @@ fn auto_request_id(conn: u64) -> String {
     format!("~{boot:x}.{conn}.{n}")
 }
 
-fn to_op(r: WsRequest, state: &AppState, conn: u64) -> Result<ClientOp, ApiError> {
-    let limits = &state.limits;
+/// What [`handle_text`] makes of a text frame before it executes anything: the operation, or
+/// the JSON error reply the frame is answered with. For the fuzz targets in `fuzz/`.
+#[doc(hidden)]
+pub fn parse_text(text: &str, limits: &ClientLimits, conn: u64) -> Result<ClientOp, String> {
+    let raw: Value = serde_json::from_str(text).map_err(|err| {
+        let e = ApiError::new(ErrorCode::InvalidRequest, format!("malformed JSON: {err}"));
+        error_json(&Value::Null, &e)
+    })?;
+    let request: WsRequest = serde_json::from_value(raw.clone()).map_err(|err| {
+        let e = ApiError::new(ErrorCode::InvalidRequest, format!("invalid request: {err}"));
+        error_json(&raw, &e)
+    })?;
+    to_op(request, limits, conn).map_err(|e| error_json(&raw, &e))
+}
+
+fn to_op(r: WsRequest, limits: &ClientLimits, conn: u64) -> Result<ClientOp, ApiError> {
     let invalid = |m: &str| ApiError::new(ErrorCode::InvalidRequest, m);
     if r.key.is_empty() {
         return Err(invalid("`key` must not be empty"));

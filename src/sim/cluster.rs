@@ -74,7 +74,7 @@ pub struct SimConfig {
     pub trace: bool,
     #[cfg(test)]
     pub bugs: crate::raft::config::Bugs,
-    #[cfg(test)]
+    #[cfg(any(test, feature = "mutations"))]
     pub node_bugs: crate::node::NodeBugs,
 }
 
@@ -96,7 +96,7 @@ impl SimConfig {
             trace: false,
             #[cfg(test)]
             bugs: Default::default(),
-            #[cfg(test)]
+            #[cfg(any(test, feature = "mutations"))]
             node_bugs: Default::default(),
         }
     }
@@ -405,7 +405,7 @@ impl Cluster {
             readies_per_drive: 1,
             configured_limits: Some(sim_lock_limits()),
             observe_log: true,
-            #[cfg(test)]
+            #[cfg(any(test, feature = "mutations"))]
             bugs: self.cfg.node_bugs,
         }
     }

@@ -340,6 +340,21 @@ fn caught_lease_ended_after_hand_off() {
 }
 
 #[test]
+fn caught_no_lease_wait_after_election() {
+    // A new leader must give every inherited lease a full TTL: the old leader may have renewed it
+    // just before losing office, and its client still believes it holds the lock.
+    assert_node_bug_caught(
+        "no_lease_wait_after_election",
+        100,
+        NodeBugs {
+            no_lease_wait_after_election: true,
+            ..NodeBugs::default()
+        },
+        &["one holder at a time", "linearizable"],
+    );
+}
+
+#[test]
 fn caught_no_lease_for_grants_without_a_local_proposal() {
     assert_node_bug_caught(
         "lease_only_for_local_grants",

@@ -430,6 +430,61 @@ fn decode_snapshot_inner(data: &[u8]) -> Result<Vec<KvPair>, DecodeError> {
     Ok(pairs)
 }
 
+/// The record decoders and encoders above, public for the fuzz targets in `fuzz/` (not an API:
+/// errors are their `Debug` text).
+#[doc(hidden)]
+pub mod fuzzing {
+    use crate::raft::{Entry, HardState, Index, Membership, Term};
+    use crate::storage::StorageError;
+
+    fn text<T>(result: Result<T, super::DecodeError>) -> Result<T, String> {
+        result.map_err(|error| format!("{error:?}"))
+    }
+
+    pub fn encode_entry(entry: &Entry) -> Vec<u8> {
+        super::encode_entry(entry)
+    }
+    pub fn decode_entry(key_index: Index, record: &[u8]) -> Result<Entry, StorageError> {
+        super::decode_entry(key_index, record)
+    }
+    pub fn encode_hard_state(hard_state: &HardState) -> Vec<u8> {
+        super::encode_hard_state(hard_state)
+    }
+    pub fn decode_hard_state(record: &[u8]) -> Result<HardState, String> {
+        text(super::decode_hard_state(record))
+    }
+    pub fn encode_index_term(index: Index, term: Term) -> Vec<u8> {
+        super::encode_index_term(index, term)
+    }
+    pub fn decode_index_term(record: &[u8]) -> Result<(Index, Term), String> {
+        text(super::decode_index_term(record))
+    }
+    pub fn encode_u64(value: u64) -> Vec<u8> {
+        super::encode_u64(value)
+    }
+    pub fn decode_u64(record: &[u8]) -> Result<u64, String> {
+        text(super::decode_u64(record))
+    }
+    pub fn encode_membership(membership: &Membership) -> Vec<u8> {
+        super::encode_membership(membership)
+    }
+    pub fn decode_membership(record: &[u8]) -> Result<Membership, String> {
+        text(super::decode_membership(record))
+    }
+    pub fn encode_state_value(value: &[u8]) -> Vec<u8> {
+        super::encode_state_value(value)
+    }
+    pub fn decode_state_value(record: &[u8]) -> Result<&[u8], String> {
+        text(super::decode_state_value(record))
+    }
+    pub fn index_key(index: Index) -> [u8; 8] {
+        super::index_key(index)
+    }
+    pub fn decode_index_key(key: &[u8]) -> Result<Index, String> {
+        text(super::decode_index_key(key))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

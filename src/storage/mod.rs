@@ -28,6 +28,8 @@ mod memory;
 #[cfg(feature = "server")]
 mod sled_store;
 
+#[doc(hidden)]
+pub use codec::fuzzing as codec_fuzzing;
 pub use codec::{decode_snapshot_data, encode_snapshot_data};
 pub use error::StorageError;
 pub use memory::MemStorage;

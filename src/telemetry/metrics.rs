@@ -36,6 +36,7 @@ pub struct NodeMetrics {
     pub lock_expirations_total: IntCounter,
     pub lock_renewals_total: IntCounter,
     pub client_connections: IntGauge,
+    pub client_connections_refused_total: IntCounterVec,
     pub ignored_fields_total: IntCounter,
     pub requests_total: IntCounterVec,
     pub peer_messages_dropped_total: IntCounterVec,
@@ -72,7 +73,7 @@ impl NodeMetrics {
         let hist = |name: &str, help: &str, buckets: &[f64]| {
             Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets.to_vec()))
         };
-        NodeMetrics {
+        let metrics = NodeMetrics {
             term: reg!(gauge("raftlock_term", "Current Raft term.")),
             is_leader: reg!(gauge("raftlock_is_leader", "1 if this node is the leader.")),
             has_leader: reg!(gauge(
@@ -138,7 +139,7 @@ impl NodeMetrics {
             snapshots_total: reg!(IntCounterVec::new(
                 Opts::new(
                     "raftlock_snapshots_total",
-                    "Snapshots taken, sent and installed."
+                    "Snapshots taken here (log compacted) and installed from the leader."
                 ),
                 &["kind"]
             )),
@@ -168,6 +169,14 @@ impl NodeMetrics {
                 "raftlock_client_connections",
                 "Open client WebSocket connections."
             )),
+            client_connections_refused_total: reg!(IntCounterVec::new(
+                Opts::new(
+                    "raftlock_client_connections_refused_total",
+                    "Client TCP connections closed by the listener: over the connection limit, \
+                     or no request within the deadline."
+                ),
+                &["reason"]
+            )),
             ignored_fields_total: reg!(counter(
                 "raftlock_ignored_fields_total",
                 "Fields of client WebSocket requests that the node does not know and ignored."
@@ -187,7 +196,13 @@ impl NodeMetrics {
                 &["peer"]
             )),
             registry,
+        };
+        // Every label value known in advance starts at 0, so a series exists (and a dashboard
+        // panel has data) before the first event.
+        for kind in ["taken", "installed"] {
+            metrics.snapshots_total.with_label_values(&[kind]);
         }
+        metrics
     }
 
     /// The Prometheus text exposition of every metric.

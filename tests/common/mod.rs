@@ -42,19 +42,57 @@ pub struct NodeProc {
     pub data_dir: PathBuf,
     pub child: Option<Child>,
     pub extra_args: Vec<String>,
+    /// The address both listeners bind: 127.0.0.1, or the node's address in a network
+    /// namespace the test made.
+    pub host: String,
+    /// A command the node runs under (e.g. `ip netns exec NS`; it execs lock-node, so the
+    /// child's pid is lock-node's own and signals reach it).
+    pub wrapper: Vec<String>,
+    /// Environment added to the node's (e.g. libfaketime's).
+    pub env: Vec<(String, String)>,
+    /// The lock-node executable (this build's unless a test says otherwise).
+    pub binary: PathBuf,
 }
 
 impl NodeProc {
+    /// A node on 127.0.0.1 with free ports, its data in `data_dir`; not started.
+    pub fn new(id: u64, data_dir: PathBuf) -> NodeProc {
+        NodeProc {
+            id,
+            peer_port: free_port(),
+            client_port: free_port(),
+            data_dir,
+            child: None,
+            extra_args: Vec::new(),
+            host: "127.0.0.1".into(),
+            wrapper: Vec::new(),
+            env: Vec::new(),
+            binary: PathBuf::from(env!("CARGO_BIN_EXE_lock-node")),
+        }
+    }
+
     pub fn client_addr(&self) -> String {
-        format!("127.0.0.1:{}", self.client_port)
+        format!("{}:{}", self.host, self.client_port)
     }
     pub fn peer_addr(&self) -> String {
-        format!("127.0.0.1:{}", self.peer_port)
+        format!("{}:{}", self.host, self.peer_port)
     }
 
     pub fn start(&mut self) {
-        let log = std::fs::File::create(self.data_dir.with_extension("log")).expect("log file");
-        let child = Command::new(env!("CARGO_BIN_EXE_lock-node"))
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.data_dir.with_extension("log"))
+            .expect("log file");
+        let mut command = match self.wrapper.split_first() {
+            Some((program, args)) => {
+                let mut c = Command::new(program);
+                c.args(args).arg(&self.binary);
+                c
+            }
+            None => Command::new(&self.binary),
+        };
+        let child = command
             .args(["--node-id", &self.id.to_string()])
             .args(["--data-dir", &self.data_dir.display().to_string()])
             .args(["--peer-listen", &self.peer_addr()])
@@ -69,6 +107,7 @@ impl NodeProc {
             ])
             .args(&self.extra_args)
             .env("RUST_LOG", "info")
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -120,15 +159,22 @@ impl Cluster {
 
     /// Starts `n` nodes, each with the extra flags `extra(node)` returns.
     pub fn start_with(n: u64, extra: impl Fn(&NodeProc) -> Vec<String>) -> Cluster {
+        Cluster::start_custom(n, |_| {}, extra)
+    }
+
+    /// Starts `n` nodes, each first adjusted by `setup` (its host, wrapper, environment), then
+    /// given the extra flags `extra(node)` returns.
+    pub fn start_custom(
+        n: u64,
+        setup: impl Fn(&mut NodeProc),
+        extra: impl Fn(&NodeProc) -> Vec<String>,
+    ) -> Cluster {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut nodes: Vec<NodeProc> = (1..=n)
-            .map(|id| NodeProc {
-                id,
-                peer_port: free_port(),
-                client_port: free_port(),
-                data_dir: dir.path().join(format!("node{id}")),
-                child: None,
-                extra_args: Vec::new(),
+            .map(|id| {
+                let mut node = NodeProc::new(id, dir.path().join(format!("node{id}")));
+                setup(&mut node);
+                node
             })
             .collect();
         let initial = nodes

@@ -22,7 +22,7 @@ use local::{LocalCluster, Ports, INTERNAL_DATA_STORE, INTERNAL_LOCK_NODE};
 const DEFAULT_ENDPOINTS: &str = "127.0.0.1:50051,127.0.0.1:50052,127.0.0.1:50053";
 
 #[derive(Parser, Debug)]
-#[command(version, about = "RaftLock command-line tool")]
+#[command(name = "lockctl", version, about = "RaftLock command-line tool")]
 struct Args {
     /// Output format: table (aligned columns for people; the default) or json (one JSON value,
     /// for scripts). `human` is accepted as another name for table.
@@ -157,6 +157,14 @@ enum Cmd {
         #[arg(long, default_value = "0ms", value_parser = humantime::parse_duration)]
         hold: Duration,
     },
+    /// Print a shell completion script, e.g. `lockctl completions bash >
+    /// /etc/bash_completion.d/lockctl` or `lockctl completions zsh > "${fpath[1]}/_lockctl"`.
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Print the manual page (roff), e.g. `lockctl man > /usr/local/share/man/man1/lockctl.1`.
+    Man,
 }
 
 #[derive(Subcommand, Debug)]
@@ -300,6 +308,23 @@ async fn dispatch(args: Args) -> ExitCode {
     let json_out = args.output.as_deref() == Some("json");
     let first = args.endpoints.first().cloned().unwrap_or_default();
     match &args.command {
+        Cmd::Completions { shell } => {
+            use clap::CommandFactory;
+            let mut command = Args::command();
+            clap_complete::generate(*shell, &mut command, "lockctl", &mut std::io::stdout());
+            ExitCode::SUCCESS
+        }
+        Cmd::Man => {
+            use clap::CommandFactory;
+            let page = clap_mangen::Man::new(Args::command());
+            match page.render(&mut std::io::stdout()) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("lockctl man: could not write the page: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Cmd::Up {
             nodes,
             data_dir,

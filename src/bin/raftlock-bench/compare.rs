@@ -23,7 +23,7 @@ pub struct CompareArgs {
 }
 
 /// Child processes killed when dropped, even on error.
-struct Procs(Vec<Child>);
+pub struct Procs(pub Vec<Child>);
 
 impl Drop for Procs {
     fn drop(&mut self) {
@@ -92,7 +92,13 @@ fn start_etcd(dir: &Path, procs: &mut Procs) -> Result<Vec<String>, String> {
         .collect())
 }
 
-fn start_raftlock(dir: &Path, procs: &mut Procs) -> Result<Vec<String>, String> {
+/// Starts a three-node RaftLock cluster with its data under `dir`, each node with `env` added
+/// to its environment; returns the client addresses.
+pub fn start_raftlock(
+    dir: &Path,
+    procs: &mut Procs,
+    env: &[(&str, &str)],
+) -> Result<Vec<String>, String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let node_bin = exe
         .parent()
@@ -129,6 +135,7 @@ fn start_raftlock(dir: &Path, procs: &mut Procs) -> Result<Vec<String>, String> 
             .args(["--client-listen", &format!("127.0.0.1:{}", client[i])])
             .args(["--initial-cluster", &initial])
             .env("RUST_LOG", "warn")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -139,7 +146,7 @@ fn start_raftlock(dir: &Path, procs: &mut Procs) -> Result<Vec<String>, String> 
 }
 
 /// Waits until a short uncontended run succeeds against the target.
-async fn wait_ready(target: Target, endpoints: &[String]) -> Result<(), String> {
+pub async fn wait_ready(target: Target, endpoints: &[String]) -> Result<(), String> {
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut last = String::new();
     while Instant::now() < deadline {
@@ -259,7 +266,7 @@ pub async fn compare(args: CompareArgs) -> Result<(), String> {
     );
     let mut procs = Procs(Vec::new());
     let etcd = start_etcd(&args.dir, &mut procs)?;
-    let raftlock = start_raftlock(&args.dir, &mut procs)?;
+    let raftlock = start_raftlock(&args.dir, &mut procs, &[])?;
     wait_ready(Target::Etcd, &etcd).await?;
     wait_ready(Target::Raftlock, &raftlock).await?;
     println!("both clusters ready: etcd {etcd:?}, raftlock {raftlock:?}");

@@ -8,9 +8,11 @@
 //! - `lock-memory`: resident memory per held lock and per queued waiter of the lock state machine.
 //! - `load`: C concurrent clients taking locks on a running RaftLock or etcd cluster.
 //! - `compare`: RaftLock and etcd side by side in one run (see `scripts/bench-vs-etcd.sh`).
+//! - `tracing`: RaftLock with trace export off and on side by side in one run.
 
 mod compare;
 mod load;
+mod tracing_cost;
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -86,6 +88,21 @@ enum Command {
         /// Where results.md and results.json are written.
         #[arg(long, default_value = "docs/bench")]
         out: std::path::PathBuf,
+    },
+    /// Two RaftLock clusters side by side, trace export off and on (every span sent over OTLP
+    /// to a receiver in this process): what tracing costs the hot path.
+    Tracing {
+        #[arg(long, value_delimiter = ',', default_values_t = vec![1, 32])]
+        clients: Vec<usize>,
+        /// Seconds per run.
+        #[arg(long, default_value_t = 5)]
+        seconds: u64,
+        /// Rounds of off/on per client count.
+        #[arg(long, default_value_t = 2)]
+        rounds: usize,
+        /// Where both clusters keep their data.
+        #[arg(long, default_value = "target/bench-data")]
+        dir: std::path::PathBuf,
     },
     /// Resident memory per held lock and per waiter of the lock state machine (process RSS
     /// before and after, so allocator overhead is included; key bytes are subtracted).
@@ -326,6 +343,26 @@ fn main() {
                     eprintln!("raftlock-bench: {e}");
                     std::process::exit(1);
                 }
+            }
+        }
+        Command::Tracing {
+            clients,
+            seconds,
+            rounds,
+            dir,
+        } => {
+            let args = tracing_cost::TracingArgs {
+                clients,
+                seconds: seconds.max(1),
+                rounds: rounds.max(1),
+                dir: dir.clone(),
+            };
+            let result = runtime().block_on(tracing_cost::tracing_cost(args));
+            let _ = std::fs::remove_dir_all(dir.join("tracing-off"));
+            let _ = std::fs::remove_dir_all(dir.join("tracing-on"));
+            if let Err(e) = result {
+                eprintln!("raftlock-bench tracing: {e}");
+                std::process::exit(1);
             }
         }
         Command::Compare {

@@ -1,0 +1,180 @@
+//! The client port's listener: every TCP connection a client opens — WebSocket, gRPC or plain
+//! HTTP — passes through here before the HTTP server sees it.
+//!
+//! ```text
+//!   accept ──► slot free? ── no ──► close at once (raftlock_client_connections_refused_total{reason="limit"})
+//!                 │ yes
+//!                 ▼
+//!   GuardedStream: the connection must send a request the server answers within
+//!   REQUEST_HEAD_DEADLINE, or it is closed (reason="no_request"); the slot is freed on close
+//! ```
+//!
+//! It bounds what a client can hold without ever making a request: half-open connections and
+//! connections that never finish their first request head (the HTTP server sets no such deadline
+//! on a new connection by itself). The WebSocket limit (`max_connections`) still applies on top,
+//! at the upgrade. This module decides nothing about locks or Raft.
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use prometheus::IntCounterVec;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Sleep;
+
+/// How long a new connection may take to send a request the server answers (a WebSocket
+/// upgrade, an HTTP request, or an HTTP/2 preface).
+pub const REQUEST_HEAD_DEADLINE: Duration = Duration::from_secs(10);
+
+/// TCP connections allowed beyond the WebSocket limit, for gRPC channels, HTTP requests,
+/// health probes and metric scrapes.
+pub const EXTRA_TCP_CONNECTIONS: usize = 256;
+
+/// A TCP listener with a cap on open connections and a deadline for a connection's first
+/// request.
+pub struct ClientListener {
+    inner: TcpListener,
+    /// One permit per open connection; a permit is returned when its connection closes.
+    slots: Arc<Semaphore>,
+    head_deadline: Duration,
+    refused: IntCounterVec,
+}
+
+impl ClientListener {
+    pub fn new(
+        inner: TcpListener,
+        max_connections: usize,
+        head_deadline: Duration,
+        refused: IntCounterVec,
+    ) -> ClientListener {
+        for reason in ["limit", "no_request"] {
+            refused.with_label_values(&[reason]);
+        }
+        ClientListener {
+            inner,
+            slots: Arc::new(Semaphore::new(max_connections)),
+            head_deadline,
+            refused,
+        }
+    }
+}
+
+impl axum::serve::Listener for ClientListener {
+    type Io = GuardedStream;
+    type Addr = std::net::SocketAddr;
+
+    async fn accept(&mut self) -> (GuardedStream, std::net::SocketAddr) {
+        loop {
+            let (stream, addr) = match self.inner.accept().await {
+                Ok(accepted) => accepted,
+                Err(err) => {
+                    // Out of file descriptors or a connection reset before accept: wait a
+                    // moment instead of spinning.
+                    tracing::warn!(cause = %err, "client accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let Ok(slot) = self.slots.clone().try_acquire_owned() else {
+                self.refused.with_label_values(&["limit"]).inc();
+                drop(stream);
+                continue;
+            };
+            let _ = stream.set_nodelay(true);
+            let deadline = Box::pin(tokio::time::sleep(self.head_deadline));
+            return (
+                GuardedStream {
+                    stream,
+                    deadline: Some(deadline),
+                    refused: self.refused.clone(),
+                    _slot: slot,
+                },
+                addr,
+            );
+        }
+    }
+
+    fn local_addr(&self) -> io::Result<std::net::SocketAddr> {
+        self.inner.local_addr()
+    }
+}
+
+/// A client connection holding one slot of the listener until it closes.
+pub struct GuardedStream {
+    stream: TcpStream,
+    /// Armed at accept; cleared by the server's first write (its answer to a complete request
+    /// head). While armed and passed, reads fail and the server closes the connection.
+    deadline: Option<Pin<Box<Sleep>>>,
+    refused: IntCounterVec,
+    _slot: OwnedSemaphorePermit,
+}
+
+impl GuardedStream {
+    fn answered(&mut self, written: &Poll<io::Result<usize>>) {
+        if matches!(written, Poll::Ready(Ok(n)) if *n > 0) {
+            self.deadline = None;
+        }
+    }
+}
+
+impl AsyncRead for GuardedStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if let Some(deadline) = this.deadline.as_mut() {
+            if deadline.as_mut().poll(cx).is_ready() {
+                this.deadline = None;
+                this.refused.with_label_values(&["no_request"]).inc();
+                return Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "no request within the deadline",
+                )));
+            }
+        }
+        Pin::new(&mut this.stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for GuardedStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let written = Pin::new(&mut this.stream).poll_write(cx, buf);
+        this.answered(&written);
+        written
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let written = Pin::new(&mut this.stream).poll_write_vectored(cx, bufs);
+        this.answered(&written);
+        written
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
+    }
+}
