@@ -14,7 +14,12 @@
 //!    that another holder then overwrote) with non-decreasing tokens;
 //! 4. every write the data store acknowledged is in its log;
 //! 5. after the nemesis stops, the cluster grants the lock again within 15 s;
-//! 6. the run made progress (some increments under faults).
+//! 6. the run made progress (some increments under faults);
+//! 7. acquire, renew and release are linearizable per key: separate workers take, renew and
+//!    release a few `lin-*` keys (a fresh set every few seconds, so that each key's history stays
+//!    small enough to search), every operation recorded with its invocation and answer times,
+//!    and the simulator's checker (`raftlock::sim::linearizability`, leases that end only once
+//!    their TTL has passed in real time, within 1% clock drift) must find a linearization.
 //!
 //! Partitions need network namespaces: run as root (CI does), each node lives in a namespace of
 //! its own, joined to the others by a bridge in a hub namespace, and the test reaches them through
@@ -35,11 +40,13 @@
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::*;
 use raftlock::client::{ClientError, RaftLockClient};
+use raftlock::sim::linearizability::{self, LinOp, LockOp, OpKind};
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -76,6 +83,8 @@ struct History {
     cancels: usize,
     /// Grants that arrived after their wait was cancelled.
     cancel_violations: Vec<String>,
+    /// The linearizability workers' operations, per key (times in µs since the run began).
+    lin: BTreeMap<String, Vec<LinOp>>,
 }
 
 async fn post(addr: &str, path: &str, body: &Value, timeout: Duration) -> Option<u16> {
@@ -299,6 +308,144 @@ async fn raw_worker(
             {
                 break;
             }
+        }
+    }
+}
+
+/// Keys the linearizability workers use at once; a new set every [`LIN_EPOCH`], so that no key's
+/// history outgrows what the checker searches.
+const LIN_KEYS: u64 = 3;
+const LIN_EPOCH: Duration = Duration::from_secs(4);
+const LIN_TTL_MS: u64 = 1000;
+/// Workers doing acquire / renew / release on the `lin-*` keys.
+const LIN_WORKERS: usize = 3;
+/// Clock drift the checker allows between a node's monotonic clock and real time (1%).
+const LIN_DRIFT_PPM: u64 = 10_000;
+
+/// One request, retried with the same request id on any node until a final answer or until 5 s
+/// have passed; the answer (None: none final) and when it arrived (µs since `base`).
+async fn lin_request(
+    nodes: &[String],
+    msg: &Value,
+    base: Instant,
+    rng: &mut rand_chacha::ChaCha8Rng,
+) -> (Option<Value>, u64) {
+    let give_up = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < give_up {
+        let node = &nodes[rng.random_range(0..nodes.len())];
+        if let Some(r) = ws_once(node, msg, Duration::from_secs(3)).await {
+            let transient = matches!(
+                r["error"]["code"].as_str(),
+                Some("NOT_LEADER" | "NO_LEADER" | "UNAVAILABLE" | "BUSY")
+            );
+            if !transient {
+                return (Some(r), base.elapsed().as_micros() as u64);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    (None, base.elapsed().as_micros() as u64)
+}
+
+/// A client whose every lock operation goes into a per-key history for the linearizability
+/// checker (the simulator's, `raftlock::sim::linearizability`): acquire with or without a wait,
+/// hold for a random time (sometimes past the lease), renew, release. Raw JSON to random nodes.
+async fn lin_worker(
+    id: usize,
+    nodes: Vec<String>,
+    history: Arc<Mutex<History>>,
+    base: Instant,
+    stop_at: Instant,
+    seed: u64,
+) {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ 0x11AE ^ ((id as u64) << 8));
+    let client = format!("lin{id}");
+    let mut n = 0u64;
+    let record = |key: &str, invoke: u64, complete: Option<u64>, op: LockOp| {
+        let mut h = history.lock().unwrap();
+        h.ops += 1;
+        h.lin.entry(key.to_string()).or_default().push(LinOp {
+            client: id,
+            invoke,
+            complete,
+            kind: OpKind::Lock(op),
+        });
+    };
+    while Instant::now() < stop_at {
+        let epoch = base.elapsed().as_millis() as u64 / LIN_EPOCH.as_millis() as u64;
+        let key = format!("lin-{epoch}-{}", rng.random_range(0..LIN_KEYS));
+        n += 1;
+        let wait = [0, 300, 1500][rng.random_range(0..3)];
+        let msg = json!({"commandType": 3, "key": key, "clientId": client,
+                         "requestId": format!("{client}-{n}"), "ttl": LIN_TTL_MS,
+                         "waitTimeout": wait});
+        let invoke = base.elapsed().as_micros() as u64;
+        let (reply, at) = lin_request(&nodes, &msg, base, &mut rng).await;
+        let ttl_us = LIN_TTL_MS * 1_000;
+        let code = reply
+            .as_ref()
+            .and_then(|r| r["error"]["code"].as_str().map(String::from));
+        let mut token = None;
+        let op = match (&reply, code.as_deref()) {
+            // No final answer: it may have been granted, at any time after its invocation.
+            (None, _) => Some(LockOp::AcquireUnknown { ttl_us }),
+            (Some(r), None) if r["success"] == true => {
+                token = r["fencingToken"]["value"].as_u64();
+                token.map(|t| LockOp::Granted { token: t, ttl_us })
+            }
+            (Some(r), Some("ALREADY_HELD")) => Some(LockOp::AlreadyHeld {
+                token: r["error"]["currentToken"].as_u64(),
+            }),
+            (Some(_), Some("WAIT_TIMEOUT")) => Some(LockOp::HeldByOther),
+            // A retry told that its hold has already ended: the grant happened.
+            (Some(_), Some("STALE_TOKEN")) => Some(LockOp::AcquireUnknown { ttl_us }),
+            // Anything else says it had no effect.
+            _ => None,
+        };
+        if let Some(op) = op {
+            record(&key, invoke, reply.is_some().then_some(at), op);
+        }
+        let Some(token) = token else {
+            tokio::time::sleep(Duration::from_millis(rng.random_range(0..100))).await;
+            continue;
+        };
+        // Hold: sometimes renew, sometimes let the lease run out before releasing.
+        let mut renewals = rng.random_range(0..3);
+        loop {
+            tokio::time::sleep(Duration::from_millis(rng.random_range(0..1300))).await;
+            n += 1;
+            let fencing = json!({"key": key, "value": token});
+            let renew = renewals > 0 && Instant::now() < stop_at;
+            let msg = if renew {
+                json!({"commandType": 5, "key": key, "clientId": client,
+                       "requestId": format!("{client}-{n}"), "ttl": LIN_TTL_MS,
+                       "fencingToken": fencing})
+            } else {
+                json!({"commandType": 4, "key": key, "clientId": client,
+                       "requestId": format!("{client}-{n}"), "fencingToken": fencing})
+            };
+            let invoke = base.elapsed().as_micros() as u64;
+            let (reply, at) = lin_request(&nodes, &msg, base, &mut rng).await;
+            let code = reply
+                .as_ref()
+                .and_then(|r| r["error"]["code"].as_str().map(String::from));
+            let ok = reply.as_ref().is_some_and(|r| r["success"] == true);
+            let op = match (reply.is_some(), ok, code.as_deref(), renew) {
+                (false, _, _, true) => Some(LockOp::RenewUnknown { token, ttl_us }),
+                (false, _, _, false) => Some(LockOp::ReleaseUnknown { token }),
+                (true, true, _, true) => Some(LockOp::Renewed { token, ttl_us }),
+                (true, true, _, false) => Some(LockOp::Released { token }),
+                (true, false, Some("STALE_TOKEN"), _) => Some(LockOp::StaleToken { token }),
+                (true, false, Some("NOT_HOLDER"), _) => Some(LockOp::NotHolder { token }),
+                _ => None,
+            };
+            if let Some(op) = op {
+                record(&key, invoke, reply.is_some().then_some(at), op);
+            }
+            if !renew || !ok {
+                break;
+            }
+            renewals -= 1;
         }
     }
 }
@@ -731,6 +878,18 @@ fn check(history: &History, accepted: &[(u64, u64)]) -> Result<(), String> {
     if let Some(v) = history.cancel_violations.first() {
         return Err(v.clone());
     }
+    // 7: acquire, renew and release are linearizable per key.
+    let lin = linearizability::check_all(&history.lin, LIN_DRIFT_PPM);
+    if let Some((key, detail)) = lin.violation {
+        let ops: Vec<String> = history.lin[&key]
+            .iter()
+            .map(|op| format!("{op:?}"))
+            .collect();
+        return Err(format!(
+            "the operations on {key} are not linearizable: {detail}; its history (µs):\n    {}",
+            ops.join("\n    ")
+        ));
+    }
     // 1 and 2: hold intervals never overlap; tokens rise in grant order.
     // An answer that arrived after its safety deadline (a paused node delivered it late) gave
     // no belief at all: only non-empty intervals count.
@@ -863,7 +1022,8 @@ async fn fenced_increments_survive_kills_and_pauses() {
     let store = DataStoreProc::start().await;
     let endpoints = endpoints(&cluster);
     let history = Arc::new(Mutex::new(History::default()));
-    let stop_at = Instant::now() + Duration::from_secs(seconds);
+    let base = Instant::now();
+    let stop_at = base + Duration::from_secs(seconds);
     let mut tasks = Vec::new();
     for id in 0..WORKERS {
         let client = RaftLockClient::builder()
@@ -889,6 +1049,16 @@ async fn fenced_increments_survive_kills_and_pauses() {
         stop_at,
         seed,
     )));
+    for id in 0..LIN_WORKERS {
+        tasks.push(tokio::spawn(lin_worker(
+            id,
+            endpoints.clone(),
+            history.clone(),
+            base,
+            stop_at,
+            seed,
+        )));
+    }
     // Against a broken build, every kill and pause hits the leader.
     let leader_share_percent = if mutant.is_some() { 100 } else { 50 };
     let (schedule, faults) = nemesis(
@@ -954,6 +1124,14 @@ async fn fenced_increments_survive_kills_and_pauses() {
         history.acquire_errors,
         history.late_skips,
         recovery
+    );
+    let lin = linearizability::check_all(&history.lin, LIN_DRIFT_PPM);
+    println!(
+        "chaos: linearizability: {} keys, {} operations; {} keys checked, {} too large to decide",
+        history.lin.len(),
+        history.lin.values().map(Vec::len).sum::<usize>(),
+        lin.checked,
+        lin.unchecked
     );
     let verdict = check(&history, &accepted).and_then(|()| {
         match recovered {
@@ -1042,4 +1220,26 @@ fn checker_rejects_each_kind_of_violation() {
         .unwrap_err()
         .contains("lost"));
     assert!(check(&good, &[(1, 1)]).unwrap_err().contains("missing"));
+    // Two grants of one key whose answers leave no room for the first lease to run out.
+    let grant = |client, invoke, complete, token| LinOp {
+        client,
+        invoke,
+        complete: Some(complete),
+        kind: OpKind::Lock(LockOp::Granted {
+            token,
+            ttl_us: LIN_TTL_MS * 1_000,
+        }),
+    };
+    let mut early = History::default();
+    early.lin.insert(
+        "lin-0-0".into(),
+        vec![grant(0, 0, 1_000, 1), grant(1, 2_000, 300_000, 2)],
+    );
+    assert!(check(&early, &[]).unwrap_err().contains("not linearizable"));
+    let mut later = History::default();
+    later.lin.insert(
+        "lin-0-0".into(),
+        vec![grant(0, 0, 1_000, 1), grant(1, 2_000, 1_200_000, 2)],
+    );
+    assert_eq!(check(&later, &[]), Ok(()));
 }

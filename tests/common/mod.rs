@@ -324,11 +324,25 @@ pub async fn ws_recv(ws: &mut Ws, timeout: Duration) -> Option<Value> {
     }
 }
 
+/// Sends `value` and returns the next reply (within 10 s). A request with a request id that is
+/// answered `UNAVAILABLE` or `NO_LEADER` (a leader change on a busy machine) is retried with the
+/// same id, as a client does: at most 50 times, 100 ms apart.
 pub async fn ws_request(ws: &mut Ws, value: &Value) -> Value {
-    ws_send(ws, value).await;
-    ws_recv(ws, Duration::from_secs(10))
-        .await
-        .expect("a reply within 10s")
+    for _ in 0..50 {
+        ws_send(ws, value).await;
+        let reply = ws_recv(ws, Duration::from_secs(10))
+            .await
+            .expect("a reply within 10s");
+        let transient = matches!(
+            reply["error"]["code"].as_str(),
+            Some("UNAVAILABLE" | "NO_LEADER")
+        );
+        if !transient || value.get("requestId").is_none() {
+            return reply;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("no final answer to {value} after 50 tries")
 }
 
 /// A follower of `leader` once its `/status` names that leader (bounded wait): its id and
