@@ -53,5 +53,6 @@ ENV RAFTLOCK_DATA_DIR=/var/lib/raftlock/data \
     RAFTLOCK_DATASTORE_FILE=/var/lib/raftlock/data-store/writes.log
 # 8080 peers (Raft), 50050 clients (WebSocket, gRPC, HTTP), 8000 the data store.
 EXPOSE 8080 50050 8000
-# Without arguments: a one-node cluster, for trying it out (`docker run -p 50050:50050 ...`).
-CMD ["lock-node", "--node-id", "1", "--bootstrap"]
+# Without arguments: a one-node cluster, for trying it out (`docker run -p 50050:50050 ...`). Its
+# peer port stays on loopback: a node listening for peers beyond it needs a cluster token.
+CMD ["lock-node", "--node-id", "1", "--bootstrap", "--peer-listen", "127.0.0.1:8080"]

@@ -16,6 +16,8 @@
 pub mod client;
 #[cfg(feature = "server")]
 pub mod datastore;
+#[cfg(feature = "server")]
+pub mod fencing;
 pub mod lock;
 pub mod node;
 pub mod raft;

@@ -1016,7 +1016,8 @@ async fn fenced_increments_survive_kills_and_pauses() {
                     .push(("RAFTLOCK_MUTATION".into(), mutation.clone()));
             }
         },
-        |_| Vec::new(),
+        // Beyond loopback, lock-node refuses to start without a cluster token.
+        |_| vec!["--cluster-token".into(), format!("chaos-{seed}")],
     );
     cluster.wait_for_leader(Duration::from_secs(20)).await;
     let store = DataStoreProc::start().await;

@@ -5,12 +5,13 @@ use std::time::Duration;
 use serde_json::Value;
 
 use super::error::ClientError;
-use super::http::{get_json, request};
+use super::http::{request, request_as};
 
 /// Read-only cluster administration. Any node answers; `status` is that node's own view.
 #[derive(Clone, Debug)]
 pub struct AdminClient {
     endpoints: Vec<String>,
+    auth_token: Option<String>,
 }
 
 impl AdminClient {
@@ -23,13 +24,36 @@ impl AdminClient {
                 "at least one endpoint is required".into(),
             ));
         }
-        Ok(AdminClient { endpoints })
+        Ok(AdminClient {
+            endpoints,
+            auth_token: None,
+        })
+    }
+
+    /// A bearer token for a cluster that authenticates its clients: `locks` needs one there
+    /// (and shows fencing tokens only to an admin identity).
+    pub fn with_auth_token(mut self, token: Option<String>) -> Self {
+        self.auth_token = token;
+        self
     }
 
     async fn get(&self, path: &str) -> Result<Value, ClientError> {
         let mut last = String::new();
         for addr in &self.endpoints {
-            match get_json(addr, path).await {
+            let answer = request_as(
+                addr,
+                "GET",
+                path,
+                None,
+                Duration::from_secs(5),
+                self.auth_token.as_deref(),
+            )
+            .await
+            .map(|(status, body)| {
+                let value = serde_json::from_str(&body).unwrap_or(Value::String(body));
+                (status, value)
+            });
+            match answer {
                 Ok((200, v)) => return Ok(v),
                 Ok((status, v)) => last = format!("{addr}{path}: HTTP {status}: {v}"),
                 Err(e) => last = e.to_string(),

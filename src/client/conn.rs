@@ -71,13 +71,24 @@ impl Conn {
         max_inflight: usize,
         max_message_bytes: usize,
         keepalive: Option<Keepalive>,
+        auth_token: Option<&str>,
     ) -> Result<Conn, String> {
+        use tokio_tungstenite::tungstenite::client::IntoClientRequest;
         let url = format!("ws://{addr}/ws");
         let mut config = tokio_tungstenite::tungstenite::protocol::WebSocketConfig::default();
         config.max_message_size = Some(max_message_bytes);
         config.max_frame_size = Some(max_message_bytes);
-        let connect =
-            tokio_tungstenite::connect_async_with_config(url.as_str(), Some(config), true);
+        let mut request = url
+            .as_str()
+            .into_client_request()
+            .map_err(|e| format!("bad address {addr}: {e}"))?;
+        if let Some(token) = auth_token {
+            let value = format!("Bearer {token}")
+                .parse()
+                .map_err(|_| "the auth token is not a valid header value".to_string())?;
+            request.headers_mut().insert("authorization", value);
+        }
+        let connect = tokio_tungstenite::connect_async_with_config(request, Some(config), true);
         let (socket, _) = match tokio::time::timeout(timeout, connect).await {
             Ok(Ok(s)) => s,
             Ok(Err(e)) => return Err(format!("cannot connect to {addr}: {e}")),
@@ -245,6 +256,8 @@ pub(crate) struct SessionConfig {
     pub max_message_bytes: usize,
     pub keepalive: Option<Keepalive>,
     pub trace_context: Option<TraceContext>,
+    /// Bearer token sent with every connection (`Authorization` header).
+    pub auth_token: Option<String>,
 }
 
 /// Where the SDK gets the W3C `traceparent` of the caller's current span, asked once per
@@ -336,6 +349,7 @@ impl Session {
                 self.cfg.max_inflight,
                 self.cfg.max_message_bytes,
                 self.cfg.keepalive,
+                self.cfg.auth_token.as_deref(),
             )
             .await
             {

@@ -37,6 +37,23 @@ pub async fn request(
     body: Option<&str>,
     timeout: Duration,
 ) -> Result<(u16, String), HttpError> {
+    request_as(addr, method, path, body, timeout, None).await
+}
+
+/// [`request`] with `Authorization: Bearer <auth_token>` when a token is given.
+pub async fn request_as(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    timeout: Duration,
+    auth_token: Option<&str>,
+) -> Result<(u16, String), HttpError> {
+    // A token with a line break would smuggle headers: such a token is not sent.
+    let auth = auth_token
+        .filter(|t| !t.contains(['\r', '\n']))
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
     let fut = async {
         let mut stream = tokio::net::TcpStream::connect(addr)
             .await
@@ -46,7 +63,7 @@ pub async fn request(
             })?;
         let body = body.unwrap_or("");
         let head = format!(
-            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
             body.len()
         );
         let io = |source| HttpError::Io {

@@ -60,6 +60,7 @@ pub struct ClientBuilder {
     release_on_drop_timeout: Duration,
     keepalive: Option<Keepalive>,
     trace_context: Option<TraceContext>,
+    auth_token: Option<String>,
 }
 
 impl Default for ClientBuilder {
@@ -81,6 +82,7 @@ impl Default for ClientBuilder {
                 timeout: Duration::from_secs(15),
             }),
             trace_context: None,
+            auth_token: None,
         }
     }
 }
@@ -186,6 +188,14 @@ impl ClientBuilder {
         self
     }
 
+    /// A bearer token for a cluster that authenticates its clients (`lock-node
+    /// --client-auth-file`): sent as `Authorization: Bearer <token>` on every connection. The
+    /// node then holds this client's locks under its identity (`<identity>/<client id>`).
+    pub fn auth_token(mut self, token: impl Into<String>) -> Self {
+        self.auth_token = Some(token.into());
+        self
+    }
+
     pub fn build(self) -> Result<RaftLockClient, ClientError> {
         let bad = |m: String| Err(ClientError::Config(m));
         if self.endpoints.is_empty() {
@@ -245,6 +255,7 @@ impl ClientBuilder {
             max_message_bytes: self.max_message_bytes,
             keepalive: self.keepalive,
             trace_context: self.trace_context.clone(),
+            auth_token: self.auth_token.clone(),
         });
         Ok(RaftLockClient {
             inner: Arc::new(Inner {
@@ -392,14 +403,16 @@ impl RaftLockClient {
             .ok_or_else(|| ClientError::Protocol(format!("grant without a token: {reply}")))?;
         let expires_in = reply["expiresInMs"].as_u64().unwrap_or(ttl_ms);
         let ttl = Duration::from_millis(expires_in.min(ttl_ms));
-        Ok(LockHandle::new(
+        let mut handle = LockHandle::new(
             self.clone(),
             owner.to_string(),
             key.to_string(),
             token,
             ttl,
             sent + ttl.saturating_sub(self.margin_for(ttl)),
-        ))
+        );
+        handle.mac = reply["fencingToken"]["mac"].as_str().map(String::from);
+        Ok(handle)
     }
 
     /// Releases the lock held with `token` by the owner id equal to this client's id — for
@@ -598,6 +611,8 @@ pub struct LockHandle {
     ttl: Duration,
     valid_until: Arc<StdMutex<Instant>>,
     released: AtomicBool,
+    /// The token's MAC, when the cluster has a fencing key.
+    mac: Option<String>,
 }
 
 impl std::fmt::Debug for LockHandle {
@@ -628,6 +643,7 @@ impl LockHandle {
             ttl,
             valid_until: Arc::new(StdMutex::new(valid_until)),
             released: AtomicBool::new(false),
+            mac: None,
         }
     }
 
@@ -645,6 +661,13 @@ impl LockHandle {
     /// The fencing token: pass it to every resource you write while holding the lock.
     pub fn fencing_token(&self) -> u64 {
         self.token
+    }
+
+    /// The fencing token's MAC (64 hex digits) when the cluster runs with a fencing key
+    /// (`lock-node --fencing-key-file`): send it with the token (`fencingToken.mac`) to a
+    /// resource that checks it, such as `data-store --fencing-key-file`. `None` otherwise.
+    pub fn fencing_mac(&self) -> Option<&str> {
+        self.mac.as_deref()
     }
 
     pub fn ttl(&self) -> Duration {

@@ -29,6 +29,10 @@ struct Args {
     /// Largest `data` accepted, in bytes.
     #[arg(long, default_value_t = 65536)]
     max_data_bytes: usize,
+    /// A file holding the fencing key shared with lock-node (`--fencing-key-file` there): the
+    /// store then accepts only tokens whose `mac` verifies. Without it any token value is taken.
+    #[arg(long, env = "RAFTLOCK_FENCING_KEY_FILE")]
+    fencing_key_file: Option<PathBuf>,
 }
 
 /// Runs the data store with the given command line (the first item is the program name).
@@ -57,13 +61,22 @@ async fn serve(args: Args) -> ExitCode {
         max_data_bytes: args.max_data_bytes,
         ..Default::default()
     };
-    let store = match DataStore::open(&args.file, limits) {
+    let mut store = match DataStore::open(&args.file, limits) {
         Ok(s) => s,
         Err(err) => {
             eprintln!("data-store: {err}");
             return ExitCode::FAILURE;
         }
     };
+    if let Some(path) = &args.fencing_key_file {
+        match crate::fencing::FencingKey::from_file(path) {
+            Ok(key) => store = store.with_fencing_key(key),
+            Err(err) => {
+                eprintln!("data-store: {err}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
     let listener = match tokio::net::TcpListener::bind(&args.listen).await {
         Ok(l) => l,
         Err(err) => {

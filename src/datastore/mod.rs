@@ -74,6 +74,8 @@ struct Inner {
 pub struct DataStore {
     inner: Arc<Mutex<Inner>>,
     limits: DataStoreLimits,
+    /// When set, a write's token must carry a MAC made with this key (`crate::fencing`).
+    fencing_key: Option<crate::fencing::FencingKey>,
     writes: IntCounterVec,
     registry: Registry,
 }
@@ -154,7 +156,7 @@ impl DataStore {
         let writes = IntCounterVec::new(
             Opts::new(
                 "raftlock_datastore_writes_total",
-                "Writes by result: accepted, stale, invalid.",
+                "Writes by result: accepted, stale, invalid, forged (a token whose MAC does not verify).",
             ),
             &["result"],
         )
@@ -163,7 +165,7 @@ impl DataStore {
             .register(Box::new(writes.clone()))
             .expect("unique metric");
         // Every result exists from the start, so `increase()` sees the first stale write.
-        for result in ["accepted", "stale", "invalid"] {
+        for result in ["accepted", "stale", "invalid", "forged"] {
             writes.with_label_values(&[result]);
         }
         let repaired = IntCounter::new(
@@ -182,9 +184,16 @@ impl DataStore {
                 recent,
             })),
             limits,
+            fencing_key: None,
             writes,
             registry,
         })
+    }
+
+    /// Accepts only tokens whose `mac` verifies with `key` (shared with the lock service).
+    pub fn with_fencing_key(mut self, key: crate::fencing::FencingKey) -> Self {
+        self.fencing_key = Some(key);
+        self
     }
 
     pub fn router(self) -> Router {
@@ -301,6 +310,9 @@ struct WriteRequest {
 struct Token {
     key: String,
     value: u64,
+    /// The lock service's MAC of (key, value); required when the store has a fencing key.
+    #[serde(default)]
+    mac: Option<String>,
 }
 
 fn bad_request(store: &DataStore, reason: String) -> Response {
@@ -341,6 +353,28 @@ async fn write(State(store): State<DataStore>, body: axum::body::Bytes) -> Respo
         return bad_request(&store, format!("data exceeds {} bytes", l.max_data_bytes));
     }
     let token = request.fencing_token.value;
+    if let Some(fencing_key) = &store.fencing_key {
+        let verified = request
+            .fencing_token
+            .mac
+            .as_deref()
+            .is_some_and(|mac| fencing_key.verify(&key, token, mac));
+        if !verified {
+            store.writes.with_label_values(&["forged"]).inc();
+            let error = if request.fencing_token.mac.is_none() {
+                "fencingToken.mac is required: this store accepts only tokens issued by the lock \
+                 service (send the mac that came with the grant)"
+            } else {
+                "fencingToken.mac does not verify for this key and value: not a token the lock \
+                 service issued"
+            };
+            return (
+                StatusCode::FORBIDDEN,
+                Json(json!({"success": false, "error": error})),
+            )
+                .into_response();
+        }
+    }
     let Ok(mut inner) = store.inner.lock() else {
         return (StatusCode::INTERNAL_SERVER_ERROR, "state poisoned").into_response();
     };

@@ -39,6 +39,8 @@ pub enum ErrorCode {
     AlreadyHeld,
     /// The request id was already used by this client for another operation or key.
     RequestIdReused,
+    /// The authenticated identity may not do this operation on this key.
+    PermissionDenied,
 }
 
 impl ErrorCode {
@@ -57,6 +59,7 @@ impl ErrorCode {
             ErrorCode::NotWaiting => "NOT_WAITING",
             ErrorCode::AlreadyHeld => "ALREADY_HELD",
             ErrorCode::RequestIdReused => "REQUEST_ID_REUSED",
+            ErrorCode::PermissionDenied => "PERMISSION_DENIED",
         }
     }
 

@@ -49,9 +49,22 @@ struct Args {
     /// and no --join peer knows of one; every other node joins (same flags on every pod).
     #[arg(long)]
     bootstrap_id: Option<u64>,
-    /// Shared secret peers must present (x-raftlock-cluster-token). Empty disables the check.
+    /// Shared secret peers must present (x-raftlock-cluster-token). Required when the peer
+    /// listener is not on loopback, unless --insecure.
     #[arg(long)]
     cluster_token: Option<String>,
+    /// Run with the peer port open beyond this host and no cluster token (anyone who reaches it
+    /// can join the cluster or remove members). For throwaway clusters only.
+    #[arg(long)]
+    insecure: bool,
+    /// Identities, their bearer tokens and rights on the client port (JSON; see the README's
+    /// security section). Without it the client port takes requests from anyone.
+    #[arg(long)]
+    client_auth_file: Option<String>,
+    /// A secret shared with the data store: grants and renewals then carry a MAC of their
+    /// fencing token, which the data store checks (`data-store --fencing-key-file`).
+    #[arg(long)]
+    fencing_key_file: Option<String>,
     /// Raft tick. Default 10ms
     #[arg(long)]
     tick: Option<String>,
@@ -131,6 +144,8 @@ impl Args {
             join,
             bootstrap_id,
             cluster_token,
+            client_auth_file,
+            fencing_key_file,
             tick,
             election_ticks,
             heartbeat_ticks,
@@ -156,6 +171,9 @@ impl Args {
         }
         if self.bootstrap {
             o.push(("bootstrap", "true".into()));
+        }
+        if self.insecure {
+            o.push(("insecure", "true".into()));
         }
         o
     }

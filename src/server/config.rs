@@ -41,9 +41,19 @@ pub struct NodeConfig {
     /// joins. Lets every pod of a StatefulSet run with the same flags. 0 disables.
     #[serde(default)]
     pub bootstrap_id: NodeId,
-    /// Shared secret every peer must present; empty disables the check.
+    /// Shared secret every peer must present; empty disables the check, which is allowed only
+    /// when the peer listener is on loopback or `insecure` is set.
     #[serde(default)]
     pub cluster_token: String,
+    /// Allow a peer listener beyond loopback without a cluster token.
+    #[serde(default)]
+    pub insecure: bool,
+    /// JSON file of client identities (`server::auth`); empty: the client port is open.
+    #[serde(default)]
+    pub client_auth_file: String,
+    /// File holding the fencing-token MAC key shared with the data store; empty: no MACs.
+    #[serde(default)]
+    pub fencing_key_file: String,
     #[serde(deserialize_with = "duration")]
     pub tick: Duration,
     pub election_ticks: u32,
@@ -205,6 +215,18 @@ impl NodeConfig {
                 "must be at least dedupe_retain (a closing session would forget answers a client may still retry)",
             );
         }
+        if self.cluster_token.is_empty() && !self.peer_listen.ip().is_loopback() && !self.insecure {
+            return invalid(
+                "cluster_token",
+                &format!(
+                    "the peer port {} is reachable beyond this host and no cluster token is set: \
+                     anyone who reaches it could join the cluster or remove members. Set \
+                     --cluster-token (RAFTLOCK_CLUSTER_TOKEN) on every node, listen on loopback, \
+                     or pass --insecure for a throwaway cluster",
+                    self.peer_listen
+                ),
+            );
+        }
         if self.max_connections == 0 || self.max_message_bytes < 1024 {
             return invalid(
                 "max_connections",
@@ -280,6 +302,7 @@ mod tests {
             None,
             &[
                 ("node_id", "2".into()),
+                ("cluster_token", "t".into()),
                 ("tick", "20ms".into()),
                 (
                     "initial_cluster",
@@ -300,13 +323,18 @@ mod tests {
             None,
             &[
                 ("node_id", "1".into()),
+                ("cluster_token", "t".into()),
                 ("session_idle", "30s".into()),
                 ("dedupe_retain", "1m".into()),
             ],
         )
         .unwrap_err();
         assert!(err.to_string().contains("session_idle"), "{err}");
-        let cfg = NodeConfig::load(None, &[("node_id", "1".into())]).unwrap();
+        let cfg = NodeConfig::load(
+            None,
+            &[("node_id", "1".into()), ("insecure", "true".into())],
+        )
+        .unwrap();
         assert_eq!(cfg.session_idle, Duration::from_secs(300));
         assert_eq!(cfg.dedupe_retain, Duration::from_secs(60));
     }
@@ -328,6 +356,29 @@ mod tests {
         )
         .unwrap_err();
         assert!(err.to_string().contains("initial_cluster"), "{err}");
+    }
+
+    #[test]
+    fn an_open_peer_port_needs_a_token_or_insecure() {
+        let err = NodeConfig::load(None, &[("node_id", "1".into())]).unwrap_err();
+        assert!(err.to_string().contains("cluster token"), "{err}");
+        for extra in [("cluster_token", "s3cret"), ("insecure", "true")] {
+            let cfg = NodeConfig::load(None, &[("node_id", "1".into()), (extra.0, extra.1.into())]);
+            assert!(cfg.is_ok(), "{extra:?}: {cfg:?}");
+        }
+        let loopback = NodeConfig::load(
+            None,
+            &[
+                ("node_id", "1".into()),
+                ("peer_listen", "127.0.0.1:8080".into()),
+            ],
+        );
+        assert!(loopback.is_ok(), "{loopback:?}");
+        let cfg = NodeConfig::load(
+            None,
+            &[("node_id", "1".into()), ("insecure", "false".into())],
+        );
+        assert!(cfg.is_err());
     }
 
     #[test]

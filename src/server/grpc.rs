@@ -47,6 +47,15 @@ fn check_key(state: &AppState, key: &str, owner: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// The caller behind a gRPC request's `authorization` metadata.
+pub fn caller_of<T>(state: &AppState, request: &Request<T>) -> super::auth::Caller {
+    let authorization = request
+        .metadata()
+        .get("authorization")
+        .and_then(|v| v.to_str().ok());
+    state.security.caller(authorization, None)
+}
+
 #[tonic::async_trait]
 impl lpb::lock_service_server::LockService for LockApi {
     async fn acquire_lock(
@@ -54,6 +63,7 @@ impl lpb::lock_service_server::LockService for LockApi {
         request: Request<lpb::AcquireLockRequest>,
     ) -> Result<Response<lpb::AcquireLockResponse>, Status> {
         let traceparent = super::ws::traceparent_header(request.metadata());
+        let caller = caller_of(&self.state, &request);
         let r = request.into_inner();
         let mut out = lpb::AcquireLockResponse::default();
         let fail = |out: &mut lpb::AcquireLockResponse, e: ApiError| {
@@ -81,7 +91,7 @@ impl lpb::lock_service_server::LockService for LockApi {
             );
             return Ok(Response::new(out));
         }
-        let op = ClientOp::Acquire {
+        let mut op = ClientOp::Acquire {
             key: r.resource_name,
             client_id: r.owner_id,
             request_id: if r.request_id.is_empty() {
@@ -92,6 +102,10 @@ impl lpb::lock_service_server::LockService for LockApi {
             ttl_ms,
             wait_timeout_ms: Some(r.client_timeout_ms as u64),
         };
+        if let Err(e) = caller.authorize(&mut op) {
+            fail(&mut out, e);
+            return Ok(Response::new(out));
+        }
         match super::ws::execute_traced(op, 0, &self.state, "grpc", traceparent.as_deref()).await {
             ClientReply::Granted {
                 token,
@@ -101,9 +115,17 @@ impl lpb::lock_service_server::LockService for LockApi {
                 out.acquired = true;
                 out.lease_id = token.value.to_string();
                 out.expires_in_ms = expires_in_ms;
+                let mac = self
+                    .state
+                    .security
+                    .fencing_key
+                    .as_ref()
+                    .map(|k| k.mac(&token.key, token.value))
+                    .unwrap_or_default();
                 out.fencing_token = Some(lpb::FencingToken {
                     key: token.key,
                     value: token.value,
+                    mac,
                 });
             }
             ClientReply::Error(e) => fail(&mut out, e),
@@ -120,6 +142,7 @@ impl lpb::lock_service_server::LockService for LockApi {
         request: Request<lpb::ReleaseLockRequest>,
     ) -> Result<Response<lpb::ReleaseLockResponse>, Status> {
         let traceparent = super::ws::traceparent_header(request.metadata());
+        let caller = caller_of(&self.state, &request);
         let r = request.into_inner();
         let mut out = lpb::ReleaseLockResponse::default();
         if let Err(e) = check_key(&self.state, &r.resource_name, &r.owner_id) {
@@ -127,7 +150,7 @@ impl lpb::lock_service_server::LockService for LockApi {
             out.error_message = e.message;
             return Ok(Response::new(out));
         }
-        let op = ClientOp::Release {
+        let mut op = ClientOp::Release {
             key: r.resource_name,
             client_id: r.owner_id,
             request_id: if r.request_id.is_empty() {
@@ -137,6 +160,11 @@ impl lpb::lock_service_server::LockService for LockApi {
             },
             token: r.fencing_token,
         };
+        if let Err(e) = caller.authorize(&mut op) {
+            out.error_code = e.code.as_str().into();
+            out.error_message = e.message;
+            return Ok(Response::new(out));
+        }
         match super::ws::execute_traced(op, 0, &self.state, "grpc", traceparent.as_deref()).await {
             ClientReply::Released => out.released = true,
             ClientReply::Error(e) => {
@@ -155,6 +183,7 @@ impl lpb::lock_service_server::LockService for LockApi {
         request: Request<lpb::RenewLockRequest>,
     ) -> Result<Response<lpb::RenewLockResponse>, Status> {
         let traceparent = super::ws::traceparent_header(request.metadata());
+        let caller = caller_of(&self.state, &request);
         let r = request.into_inner();
         let mut out = lpb::RenewLockResponse::default();
         if let Err(e) = check_key(&self.state, &r.resource_name, &r.owner_id) {
@@ -162,7 +191,7 @@ impl lpb::lock_service_server::LockService for LockApi {
             out.error_message = e.message;
             return Ok(Response::new(out));
         }
-        let op = ClientOp::Renew {
+        let mut op = ClientOp::Renew {
             key: r.resource_name,
             client_id: r.owner_id,
             request_id: if r.request_id.is_empty() {
@@ -177,6 +206,11 @@ impl lpb::lock_service_server::LockService for LockApi {
                 r.ttl_ms
             },
         };
+        if let Err(e) = caller.authorize(&mut op) {
+            out.error_code = e.code.as_str().into();
+            out.error_message = e.message;
+            return Ok(Response::new(out));
+        }
         match super::ws::execute_traced(op, 0, &self.state, "grpc", traceparent.as_deref()).await {
             ClientReply::Renewed { expires_in_ms, .. } => {
                 out.renewed = true;

@@ -33,6 +33,7 @@ use tokio::sync::oneshot;
 use tonic::{Request, Response, Status};
 
 use super::api::{ApiError, ClientOp, ClientReply, ErrorCode};
+use super::auth::Caller;
 use super::driver::Input;
 use super::http::AppState;
 use super::proto::seed004 as spb;
@@ -128,7 +129,7 @@ impl SeedLockApi {
         }
     }
 
-    async fn acquire(&self, r: spb::AcquireLockRequest) -> Result<u64, String> {
+    async fn acquire(&self, r: spb::AcquireLockRequest, caller: &Caller) -> Result<u64, String> {
         check_key(&self.state, &r.resource_name)?;
         if r.owner_id.is_empty() {
             return Err("INVALID_REQUEST: owner_id is required".into());
@@ -138,7 +139,7 @@ impl SeedLockApi {
         }
         let node_id = self.state.status.borrow().id;
         let key = r.resource_name;
-        let op = ClientOp::Acquire {
+        let mut op = ClientOp::Acquire {
             key: key.clone(),
             client_id: r.owner_id.clone(),
             request_id: new_request_id(node_id),
@@ -146,6 +147,7 @@ impl SeedLockApi {
             // The seed's acquire never queues behind the holder.
             wait_timeout_ms: Some(0),
         };
+        caller.authorize(&mut op).map_err(|e| describe(&e))?;
         match self.execute(op, commit_wait(r.client_timeout_ms)).await? {
             ClientReply::Granted { token, .. } => Ok(token.value),
             ClientReply::Error(e) if e.code == ErrorCode::WaitTimeout => Err(format!(
@@ -195,7 +197,7 @@ impl SeedLockApi {
         }
     }
 
-    async fn release(&self, r: spb::ReleaseLockRequest) -> Result<(), String> {
+    async fn release(&self, r: spb::ReleaseLockRequest, caller: &Caller) -> Result<(), String> {
         check_key(&self.state, &r.resource_name)?;
         let lease = parse_lease_id(&r.lease_id).ok_or_else(|| {
             format!(
@@ -208,8 +210,25 @@ impl SeedLockApi {
         // The seed's release names no owner; the lease id is the proof. Release as the holder
         // this node sees with that token: the state machine checks owner and token again when
         // the release applies, so a lock handed on in between is not touched.
-        let owner = self.holder_with_lease(&key, lease).await?;
         let node_id = self.state.status.borrow().id;
+        // With client authentication, only the identity holding the lock may release it: its
+        // client ids are `<identity>` and `<identity>/…`.
+        let mut mine = ClientOp::Release {
+            key: key.clone(),
+            client_id: String::new(),
+            request_id: String::new(),
+            token: lease,
+        };
+        caller.authorize(&mut mine).map_err(|e| describe(&e))?;
+        let owner = self.holder_with_lease(&key, lease).await?;
+        if let (Caller::Authenticated(_), ClientOp::Release { client_id: me, .. }) = (caller, &mine)
+        {
+            if owner != *me && !owner.starts_with(&format!("{me}/")) {
+                return Err(format!(
+                    "NOT_HOLDER: lock '{key}' is held by another identity"
+                ));
+            }
+        }
         let op = ClientOp::Release {
             key,
             client_id: owner,
@@ -230,7 +249,8 @@ impl spb::lock_service_server::LockService for SeedLockApi {
         &self,
         request: Request<spb::AcquireLockRequest>,
     ) -> Result<Response<spb::AcquireLockResponse>, Status> {
-        let out = match self.acquire(request.into_inner()).await {
+        let caller = super::grpc::caller_of(&self.state, &request);
+        let out = match self.acquire(request.into_inner(), &caller).await {
             Ok(token) => spb::AcquireLockResponse {
                 acquired: true,
                 lease_id: token.to_string(),
@@ -249,7 +269,8 @@ impl spb::lock_service_server::LockService for SeedLockApi {
         &self,
         request: Request<spb::ReleaseLockRequest>,
     ) -> Result<Response<spb::ReleaseLockResponse>, Status> {
-        let out = match self.release(request.into_inner()).await {
+        let caller = super::grpc::caller_of(&self.state, &request);
+        let out = match self.release(request.into_inner(), &caller).await {
             Ok(()) => spb::ReleaseLockResponse {
                 released: true,
                 error_message: String::new(),

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use axum::extract::{Path, Query, State, WebSocketUpgrade};
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
@@ -40,6 +40,8 @@ pub struct AppState {
     pub forwarder: Arc<super::forward::Forwarder>,
     /// Turns true when the node stops: WebSocket connections finish what is in flight and close.
     pub shutdown: watch::Receiver<bool>,
+    /// Client authentication and fencing-token MACs.
+    pub security: Arc<super::auth::ClientSecurity>,
 }
 
 pub fn router(state: AppState) -> Router {
@@ -61,10 +63,48 @@ const WS_READ_BUFFER_BYTES: usize = 4096;
 /// Bytes of answers a WebSocket connection gathers before writing them to its socket.
 const WS_WRITE_BUFFER_BYTES: usize = 4096;
 
-async fn ws_upgrade(ws: WebSocketUpgrade, State(state): State<AppState>) -> Response {
+#[derive(Deserialize)]
+struct WsQuery {
+    /// A bearer token for clients that cannot set headers on a WebSocket (browsers).
+    #[serde(default)]
+    access_token: Option<String>,
+}
+
+/// The `Authorization` header's value, if it is text.
+fn authorization(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+}
+
+/// An HTTP answer for a refused caller: 401 `UNAUTHENTICATED` or 403 `PERMISSION_DENIED`.
+fn refused(e: &crate::node::api::ApiError) -> Response {
+    let status = if e.code == crate::node::api::ErrorCode::PermissionDenied {
+        StatusCode::FORBIDDEN
+    } else {
+        StatusCode::UNAUTHORIZED
+    };
+    (
+        status,
+        Json(json!({"error": {"code": e.code.as_str(), "message": e.message}})),
+    )
+        .into_response()
+}
+
+async fn ws_upgrade(
+    ws: WebSocketUpgrade,
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Query(q): Query<WsQuery>,
+) -> Response {
     let Ok(permit) = state.connections.clone().try_acquire_owned() else {
         return (StatusCode::SERVICE_UNAVAILABLE, "too many connections").into_response();
     };
+    // The connection's identity, fixed for its life. A refused caller still gets a WebSocket:
+    // every request on it is answered `UNAUTHENTICATED`, in the protocol's own terms.
+    let caller = state
+        .security
+        .caller(authorization(&headers), q.access_token.as_deref());
     let max = state.limits.max_message_bytes;
     // Small buffers: the library's defaults (128 KiB to read and 128 KiB to write, per
     // connection) cost a node with 10,000 clients more than a gigabyte. A message larger than
@@ -76,7 +116,7 @@ async fn ws_upgrade(ws: WebSocketUpgrade, State(state): State<AppState>) -> Resp
         .max_message_size(max)
         .max_frame_size(max)
         .on_upgrade(move |socket| async move {
-            super::ws::serve_socket(socket, state).await;
+            super::ws::serve_socket(socket, state, caller).await;
             drop(permit);
         })
 }
@@ -136,7 +176,18 @@ struct LocksQuery {
     prefix: String,
 }
 
-async fn locks(State(state): State<AppState>, Query(q): Query<LocksQuery>) -> Response {
+async fn locks(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Query(q): Query<LocksQuery>,
+) -> Response {
+    let caller = state.security.caller(authorization(&headers), None);
+    if let super::auth::Caller::Refused(reason) = &caller {
+        return refused(&crate::node::api::ApiError::new(
+            crate::node::api::ErrorCode::Unauthenticated,
+            *reason,
+        ));
+    }
     let (tx, rx) = oneshot::channel();
     if state
         .driver
@@ -149,14 +200,37 @@ async fn locks(State(state): State<AppState>, Query(q): Query<LocksQuery>) -> Re
         return (StatusCode::SERVICE_UNAVAILABLE, "busy").into_response();
     }
     match rx.await {
-        Ok(locks) => Json(json!({"locks": locks})).into_response(),
+        Ok(locks) => {
+            let mut locks = json!(locks);
+            // Only an admin (or anyone, when authentication is off) sees fencing tokens, and an
+            // identity sees only the locks under its prefixes.
+            if !caller.sees_tokens() {
+                if let Some(list) = locks.as_array_mut() {
+                    list.retain(|l| caller.check_read_listing(l["key"].as_str().unwrap_or("")));
+                    for l in list.iter_mut() {
+                        if let Some(o) = l.as_object_mut() {
+                            o.remove("fencingToken");
+                        }
+                    }
+                }
+            }
+            Json(json!({"locks": locks})).into_response()
+        }
         Err(_) => (StatusCode::SERVICE_UNAVAILABLE, "shutting down").into_response(),
     }
 }
 
-async fn kv_get(State(state): State<AppState>, Path(key): Path<String>) -> Response {
+async fn kv_get(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(key): Path<String>,
+) -> Response {
     if key.len() > state.limits.max_key_bytes {
         return (StatusCode::PAYLOAD_TOO_LARGE, "key too long").into_response();
+    }
+    let caller = state.security.caller(authorization(&headers), None);
+    if let Err(e) = caller.check_read(&key) {
+        return refused(&e);
     }
     match super::ws::execute(ClientOp::Get { key: key.clone() }, 0, &state).await {
         ClientReply::Value(v) => Json(json!({

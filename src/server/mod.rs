@@ -2,6 +2,7 @@
 //! and membership bootstrap. Everything here may do I/O; nothing here decides Raft or lock rules.
 
 pub mod api;
+pub mod auth;
 pub mod cli;
 pub mod config;
 pub mod convert;

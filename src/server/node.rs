@@ -67,11 +67,21 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
             source,
         })?;
 
+    let security = Arc::new(
+        super::auth::ClientSecurity::load(&cfg.client_auth_file, &cfg.fencing_key_file)
+            .map_err(NodeError::Config)?,
+    );
     if cfg.cluster_token.is_empty() && !cfg.peer_listen.ip().is_loopback() {
         tracing::warn!(
             peer_listen = %cfg.peer_listen,
-            "the peer port is reachable beyond this host and no --cluster-token is set: anyone \
-             who reaches it can join the cluster or remove members; set a cluster token"
+            "--insecure: the peer port is reachable beyond this host and no cluster token is \
+             set: anyone who reaches it can join the cluster or remove members"
+        );
+    }
+    if security.auth.is_none() && !cfg.client_listen.ip().is_loopback() {
+        tracing::info!(
+            client_listen = %cfg.client_listen,
+            "no --client-auth-file: the client port takes requests from anyone who reaches it"
         );
     }
     std::fs::create_dir_all(&cfg.data_dir)
@@ -235,6 +245,7 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
             cfg.max_message_bytes,
         )),
         shutdown: shutdown.clone(),
+        security,
     };
     let lock_service = LockServiceServer::new(LockApi {
         state: state.clone(),

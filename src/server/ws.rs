@@ -15,8 +15,10 @@ use tokio::sync::{mpsc, oneshot, Semaphore};
 use tracing::{Instrument, Span};
 
 use super::api::{ApiError, ClientOp, ClientReply, ErrorCode};
+use super::auth::Caller;
 use super::driver::Input;
 use super::http::{AppState, ClientLimits};
+use crate::fencing::FencingKey;
 use crate::lock::FencingToken;
 
 static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
@@ -74,7 +76,8 @@ struct WsToken {
 const SHUTDOWN_DRAIN: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Serves one WebSocket connection until it closes.
-pub async fn serve_socket(socket: WebSocket, state: AppState) {
+pub async fn serve_socket(socket: WebSocket, state: AppState, caller: Caller) {
+    let caller = Arc::new(caller);
     let conn = next_conn();
     state.metrics.client_connections.inc();
     // Turns true when the connection closes: forwarded requests stop waiting for the leader.
@@ -135,8 +138,9 @@ pub async fn serve_socket(socket: WebSocket, state: AppState) {
         let state = state.clone();
         let out = out_tx.clone();
         let closed = closed_rx.clone();
+        let caller = caller.clone();
         tokio::spawn(async move {
-            let reply = handle_text(&text, conn, &state, Some(closed)).await;
+            let reply = handle_text(&text, conn, &state, &caller, Some(closed)).await;
             if let Some(reply) = reply {
                 let _ = out.send(reply).await;
             }
@@ -155,6 +159,7 @@ pub async fn handle_text(
     text: &str,
     conn: u64,
     state: &AppState,
+    caller: &Caller,
     closed: Option<tokio::sync::watch::Receiver<bool>>,
 ) -> Option<String> {
     let raw: Value = match serde_json::from_str(text) {
@@ -196,17 +201,25 @@ pub async fn handle_text(
     };
     let forward = !request.redirect.unwrap_or(false);
     let traceparent = request.traceparent.clone();
-    let op = match to_op(request, &state.limits, conn) {
+    let mut op = match to_op(request, &state.limits, conn) {
         Ok(op) => op,
         Err(e) => return Some(error_json(&raw, &e)),
     };
+    if let Err(e) = caller.authorize(&mut op) {
+        return Some(error_json(&raw, &e));
+    }
     let release = matches!(op, ClientOp::Release { .. } | ClientOp::ReleaseHeld { .. });
     let span = request_span(&op, "websocket", traceparent.as_deref());
     let reply = execute_on(op, conn, state, closed, forward)
         .instrument(span.clone())
         .await;
     finish_span(&span, &reply);
-    Some(reply_json(&raw, &reply, release))
+    Some(reply_json(
+        &raw,
+        &reply,
+        release,
+        state.security.fencing_key.as_ref(),
+    ))
 }
 
 /// The span of one client request, from its arrival at this node to its answer (debug level:
@@ -549,7 +562,22 @@ pub fn error_json(raw: &Value, e: &ApiError) -> String {
     json!({"success": false, "key": key, "requestId": request_id, "error": error}).to_string()
 }
 
-fn reply_json(raw: &Value, reply: &ClientReply, release: bool) -> String {
+/// A fencing token as JSON, with its MAC when the node has a fencing key.
+fn token_json(token: &FencingToken, key: Option<&FencingKey>) -> Value {
+    match key {
+        Some(k) => {
+            json!({"key": token.key, "value": token.value, "mac": k.mac(&token.key, token.value)})
+        }
+        None => json!({"key": token.key, "value": token.value}),
+    }
+}
+
+fn reply_json(
+    raw: &Value,
+    reply: &ClientReply,
+    release: bool,
+    fencing_key: Option<&FencingKey>,
+) -> String {
     let (key, request_id) = echo_fields(raw);
     let value = match reply {
         ClientReply::Granted {
@@ -558,7 +586,7 @@ fn reply_json(raw: &Value, reply: &ClientReply, release: bool) -> String {
             ..
         } => json!({
             "success": true,
-            "fencingToken": {"key": token.key, "value": token.value},
+            "fencingToken": token_json(token, fencing_key),
             "requestId": request_id, "key": key, "expiresInMs": expires_in_ms,
         }),
         ClientReply::Released => {
@@ -569,7 +597,7 @@ fn reply_json(raw: &Value, reply: &ClientReply, release: bool) -> String {
             expires_in_ms,
         } => json!({
             "success": true, "renewed": true,
-            "fencingToken": {"key": token.key, "value": token.value},
+            "fencingToken": token_json(token, fencing_key),
             "key": key, "requestId": request_id, "expiresInMs": expires_in_ms,
         }),
         ClientReply::WaitCancelled => {

@@ -464,10 +464,16 @@ pub struct DataStoreProc {
 
 impl DataStoreProc {
     pub async fn start() -> DataStoreProc {
+        DataStoreProc::start_with(&[]).await
+    }
+
+    /// Starts the data store with extra flags.
+    pub async fn start_with(extra: &[String]) -> DataStoreProc {
         let dir = tempfile::tempdir().expect("tempdir");
         let addr = format!("127.0.0.1:{}", free_port());
         let child = Command::new(env!("CARGO_BIN_EXE_data-store"))
             .args(["--listen", &addr])
+            .args(extra)
             .args([
                 "--file",
                 &dir.path().join("writes.log").display().to_string(),

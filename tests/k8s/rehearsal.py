@@ -20,6 +20,9 @@ spreads connections):
   6. roll every pod one at a time, highest ordinal first, waiting for /readyz between pods, as a
      RollingUpdate does.
 
+The pods get the cluster token from the rendered token Secret (the chart generates one when the
+values set none), as the kubelet would from the Secret the install created.
+
 Checked throughout: the held lock keeps its token; every grant the workload saw carries a token
 above the previous one; the data store accepted exactly the writes the workload saw accepted; every
 acknowledged KV put is readable at the end; clients saw at most retries (unavailable, no leader,
@@ -122,19 +125,33 @@ class Pods:
         self.volumes = set()
         self.containers = set()
         self.files_dir = tempfile.mkdtemp(prefix="raftlock-pod-files-")
+        # The Secrets as the cluster holds them: those the install created, among them the
+        # chart's <release>-token with the generated cluster token. Every pod, whichever render
+        # its spec comes from, reads its secretKeyRefs from here, as the kubelet reads the
+        # cluster's Secret. A later render (the upgrade to 5 replicas) carries another random
+        # token, because render-only has no cluster for the chart's `lookup`; a real upgrade
+        # finds the installed Secret and renders its token again, so the installed one stays.
+        self.secrets = {d["metadata"]["name"]: d for d in find(docs, "Secret")}
         run(["docker", "network", "create", self.network])
 
     def container(self, pod):
         return f"{self.prefix}-{pod}"
 
+    def secret(self, name):
+        if name not in self.secrets:
+            raise Failure(f"no Secret {name} in the rendered chart")
+        return self.secrets[name]
+
     def secret_keys(self, name):
-        secret = one(self.docs, "Secret", lambda d: d["metadata"]["name"] == name)
+        secret = self.secret(name)
         return list(secret.get("stringData") or {}) + list(secret.get("data") or {})
 
     def secret_value(self, name, key):
-        secret = one(self.docs, "Secret", lambda d: d["metadata"]["name"] == name)
+        secret = self.secret(name)
         if key in (secret.get("stringData") or {}):
             return secret["stringData"][key]
+        if key not in (secret.get("data") or {}):
+            raise Failure(f"Secret {name} has no key {key}")
         return base64.b64decode(secret["data"][key]).decode()
 
     def configmap_value(self, name, key):
@@ -622,12 +639,38 @@ def main():
             pods.cleanup()
 
 
+def secret_shapes(docs):
+    """Secret name -> its keys: what an upgrade must keep (the values may differ between two
+    offline renders, see Pods.secrets)."""
+    return {d["metadata"]["name"]: sorted(list(d.get("data") or {}) + list(d.get("stringData") or {}))
+            for d in find(docs, "Secret")}
+
+
+def cluster_token(pods, cluster, ordinal):
+    """The cluster token pod `ordinal` gets (RAFTLOCK_CLUSTER_TOKEN from its secretKeyRef)."""
+    c = cluster.template["spec"]["containers"][0]
+    return pods.env_of(c, cluster.pod(ordinal), cluster.labels).get("RAFTLOCK_CLUSTER_TOKEN", "")
+
+
 def rehearse(pods, docs3, docs5, workers, n_workers):
     cluster = Cluster(pods, docs3)
     replicas = cluster.sts["spec"]["replicas"]
     if replicas != 3:
         raise Failure(f"the rendered StatefulSet has {replicas} replicas, expected 3")
     grace = cluster.grace
+
+    # The chart always runs the lock nodes with a cluster token (generated into <release>-token
+    # when the values name none); lock-node refuses to start without one on a non-loopback peer
+    # port. The upgrade's pods must read the same Secret and key.
+    if secret_shapes(docs5) != secret_shapes(docs3):
+        raise Failure(f"the upgrade renders other Secrets ({secret_shapes(docs5)}) than the "
+                      f"install ({secret_shapes(docs3)})")
+    token = cluster_token(pods, cluster, 0)
+    if not token:
+        raise Failure("the rendered StatefulSet gives the pods no RAFTLOCK_CLUSTER_TOKEN")
+    if cluster_token(pods, Cluster(pods, docs5), 4) != token:
+        raise Failure("the 5-replica StatefulSet's pods would get another cluster token")
+    log(f"cluster token: {len(token)} characters, from Secret(s) {sorted(pods.secrets)}")
 
     # The data store: its Deployment's pod, under its Service's names.
     deploy = one(docs3, "Deployment")

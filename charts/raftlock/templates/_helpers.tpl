@@ -102,9 +102,25 @@ keeps the pod template unchanged when the StatefulSet is scaled, so scaling rest
 {{- printf "%s.%s.svc.cluster.local" (include "raftlock.dataStore.fullname" .) .Release.Namespace -}}
 {{- end -}}
 
-{{/* Whether a cluster token is configured, and the Secret that holds it. */}}
+{{/*
+Whether the pods get a cluster token: always, unless `insecure` is set. The token comes from
+existingSecret, else from the chart's Secret <fullname>-token (clusterToken, or a generated
+one: templates/secret.yaml).
+*/}}
 {{- define "raftlock.hasToken" -}}
-{{- if or .Values.existingSecret .Values.clusterToken -}}true{{- end -}}
+{{- if not .Values.insecure -}}true{{- end -}}
+{{- end -}}
+
+{{/* Fails on values that contradict each other about the cluster token. */}}
+{{- define "raftlock.validateToken" -}}
+{{- if and .Values.insecure (or .Values.clusterToken .Values.existingSecret) -}}
+{{- fail "insecure=true runs the lock nodes without a cluster token: unset clusterToken and existingSecret, or set insecure=false" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Whether the chart generates the token (no clusterToken, no existingSecret, not insecure). */}}
+{{- define "raftlock.generatesToken" -}}
+{{- if not (or .Values.insecure .Values.existingSecret .Values.clusterToken) -}}true{{- end -}}
 {{- end -}}
 
 {{- define "raftlock.tokenSecretName" -}}

@@ -36,6 +36,15 @@ struct Args {
     /// --client-id to `release` and `renew`.
     #[arg(long, global = true, env = "RAFTLOCK_CLIENT_ID")]
     client_id: Option<String>,
+    /// Bearer token for a cluster that authenticates its clients (`lock-node
+    /// --client-auth-file`). Prefer the environment variable: a flag shows in `ps`.
+    #[arg(
+        long,
+        global = true,
+        env = "RAFTLOCK_AUTH_TOKEN",
+        hide_env_values = true
+    )]
+    auth_token: Option<String>,
     #[command(subcommand)]
     command: Cmd,
 }
@@ -276,6 +285,9 @@ fn make_client(args: &Args) -> Result<RaftLockClient, ClientError> {
         format!("lockctl-{host}-{}", std::process::id())
     });
     b = b.client_id(id);
+    if let Some(token) = &args.auth_token {
+        b = b.auth_token(token.clone());
+    }
     // OpenTelemetry's convention for passing trace context to a command: the TRACEPARENT
     // environment variable. The requests of this command then join that trace.
     if let Ok(tp) = std::env::var("TRACEPARENT") {
@@ -354,7 +366,9 @@ async fn dispatch(args: Args) -> ExitCode {
         Cmd::Status { endpoint } => {
             show(endpoint.as_deref().unwrap_or(&first), "/status", json_out).await
         }
-        Cmd::Locks { prefix } => match AdminClient::new(args.endpoints.clone()) {
+        Cmd::Locks { prefix } => match AdminClient::new(args.endpoints.clone())
+            .map(|a| a.with_auth_token(args.auth_token.clone()))
+        {
             Ok(admin) => match admin.locks(prefix).await {
                 Ok(v) => {
                     emit(json_out, v.clone(), || print_table(&locks_table(&v)));
@@ -376,20 +390,21 @@ async fn dispatch(args: Args) -> ExitCode {
             {
                 Ok(Some(lock)) => {
                     let token = lock.fencing_token();
+                    let mac = lock.fencing_mac().map(String::from);
                     // The holder's identity: `release` and `renew` need it as --client-id.
                     let owner = lock.owner_id().to_string();
                     std::mem::forget(lock); // stays held after lockctl exits
-                    emit(
-                        json_out,
-                        json!({"acquired": true, "key": key, "fencingToken": token,
-                               "clientId": owner, "ttlMs": ttl.as_millis() as u64}),
-                        || {
-                            println!(
-                                "acquired {key}: fencing token {token}, client id {owner}, ttl {}",
-                                humantime::format_duration(*ttl)
-                            )
-                        },
-                    );
+                    let mut out = json!({"acquired": true, "key": key, "fencingToken": token,
+                                         "clientId": owner, "ttlMs": ttl.as_millis() as u64});
+                    if let Some(mac) = mac {
+                        out["fencingMac"] = json!(mac);
+                    }
+                    emit(json_out, out, || {
+                        println!(
+                            "acquired {key}: fencing token {token}, client id {owner}, ttl {}",
+                            humantime::format_duration(*ttl)
+                        )
+                    });
                     ExitCode::SUCCESS
                 }
                 Ok(None) => {

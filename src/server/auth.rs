@@ -1,0 +1,480 @@
+//! Client authentication and authorization on the client port.
+//!
+//! With `--client-auth-file` (or `client_auth_file` in the configuration), every client request
+//! must present a bearer token: the `Authorization: Bearer <token>` header (WebSocket upgrade,
+//! HTTP, gRPC metadata `authorization`) or, for browsers, which cannot set headers on a
+//! WebSocket, the `access_token` query parameter of the upgrade URL. The file names the
+//! identities:
+//!
+//! ```json
+//! {"identities": [
+//!   {"name": "billing", "tokenSha256": "<hex of SHA-256 of the token>",
+//!    "prefixes": ["billing/"], "operations": ["acquire", "release", "renew", "read"]},
+//!   {"name": "ops", "token": "<the token itself>", "admin": true}
+//! ]}
+//! ```
+//!
+//! Each identity may do the listed operations (`acquire`, `release`, `renew`, `cancel`, `read`,
+//! `write`; `admin` allows all) on keys that start with one of its prefixes (`admin` or no
+//! `prefixes`: none; `[""]`: every key). The holder of a lock is the identity: a request's
+//! `clientId` becomes `<identity>/<clientId>` (or just `<identity>` when it is empty or equal to
+//! it), so no other identity can release or renew the lock whatever client id it sends. Only an
+//! admin sees fencing tokens in `GET /locks`.
+//!
+//! Tokens are compared by their SHA-256 digests, in constant time. Without a file, the client port
+//! is open to anyone who reaches it (the default, for loopback development).
+
+use std::path::Path;
+use std::sync::Arc;
+
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
+
+use crate::node::api::{ApiError, ClientOp, ErrorCode};
+
+/// What an identity may do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Operation {
+    Acquire,
+    Release,
+    Renew,
+    Cancel,
+    Read,
+    Write,
+}
+
+/// One authenticated client identity.
+#[derive(Debug)]
+pub struct Identity {
+    pub name: String,
+    prefixes: Vec<String>,
+    operations: Vec<Operation>,
+    pub admin: bool,
+    digest: [u8; 32],
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct IdentityFile {
+    name: String,
+    #[serde(default)]
+    token: Option<String>,
+    #[serde(default)]
+    token_sha256: Option<String>,
+    #[serde(default)]
+    prefixes: Vec<String>,
+    #[serde(default)]
+    operations: Vec<Operation>,
+    #[serde(default)]
+    admin: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AuthFile {
+    identities: Vec<IdentityFile>,
+}
+
+/// The identities a node accepts.
+#[derive(Debug, Default)]
+pub struct AuthTable {
+    identities: Vec<Arc<Identity>>,
+}
+
+/// Most identities one file may hold.
+const MAX_IDENTITIES: usize = 10_000;
+/// Longest bearer token looked at.
+const MAX_TOKEN_BYTES: usize = 4096;
+
+fn digest(token: &[u8]) -> [u8; 32] {
+    Sha256::digest(token).into()
+}
+
+fn parse_hex32(text: &str) -> Option<[u8; 32]> {
+    let text = text.trim();
+    if text.len() != 64 || !text.is_ascii() {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(&text[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(out)
+}
+
+impl AuthTable {
+    /// Reads and checks the identities file; the error says which entry is wrong and why.
+    pub fn from_file(path: &Path) -> Result<AuthTable, String> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read the client auth file {}: {e}", path.display()))?;
+        AuthTable::parse(&text).map_err(|e| format!("client auth file {}: {e}", path.display()))
+    }
+
+    pub fn parse(text: &str) -> Result<AuthTable, String> {
+        let file: AuthFile = serde_json::from_str(text).map_err(|e| e.to_string())?;
+        if file.identities.is_empty() || file.identities.len() > MAX_IDENTITIES {
+            return Err(format!("needs 1..={MAX_IDENTITIES} identities"));
+        }
+        let mut identities: Vec<Arc<Identity>> = Vec::new();
+        for (i, entry) in file.identities.into_iter().enumerate() {
+            let at = format!("identity #{} ({:?})", i + 1, entry.name);
+            let valid_name = !entry.name.is_empty()
+                && entry.name.len() <= 128
+                && entry
+                    .name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '@'));
+            if !valid_name {
+                return Err(format!("{at}: a name is 1..=128 of A-Z a-z 0-9 - _ . @"));
+            }
+            if identities.iter().any(|other| other.name == entry.name) {
+                return Err(format!("{at}: the name is used twice"));
+            }
+            let digest = match (&entry.token, &entry.token_sha256) {
+                (Some(token), None) if token.len() >= 16 && token.len() <= MAX_TOKEN_BYTES => {
+                    digest(token.as_bytes())
+                }
+                (Some(_), None) => {
+                    return Err(format!("{at}: a token is 16..={MAX_TOKEN_BYTES} bytes"))
+                }
+                (None, Some(hex)) => parse_hex32(hex)
+                    .ok_or_else(|| format!("{at}: tokenSha256 must be 64 hex digits"))?,
+                _ => return Err(format!("{at}: give exactly one of token and tokenSha256")),
+            };
+            if identities
+                .iter()
+                .any(|other| bool::from(other.digest.ct_eq(&digest)))
+            {
+                return Err(format!("{at}: the same token is given to another identity"));
+            }
+            if !entry.admin && (entry.operations.is_empty() || entry.prefixes.is_empty()) {
+                return Err(format!(
+                    "{at}: list its operations and key prefixes (or make it admin)"
+                ));
+            }
+            identities.push(Arc::new(Identity {
+                name: entry.name,
+                prefixes: entry.prefixes,
+                operations: entry.operations,
+                admin: entry.admin,
+                digest,
+            }));
+        }
+        Ok(AuthTable { identities })
+    }
+
+    /// The identity whose token this is. Every identity is compared, in constant time, so the
+    /// time taken says nothing about which one (if any) came close.
+    pub fn identify(&self, token: &str) -> Option<Arc<Identity>> {
+        if token.is_empty() || token.len() > MAX_TOKEN_BYTES {
+            return None;
+        }
+        let presented = digest(token.as_bytes());
+        let mut found = None;
+        for identity in &self.identities {
+            if bool::from(identity.digest.ct_eq(&presented)) {
+                found = Some(identity.clone());
+            }
+        }
+        found
+    }
+}
+
+/// The client port's security settings.
+#[derive(Debug, Default)]
+pub struct ClientSecurity {
+    /// Identities; `None`: the client port is open.
+    pub auth: Option<AuthTable>,
+    /// Fencing-token MACs for the data store; `None`: tokens carry no MAC.
+    pub fencing_key: Option<crate::fencing::FencingKey>,
+}
+
+impl ClientSecurity {
+    /// Loads the files named in the configuration (empty names: off).
+    pub fn load(client_auth_file: &str, fencing_key_file: &str) -> Result<ClientSecurity, String> {
+        let auth = if client_auth_file.is_empty() {
+            None
+        } else {
+            Some(AuthTable::from_file(Path::new(client_auth_file))?)
+        };
+        let fencing_key = if fencing_key_file.is_empty() {
+            None
+        } else {
+            Some(
+                crate::fencing::FencingKey::from_file(Path::new(fencing_key_file))
+                    .map_err(|e| e.to_string())?,
+            )
+        };
+        Ok(ClientSecurity { auth, fencing_key })
+    }
+
+    /// The caller behind an `Authorization` header value and/or an `access_token` parameter.
+    pub fn caller(&self, authorization: Option<&str>, access_token: Option<&str>) -> Caller {
+        let token = authorization.and_then(bearer).or(access_token);
+        Caller::from_token(self.auth.as_ref(), token)
+    }
+}
+
+/// The token in an `Authorization` header value (`Bearer <token>`, scheme case-insensitive).
+pub fn bearer(header: &str) -> Option<&str> {
+    let (scheme, token) = header.trim().split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| token.trim())
+        .filter(|t| !t.is_empty())
+}
+
+/// Who is calling, as far as the client port knows.
+#[derive(Clone, Debug)]
+pub enum Caller {
+    /// Authentication is off: anyone may do anything.
+    Open,
+    Authenticated(Arc<Identity>),
+    /// Authentication is on and no valid token came with the request; the reason says what was
+    /// wrong.
+    Refused(&'static str),
+}
+
+impl Caller {
+    /// The caller behind `token` (from a header or query parameter), given the node's table.
+    pub fn from_token(table: Option<&AuthTable>, token: Option<&str>) -> Caller {
+        match (table, token) {
+            (None, _) => Caller::Open,
+            (Some(_), None) => Caller::Refused(
+                "this node requires a bearer token: send `Authorization: Bearer <token>` (or \
+                 `?access_token=` on the WebSocket URL); the SDK's `auth_token` and lockctl's \
+                 `--token` do this",
+            ),
+            (Some(table), Some(token)) => match table.identify(token) {
+                Some(identity) => Caller::Authenticated(identity),
+                None => Caller::Refused("the bearer token is not valid on this cluster"),
+            },
+        }
+    }
+
+    /// Whether this caller may see fencing tokens of others (`GET /locks`).
+    pub fn sees_tokens(&self) -> bool {
+        match self {
+            Caller::Open => true,
+            Caller::Authenticated(identity) => identity.admin,
+            Caller::Refused(_) => false,
+        }
+    }
+
+    /// Whether a lock on `key` appears in this caller's `GET /locks`: an identity sees the keys
+    /// under its prefixes.
+    pub fn check_read_listing(&self, key: &str) -> bool {
+        match self {
+            Caller::Open => true,
+            Caller::Authenticated(identity) => {
+                identity.admin
+                    || identity
+                        .prefixes
+                        .iter()
+                        .any(|p| key.starts_with(p.as_str()))
+            }
+            Caller::Refused(_) => false,
+        }
+    }
+
+    /// Checks that the caller may read `key` (HTTP `GET /kv`, a linearizable read).
+    pub fn check_read(&self, key: &str) -> Result<(), ApiError> {
+        self.check(Operation::Read, key)
+    }
+
+    fn check(&self, operation: Operation, key: &str) -> Result<(), ApiError> {
+        let identity = match self {
+            Caller::Open => return Ok(()),
+            Caller::Refused(reason) => {
+                return Err(ApiError::new(ErrorCode::Unauthenticated, *reason))
+            }
+            Caller::Authenticated(identity) => identity,
+        };
+        if identity.admin {
+            return Ok(());
+        }
+        if !identity.operations.contains(&operation) {
+            return Err(ApiError::new(
+                ErrorCode::PermissionDenied,
+                format!(
+                    "identity {:?} may not {} (allowed: {:?})",
+                    identity.name,
+                    format!("{operation:?}").to_lowercase(),
+                    identity.operations
+                ),
+            ));
+        }
+        if !identity
+            .prefixes
+            .iter()
+            .any(|p| key.starts_with(p.as_str()))
+        {
+            return Err(ApiError::new(
+                ErrorCode::PermissionDenied,
+                format!(
+                    "identity {:?} may use only keys starting with {:?}",
+                    identity.name, identity.prefixes
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks `op` against the caller's rights and makes the authenticated identity its holder:
+    /// the client id becomes `<identity>/<clientId>` (or `<identity>`).
+    pub fn authorize(&self, op: &mut ClientOp) -> Result<(), ApiError> {
+        let (operation, key) = match &*op {
+            ClientOp::Acquire { key, .. } => (Operation::Acquire, key),
+            ClientOp::Release { key, .. } | ClientOp::ReleaseHeld { key, .. } => {
+                (Operation::Release, key)
+            }
+            ClientOp::Renew { key, .. } => (Operation::Renew, key),
+            ClientOp::CancelWait { key, .. } => (Operation::Cancel, key),
+            ClientOp::Put { key, .. } | ClientOp::Delete { key, .. } => (Operation::Write, key),
+            ClientOp::Get { key } => (Operation::Read, key),
+        };
+        self.check(operation, key)?;
+        // A guarded write names a lock too: it must be one the caller may use.
+        if let ClientOp::Put { guard: Some(g), .. } | ClientOp::Delete { guard: Some(g), .. } = &*op
+        {
+            self.check(Operation::Write, &g.key)?;
+        }
+        if let Caller::Authenticated(identity) = self {
+            let client_id = match op {
+                ClientOp::Acquire { client_id, .. }
+                | ClientOp::Release { client_id, .. }
+                | ClientOp::ReleaseHeld { client_id, .. }
+                | ClientOp::Renew { client_id, .. }
+                | ClientOp::CancelWait { client_id, .. }
+                | ClientOp::Put { client_id, .. }
+                | ClientOp::Delete { client_id, .. } => client_id,
+                ClientOp::Get { .. } => return Ok(()),
+            };
+            *client_id = if client_id.is_empty() || *client_id == identity.name {
+                identity.name.clone()
+            } else {
+                format!("{}/{client_id}", identity.name)
+            };
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FILE: &str = r#"{"identities": [
+        {"name": "billing", "token": "billing-token-0123456789", "prefixes": ["billing/"],
+         "operations": ["acquire", "release", "renew"]},
+        {"name": "ops", "tokenSha256": "HASH", "admin": true}
+    ]}"#;
+
+    fn table() -> AuthTable {
+        let hash: String = digest(b"ops-token-0123456789abc")
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        AuthTable::parse(&FILE.replace("HASH", &hash)).unwrap()
+    }
+
+    fn acquire(key: &str, client: &str) -> ClientOp {
+        ClientOp::Acquire {
+            key: key.into(),
+            client_id: client.into(),
+            request_id: "r".into(),
+            ttl_ms: 1000,
+            wait_timeout_ms: None,
+        }
+    }
+
+    #[test]
+    fn identities_rights_and_holders() {
+        let t = table();
+        let billing = Caller::from_token(Some(&t), Some("billing-token-0123456789"));
+        let mut op = acquire("billing/run", "w1");
+        billing.authorize(&mut op).unwrap();
+        assert!(matches!(&op, ClientOp::Acquire { client_id, .. } if client_id == "billing/w1"));
+        let mut op = acquire("billing/run", "");
+        billing.authorize(&mut op).unwrap();
+        assert!(matches!(&op, ClientOp::Acquire { client_id, .. } if client_id == "billing"));
+        let err = billing
+            .authorize(&mut acquire("payroll/run", "w1"))
+            .unwrap_err();
+        assert_eq!(err.code, ErrorCode::PermissionDenied);
+        let err = billing
+            .authorize(&mut ClientOp::Get {
+                key: "billing/x".into(),
+            })
+            .unwrap_err();
+        assert_eq!(err.code, ErrorCode::PermissionDenied);
+        assert!(!billing.sees_tokens());
+
+        let ops = Caller::from_token(Some(&t), Some("ops-token-0123456789abc"));
+        ops.authorize(&mut acquire("anything", "x")).unwrap();
+        assert!(ops.sees_tokens());
+
+        for caller in [
+            Caller::from_token(Some(&t), None),
+            Caller::from_token(Some(&t), Some("billing-token-0123456788")),
+        ] {
+            let err = caller
+                .authorize(&mut acquire("billing/run", "w1"))
+                .unwrap_err();
+            assert_eq!(err.code, ErrorCode::Unauthenticated);
+        }
+        let open = Caller::from_token(None, None);
+        let mut op = acquire("k", "w1");
+        open.authorize(&mut op).unwrap();
+        assert!(matches!(&op, ClientOp::Acquire { client_id, .. } if client_id == "w1"));
+    }
+
+    #[test]
+    fn bad_files_are_explained() {
+        for (text, needle) in [
+            (r#"{"identities": []}"#, "identities"),
+            (
+                r#"{"identities": [{"name": "a b", "token": "0123456789abcdef", "admin": true}]}"#,
+                "name",
+            ),
+            (
+                r#"{"identities": [{"name": "a", "token": "short", "admin": true}]}"#,
+                "16",
+            ),
+            (
+                r#"{"identities": [{"name": "a", "admin": true}]}"#,
+                "exactly one",
+            ),
+            (
+                r#"{"identities": [{"name": "a", "token": "0123456789abcdef"}]}"#,
+                "prefixes",
+            ),
+            (
+                r#"{"identities": [{"name": "a", "token": "0123456789abcdef", "admin": true},
+                                {"name": "b", "token": "0123456789abcdef", "admin": true}]}"#,
+                "another",
+            ),
+            (
+                r#"{"identities": [{"name": "a", "tokenSha256": "zz", "admin": true}]}"#,
+                "64 hex",
+            ),
+            (
+                r#"{"identities": [{"name": "a", "token": "0123456789abcdef", "admin": true, "x": 1}]}"#,
+                "unknown field",
+            ),
+        ] {
+            let err = AuthTable::parse(text).unwrap_err();
+            assert!(err.contains(needle), "{text}: {err}");
+        }
+    }
+
+    #[test]
+    fn bearer_headers() {
+        assert_eq!(bearer("Bearer abc"), Some("abc"));
+        assert_eq!(bearer("bearer  abc "), Some("abc"));
+        assert_eq!(bearer("Basic abc"), None);
+        assert_eq!(bearer("Bearer "), None);
+    }
+}

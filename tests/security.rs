@@ -1,0 +1,352 @@
+//! Security with real processes on 127.0.0.1: client authentication and rights on every client
+//! protocol, holders that only their identity can release, fencing tokens the data store can
+//! verify, peers that cannot join or talk Raft without the cluster token, and a node that refuses
+//! to open its peer port beyond loopback without one.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use raftlock::client::http::request_as;
+use raftlock::client::RaftLockClient;
+use raftlock::server::proto::lock::lock_service_client::LockServiceClient;
+use raftlock::server::proto::lock::AcquireLockRequest;
+use serde_json::{json, Value};
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+
+const LEADER_TIMEOUT: Duration = Duration::from_secs(20);
+const BILLING: &str = "billing-token-5f1d0c2a9b";
+const PAYROLL: &str = "payroll-token-77ab31e0c4";
+const OPS: &str = "ops-token-a0c8e2f61d93";
+const FENCING_KEY: &str = "fencing-key-shared-with-the-store-0001";
+
+/// Identities: billing may take locks under `billing/`; payroll may take, release and renew any
+/// key but is no admin; ops is an admin (its token given as a SHA-256 digest).
+fn auth_file(dir: &std::path::Path) -> (String, String) {
+    use sha2::{Digest, Sha256};
+    let ops_digest: String = Sha256::digest(OPS.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let identities = json!({"identities": [
+        {"name": "billing", "token": BILLING, "prefixes": ["billing/"],
+         "operations": ["acquire", "release", "renew", "cancel"]},
+        {"name": "payroll", "token": PAYROLL, "prefixes": [""],
+         "operations": ["acquire", "release", "renew"]},
+        {"name": "ops", "tokenSha256": ops_digest, "admin": true},
+    ]});
+    let auth = dir.join("clients.json");
+    std::fs::write(&auth, identities.to_string()).unwrap();
+    let key = dir.join("fencing.key");
+    std::fs::write(&key, format!("{FENCING_KEY}\n")).unwrap();
+    (auth.display().to_string(), key.display().to_string())
+}
+
+fn secured_cluster(files: &tempfile::TempDir) -> Cluster {
+    let (auth, key) = auth_file(files.path());
+    Cluster::start_with(3, move |_| {
+        vec![
+            "--client-auth-file".into(),
+            auth.clone(),
+            "--fencing-key-file".into(),
+            key.clone(),
+        ]
+    })
+}
+
+/// A WebSocket to `addr` presenting `token` as a bearer token (or none).
+async fn ws_as(addr: &str, token: Option<&str>) -> Ws {
+    let mut request = format!("ws://{addr}/ws").into_client_request().unwrap();
+    if let Some(t) = token {
+        request
+            .headers_mut()
+            .insert("authorization", format!("Bearer {t}").parse().unwrap());
+    }
+    let (ws, _) = tokio_tungstenite::connect_async(request).await.unwrap();
+    ws
+}
+
+fn acquire(key: &str, client: &str, request: &str) -> Value {
+    json!({"commandType": 3, "key": key, "clientId": client, "requestId": request,
+           "ttl": 30_000, "waitTimeout": 0})
+}
+
+fn code_of(reply: &Value) -> &str {
+    reply["error"]["code"].as_str().unwrap_or("")
+}
+
+async fn get_as(addr: &str, path: &str, token: Option<&str>) -> (u16, Value) {
+    let (status, body) = request_as(addr, "GET", path, None, Duration::from_secs(5), token)
+        .await
+        .unwrap();
+    (status, serde_json::from_str(&body).unwrap_or(Value::Null))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_need_a_token_stay_in_their_prefixes_and_only_the_holder_releases() {
+    let files = tempfile::tempdir().unwrap();
+    let cluster = secured_cluster(&files);
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let leader_addr = cluster
+        .nodes
+        .iter()
+        .find(|n| n.id == leader)
+        .unwrap()
+        .client_addr();
+    let (_, follower_addr) = follower_knowing(&cluster, leader).await;
+
+    // No token, a wrong token: UNAUTHENTICATED, and nothing is taken.
+    for token in [None, Some("billing-token-5f1d0c2a9c")] {
+        let mut ws = ws_as(&leader_addr, token).await;
+        let r = ws_request(&mut ws, &acquire("billing/run", "w1", "u1")).await;
+        assert_eq!(r["success"], false, "{r}");
+        assert_eq!(code_of(&r), "UNAUTHENTICATED", "{token:?}: {r}");
+    }
+
+    // billing, through a follower (forwarded to the leader): granted, held as billing/w1, and
+    // the token carries a MAC.
+    let mut billing = ws_as(&follower_addr, Some(BILLING)).await;
+    let g = ws_request(&mut billing, &acquire("billing/run", "w1", "b1")).await;
+    assert_eq!(g["success"], true, "{g}");
+    let token = g["fencingToken"]["value"].as_u64().unwrap();
+    let mac = g["fencingToken"]["mac"].as_str().unwrap().to_string();
+    assert_eq!(mac.len(), 64, "{g}");
+
+    // Outside its prefixes: PERMISSION_DENIED.
+    let r = ws_request(&mut billing, &acquire("payroll/run", "w1", "b2")).await;
+    assert_eq!(code_of(&r), "PERMISSION_DENIED", "{r}");
+    // An operation it lacks (a KV write): PERMISSION_DENIED.
+    let put = json!({"commandType": 2, "key": "billing/x", "value": "1", "clientId": "w1",
+                     "requestId": "b3"});
+    let r = ws_request(&mut billing, &put).await;
+    assert_eq!(code_of(&r), "PERMISSION_DENIED", "{r}");
+
+    // payroll may release any key, but it is not the holder, whatever client id it claims: the
+    // token and the holder's name (which it could read off a listing) are not enough.
+    let mut payroll = ws_as(&leader_addr, Some(PAYROLL)).await;
+    for claimed in ["w1", "billing/w1", "billing"] {
+        let release = json!({"commandType": 4, "key": "billing/run", "clientId": claimed,
+                             "requestId": format!("p-{claimed}"),
+                             "fencingToken": {"key": "billing/run", "value": token}});
+        let r = ws_request(&mut payroll, &release).await;
+        assert_eq!(r["success"], false, "{claimed}: {r}");
+        assert_eq!(code_of(&r), "NOT_HOLDER", "{claimed}: {r}");
+        let renew = json!({"commandType": 5, "key": "billing/run", "clientId": claimed,
+                           "requestId": format!("pr-{claimed}"), "ttl": 60_000,
+                           "fencingToken": {"key": "billing/run", "value": token}});
+        let r = ws_request(&mut payroll, &renew).await;
+        assert_eq!(code_of(&r), "NOT_HOLDER", "{claimed}: {r}");
+    }
+    // A token-less release by another identity does not release it either.
+    let r = ws_request(
+        &mut payroll,
+        &json!({"commandType": 4, "key": "billing/run", "clientId": "billing/w1",
+                "requestId": "p-held"}),
+    )
+    .await;
+    assert_eq!(r["success"], false, "{r}");
+
+    // Listings: no token 401; billing sees its lock without the token; payroll sees it (its
+    // prefix is every key) without the token; ops (admin) sees the token.
+    let (status, body) = get_as(&leader_addr, "/locks", None).await;
+    assert_eq!(status, 401, "{body}");
+    assert_eq!(body["error"]["code"], "UNAUTHENTICATED", "{body}");
+    let (status, body) = get_as(&leader_addr, "/locks", Some(BILLING)).await;
+    assert_eq!(status, 200, "{body}");
+    let entry = &body["locks"][0];
+    assert_eq!(entry["key"], "billing/run", "{body}");
+    assert_eq!(entry["holder"], "billing/w1", "{body}");
+    assert!(entry.get("fencingToken").is_none(), "{body}");
+    let (_, body) = get_as(&leader_addr, "/locks", Some(OPS)).await;
+    assert_eq!(body["locks"][0]["fencingToken"], token, "{body}");
+    // A KV read outside what payroll may do: 403.
+    let (status, body) = get_as(&leader_addr, "/kv/billing%2Fx", Some(PAYROLL)).await;
+    assert_eq!(status, 403, "{body}");
+
+    // gRPC: the same rules through metadata.
+    let mut grpc = LockServiceClient::connect(format!("http://{leader_addr}"))
+        .await
+        .unwrap();
+    let ask = |token: Option<&str>, key: &str| {
+        let mut request = tonic::Request::new(AcquireLockRequest {
+            resource_name: key.into(),
+            owner_id: "g1".into(),
+            client_timeout_ms: 0,
+            request_id: format!("g-{key}-{}", token.unwrap_or("none").len()),
+            ttl_ms: 5_000,
+        });
+        if let Some(t) = token {
+            request
+                .metadata_mut()
+                .insert("authorization", format!("Bearer {t}").parse().unwrap());
+        }
+        request
+    };
+    let r = grpc
+        .acquire_lock(ask(None, "billing/g"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.error_code, "UNAUTHENTICATED", "{r:?}");
+    let r = grpc
+        .acquire_lock(ask(Some(BILLING), "other/g"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.error_code, "PERMISSION_DENIED", "{r:?}");
+    let r = grpc
+        .acquire_lock(ask(Some(BILLING), "billing/g"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(r.acquired, "{r:?}");
+    assert_eq!(r.fencing_token.unwrap().mac.len(), 64);
+
+    // The SDK with a token, and the holder releasing its own lock.
+    let sdk = RaftLockClient::builder()
+        .endpoints(endpoints(&cluster))
+        .client_id("sdk")
+        .auth_token(BILLING)
+        .build()
+        .unwrap();
+    let handle = sdk
+        .acquire_with("billing/sdk", Duration::from_secs(10), None)
+        .await
+        .unwrap();
+    assert_eq!(handle.fencing_mac().map(str::len), Some(64));
+    handle.release().await.unwrap();
+    let anonymous = RaftLockClient::builder()
+        .endpoints(endpoints(&cluster))
+        .client_id("sdk")
+        .build()
+        .unwrap();
+    let err = anonymous
+        .acquire_with("billing/sdk", Duration::from_secs(10), None)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some("UNAUTHENTICATED"), "{err}");
+
+    let release = json!({"commandType": 4, "key": "billing/run", "clientId": "w1",
+                         "requestId": "b9",
+                         "fencingToken": {"key": "billing/run", "value": token}});
+    let r = ws_request(&mut billing, &release).await;
+    assert_eq!(r["success"], true, "{r}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_data_store_refuses_forged_and_altered_tokens() {
+    let files = tempfile::tempdir().unwrap();
+    let cluster = secured_cluster(&files);
+    let key_file = files.path().join("fencing.key").display().to_string();
+    let store = DataStoreProc::start_with(&["--fencing-key-file".into(), key_file]).await;
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let addr = cluster
+        .nodes
+        .iter()
+        .find(|n| n.id == leader)
+        .unwrap()
+        .client_addr();
+    let mut ws = ws_as(&addr, Some(BILLING)).await;
+    let g = ws_request(&mut ws, &acquire("billing/ledger", "w1", "f1")).await;
+    assert_eq!(g["success"], true, "{g}");
+    let token = g["fencingToken"]["value"].as_u64().unwrap();
+    let mac = g["fencingToken"]["mac"].as_str().unwrap().to_string();
+
+    let write = |key: &str, value: u64, mac: Option<&str>| {
+        let mut t = json!({"key": key, "value": value});
+        if let Some(m) = mac {
+            t["mac"] = json!(m);
+        }
+        json!({"clientID": "w1", "fencingToken": t, "data": "x"})
+    };
+    let post = |body: Value| {
+        let store = store.addr.clone();
+        async move {
+            let text = body.to_string();
+            request_as(
+                &store,
+                "POST",
+                "/write",
+                Some(&text),
+                Duration::from_secs(5),
+                None,
+            )
+            .await
+            .unwrap()
+        }
+    };
+    // The one-POST denial of service: a huge token without a MAC.
+    let (status, body) = post(write("billing/ledger", u64::MAX, None)).await;
+    assert_eq!(status, 403, "{body}");
+    assert!(body.contains("mac is required"), "{body}");
+    // An altered MAC, a MAC moved to a higher value, a MAC moved to another key.
+    let mut altered = mac.clone();
+    altered.replace_range(0..1, if mac.starts_with('0') { "1" } else { "0" });
+    for (key, value, m) in [
+        ("billing/ledger", token, altered.as_str()),
+        ("billing/ledger", token + 1000, mac.as_str()),
+        ("billing/other", token, mac.as_str()),
+    ] {
+        let (status, body) = post(write(key, value, Some(m))).await;
+        assert_eq!(status, 403, "{key} {value}: {body}");
+        assert!(body.contains("does not verify"), "{body}");
+    }
+    // The real token still writes: nothing above was recorded.
+    let (status, body) = post(write("billing/ledger", token, Some(&mac))).await;
+    assert_eq!(status, 200, "{body}");
+    let (_, metrics) = http_get(&store.addr, "/metrics").await.unwrap();
+    assert!(
+        metrics.contains("raftlock_datastore_writes_total{result=\"forged\"} 4"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peers_without_the_token_cannot_join_or_talk_raft() {
+    use raftlock::server::proto::peer::{peer_client::PeerClient, JoinClusterRequest, RaftMessage};
+    let cluster = Cluster::start_with(3, |_| vec!["--cluster-token".into(), "peer-s3cret".into()]);
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let node = cluster.nodes.iter().find(|n| n.id == leader).unwrap();
+    let mut peer = PeerClient::connect(format!("http://{}", node.peer_addr()))
+        .await
+        .unwrap();
+    let join = JoinClusterRequest {
+        server_id: 9,
+        server_addr: "127.0.0.1:1".into(),
+        ..Default::default()
+    };
+    let status = peer.join_cluster(join).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Unauthenticated, "{status:?}");
+    let mut request = tonic::Request::new(futures::stream::iter(Vec::<RaftMessage>::new()));
+    request
+        .metadata_mut()
+        .insert("x-raftlock-node-id", "2".parse().unwrap());
+    let status = peer.raft(request).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Unauthenticated, "{status:?}");
+    let s = http_json(&node.client_addr(), "/status").await.unwrap();
+    assert_eq!(s["voters"].as_array().unwrap().len(), 3, "{s}");
+    assert!(s["learners"].as_array().is_none_or(|l| l.is_empty()), "{s}");
+}
+
+/// A node whose peer port would listen beyond loopback without a cluster token does not start,
+/// and says why and what to do.
+#[test]
+fn a_node_refuses_an_open_peer_port_without_a_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_lock-node"))
+        .args(["--node-id", "1", "--bootstrap"])
+        .args(["--data-dir", &dir.path().display().to_string()])
+        .args(["--peer-listen", &format!("0.0.0.0:{}", free_port())])
+        .args(["--client-listen", &format!("127.0.0.1:{}", free_port())])
+        .env_remove("RAFTLOCK_CLUSTER_TOKEN")
+        .env_remove("RAFTLOCK_INSECURE")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("cluster token") && err.contains("--insecure"),
+        "{err}"
+    );
+}
