@@ -322,6 +322,25 @@ impl RaftLockClient {
     }
 
     /// The id this client was built with; owner ids of its locks are derived from it.
+    /// Watches lock events under `prefix` (`""`: every key) on any node, from `from_index` (the
+    /// events after that log index, while the nodes still keep them) or from now. The stream
+    /// reconnects by itself and resumes without loss or repeats; see [`crate::client::Watch`].
+    pub async fn watch(
+        &self,
+        prefix: &str,
+        from_index: Option<u64>,
+    ) -> Result<crate::client::Watch, ClientError> {
+        let cfg = &self.inner.session.cfg;
+        crate::client::Watch::start(
+            cfg.endpoints.clone(),
+            cfg.auth_token.clone(),
+            prefix,
+            from_index,
+            cfg.connect_timeout,
+        )
+        .await
+    }
+
     pub fn client_id(&self) -> &str {
         &self.inner.client_id
     }

@@ -33,6 +33,7 @@ mod conn;
 pub mod error;
 pub mod http;
 pub mod lock;
+pub mod watch;
 
 use std::time::Duration;
 
@@ -43,6 +44,7 @@ pub use lock::{
     AdvancedClient, AutoRenewer, ClientBuilder, LockHandle, LossReason, PendingAcquire,
     RaftLockClient,
 };
+pub use watch::{Watch, WatchEvent};
 
 /// How retryable failures are retried: exponential backoff with jitter, bounded in attempts
 /// and in total time.

@@ -25,6 +25,7 @@
 //! whoever proposed them, and a replayed answer from the dedupe table moves nothing.
 
 pub mod api;
+pub mod events;
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -71,6 +72,9 @@ pub struct NodeSettings {
     /// Emit [`Observation::Persisted`] and [`Observation::Applied`] (the simulator's checkers
     /// use them; lock-node leaves this off).
     pub observe_log: bool,
+    /// Emit [`Observation::LockEvents`] for every applied command that changed a lock (the
+    /// watch stream; lock-node turns it on).
+    pub observe_lock_events: bool,
     /// Known bugs, switched on by simulator tests (and, in a lock-node built with the
     /// `mutations` feature, by `RAFTLOCK_MUTATION`) to show the checkers catch them.
     #[cfg(any(test, feature = "mutations"))]
@@ -90,6 +94,7 @@ impl Default for NodeSettings {
             readies_per_drive: 64,
             configured_limits: None,
             observe_log: false,
+            observe_lock_events: false,
             #[cfg(any(test, feature = "mutations"))]
             bugs: NodeBugs::default(),
         }
@@ -209,6 +214,8 @@ pub enum Observation {
         command: Option<Command>,
         applied: Option<crate::lock::Applied>,
     },
+    /// What an applied command did to locks (only with `observe_lock_events`).
+    LockEvents(Vec<events::LockEvent>),
     /// Housekeeping the leader proposed.
     Housekeeping {
         expiries: usize,
@@ -990,6 +997,12 @@ impl<S: Storage, R> NodeCore<S, R> {
                         self.follow_waiter(&command, &applied, local);
                     }
                     self.on_events(&applied.events);
+                    if self.cfg.observe_lock_events {
+                        let events = events::lock_events(&command, &applied);
+                        if !events.is_empty() {
+                            self.observe(Observation::LockEvents(events));
+                        }
+                    }
                     if let Some(pending) = pending {
                         let outcome = if applied.replayed {
                             self.replayed_outcome(applied.outcome.clone())

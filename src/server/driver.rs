@@ -13,6 +13,7 @@
 //! committed on a quorum.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot, watch};
@@ -111,6 +112,8 @@ pub struct DriverConfig {
     pub max_batch_inputs: usize,
     /// Limits this node proposes for a cluster whose limits were never set.
     pub limits: crate::lock::Limits,
+    /// Where applied lock events go for watchers.
+    pub watch: Arc<super::watch::WatchHub>,
 }
 
 /// Storage that times its flushes for `raftlock_fsync_duration_seconds`.
@@ -245,6 +248,7 @@ impl Driver {
             snapshot_bytes: cfg.snapshot_bytes,
             waiter_reclaim_us: cfg.waiter_reclaim.as_micros() as Micros,
             configured_limits: Some(cfg.limits.clone()),
+            observe_lock_events: true,
             ..NodeSettings::default()
         };
         // A lock-node built with the `mutations` feature runs with the named bug switched on:
@@ -557,7 +561,13 @@ impl Driver {
                 )
                 .in_scope(|| info!(term, leader, "no longer leader"));
             }
-            Observation::LeaderChanged { .. } => m.leader_changes_total.inc(),
+            Observation::LeaderChanged { leader } => {
+                m.leader_changes_total.inc();
+                self.cfg
+                    .watch
+                    .leader_changed(leader, self.core.raft().term());
+            }
+            Observation::LockEvents(events) => self.cfg.watch.publish(events),
             Observation::Granted { waited_us } => {
                 m.lock_grants_total.inc();
                 if let Some(us) = waited_us {
@@ -589,6 +599,7 @@ impl Driver {
                 .in_scope(|| info!(index, bytes, "snapshot taken, log compacted"));
             }
             Observation::SnapshotInstalled { index } => {
+                self.cfg.watch.reset(index);
                 m.snapshots_total.with_label_values(&["installed"]).inc();
                 tracing::debug_span!("raft.snapshot", kind = "installed", index = index as i64)
                     .in_scope(|| info!(index, "installed snapshot from leader"));

@@ -42,6 +42,8 @@ pub struct AppState {
     pub shutdown: watch::Receiver<bool>,
     /// Client authentication and fencing-token MACs.
     pub security: Arc<super::auth::ClientSecurity>,
+    /// Applied lock events for watchers.
+    pub watch: Arc<super::watch::WatchHub>,
 }
 
 pub fn router(state: AppState) -> Router {

@@ -16,4 +16,5 @@ pub mod node;
 pub mod proto;
 pub mod replication_lag;
 pub mod transport;
+pub mod watch;
 pub mod ws;

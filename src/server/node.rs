@@ -159,6 +159,7 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
     );
     let (input_tx, input_rx) = mpsc::channel(cfg.max_pending_requests);
     let (status_tx, status_rx) = watch::channel(NodeStatus::default());
+    let watch_hub = Arc::new(super::watch::WatchHub::new(raft.applied_index()));
     let driver = Driver::new(
         raft,
         storage,
@@ -172,6 +173,7 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
             waiter_reclaim: cfg.waiter_reclaim,
             max_batch_inputs: 1024,
             limits: lock_limits(&cfg),
+            watch: watch_hub.clone(),
         },
         input_rx,
         status_tx,
@@ -246,6 +248,7 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
         )),
         shutdown: shutdown.clone(),
         security,
+        watch: watch_hub,
     };
     let lock_service = LockServiceServer::new(LockApi {
         state: state.clone(),

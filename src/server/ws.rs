@@ -78,6 +78,7 @@ const SHUTDOWN_DRAIN: std::time::Duration = std::time::Duration::from_secs(2);
 /// Serves one WebSocket connection until it closes.
 pub async fn serve_socket(socket: WebSocket, state: AppState, caller: Caller) {
     let caller = Arc::new(caller);
+    let watches = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let conn = next_conn();
     state.metrics.client_connections.inc();
     // Turns true when the connection closes: forwarded requests stop waiting for the leader.
@@ -139,8 +140,12 @@ pub async fn serve_socket(socket: WebSocket, state: AppState, caller: Caller) {
         let out = out_tx.clone();
         let closed = closed_rx.clone();
         let caller = caller.clone();
+        let watch = WatchCtx {
+            out: out.clone(),
+            count: watches.clone(),
+        };
         tokio::spawn(async move {
-            let reply = handle_text(&text, conn, &state, &caller, Some(closed)).await;
+            let reply = handle_text(&text, conn, &state, &caller, Some(closed), Some(watch)).await;
             if let Some(reply) = reply {
                 let _ = out.send(reply).await;
             }
@@ -161,6 +166,7 @@ pub async fn handle_text(
     state: &AppState,
     caller: &Caller,
     closed: Option<tokio::sync::watch::Receiver<bool>>,
+    watch: Option<WatchCtx>,
 ) -> Option<String> {
     let raw: Value = match serde_json::from_str(text) {
         Ok(v) => v,
@@ -192,6 +198,23 @@ pub async fn handle_text(
             state.metrics.ignored_fields_total.inc_by(unknown as u64);
         }
     }
+    if raw.get("commandType").and_then(Value::as_u64) == Some(WATCH_COMMAND) {
+        return match (watch, closed) {
+            (Some(ctx), Some(closed)) => {
+                if let Err(e) = run_watch(&raw, state, caller, ctx, closed).await {
+                    return Some(error_json(&raw, &e));
+                }
+                None
+            }
+            _ => Some(error_json(
+                &raw,
+                &ApiError::new(
+                    ErrorCode::InvalidRequest,
+                    "watch needs a WebSocket connection",
+                ),
+            )),
+        };
+    }
     let request: WsRequest = match serde_json::from_value(raw.clone()) {
         Ok(r) => r,
         Err(err) => {
@@ -220,6 +243,129 @@ pub async fn handle_text(
         release,
         state.security.fencing_key.as_ref(),
     ))
+}
+
+/// `commandType` of a watch request.
+pub const WATCH_COMMAND: u64 = 8;
+
+/// What a watch needs from its connection.
+pub struct WatchCtx {
+    out: mpsc::Sender<String>,
+    /// Watches open on the connection.
+    count: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// Ends a watch's count when the watch ends, however it ends.
+struct WatchSlot(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for WatchSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Serves one watch until the connection closes, the node stops, or the client falls too far
+/// behind. Request: `{"commandType": 8, "requestId": R, "key": PREFIX, "fromIndex": N}` (`key`
+/// and `fromIndex` optional). Answer: `{"success": true, "watching": true, "index": I, ...}`, then
+/// one frame per event with the watch's `requestId`, in log order.
+async fn run_watch(
+    raw: &Value,
+    state: &AppState,
+    caller: &Caller,
+    ctx: WatchCtx,
+    mut closed: tokio::sync::watch::Receiver<bool>,
+) -> Result<(), ApiError> {
+    use super::watch::MAX_WATCHES_PER_CONNECTION;
+    let invalid = |m: String| ApiError::new(ErrorCode::InvalidRequest, m);
+    let prefix = match raw.get("key") {
+        None | Some(Value::Null) => String::new(),
+        Some(Value::String(k)) => k.clone(),
+        Some(other) => {
+            return Err(invalid(format!(
+                "`key` (the prefix) must be a string, not {other}"
+            )))
+        }
+    };
+    if prefix.len() > state.limits.max_key_bytes {
+        return Err(ApiError::new(
+            ErrorCode::TooLarge,
+            "the prefix exceeds the key limit",
+        ));
+    }
+    let from = match raw.get("fromIndex") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(
+            v.as_u64()
+                .ok_or_else(|| invalid(format!("`fromIndex` must be a log index, not {v}")))?,
+        ),
+    };
+    caller.check_read(&prefix)?;
+    if ctx.count.fetch_add(1, Ordering::Relaxed) >= MAX_WATCHES_PER_CONNECTION {
+        ctx.count.fetch_sub(1, Ordering::Relaxed);
+        return Err(ApiError::new(
+            ErrorCode::Busy,
+            format!("at most {MAX_WATCHES_PER_CONNECTION} watches per connection"),
+        ));
+    }
+    let _slot = WatchSlot(ctx.count.clone());
+    let sub = state.watch.subscribe(&prefix, from).map_err(|too_old| {
+        invalid(format!(
+            "fromIndex {} is older than the events this node keeps (resume from {} or later, or \
+             read /locks and watch from now)",
+            from.unwrap_or(0),
+            too_old.oldest
+        ))
+    })?;
+    let request_id = raw.get("requestId").cloned().unwrap_or(Value::Null);
+    let frame = |item: &super::watch::WatchItem| {
+        let mut v = serde_json::to_value(item).unwrap_or(Value::Null);
+        v["requestId"] = request_id.clone();
+        v.to_string()
+    };
+    let ack = json!({"success": true, "watching": true, "key": prefix,
+                     "requestId": request_id, "index": sub.index});
+    if ctx.out.send(ack.to_string()).await.is_err() {
+        return Ok(());
+    }
+    let mut last = from.unwrap_or(sub.index);
+    for item in &sub.backlog {
+        if ctx.out.send(frame(item)).await.is_err() {
+            return Ok(());
+        }
+        last = last.max(item.index());
+    }
+    let mut live = sub.live;
+    let mut shutdown = state.shutdown.clone();
+    loop {
+        let next = tokio::select! {
+            next = live.recv() => next,
+            _ = closed.wait_for(|c| *c) => return Ok(()),
+            _ = shutdown.wait_for(|s| *s) => return Ok(()),
+        };
+        match next {
+            Ok(item) => {
+                let is_lock = matches!(*item, super::watch::WatchItem::Lock(_));
+                if is_lock && item.index() <= sub.replayed_to || !item.matches(&prefix) {
+                    continue;
+                }
+                if ctx.out.send(frame(&item)).await.is_err() {
+                    return Ok(());
+                }
+                if is_lock {
+                    last = last.max(item.index());
+                }
+            }
+            Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
+                // Too slow: end the watch rather than buffer without bound. Resuming from the
+                // last index delivered loses nothing (while the node still keeps those events).
+                let end = json!({"event": "lagged", "requestId": request_id, "resumeFrom": last,
+                                 "message": "the watch fell too far behind and ended; watch again with fromIndex"});
+                let _ = ctx.out.send(end.to_string()).await;
+                return Ok(());
+            }
+            Err(tokio::sync::broadcast::error::RecvError::Closed) => return Ok(()),
+        }
+    }
 }
 
 /// The span of one client request, from its arrival at this node to its answer (debug level:

@@ -405,6 +405,7 @@ impl Cluster {
             readies_per_drive: 1,
             configured_limits: Some(sim_lock_limits()),
             observe_log: true,
+            observe_lock_events: true,
             #[cfg(any(test, feature = "mutations"))]
             bugs: self.cfg.node_bugs,
         }

@@ -116,6 +116,23 @@ enum Cmd {
         #[arg(long, default_value = "")]
         prefix: String,
     },
+    /// Follow lock events (granted, queued, released, expired, renewed, cancelled, leader
+    /// changes) under a key prefix as they happen; resumes by itself after a lost connection.
+    Watch {
+        /// Key prefix (default: every key).
+        #[arg(default_value = "")]
+        prefix: String,
+        /// Start after this log index (the events since, while the nodes still keep them)
+        /// instead of now.
+        #[arg(long)]
+        from_index: Option<u64>,
+        /// Stop after this many events (default: run until interrupted).
+        #[arg(long)]
+        count: Option<u64>,
+        /// Stop after this long (e.g. `30s`).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        timeout: Option<Duration>,
+    },
     /// Read or write the replicated key-value store.
     Kv {
         #[command(subcommand)]
@@ -303,6 +320,33 @@ fn make_client(args: &Args) -> Result<RaftLockClient, ClientError> {
     b.build()
 }
 
+/// One watch event for people: `index  event  key  client  details`.
+fn watch_line(e: &raftlock::client::WatchEvent) -> String {
+    if e.event == "leader" {
+        return format!(
+            "{:>8}  {:<9}  node {} leads (term {})",
+            e.index,
+            e.event,
+            e.leader_id.unwrap_or(0),
+            e.term.unwrap_or(0)
+        );
+    }
+    let mut detail = String::new();
+    if let Some(t) = e.token {
+        detail.push_str(&format!("token {t}"));
+    }
+    if let Some(p) = e.position {
+        detail.push_str(&format!("position {p}"));
+    }
+    format!(
+        "{:>8}  {:<9}  {:<24}  {:<24}  {detail}",
+        e.index,
+        e.event,
+        e.key.as_deref().unwrap_or(""),
+        e.client.as_deref().unwrap_or("")
+    )
+}
+
 fn fail(e: impl std::fmt::Display) -> ExitCode {
     eprintln!("lockctl: {e}");
     ExitCode::FAILURE
@@ -365,6 +409,45 @@ async fn dispatch(args: Args) -> ExitCode {
         }
         Cmd::Status { endpoint } => {
             show(endpoint.as_deref().unwrap_or(&first), "/status", json_out).await
+        }
+        Cmd::Watch {
+            prefix,
+            from_index,
+            count,
+            timeout,
+        } => {
+            let client = match make_client(&args) {
+                Ok(c) => c,
+                Err(e) => return fail(e),
+            };
+            let mut watch = match client.watch(prefix, *from_index).await {
+                Ok(w) => w,
+                Err(e) => return fail(e),
+            };
+            let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
+            let mut seen = 0u64;
+            while count.is_none_or(|c| seen < c) {
+                let next = match deadline {
+                    Some(d) => match tokio::time::timeout_at(d, watch.next()).await {
+                        Ok(n) => n,
+                        Err(_) => break,
+                    },
+                    None => watch.next().await,
+                };
+                match next {
+                    Some(Ok(e)) => {
+                        seen += 1;
+                        let value = json!({"event": e.event, "index": e.index, "key": e.key,
+                                           "client": e.client, "token": e.token,
+                                           "position": e.position, "leaderId": e.leader_id,
+                                           "term": e.term});
+                        emit(json_out, value, || println!("{}", watch_line(&e)));
+                    }
+                    Some(Err(e)) => return fail(e),
+                    None => break,
+                }
+            }
+            ExitCode::SUCCESS
         }
         Cmd::Locks { prefix } => match AdminClient::new(args.endpoints.clone())
             .map(|a| a.with_auth_token(args.auth_token.clone()))
