@@ -495,3 +495,17 @@ fn completions_and_man_page_cover_every_subcommand() {
         "{out:?}"
     );
 }
+
+/// An error says what to do next: no node answering points at `lockctl up` and the endpoints.
+#[test]
+fn errors_say_what_to_do_next() {
+    let closed = format!("127.0.0.1:{}", common::free_port());
+    let out = Command::new(LOCKCTL)
+        .args(["--endpoints", &closed, "acquire", "k", "--ttl", "5s"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("hint: no node answered"), "{err}");
+    assert!(err.contains("lockctl up"), "{err}");
+}

@@ -348,8 +348,51 @@ fn watch_line(e: &raftlock::client::WatchEvent) -> String {
 }
 
 fn fail(e: impl std::fmt::Display) -> ExitCode {
-    eprintln!("lockctl: {e}");
+    let message = e.to_string();
+    eprintln!("lockctl: {message}");
+    if let Some(hint) = hint(&message) {
+        eprintln!("hint: {hint}");
+    }
     ExitCode::FAILURE
+}
+
+/// What to do next about an error, when its text says enough to tell.
+fn hint(message: &str) -> Option<&'static str> {
+    let has = |needle: &str| message.contains(needle);
+    Some(if has("UNAUTHENTICATED") {
+        "this cluster authenticates clients: set RAFTLOCK_AUTH_TOKEN (or --auth-token) to a token \
+         from the cluster's client auth file"
+    } else if has("PERMISSION_DENIED") {
+        "your identity may not do this on this key: use a key under its prefixes, or ask the \
+         operator to grant the operation in the client auth file"
+    } else if has("NOT_HOLDER") {
+        "release and renew as the lock's owner: pass --client-id with the owner id that \
+         `lockctl acquire` printed"
+    } else if has("STALE_TOKEN") {
+        "the token no longer holds the lock (released, expired or superseded): see \
+         `lockctl locks` for the current holder and token"
+    } else if has("WAIT_TIMEOUT") || has("not granted within") {
+        "someone else holds the lock: wait longer with --wait, or see `lockctl locks` for the \
+         holder"
+    } else if has("ALREADY_HELD") {
+        "this client id already holds the lock: release it first, or use another --client-id"
+    } else if has("REQUEST_ID_REUSED") {
+        "a request id names one operation: retry with a fresh one"
+    } else if has("Connection refused")
+        || has("cannot connect")
+        || has("timed out")
+        || has("gave up after")
+    {
+        "no node answered: is the cluster running (`lockctl up` starts a local one)? Point \
+         --endpoints or RAFTLOCK_ENDPOINTS at its client ports (default 127.0.0.1:50051-50053)"
+    } else if has("NO_LEADER") || has("UNAVAILABLE") {
+        "the cluster has no leader right now (a majority of nodes must be up): check \
+         `lockctl status` and retry"
+    } else if has("TOO_LARGE") {
+        "a key, value or id is over the node's limit (`lock-node --help` lists the limits)"
+    } else {
+        return None;
+    })
 }
 
 fn emit(json_out: bool, value: Value, human: impl FnOnce()) {
