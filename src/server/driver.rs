@@ -88,6 +88,19 @@ pub struct NodeStatus {
     pub learners: Vec<NodeId>,
     pub locks_held: u64,
     pub waiters: u64,
+    /// On the leader: how far each other member's log matches its own.
+    pub replication: Vec<PeerReplication>,
+}
+
+/// One follower's replication, as the leader sees it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PeerReplication {
+    pub id: NodeId,
+    /// The highest log index known to match the leader's.
+    pub match_index: u64,
+    /// Entries the follower is behind the leader's last index.
+    pub lag_entries: u64,
 }
 
 impl NodeStatus {
@@ -645,7 +658,7 @@ impl Driver {
         let sm = self.core.state_machine();
         let membership = raft.membership();
         let leader_id = raft.leader_id();
-        let status = NodeStatus {
+        let mut status = NodeStatus {
             id: raft.id(),
             role: format!("{:?}", raft.role()).to_lowercase(),
             term: raft.term(),
@@ -662,6 +675,7 @@ impl Driver {
             learners: membership.learners.iter().copied().collect(),
             locks_held: sm.locks_held() as u64,
             waiters: sm.waiter_count() as u64,
+            replication: Vec::new(),
         };
         let m = &self.metrics;
         m.term.set(status.term as i64);
@@ -697,6 +711,11 @@ impl Driver {
                         .set(clock.lag(now, matched, status.last_index).as_secs_f64());
                     min_matched = min_matched.min(matched);
                     published.push(peer);
+                    status.replication.push(PeerReplication {
+                        id: peer,
+                        match_index: matched,
+                        lag_entries: status.last_index.saturating_sub(matched),
+                    });
                 }
             }
             clock.forget_before(min_matched);
@@ -721,7 +740,8 @@ impl Driver {
                 || old.learners != status.learners
                 || old.leader_addr != status.leader_addr
                 || old.locks_held != status.locks_held
-                || old.waiters != status.waiters;
+                || old.waiters != status.waiters
+                || old.replication != status.replication;
             if changed {
                 *old = status;
             }

@@ -57,6 +57,7 @@ pub fn router(state: AppState) -> Router {
         .route("/metrics", get(metrics))
         .route("/locks", get(locks))
         .route("/kv/{key}", get(kv_get))
+        .route("/ui", get(ui))
         .with_state(state)
 }
 
@@ -121,6 +122,19 @@ async fn ws_upgrade(
             super::ws::serve_socket(socket, state, caller).await;
             drop(permit);
         })
+}
+
+/// The status page: members, leader, replication lag, held locks and recent events, live from
+/// the watch stream (`src/server/ui/status.html`, self-contained: no external resources).
+async fn ui() -> Response {
+    (
+        [
+            (axum::http::header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (axum::http::header::CACHE_CONTROL, "no-cache"),
+        ],
+        include_str!("ui/status.html"),
+    )
+        .into_response()
 }
 
 async fn readyz(State(state): State<AppState>) -> Response {
