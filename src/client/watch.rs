@@ -47,8 +47,13 @@ pub struct Watch {
     endpoints: Vec<String>,
     auth_token: Option<String>,
     prefix: String,
-    /// The last lock event's index yielded (resume point).
+    /// The index of the last lock event yielded (or the watch's start).
     last: Option<u64>,
+    /// Lock events yielded with index `last` (several events can share one index: a release and
+    /// the grant it hands on).
+    seen_at_last: usize,
+    /// After a reconnect: events of index `last` still to skip (already yielded).
+    skip_at_last: usize,
     socket: Option<Socket>,
     next_endpoint: usize,
     connect_timeout: Duration,
@@ -68,6 +73,8 @@ impl Watch {
             auth_token,
             prefix: prefix.to_string(),
             last: from_index,
+            seen_at_last: 0,
+            skip_at_last: 0,
             socket: None,
             next_endpoint: 0,
             connect_timeout,
@@ -123,7 +130,15 @@ impl Watch {
         self.seq += 1;
         let mut body = json!({"commandType": 8, "requestId": format!("watch-{}", self.seq),
                               "key": self.prefix});
-        if let Some(from) = self.last {
+        // Resume from just before the last index seen, so that an index whose events were only
+        // partly yielded is sent again; the ones already yielded are skipped on arrival.
+        self.skip_at_last = self.seen_at_last;
+        if let Some(last) = self.last {
+            let from = if self.seen_at_last > 0 {
+                last.saturating_sub(1)
+            } else {
+                last
+            };
             body["fromIndex"] = json!(from);
         }
         socket
@@ -181,10 +196,22 @@ impl Watch {
                     match serde_json::from_value::<WatchEvent>(v.clone()) {
                         Ok(e) => {
                             if e.event != "leader" {
-                                if self.last.is_some_and(|l| e.index <= l) {
-                                    continue; // already yielded before a reconnect
+                                match self.last {
+                                    Some(l) if e.index < l => continue,
+                                    Some(l) if e.index == l => {
+                                        if self.skip_at_last > 0 {
+                                            // Yielded before the reconnect.
+                                            self.skip_at_last -= 1;
+                                            continue;
+                                        }
+                                        self.seen_at_last += 1;
+                                    }
+                                    _ => {
+                                        self.last = Some(e.index);
+                                        self.seen_at_last = 1;
+                                        self.skip_at_last = 0;
+                                    }
                                 }
-                                self.last = Some(e.index);
                             }
                             return Some(Ok(e));
                         }

@@ -322,6 +322,14 @@ fn make_client(args: &Args) -> Result<RaftLockClient, ClientError> {
 
 /// One watch event for people: `index  event  key  client  details`.
 fn watch_line(e: &raftlock::client::WatchEvent) -> String {
+    if e.event == "leader" && e.leader_id.unwrap_or(0) == 0 {
+        return format!(
+            "{:>8}  {:<9}  no leader: an election in term {}",
+            e.index,
+            e.event,
+            e.term.unwrap_or(0)
+        );
+    }
     if e.event == "leader" {
         return format!(
             "{:>8}  {:<9}  node {} leads (term {})",
