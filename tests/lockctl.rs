@@ -509,3 +509,29 @@ fn errors_say_what_to_do_next() {
     assert!(err.contains("hint: no node answered"), "{err}");
     assert!(err.contains("lockctl up"), "{err}");
 }
+
+/// `--output yaml` prints a YAML document of the same data `--output json` prints.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn yaml_output_matches_json_output() {
+    let cluster = Cluster::start(1);
+    cluster.wait_for_leader(Duration::from_secs(20)).await;
+    let eps = endpoints(&cluster);
+    let run = |format: &str| {
+        let out = lockctl(&eps)
+            .args(["--output", format, "members", "list"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let json: serde_json::Value = serde_json::from_str(run("json").trim()).unwrap();
+    let yaml = run("yaml");
+    assert!(yaml.starts_with("---\n"), "{yaml}");
+    assert!(yaml.contains("leaderId: 1"), "{yaml}");
+    assert!(yaml.contains("members:"), "{yaml}");
+    assert_eq!(json["leaderId"], 1, "{json}");
+}

@@ -24,9 +24,9 @@ const DEFAULT_ENDPOINTS: &str = "127.0.0.1:50051,127.0.0.1:50052,127.0.0.1:50053
 #[derive(Parser, Debug)]
 #[command(name = "lockctl", version, about = "RaftLock command-line tool")]
 struct Args {
-    /// Output format: table (aligned columns for people; the default) or json (one JSON value,
-    /// for scripts). `human` is accepted as another name for table.
-    #[arg(long, global = true, value_parser = ["table", "json", "human"])]
+    /// Output format: table (aligned columns for people; the default), json (one JSON value per
+    /// line, for scripts) or yaml (one YAML document each). `human` is another name for table.
+    #[arg(long, global = true, value_parser = ["table", "json", "yaml", "human"])]
     output: Option<String>,
     /// Client addresses of the cluster (any node; the leader is found automatically).
     #[arg(long, global = true, env = "RAFTLOCK_ENDPOINTS", default_value = DEFAULT_ENDPOINTS, value_delimiter = ',')]
@@ -403,16 +403,34 @@ fn hint(message: &str) -> Option<&'static str> {
     })
 }
 
+/// `--output yaml`: machine output is YAML instead of JSON.
+static YAML: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Prints a value for scripts: one line of JSON, or a YAML document with `--output yaml`.
+fn print_machine(value: &Value) {
+    if YAML.load(std::sync::atomic::Ordering::Relaxed) {
+        match serde_yaml_ng::to_string(value) {
+            Ok(text) => print!("---\n{text}"),
+            Err(_) => println!("{value}"),
+        }
+    } else {
+        println!("{value}");
+    }
+}
+
 fn emit(json_out: bool, value: Value, human: impl FnOnce()) {
     if json_out {
-        println!("{value}");
+        print_machine(&value);
     } else {
         human();
     }
 }
 
 async fn dispatch(args: Args) -> ExitCode {
-    let json_out = args.output.as_deref() == Some("json");
+    let json_out = matches!(args.output.as_deref(), Some("json" | "yaml"));
+    if args.output.as_deref() == Some("yaml") {
+        YAML.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
     let first = args.endpoints.first().cloned().unwrap_or_default();
     match &args.command {
         Cmd::Completions { shell } => {
@@ -676,7 +694,7 @@ async fn members(args: &Args, action: &MembersCmd, json_out: bool) -> ExitCode {
             Ok(admin) => match admin.members().await {
                 Ok(v) => {
                     if json_out {
-                        println!("{v}");
+                        print_machine(&v);
                     } else {
                         print_table(&members_table(&v).await);
                     }
@@ -850,7 +868,7 @@ async fn show(endpoint: &str, path: &str, json: bool) -> ExitCode {
     match get_json(endpoint, path).await {
         Ok((200, value)) => {
             if json {
-                println!("{value}");
+                print_machine(&value);
             } else if path == "/status" {
                 print_table(&status_table(&value));
             } else {
