@@ -80,7 +80,8 @@ impl FencingKey {
         let digest = mac.finalize().into_bytes();
         let mut out = String::with_capacity(64);
         for b in digest {
-            out.push_str(&format!("{b:02x}"));
+            use std::fmt::Write;
+            let _ = write!(out, "{b:02x}");
         }
         out
     }

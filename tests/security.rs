@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use raftlock::client::http::request_as;
+use raftlock::client::http::{get_json_as, request_as};
 use raftlock::client::RaftLockClient;
 use raftlock::server::proto::lock::lock_service_client::LockServiceClient;
 use raftlock::server::proto::lock::AcquireLockRequest;
@@ -77,10 +77,7 @@ fn code_of(reply: &Value) -> &str {
 }
 
 async fn get_as(addr: &str, path: &str, token: Option<&str>) -> (u16, Value) {
-    let (status, body) = request_as(addr, "GET", path, None, Duration::from_secs(5), token)
-        .await
-        .unwrap();
-    (status, serde_json::from_str(&body).unwrap_or(Value::Null))
+    get_json_as(addr, path, token).await.unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -88,12 +85,7 @@ async fn clients_need_a_token_stay_in_their_prefixes_and_only_the_holder_release
     let files = tempfile::tempdir().unwrap();
     let cluster = secured_cluster(&files);
     let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
-    let leader_addr = cluster
-        .nodes
-        .iter()
-        .find(|n| n.id == leader)
-        .unwrap()
-        .client_addr();
+    let leader_addr = cluster.client_addr_of(leader);
     let (_, follower_addr) = follower_knowing(&cluster, leader).await;
 
     // No token, a wrong token: UNAUTHENTICATED, and nothing is taken.
@@ -241,12 +233,7 @@ async fn the_data_store_refuses_forged_and_altered_tokens() {
     let key_file = files.path().join("fencing.key").display().to_string();
     let store = DataStoreProc::start_with(&["--fencing-key-file".into(), key_file]).await;
     let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
-    let addr = cluster
-        .nodes
-        .iter()
-        .find(|n| n.id == leader)
-        .unwrap()
-        .client_addr();
+    let addr = cluster.client_addr_of(leader);
     let mut ws = ws_as(&addr, Some(BILLING)).await;
     let g = ws_request(&mut ws, &acquire("billing/ledger", "w1", "f1")).await;
     assert_eq!(g["success"], true, "{g}");

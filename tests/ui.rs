@@ -115,12 +115,7 @@ async fn the_status_page_shows_the_leader_and_updates_when_a_lock_is_taken() {
     };
     let cluster = Cluster::start(3);
     let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
-    let addr = cluster
-        .nodes
-        .iter()
-        .find(|n| n.id == leader)
-        .unwrap()
-        .client_addr();
+    let addr = cluster.client_addr_of(leader);
 
     let profile = tempfile::tempdir().unwrap();
     let _browser = Browser(

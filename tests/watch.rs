@@ -51,12 +51,7 @@ fn summary(events: &[Value]) -> Vec<String> {
 async fn events_arrive_in_order_and_a_watch_resumes_from_an_index() {
     let cluster = Cluster::start(3);
     let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
-    let leader_addr = cluster
-        .nodes
-        .iter()
-        .find(|n| n.id == leader)
-        .unwrap()
-        .client_addr();
+    let leader_addr = cluster.client_addr_of(leader);
     let (_, follower_addr) = follower_knowing(&cluster, leader).await;
 
     // Watch `job/` on a follower.
@@ -201,12 +196,7 @@ async fn events_arrive_in_order_and_a_watch_resumes_from_an_index() {
 async fn the_sdk_watch_resumes_on_another_node_when_its_node_dies() {
     let mut cluster = Cluster::start(3);
     let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
-    let leader_addr = cluster
-        .nodes
-        .iter()
-        .find(|n| n.id == leader)
-        .unwrap()
-        .client_addr();
+    let leader_addr = cluster.client_addr_of(leader);
     let (follower, follower_addr) = follower_knowing(&cluster, leader).await;
     let mut order = vec![follower_addr.clone()];
     order.extend(

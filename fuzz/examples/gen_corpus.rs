@@ -13,6 +13,7 @@ use std::path::Path;
 use bytes::Bytes;
 use prost::Message as _;
 use raftlock::lock::{Command, FencingToken, Limits, LockStateMachine};
+use raftlock_fuzz::small_limits;
 use raftlock::node::api::{ApiError, ClientOp, ClientReply, ErrorCode, QueuedInfo};
 use raftlock::raft::{
     Config, Entry, EntryPayload, HardState, InitialState, Membership, MembershipChange, Message,
@@ -469,24 +470,6 @@ fn peer_messages() {
         let mut bytes = vec![4];
         bytes.extend(body);
         write("peer_messages", &format!("rpc-{name}"), &bytes);
-    }
-}
-
-fn small_limits() -> Limits {
-    Limits {
-        key_bytes_max: 16,
-        value_bytes_max: 32,
-        id_bytes_max: 16,
-        ttl_ms_max: 60_000,
-        wait_timeout_ms_max: 60_000,
-        waiters_per_key_max: 3,
-        locks_held_max: 4,
-        data_entries_max: 4,
-        dedupe_entries_max: 6,
-        sessions_max: 3,
-        session_idle_ms: 5_000,
-        session_entries_max: 3,
-        dedupe_retain_ms: 2_000,
     }
 }
 

@@ -22,38 +22,7 @@ use std::collections::BTreeMap;
 
 use libfuzzer_sys::fuzz_target;
 use raftlock::lock::{Command, Limits, LockStateMachine};
-
-fn small_limits() -> Limits {
-    Limits {
-        key_bytes_max: 16,
-        value_bytes_max: 32,
-        id_bytes_max: 16,
-        ttl_ms_max: 60_000,
-        wait_timeout_ms_max: 60_000,
-        waiters_per_key_max: 3,
-        locks_held_max: 4,
-        data_entries_max: 4,
-        dedupe_entries_max: 6,
-        sessions_max: 3,
-        session_entries_max: 3,
-        session_idle_ms: 5_000,
-        dedupe_retain_ms: 2_000,
-    }
-}
-
-/// Splits the input into length-prefixed chunks.
-fn chunks(mut rest: &[u8]) -> Vec<&[u8]> {
-    let mut out = Vec::new();
-    while rest.len() >= 2 && out.len() < 64 {
-        let len = usize::from(u16::from_le_bytes([rest[0], rest[1]]));
-        rest = &rest[2..];
-        let len = len.min(rest.len());
-        let (chunk, tail) = rest.split_at(len);
-        out.push(chunk);
-        rest = tail;
-    }
-    out
-}
+use raftlock_fuzz::{chunks, small_limits};
 
 fn check_counters(sm: &LockStateMachine) {
     assert_eq!(sm.locks_held(), sm.held_locks().len(), "locks_held counter");
@@ -69,7 +38,7 @@ fuzz_target!(|data: &[u8]| {
     } else {
         Limits::default()
     };
-    let commands: Vec<Command> = chunks(rest)
+    let commands: Vec<Command> = chunks(rest, 64)
         .into_iter()
         .filter_map(|bytes| Command::decode(bytes).ok())
         .collect();

@@ -19,19 +19,7 @@ use prost::Message as _;
 use raftlock::raft::{Config, InitialState, Membership, Raft};
 use raftlock::server::convert::message_from_pb;
 use raftlock::server::proto::peer as pb;
-
-fn chunks(mut rest: &[u8]) -> Vec<&[u8]> {
-    let mut out = Vec::new();
-    while rest.len() >= 2 && out.len() < 128 {
-        let len = usize::from(u16::from_le_bytes([rest[0], rest[1]]));
-        rest = &rest[2..];
-        let len = len.min(rest.len());
-        let (chunk, tail) = rest.split_at(len);
-        out.push(chunk);
-        rest = tail;
-    }
-    out
-}
+use raftlock_fuzz::chunks;
 
 struct Driver {
     raft: Raft,
@@ -84,7 +72,7 @@ fuzz_target!(|data: &[u8]| {
         applied: 0,
     };
     driver.drain();
-    for chunk in chunks(data) {
+    for chunk in chunks(data, 128) {
         let Some((&action, rest)) = chunk.split_first() else {
             continue;
         };

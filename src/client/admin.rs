@@ -5,7 +5,7 @@ use std::time::Duration;
 use serde_json::Value;
 
 use super::error::ClientError;
-use super::http::{request, request_as};
+use super::http::{get_json_as, request};
 
 /// Read-only cluster administration. Any node answers; `status` is that node's own view.
 #[derive(Clone, Debug)]
@@ -40,20 +40,7 @@ impl AdminClient {
     async fn get(&self, path: &str) -> Result<Value, ClientError> {
         let mut last = String::new();
         for addr in &self.endpoints {
-            let answer = request_as(
-                addr,
-                "GET",
-                path,
-                None,
-                Duration::from_secs(5),
-                self.auth_token.as_deref(),
-            )
-            .await
-            .map(|(status, body)| {
-                let value = serde_json::from_str(&body).unwrap_or(Value::String(body));
-                (status, value)
-            });
-            match answer {
+            match get_json_as(addr, path, self.auth_token.as_deref()).await {
                 Ok((200, v)) => return Ok(v),
                 Ok((status, v)) => last = format!("{addr}{path}: HTTP {status}: {v}"),
                 Err(e) => last = e.to_string(),

@@ -64,6 +64,25 @@ impl Drop for Conn {
     }
 }
 
+/// The WebSocket upgrade request for a node's `/ws`, with `Authorization: Bearer <auth_token>`
+/// when a token is given.
+pub(crate) fn ws_request(
+    addr: &str,
+    auth_token: Option<&str>,
+) -> Result<tokio_tungstenite::tungstenite::handshake::client::Request, String> {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let mut request = format!("ws://{addr}/ws")
+        .into_client_request()
+        .map_err(|e| format!("bad address {addr}: {e}"))?;
+    if let Some(token) = auth_token {
+        let value = format!("Bearer {token}")
+            .parse()
+            .map_err(|_| "the auth token is not a valid header value".to_string())?;
+        request.headers_mut().insert("authorization", value);
+    }
+    Ok(request)
+}
+
 impl Conn {
     pub async fn connect(
         addr: &str,
@@ -73,21 +92,10 @@ impl Conn {
         keepalive: Option<Keepalive>,
         auth_token: Option<&str>,
     ) -> Result<Conn, String> {
-        use tokio_tungstenite::tungstenite::client::IntoClientRequest;
-        let url = format!("ws://{addr}/ws");
         let mut config = tokio_tungstenite::tungstenite::protocol::WebSocketConfig::default();
         config.max_message_size = Some(max_message_bytes);
         config.max_frame_size = Some(max_message_bytes);
-        let mut request = url
-            .as_str()
-            .into_client_request()
-            .map_err(|e| format!("bad address {addr}: {e}"))?;
-        if let Some(token) = auth_token {
-            let value = format!("Bearer {token}")
-                .parse()
-                .map_err(|_| "the auth token is not a valid header value".to_string())?;
-            request.headers_mut().insert("authorization", value);
-        }
+        let request = ws_request(addr, auth_token)?;
         let connect = tokio_tungstenite::connect_async_with_config(request, Some(config), true);
         let (socket, _) = match tokio::time::timeout(timeout, connect).await {
             Ok(Ok(s)) => s,

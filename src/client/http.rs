@@ -131,7 +131,17 @@ fn dechunk(body: &str) -> String {
 
 /// GET returning JSON (any status; the caller checks).
 pub async fn get_json(addr: &str, path: &str) -> Result<(u16, Value), HttpError> {
-    let (status, body) = request(addr, "GET", path, None, Duration::from_secs(5)).await?;
+    get_json_as(addr, path, None).await
+}
+
+/// [`get_json`] with `Authorization: Bearer <auth_token>` when a token is given.
+pub async fn get_json_as(
+    addr: &str,
+    path: &str,
+    auth_token: Option<&str>,
+) -> Result<(u16, Value), HttpError> {
+    let (status, body) =
+        request_as(addr, "GET", path, None, Duration::from_secs(5), auth_token).await?;
     let value = serde_json::from_str(&body).unwrap_or(Value::String(body));
     Ok((status, value))
 }

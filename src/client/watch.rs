@@ -7,7 +7,6 @@ use std::time::Duration;
 use futures::{SinkExt, StreamExt};
 use serde::Deserialize;
 use serde_json::{json, Value};
-use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::Message;
 
 use super::error::ClientError;
@@ -113,15 +112,8 @@ impl Watch {
 
     async fn open(&mut self, addr: &str) -> Result<Socket, StartError> {
         let failed = |e: String| StartError::Failed(format!("{addr}: {e}"));
-        let mut request = format!("ws://{addr}/ws")
-            .into_client_request()
-            .map_err(|e| failed(e.to_string()))?;
-        if let Some(t) = &self.auth_token {
-            let value = format!("Bearer {t}")
-                .parse()
-                .map_err(|_| StartError::Refused(ClientError::Config("bad auth token".into())))?;
-            request.headers_mut().insert("authorization", value);
-        }
+        let request = super::conn::ws_request(addr, self.auth_token.as_deref())
+            .map_err(|e| StartError::Refused(ClientError::Config(e)))?;
         let connect = tokio_tungstenite::connect_async(request);
         let (mut socket, _) = tokio::time::timeout(self.connect_timeout, connect)
             .await

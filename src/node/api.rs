@@ -189,6 +189,20 @@ impl ClientOp {
         }
     }
 
+    /// The requesting client's id, to rewrite it (`None` for reads, which carry none).
+    pub fn client_id_mut(&mut self) -> Option<&mut String> {
+        match self {
+            ClientOp::Acquire { client_id, .. }
+            | ClientOp::Release { client_id, .. }
+            | ClientOp::ReleaseHeld { client_id, .. }
+            | ClientOp::Renew { client_id, .. }
+            | ClientOp::CancelWait { client_id, .. }
+            | ClientOp::Put { client_id, .. }
+            | ClientOp::Delete { client_id, .. } => Some(client_id),
+            ClientOp::Get { .. } => None,
+        }
+    }
+
     /// The request id (empty for reads).
     pub fn request_id(&self) -> &str {
         match self {

@@ -130,6 +130,19 @@ mod tests {
         }
     }
 
+    /// a releases k with token 1, request id r3.
+    fn release_by_a() -> Command {
+        Command::Release {
+            key: "k".into(),
+            client_id: "a".into(),
+            request_id: "r3".into(),
+            token: FencingToken {
+                key: "k".into(),
+                value: 1,
+            },
+        }
+    }
+
     #[test]
     fn a_hand_off_reads_released_then_granted() {
         let mut sm = LockStateMachine::new(crate::lock::Limits::default());
@@ -140,31 +153,9 @@ mod tests {
         };
         apply(1, acquire("k", "a", "r1"));
         apply(2, acquire("k", "b", "r2"));
-        apply(
-            3,
-            Command::Release {
-                key: "k".into(),
-                client_id: "a".into(),
-                request_id: "r3".into(),
-                token: FencingToken {
-                    key: "k".into(),
-                    value: 1,
-                },
-            },
-        );
+        apply(3, release_by_a());
         // A retry of the release changes nothing and says nothing.
-        apply(
-            4,
-            Command::Release {
-                key: "k".into(),
-                client_id: "a".into(),
-                request_id: "r3".into(),
-                token: FencingToken {
-                    key: "k".into(),
-                    value: 1,
-                },
-            },
-        );
+        apply(4, release_by_a());
         let kinds: Vec<(u64, LockEventKind, &str)> = all
             .iter()
             .map(|e| (e.index, e.event, e.client.as_str()))

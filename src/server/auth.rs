@@ -55,6 +55,13 @@ pub struct Identity {
     digest: [u8; 32],
 }
 
+impl Identity {
+    /// Whether `key` is under one of this identity's prefixes (an admin: every key).
+    fn covers(&self, key: &str) -> bool {
+        self.admin || self.prefixes.iter().any(|p| key.starts_with(p.as_str()))
+    }
+}
+
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct IdentityFile {
@@ -268,13 +275,7 @@ impl Caller {
     pub fn check_read_listing(&self, key: &str) -> bool {
         match self {
             Caller::Open => true,
-            Caller::Authenticated(identity) => {
-                identity.admin
-                    || identity
-                        .prefixes
-                        .iter()
-                        .any(|p| key.starts_with(p.as_str()))
-            }
+            Caller::Authenticated(identity) => identity.covers(key),
             Caller::Refused(_) => false,
         }
     }
@@ -284,7 +285,8 @@ impl Caller {
         self.check(Operation::Read, key)
     }
 
-    fn check(&self, operation: Operation, key: &str) -> Result<(), ApiError> {
+    /// Checks that the caller may do `operation` on `key`.
+    pub fn check(&self, operation: Operation, key: &str) -> Result<(), ApiError> {
         let identity = match self {
             Caller::Open => return Ok(()),
             Caller::Refused(reason) => {
@@ -306,11 +308,7 @@ impl Caller {
                 ),
             ));
         }
-        if !identity
-            .prefixes
-            .iter()
-            .any(|p| key.starts_with(p.as_str()))
-        {
+        if !identity.covers(key) {
             return Err(ApiError::new(
                 ErrorCode::PermissionDenied,
                 format!(
@@ -325,33 +323,21 @@ impl Caller {
     /// Checks `op` against the caller's rights and makes the authenticated identity its holder:
     /// the client id becomes `<identity>/<clientId>` (or `<identity>`).
     pub fn authorize(&self, op: &mut ClientOp) -> Result<(), ApiError> {
-        let (operation, key) = match &*op {
-            ClientOp::Acquire { key, .. } => (Operation::Acquire, key),
-            ClientOp::Release { key, .. } | ClientOp::ReleaseHeld { key, .. } => {
-                (Operation::Release, key)
-            }
-            ClientOp::Renew { key, .. } => (Operation::Renew, key),
-            ClientOp::CancelWait { key, .. } => (Operation::Cancel, key),
-            ClientOp::Put { key, .. } | ClientOp::Delete { key, .. } => (Operation::Write, key),
-            ClientOp::Get { key } => (Operation::Read, key),
+        let operation = match &*op {
+            ClientOp::Acquire { .. } => Operation::Acquire,
+            ClientOp::Release { .. } | ClientOp::ReleaseHeld { .. } => Operation::Release,
+            ClientOp::Renew { .. } => Operation::Renew,
+            ClientOp::CancelWait { .. } => Operation::Cancel,
+            ClientOp::Put { .. } | ClientOp::Delete { .. } => Operation::Write,
+            ClientOp::Get { .. } => Operation::Read,
         };
-        self.check(operation, key)?;
+        self.check(operation, op.key())?;
         // A guarded write names a lock too: it must be one the caller may use.
         if let ClientOp::Put { guard: Some(g), .. } | ClientOp::Delete { guard: Some(g), .. } = &*op
         {
             self.check(Operation::Write, &g.key)?;
         }
-        if let Caller::Authenticated(identity) = self {
-            let client_id = match op {
-                ClientOp::Acquire { client_id, .. }
-                | ClientOp::Release { client_id, .. }
-                | ClientOp::ReleaseHeld { client_id, .. }
-                | ClientOp::Renew { client_id, .. }
-                | ClientOp::CancelWait { client_id, .. }
-                | ClientOp::Put { client_id, .. }
-                | ClientOp::Delete { client_id, .. } => client_id,
-                ClientOp::Get { .. } => return Ok(()),
-            };
+        if let (Caller::Authenticated(identity), Some(client_id)) = (self, op.client_id_mut()) {
             *client_id = if client_id.is_empty() || *client_id == identity.name {
                 identity.name.clone()
             } else {
@@ -359,6 +345,21 @@ impl Caller {
             };
         }
         Ok(())
+    }
+
+    /// Whether a lock held by `holder` (a client id as recorded in the log) is this caller's:
+    /// with authentication, the identity's own (`<identity>` or `<identity>/…`).
+    pub fn holds_as(&self, holder: &str) -> bool {
+        match self {
+            Caller::Open => true,
+            Caller::Authenticated(identity) => {
+                holder == identity.name
+                    || holder
+                        .strip_prefix(identity.name.as_str())
+                        .is_some_and(|rest| rest.starts_with('/'))
+            }
+            Caller::Refused(_) => false,
+        }
     }
 }
 

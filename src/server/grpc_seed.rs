@@ -33,7 +33,7 @@ use tokio::sync::oneshot;
 use tonic::{Request, Response, Status};
 
 use super::api::{ApiError, ClientOp, ClientReply, ErrorCode};
-use super::auth::Caller;
+use super::auth::{Caller, Operation};
 use super::driver::Input;
 use super::http::AppState;
 use super::proto::seed004 as spb;
@@ -213,21 +213,14 @@ impl SeedLockApi {
         let node_id = self.state.status.borrow().id;
         // With client authentication, only the identity holding the lock may release it: its
         // client ids are `<identity>` and `<identity>/…`.
-        let mut mine = ClientOp::Release {
-            key: key.clone(),
-            client_id: String::new(),
-            request_id: String::new(),
-            token: lease,
-        };
-        caller.authorize(&mut mine).map_err(|e| describe(&e))?;
+        caller
+            .check(Operation::Release, &key)
+            .map_err(|e| describe(&e))?;
         let owner = self.holder_with_lease(&key, lease).await?;
-        if let (Caller::Authenticated(_), ClientOp::Release { client_id: me, .. }) = (caller, &mine)
-        {
-            if owner != *me && !owner.starts_with(&format!("{me}/")) {
-                return Err(format!(
-                    "NOT_HOLDER: lock '{key}' is held by another identity"
-                ));
-            }
+        if !caller.holds_as(&owner) {
+            return Err(format!(
+                "NOT_HOLDER: lock '{key}' is held by another identity"
+            ));
         }
         let op = ClientOp::Release {
             key,

@@ -87,13 +87,13 @@ pub struct TooOld {
     pub oldest: u64,
 }
 
-/// A started watch: the buffered events to send first, then the live receiver (whose items at or
-/// below `replayed_to` were already sent from the buffer and must be skipped).
+/// A started watch: the buffered events to send first, then the live receiver.
 pub struct Subscription {
     pub backlog: Vec<Arc<WatchItem>>,
-    pub replayed_to: u64,
     pub live: broadcast::Receiver<Arc<WatchItem>>,
-    /// The highest index this node had seen when the watch started.
+    /// The highest index this node had seen when the watch started: the live receiver's lock
+    /// events at or below it were in the buffer (sent as `backlog`, or before `from`) and are
+    /// skipped.
     pub index: u64,
 }
 
@@ -164,7 +164,6 @@ impl WatchHub {
         let Some(from) = from else {
             return Ok(Subscription {
                 backlog: Vec::new(),
-                replayed_to: b.last_index,
                 live,
                 index: b.last_index,
             });
@@ -182,7 +181,6 @@ impl WatchHub {
             .collect();
         Ok(Subscription {
             backlog,
-            replayed_to: b.last_index,
             live,
             index: b.last_index,
         })
@@ -217,7 +215,7 @@ mod tests {
         let s = hub.subscribe("a/", Some(10)).unwrap();
         let idx: Vec<u64> = s.backlog.iter().map(|e| e.index()).collect();
         assert_eq!(idx, vec![11, 12]);
-        assert_eq!(s.replayed_to, 12);
+        assert_eq!(s.index, 12);
         let s = hub.subscribe("", Some(11)).unwrap();
         assert_eq!(s.backlog.len(), 1);
         let mut s = hub.subscribe("", None).unwrap();

@@ -345,7 +345,7 @@ async fn run_watch(
         match next {
             Ok(item) => {
                 let is_lock = matches!(*item, super::watch::WatchItem::Lock(_));
-                if is_lock && item.index() <= sub.replayed_to || !item.matches(&prefix) {
+                if is_lock && item.index() <= sub.index || !item.matches(&prefix) {
                     continue;
                 }
                 if ctx.out.send(frame(&item)).await.is_err() {

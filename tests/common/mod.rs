@@ -191,6 +191,15 @@ impl Cluster {
         Cluster { nodes, dir }
     }
 
+    /// The client address of node `id`.
+    pub fn client_addr_of(&self, id: u64) -> String {
+        self.nodes
+            .iter()
+            .find(|n| n.id == id)
+            .expect("node exists")
+            .client_addr()
+    }
+
     pub fn node(&mut self, id: u64) -> &mut NodeProc {
         self.nodes
             .iter_mut()
