@@ -27,3 +27,5 @@ pub mod sim;
 pub mod storage;
 #[cfg(feature = "server")]
 pub mod telemetry;
+#[cfg(feature = "tls")]
+pub mod tls;

@@ -532,3 +532,28 @@ async fn clones_of_one_client_are_separate_owners() {
     a.release().await.expect("release");
     b.release().await.expect("release");
 }
+
+/// Every owner id opens a session on the cluster: a client that made a new one for each
+/// acquire filled the session table within `max_sessions` acquires and was refused with BUSY
+/// (found by tests/tls.rs's rotation load). Released owner ids are reused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_sequential_acquires_do_not_fill_the_session_table() {
+    let cluster = Cluster::start_with(3, |_| vec!["--max-sessions".into(), "20".into()]);
+    cluster.wait_for_leader(Duration::from_secs(20)).await;
+    let c = client(&endpoints(&cluster), "sdk-many");
+    for i in 0..200 {
+        let key = format!("many/{}", i % 5);
+        let handle = c
+            .acquire(&key)
+            .await
+            .unwrap_or_else(|e| panic!("acquire {i}: {e}"));
+        handle
+            .release()
+            .await
+            .unwrap_or_else(|e| panic!("release {i}: {e}"));
+    }
+    // Two locks held at once still have two owners.
+    let a = c.acquire("many/a").await.unwrap();
+    let b = c.acquire("many/b").await.unwrap();
+    assert_ne!(a.owner_id(), b.owner_id());
+}

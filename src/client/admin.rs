@@ -5,13 +5,14 @@ use std::time::Duration;
 use serde_json::Value;
 
 use super::error::ClientError;
-use super::http::{get_json_as, request};
+use super::http::{get_json_with, request_with};
 
 /// Read-only cluster administration. Any node answers; `status` is that node's own view.
 #[derive(Clone, Debug)]
 pub struct AdminClient {
     endpoints: Vec<String>,
     auth_token: Option<String>,
+    tls: Option<super::conn::TlsConfig>,
 }
 
 impl AdminClient {
@@ -27,6 +28,7 @@ impl AdminClient {
         Ok(AdminClient {
             endpoints,
             auth_token: None,
+            tls: None,
         })
     }
 
@@ -37,10 +39,16 @@ impl AdminClient {
         self
     }
 
+    /// TLS (`https`) for a cluster whose client port uses it.
+    pub fn with_tls(mut self, tls: Option<super::conn::TlsConfig>) -> Self {
+        self.tls = tls;
+        self
+    }
+
     async fn get(&self, path: &str) -> Result<Value, ClientError> {
         let mut last = String::new();
         for addr in &self.endpoints {
-            match get_json_as(addr, path, self.auth_token.as_deref()).await {
+            match get_json_with(addr, path, self.auth_token.as_deref(), self.tls.as_ref()).await {
                 Ok((200, v)) => return Ok(v),
                 Ok((status, v)) => last = format!("{addr}{path}: HTTP {status}: {v}"),
                 Err(e) => last = e.to_string(),
@@ -74,10 +82,13 @@ impl AdminClient {
         for addr in &self.endpoints {
             let t = Duration::from_secs(2);
             let alive = matches!(
-                request(addr, "GET", "/healthz", None, t).await,
+                request_with(addr, "GET", "/healthz", None, t, None, self.tls.as_ref()).await,
                 Ok((200, _))
             );
-            let ready = matches!(request(addr, "GET", "/readyz", None, t).await, Ok((200, _)));
+            let ready = matches!(
+                request_with(addr, "GET", "/readyz", None, t, None, self.tls.as_ref()).await,
+                Ok((200, _))
+            );
             out.push((addr.clone(), alive, ready));
         }
         out

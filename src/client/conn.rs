@@ -64,14 +64,48 @@ impl Drop for Conn {
     }
 }
 
-/// The WebSocket upgrade request for a node's `/ws`, with `Authorization: Bearer <auth_token>`
-/// when a token is given.
-pub(crate) fn ws_request(
+/// TLS settings for connections to nodes (`wss://`, `https`): the CAs trusted, and a client
+/// certificate when the node asks for one.
+pub type TlsConfig = Arc<rustls::ClientConfig>;
+
+/// A WebSocket to a node.
+pub(crate) type WsSocket =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+/// Opens a WebSocket to a node's `/ws`: over TLS when `tls` is given, with
+/// `Authorization: Bearer <auth_token>` when a token is given.
+pub(crate) async fn open_ws(
     addr: &str,
     auth_token: Option<&str>,
+    tls: Option<&TlsConfig>,
+    config: Option<tokio_tungstenite::tungstenite::protocol::WebSocketConfig>,
+) -> Result<WsSocket, OpenError> {
+    let request = ws_request(addr, auth_token, tls.is_some()).map_err(OpenError::Request)?;
+    let connector = tls.map(|c| tokio_tungstenite::Connector::Rustls(c.clone()));
+    tokio_tungstenite::connect_async_tls_with_config(request, config, true, connector)
+        .await
+        .map(|(socket, _)| socket)
+        .map_err(|e| OpenError::Connect(e.to_string()))
+}
+
+/// Why [`open_ws`] failed: a request that cannot be made (bad address or token), or a
+/// connection that failed.
+#[derive(Debug)]
+pub(crate) enum OpenError {
+    Request(String),
+    Connect(String),
+}
+
+/// The WebSocket upgrade request for a node's `/ws`, with `Authorization: Bearer <auth_token>`
+/// when a token is given.
+fn ws_request(
+    addr: &str,
+    auth_token: Option<&str>,
+    secure: bool,
 ) -> Result<tokio_tungstenite::tungstenite::handshake::client::Request, String> {
     use tokio_tungstenite::tungstenite::client::IntoClientRequest;
-    let mut request = format!("ws://{addr}/ws")
+    let scheme = if secure { "wss" } else { "ws" };
+    let mut request = format!("{scheme}://{addr}/ws")
         .into_client_request()
         .map_err(|e| format!("bad address {addr}: {e}"))?;
     if let Some(token) = auth_token {
@@ -91,15 +125,16 @@ impl Conn {
         max_message_bytes: usize,
         keepalive: Option<Keepalive>,
         auth_token: Option<&str>,
+        tls: Option<&TlsConfig>,
     ) -> Result<Conn, String> {
         let mut config = tokio_tungstenite::tungstenite::protocol::WebSocketConfig::default();
         config.max_message_size = Some(max_message_bytes);
         config.max_frame_size = Some(max_message_bytes);
-        let request = ws_request(addr, auth_token)?;
-        let connect = tokio_tungstenite::connect_async_with_config(request, Some(config), true);
-        let (socket, _) = match tokio::time::timeout(timeout, connect).await {
+        let connect = open_ws(addr, auth_token, tls, Some(config));
+        let socket = match tokio::time::timeout(timeout, connect).await {
             Ok(Ok(s)) => s,
-            Ok(Err(e)) => return Err(format!("cannot connect to {addr}: {e}")),
+            Ok(Err(OpenError::Request(e))) => return Err(e),
+            Ok(Err(OpenError::Connect(e))) => return Err(format!("cannot connect to {addr}: {e}")),
             Err(_) => return Err(format!("connecting to {addr} timed out after {timeout:?}")),
         };
         let (mut sink, mut stream) = socket.split();
@@ -266,6 +301,8 @@ pub(crate) struct SessionConfig {
     pub trace_context: Option<TraceContext>,
     /// Bearer token sent with every connection (`Authorization` header).
     pub auth_token: Option<String>,
+    /// TLS for every connection (`wss://`), when the nodes' client port uses it.
+    pub tls: Option<TlsConfig>,
 }
 
 /// Where the SDK gets the W3C `traceparent` of the caller's current span, asked once per
@@ -358,6 +395,7 @@ impl Session {
                 self.cfg.max_message_bytes,
                 self.cfg.keepalive,
                 self.cfg.auth_token.as_deref(),
+                self.cfg.tls.as_ref(),
             )
             .await
             {

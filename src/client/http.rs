@@ -49,13 +49,26 @@ pub async fn request_as(
     timeout: Duration,
     auth_token: Option<&str>,
 ) -> Result<(u16, String), HttpError> {
+    request_with(addr, method, path, body, timeout, auth_token, None).await
+}
+
+/// [`request_as`], over TLS (`https`) when `tls` is given.
+pub async fn request_with(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    timeout: Duration,
+    auth_token: Option<&str>,
+    tls: Option<&super::conn::TlsConfig>,
+) -> Result<(u16, String), HttpError> {
     // A token with a line break would smuggle headers: such a token is not sent.
     let auth = auth_token
         .filter(|t| !t.contains(['\r', '\n']))
         .map(|t| format!("Authorization: Bearer {t}\r\n"))
         .unwrap_or_default();
     let fut = async {
-        let mut stream = tokio::net::TcpStream::connect(addr)
+        let tcp = tokio::net::TcpStream::connect(addr)
             .await
             .map_err(|source| HttpError::Connect {
                 addr: addr.into(),
@@ -70,11 +83,28 @@ pub async fn request_as(
             addr: addr.into(),
             source,
         };
-        stream.write_all(head.as_bytes()).await.map_err(io)?;
-        stream.write_all(body.as_bytes()).await.map_err(io)?;
-        let mut buf = Vec::new();
-        let mut limited = (&mut stream).take(MAX_RESPONSE_BYTES as u64 + 1);
-        limited.read_to_end(&mut buf).await.map_err(io)?;
+        let buf = match tls {
+            None => exchange(tcp, &head, body).await.map_err(io)?,
+            Some(tls) => {
+                let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
+                let host = host.trim_start_matches('[').trim_end_matches(']');
+                let name =
+                    rustls::pki_types::ServerName::try_from(host.to_string()).map_err(|e| {
+                        HttpError::Connect {
+                            addr: addr.into(),
+                            source: std::io::Error::new(std::io::ErrorKind::InvalidInput, e),
+                        }
+                    })?;
+                let stream = tokio_rustls::TlsConnector::from(tls.clone())
+                    .connect(name, tcp)
+                    .await
+                    .map_err(|source| HttpError::Connect {
+                        addr: addr.into(),
+                        source,
+                    })?;
+                exchange(stream, &head, body).await.map_err(io)?
+            }
+        };
         if buf.len() > MAX_RESPONSE_BYTES {
             return Err(HttpError::TooLarge(MAX_RESPONSE_BYTES));
         }
@@ -86,6 +116,19 @@ pub async fn request_as(
             addr: addr.into(),
             timeout,
         })?
+}
+
+/// Writes the request and reads the whole answer (up to one byte past the limit).
+async fn exchange<S>(mut stream: S, head: &str, body: &str) -> std::io::Result<Vec<u8>>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    stream.write_all(head.as_bytes()).await?;
+    stream.write_all(body.as_bytes()).await?;
+    let mut buf = Vec::new();
+    let mut limited = (&mut stream).take(MAX_RESPONSE_BYTES as u64 + 1);
+    limited.read_to_end(&mut buf).await?;
+    Ok(buf)
 }
 
 fn parse_response(addr: &str, buf: &[u8]) -> Result<(u16, String), HttpError> {
@@ -140,8 +183,26 @@ pub async fn get_json_as(
     path: &str,
     auth_token: Option<&str>,
 ) -> Result<(u16, Value), HttpError> {
-    let (status, body) =
-        request_as(addr, "GET", path, None, Duration::from_secs(5), auth_token).await?;
+    get_json_with(addr, path, auth_token, None).await
+}
+
+/// [`get_json_as`], over TLS (`https`) when `tls` is given.
+pub async fn get_json_with(
+    addr: &str,
+    path: &str,
+    auth_token: Option<&str>,
+    tls: Option<&super::conn::TlsConfig>,
+) -> Result<(u16, Value), HttpError> {
+    let (status, body) = request_with(
+        addr,
+        "GET",
+        path,
+        None,
+        Duration::from_secs(5),
+        auth_token,
+        tls,
+    )
+    .await?;
     let value = serde_json::from_str(&body).unwrap_or(Value::String(body));
     Ok((status, value))
 }

@@ -20,7 +20,8 @@ const MAX_CLIENT_ID_BYTES: usize = 128;
 static NEXT_OWNER: AtomicU64 = AtomicU64::new(1);
 
 /// A fresh owner id derived from `client_id`: `{client_id}#{n}`, with `n` from a process-wide
-/// counter, so no two acquires of this process share an identity on the server. A client id too
+/// counter, so no two locks this process holds or waits for at once share an identity on the
+/// server (an id whose lock was released is reused: `Inner::take_owner`). A client id too
 /// long for the suffix is shortened to a prefix plus a digest of the whole id, keeping the owner
 /// id within [`MAX_CLIENT_ID_BYTES`].
 fn owner_id(client_id: &str) -> String {
@@ -61,6 +62,14 @@ pub struct ClientBuilder {
     keepalive: Option<Keepalive>,
     trace_context: Option<TraceContext>,
     auth_token: Option<String>,
+    tls: Option<TlsSetting>,
+}
+
+/// Where the builder's TLS settings come from.
+#[derive(Clone, Debug)]
+enum TlsSetting {
+    CaFile(std::path::PathBuf),
+    Config(super::conn::TlsConfig),
 }
 
 impl Default for ClientBuilder {
@@ -83,6 +92,7 @@ impl Default for ClientBuilder {
             }),
             trace_context: None,
             auth_token: None,
+            tls: None,
         }
     }
 }
@@ -196,6 +206,20 @@ impl ClientBuilder {
         self
     }
 
+    /// Connects with TLS (`wss://`), trusting the CA certificates in this PEM file (the CA that
+    /// signed the nodes' `--client-tls-cert`).
+    pub fn tls_ca_file(mut self, path: impl Into<std::path::PathBuf>) -> Self {
+        self.tls = Some(TlsSetting::CaFile(path.into()));
+        self
+    }
+
+    /// Connects with TLS using this rustls configuration (for client certificates or other
+    /// trust settings; build it with the ring provider, as [`crate::tls::client_config`] does).
+    pub fn tls_config(mut self, config: Arc<rustls::ClientConfig>) -> Self {
+        self.tls = Some(TlsSetting::Config(config));
+        self
+    }
+
     pub fn build(self) -> Result<RaftLockClient, ClientError> {
         let bad = |m: String| Err(ClientError::Config(m));
         if self.endpoints.is_empty() {
@@ -256,6 +280,14 @@ impl ClientBuilder {
             keepalive: self.keepalive,
             trace_context: self.trace_context.clone(),
             auth_token: self.auth_token.clone(),
+            tls: match &self.tls {
+                None => None,
+                Some(TlsSetting::Config(c)) => Some(c.clone()),
+                Some(TlsSetting::CaFile(path)) => Some(
+                    crate::tls::client_config(path, None)
+                        .map_err(|e| ClientError::Config(e.to_string()))?,
+                ),
+            },
         });
         Ok(RaftLockClient {
             inner: Arc::new(Inner {
@@ -267,6 +299,7 @@ impl ClientBuilder {
                 run: random_u64(),
                 renew_interval: self.renew_interval,
                 release_on_drop_timeout: self.release_on_drop_timeout,
+                spare_owners: StdMutex::new(Vec::new()),
             }),
         })
     }
@@ -295,6 +328,34 @@ struct Inner {
     run: u64,
     renew_interval: Option<Duration>,
     release_on_drop_timeout: Duration,
+    /// Owner ids whose lock was released and that hold nothing on the server, for the next
+    /// acquires: every owner id opens a client session on the cluster (kept until it has been
+    /// idle for `session_idle`), so a client that took a fresh id for every acquire would fill
+    /// the cluster's session table (`max_sessions`) and be refused with BUSY.
+    spare_owners: StdMutex<Vec<String>>,
+}
+
+/// Spare owner ids kept per client (more concurrent locks than this make new ones).
+const SPARE_OWNERS_MAX: usize = 1024;
+
+impl Inner {
+    /// A spare owner id, or a new one.
+    fn take_owner(&self) -> String {
+        let spare = self
+            .spare_owners
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop();
+        spare.unwrap_or_else(|| owner_id(&self.client_id))
+    }
+
+    /// `owner` holds nothing any more (its one lock was released): reuse it.
+    fn give_back_owner(&self, owner: String) {
+        let mut spare = self.spare_owners.lock().unwrap_or_else(|p| p.into_inner());
+        if spare.len() < SPARE_OWNERS_MAX && !owner.is_empty() {
+            spare.push(owner);
+        }
+    }
 }
 
 /// The everyday client: acquire, try-acquire, release, renew, and replicated KV.
@@ -334,6 +395,7 @@ impl RaftLockClient {
         crate::client::Watch::start(
             cfg.endpoints.clone(),
             cfg.auth_token.clone(),
+            cfg.tls.clone(),
             prefix,
             from_index,
             cfg.connect_timeout,
@@ -383,7 +445,7 @@ impl RaftLockClient {
         wait: Option<Duration>,
     ) -> Result<LockHandle, ClientError> {
         let policy = self.inner.session.cfg.retry.clone();
-        let owner = owner_id(&self.inner.client_id);
+        let owner = self.inner.take_owner();
         let request_id = self.next_request_id();
         self.acquire_request(key, ttl, wait, &owner, &request_id, &policy)
             .await
@@ -736,11 +798,17 @@ impl LockHandle {
     }
 
     /// Releases the lock and waits for the cluster's answer.
-    pub async fn release(self) -> Result<(), ClientError> {
+    pub async fn release(mut self) -> Result<(), ClientError> {
         self.released.store(true, Ordering::SeqCst);
-        self.client
+        let released = self
+            .client
             .release_as(&self.owner, &self.key, self.token)
-            .await
+            .await;
+        if released.is_ok() {
+            let owner = std::mem::take(&mut self.owner);
+            self.client.inner.give_back_owner(owner);
+        }
+        released
     }
 }
 
@@ -756,7 +824,11 @@ impl Drop for LockHandle {
             let token = self.token;
             let bound = client.inner.release_on_drop_timeout;
             rt.spawn(async move {
-                let _ = tokio::time::timeout(bound, client.release_as(&owner, &key, token)).await;
+                let released =
+                    tokio::time::timeout(bound, client.release_as(&owner, &key, token)).await;
+                if matches!(released, Ok(Ok(()))) {
+                    client.inner.give_back_owner(owner);
+                }
             });
         }
     }
@@ -933,7 +1005,7 @@ impl AdvancedClient {
         wait: Option<Duration>,
         policy: &RetryPolicy,
     ) -> Result<LockHandle, ClientError> {
-        let owner = owner_id(self.client.client_id());
+        let owner = self.client.inner.take_owner();
         let id = self.client.next_request_id();
         self.client
             .acquire_request(key, ttl, wait, &owner, &id, policy)

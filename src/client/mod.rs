@@ -38,7 +38,7 @@ pub mod watch;
 use std::time::Duration;
 
 pub use admin::AdminClient;
-pub use conn::{is_traceparent, TraceContext};
+pub use conn::{is_traceparent, TlsConfig, TraceContext};
 pub use error::ClientError;
 pub use lock::{
     AdvancedClient, AutoRenewer, ClientBuilder, LockHandle, LossReason, PendingAcquire,

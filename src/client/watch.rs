@@ -45,6 +45,7 @@ pub struct WatchEvent {
 pub struct Watch {
     endpoints: Vec<String>,
     auth_token: Option<String>,
+    tls: Option<super::conn::TlsConfig>,
     prefix: String,
     /// The index of the last lock event yielded (or the watch's start).
     last: Option<u64>,
@@ -63,6 +64,7 @@ impl Watch {
     pub(crate) async fn start(
         endpoints: Vec<String>,
         auth_token: Option<String>,
+        tls: Option<super::conn::TlsConfig>,
         prefix: &str,
         from_index: Option<u64>,
         connect_timeout: Duration,
@@ -70,6 +72,7 @@ impl Watch {
         let mut w = Watch {
             endpoints,
             auth_token,
+            tls,
             prefix: prefix.to_string(),
             last: from_index,
             seen_at_last: 0,
@@ -112,13 +115,15 @@ impl Watch {
 
     async fn open(&mut self, addr: &str) -> Result<Socket, StartError> {
         let failed = |e: String| StartError::Failed(format!("{addr}: {e}"));
-        let request = super::conn::ws_request(addr, self.auth_token.as_deref())
-            .map_err(|e| StartError::Refused(ClientError::Config(e)))?;
-        let connect = tokio_tungstenite::connect_async(request);
-        let (mut socket, _) = tokio::time::timeout(self.connect_timeout, connect)
+        let connect =
+            super::conn::open_ws(addr, self.auth_token.as_deref(), self.tls.as_ref(), None);
+        let mut socket = tokio::time::timeout(self.connect_timeout, connect)
             .await
             .map_err(|_| failed("connect timed out".into()))?
-            .map_err(|e| failed(e.to_string()))?;
+            .map_err(|e| match e {
+                super::conn::OpenError::Request(e) => StartError::Refused(ClientError::Config(e)),
+                super::conn::OpenError::Connect(e) => failed(e),
+            })?;
         self.seq += 1;
         let mut body = json!({"commandType": 8, "requestId": format!("watch-{}", self.seq),
                               "key": self.prefix});

@@ -53,6 +53,29 @@ struct Args {
     /// listener is not on loopback, unless --insecure.
     #[arg(long)]
     cluster_token: Option<String>,
+    /// Peer-port mutual TLS: this node's certificate chain (PEM). With --peer-tls-key and
+    /// --peer-tls-ca; the files are reloaded when they change.
+    #[arg(long)]
+    peer_tls_cert: Option<String>,
+    /// Peer-port mutual TLS: the key of --peer-tls-cert (PEM).
+    #[arg(long)]
+    peer_tls_key: Option<String>,
+    /// Peer-port mutual TLS: the CA bundle other nodes' certificates must chain to (PEM).
+    #[arg(long)]
+    peer_tls_ca: Option<String>,
+    /// The DNS name a node's certificate carries, {id} standing for its node id. Default
+    /// node-{id}.raftlock
+    #[arg(long)]
+    peer_tls_node_name: Option<String>,
+    /// Client-port TLS: certificate chain (PEM), with --client-tls-key; reloaded on change.
+    #[arg(long)]
+    client_tls_cert: Option<String>,
+    /// Client-port TLS: the key of --client-tls-cert (PEM).
+    #[arg(long)]
+    client_tls_key: Option<String>,
+    /// Client-port TLS: require client certificates from this CA bundle (PEM).
+    #[arg(long)]
+    client_tls_ca: Option<String>,
     /// Run with the peer port open beyond this host and no cluster token (anyone who reaches it
     /// can join the cluster or remove members). For throwaway clusters only.
     #[arg(long)]
@@ -144,6 +167,13 @@ impl Args {
             join,
             bootstrap_id,
             cluster_token,
+            peer_tls_cert,
+            peer_tls_key,
+            peer_tls_ca,
+            peer_tls_node_name,
+            client_tls_cert,
+            client_tls_key,
+            client_tls_ca,
             client_auth_file,
             fencing_key_file,
             tick,

@@ -51,6 +51,27 @@ pub struct NodeConfig {
     /// JSON file of client identities (`server::auth`); empty: the client port is open.
     #[serde(default)]
     pub client_auth_file: String,
+    /// Peer-port mutual TLS: this node's certificate chain, its key and the CA bundle other
+    /// nodes' certificates must chain to (PEM files, reloaded when they change). All three, or
+    /// none: without them the peer port speaks plaintext HTTP/2.
+    #[serde(default)]
+    pub peer_tls_cert: String,
+    #[serde(default)]
+    pub peer_tls_key: String,
+    #[serde(default)]
+    pub peer_tls_ca: String,
+    /// The DNS name (subject alternative name) a node's certificate carries, `{id}` standing
+    /// for its node id: a peer may speak only for the ids its certificate names.
+    #[serde(default = "default_node_name")]
+    pub peer_tls_node_name: String,
+    /// Client-port TLS: certificate chain and key (PEM, reloaded when they change); with
+    /// `client_tls_ca`, clients must also present a certificate from that CA.
+    #[serde(default)]
+    pub client_tls_cert: String,
+    #[serde(default)]
+    pub client_tls_key: String,
+    #[serde(default)]
+    pub client_tls_ca: String,
     /// File holding the fencing-token MAC key shared with the data store; empty: no MACs.
     #[serde(default)]
     pub fencing_key_file: String,
@@ -116,6 +137,10 @@ pub const DEFAULTS: &[(&str, &str)] = &[
     ("dedupe_retain", "1m"),
     ("log_format", "text"),
 ];
+
+fn default_node_name() -> String {
+    crate::server::tls::DEFAULT_NODE_NAME.to_string()
+}
 
 fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
     let text = String::deserialize(d)?;
@@ -215,14 +240,38 @@ impl NodeConfig {
                 "must be at least dedupe_retain (a closing session would forget answers a client may still retry)",
             );
         }
-        if self.cluster_token.is_empty() && !self.peer_listen.ip().is_loopback() && !self.insecure {
+        let peer_tls = [&self.peer_tls_cert, &self.peer_tls_key, &self.peer_tls_ca];
+        let peer_tls_set = peer_tls.iter().filter(|f| !f.is_empty()).count();
+        if peer_tls_set != 0 && peer_tls_set != 3 {
+            return invalid(
+                "peer_tls_cert",
+                "peer TLS needs all of --peer-tls-cert, --peer-tls-key and --peer-tls-ca",
+            );
+        }
+        if !self.peer_tls_node_name.contains("{id}") {
+            return invalid("peer_tls_node_name", "must contain {id}");
+        }
+        if self.client_tls_cert.is_empty() != self.client_tls_key.is_empty()
+            || (!self.client_tls_ca.is_empty() && self.client_tls_cert.is_empty())
+        {
+            return invalid(
+                "client_tls_cert",
+                "client TLS needs both --client-tls-cert and --client-tls-key (and --client-tls-ca only with them)",
+            );
+        }
+        if self.cluster_token.is_empty()
+            && peer_tls_set == 0
+            && !self.peer_listen.ip().is_loopback()
+            && !self.insecure
+        {
             return invalid(
                 "cluster_token",
                 &format!(
-                    "the peer port {} is reachable beyond this host and no cluster token is set: \
-                     anyone who reaches it could join the cluster or remove members. Set \
-                     --cluster-token (RAFTLOCK_CLUSTER_TOKEN) on every node, listen on loopback, \
-                     or pass --insecure for a throwaway cluster",
+                    "the peer port {} is reachable beyond this host with neither TLS nor a \
+                     cluster token: anyone who reaches it could join the cluster or remove \
+                     members. Set --peer-tls-cert/--peer-tls-key/--peer-tls-ca or \
+                     --cluster-token (RAFTLOCK_CLUSTER_TOKEN) on every node, listen on \
+                     loopback, or pass --insecure for a throwaway cluster",
                     self.peer_listen
                 ),
             );

@@ -24,12 +24,12 @@ use tonic::transport::Channel;
 use super::api::{ClientOp, ClientReply, ErrorCode};
 use super::proto::peer::peer_client::PeerClient;
 use super::proto::peer::ForwardClientRequest;
-use super::transport::TOKEN_HEADER;
+use super::transport::PeerDialer;
 
 /// Sends client requests to the leader's peer port.
 pub struct Forwarder {
     node_id: u64,
-    cluster_token: String,
+    dialer: PeerDialer,
     permits: Arc<Semaphore>,
     max_message_bytes: usize,
     channels: Mutex<HashMap<String, PeerClient<Channel>>>,
@@ -46,13 +46,13 @@ impl std::fmt::Debug for Forwarder {
 impl Forwarder {
     pub fn new(
         node_id: u64,
-        cluster_token: String,
+        dialer: PeerDialer,
         max_in_flight: usize,
         max_message_bytes: usize,
     ) -> Self {
         Forwarder {
             node_id,
-            cluster_token,
+            dialer,
             permits: Arc::new(Semaphore::new(max_in_flight.max(1))),
             max_message_bytes,
             channels: Mutex::new(HashMap::new()),
@@ -64,11 +64,11 @@ impl Forwarder {
         if let Some(c) = channels.get(peer_addr) {
             return Ok(c.clone());
         }
-        let endpoint = Channel::from_shared(format!("http://{peer_addr}"))
+        let endpoint = PeerDialer::endpoint(peer_addr)
             .map_err(|e| e.to_string())?
             .connect_timeout(Duration::from_secs(1))
             .tcp_nodelay(true);
-        let client = PeerClient::new(endpoint.connect_lazy())
+        let client = PeerClient::new(self.dialer.connect_lazy(endpoint, None))
             .max_decoding_message_size(self.max_message_bytes)
             .max_encoding_message_size(self.max_message_bytes);
         // A handful of leaders over a node's life: forget them all if the map ever grows.
@@ -99,15 +99,10 @@ impl Forwarder {
             Ok(bytes) => bytes,
             Err(e) => return ClientReply::error(ErrorCode::InvalidRequest, e.to_string()),
         };
-        let mut request = tonic::Request::new(ForwardClientRequest {
+        let mut request = self.dialer.request(ForwardClientRequest {
             op_json,
             from_node: self.node_id,
         });
-        if !self.cluster_token.is_empty() {
-            if let Ok(v) = self.cluster_token.parse() {
-                request.metadata_mut().insert(TOKEN_HEADER, v);
-            }
-        }
         if let Some(v) = traceparent.and_then(|t| t.parse().ok()) {
             request.metadata_mut().insert("traceparent", v);
         }

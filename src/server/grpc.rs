@@ -278,6 +278,10 @@ pub struct PeerApi {
     pub driver: mpsc::Sender<Input>,
     pub addresses: AddressBook,
     pub cluster_token: String,
+    /// Peer-port mutual TLS: a request's node id must be named by its connection's certificate.
+    pub tls: Option<Arc<super::tls::PeerTls>>,
+    /// `raftlock_peer_requests_refused_total{reason}`.
+    pub refused: prometheus::IntCounterVec,
     pub status: tokio::sync::watch::Receiver<super::driver::NodeStatus>,
     /// False while a new node started with `--join` waits for the leader to accept it: until
     /// then it takes no Raft message, so a voter that lost its data and started afresh under its
@@ -302,7 +306,29 @@ impl PeerApi {
         if matches {
             Ok(())
         } else {
+            self.refused.with_label_values(&["token"]).inc();
             Err(Status::unauthenticated("missing or wrong cluster token"))
+        }
+    }
+
+    /// Under mutual TLS: whether the request's connection presented a certificate naming node
+    /// `id` (the CA was checked in the handshake). Without TLS every id passes.
+    fn speaks_for<T>(&self, request: &Request<T>, id: u64) -> Result<(), Status> {
+        let Some(tls) = &self.tls else {
+            return Ok(());
+        };
+        let cert = request
+            .extensions()
+            .get::<super::tls::PeerCert>()
+            .and_then(|c| c.0.as_ref());
+        match cert {
+            Some(cert) if tls.cert_speaks_for(cert, id) => Ok(()),
+            _ => {
+                self.refused.with_label_values(&["identity"]).inc();
+                Err(Status::permission_denied(format!(
+                    "this connection's certificate does not name node {id}"
+                )))
+            }
         }
     }
 }
@@ -328,8 +354,17 @@ impl ppb::peer_server::Peer for PeerApi {
                 "a raft stream needs the {NODE_ID_HEADER} header with a node id"
             )));
         }
-        self.addresses
-            .learn(from, &header(PEER_ADDR_HEADER), &header(CLIENT_ADDR_HEADER));
+        self.speaks_for(&request, from)?;
+        // A stream may set only its own node's addresses, and only a member's: under TLS the
+        // certificate binds it to that node; without TLS the cluster token is the guard.
+        let member = {
+            let s = self.status.borrow();
+            s.voters.contains(&from) || s.learners.contains(&from)
+        };
+        if member {
+            self.addresses
+                .learn(from, &header(PEER_ADDR_HEADER), &header(CLIENT_ADDR_HEADER));
+        }
         let mut stream = request.into_inner();
         while let Some(next) = stream.message().await? {
             match message_from_pb(next) {
@@ -359,6 +394,7 @@ impl ppb::peer_server::Peer for PeerApi {
         request: Request<ppb::JoinClusterRequest>,
     ) -> Result<Response<ppb::JoinClusterReply>, Status> {
         self.authorize(&request)?;
+        self.speaks_for(&request, request.get_ref().server_id)?;
         let r = request.into_inner();
         if r.server_id == 0 || r.server_addr.is_empty() {
             return Err(Status::invalid_argument(
@@ -507,6 +543,7 @@ impl ppb::peer_server::Peer for PeerApi {
         request: Request<ppb::ForwardClientRequest>,
     ) -> Result<Response<ppb::ForwardClientReply>, Status> {
         self.authorize(&request)?;
+        self.speaks_for(&request, request.get_ref().from_node)?;
         let traceparent = super::ws::traceparent_header(request.metadata());
         let r = request.into_inner();
         let op: ClientOp = serde_json::from_slice(&r.op_json)

@@ -11,7 +11,8 @@
 //!
 //! It bounds what a client can hold without ever making a request: half-open connections and
 //! connections that never finish their first request head (the HTTP server sets no such deadline
-//! on a new connection by itself). The WebSocket limit (`max_connections`) still applies on top,
+//! on a new connection by itself). With client TLS, the handshake runs in its own task under the
+//! same deadline, so a slow handshake never holds up accepting others. The WebSocket limit (`max_connections`) still applies on top,
 //! at the upgrade. This module decides nothing about locks or Raft.
 
 use std::future::Future;
@@ -39,6 +40,9 @@ pub const EXTRA_TCP_CONNECTIONS: usize = 256;
 /// request.
 pub struct ClientListener {
     inner: TcpListener,
+    tls: Option<Arc<super::tls::ClientTls>>,
+    /// TLS handshakes in progress; each yields a ready connection or nothing.
+    handshakes: tokio::task::JoinSet<Option<(GuardedStream, std::net::SocketAddr)>>,
     /// One permit per open connection; a permit is returned when its connection closes.
     slots: Arc<Semaphore>,
     head_deadline: Duration,
@@ -51,12 +55,15 @@ impl ClientListener {
         max_connections: usize,
         head_deadline: Duration,
         refused: IntCounterVec,
+        tls: Option<Arc<super::tls::ClientTls>>,
     ) -> ClientListener {
-        for reason in ["limit", "no_request"] {
+        for reason in ["limit", "no_request", "tls_handshake"] {
             refused.with_label_values(&[reason]);
         }
         ClientListener {
             inner,
+            tls,
+            handshakes: tokio::task::JoinSet::new(),
             slots: Arc::new(Semaphore::new(max_connections)),
             head_deadline,
             refused,
@@ -70,7 +77,16 @@ impl axum::serve::Listener for ClientListener {
 
     async fn accept(&mut self) -> (GuardedStream, std::net::SocketAddr) {
         loop {
-            let (stream, addr) = match self.inner.accept().await {
+            let accepted = tokio::select! {
+                accepted = self.inner.accept() => accepted,
+                Some(done) = self.handshakes.join_next(), if !self.handshakes.is_empty() => {
+                    if let Ok(Some(ready)) = done {
+                        return ready;
+                    }
+                    continue;
+                }
+            };
+            let (stream, addr) = match accepted {
                 Ok(accepted) => accepted,
                 Err(err) => {
                     // Out of file descriptors or a connection reset before accept: wait a
@@ -87,15 +103,45 @@ impl axum::serve::Listener for ClientListener {
             };
             let _ = stream.set_nodelay(true);
             let deadline = Box::pin(tokio::time::sleep(self.head_deadline));
-            return (
-                GuardedStream {
-                    stream,
-                    deadline: Some(deadline),
-                    refused: self.refused.clone(),
-                    _slot: slot,
-                },
-                addr,
-            );
+            let Some(tls) = &self.tls else {
+                return (
+                    GuardedStream {
+                        stream: ClientIo::Plain(stream),
+                        deadline: Some(deadline),
+                        refused: self.refused.clone(),
+                        _slot: slot,
+                    },
+                    addr,
+                );
+            };
+            let acceptor = tls.acceptor();
+            let refused = self.refused.clone();
+            self.handshakes.spawn(async move {
+                let handshake = tokio::select! {
+                    done = acceptor.accept(stream) => done,
+                    _ = deadline => {
+                        refused.with_label_values(&["no_request"]).inc();
+                        return None;
+                    }
+                };
+                match handshake {
+                    Ok(tls_stream) => Some((
+                        GuardedStream {
+                            stream: ClientIo::Tls(Box::new(tls_stream)),
+                            // A fresh deadline for the first request after the handshake.
+                            deadline: Some(Box::pin(tokio::time::sleep(REQUEST_HEAD_DEADLINE))),
+                            refused,
+                            _slot: slot,
+                        },
+                        addr,
+                    )),
+                    Err(err) => {
+                        tracing::debug!(client = %addr, cause = %err, "client TLS handshake failed");
+                        refused.with_label_values(&["tls_handshake"]).inc();
+                        None
+                    }
+                }
+            });
         }
     }
 
@@ -106,7 +152,7 @@ impl axum::serve::Listener for ClientListener {
 
 /// A client connection holding one slot of the listener until it closes.
 pub struct GuardedStream {
-    stream: TcpStream,
+    stream: ClientIo,
     /// Armed at accept; cleared by the server's first write (its answer to a complete request
     /// head). While armed and passed, reads fail and the server closes the connection.
     deadline: Option<Pin<Box<Sleep>>>,
@@ -176,5 +222,69 @@ impl AsyncWrite for GuardedStream {
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
+    }
+}
+
+/// A client connection's transport: plain TCP, or TLS over it.
+enum ClientIo {
+    Plain(TcpStream),
+    Tls(Box<tokio_rustls::server::TlsStream<TcpStream>>),
+}
+
+impl AsyncRead for ClientIo {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            ClientIo::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            ClientIo::Tls(s) => Pin::new(&mut **s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for ClientIo {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            ClientIo::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            ClientIo::Tls(s) => Pin::new(&mut **s).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            ClientIo::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            ClientIo::Tls(s) => Pin::new(&mut **s).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            ClientIo::Plain(s) => s.is_write_vectored(),
+            ClientIo::Tls(s) => s.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            ClientIo::Plain(s) => Pin::new(s).poll_flush(cx),
+            ClientIo::Tls(s) => Pin::new(&mut **s).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            ClientIo::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            ClientIo::Tls(s) => Pin::new(&mut **s).poll_shutdown(cx),
+        }
     }
 }

@@ -15,6 +15,7 @@ pub mod listener;
 pub mod node;
 pub mod proto;
 pub mod replication_lag;
+pub mod tls;
 pub mod transport;
 pub mod watch;
 pub mod ws;

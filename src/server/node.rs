@@ -21,7 +21,8 @@ use super::proto::peer::peer_client::PeerClient;
 use super::proto::peer::peer_server::PeerServer;
 use super::proto::peer::{FetchPeerListReply, FetchPeerListRequest, JoinClusterRequest};
 use super::proto::seed004::lock_service_server::LockServiceServer as SeedLockServiceServer;
-use super::transport::{AddressBook, LocalIdentity, PeerTransport, TOKEN_HEADER};
+use super::tls::{ClientTls, PeerTls, TlsFiles};
+use super::transport::{AddressBook, LocalIdentity, PeerDialer, PeerTransport};
 use crate::lock::{Limits, LockStateMachine};
 use crate::raft::{Config, InitialState, Membership, Raft};
 use crate::storage::{SledStorage, Storage};
@@ -67,15 +68,60 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
             source,
         })?;
 
+    let metrics = NodeMetrics::new();
+    let file = |f: &str| (!f.is_empty()).then(|| std::path::PathBuf::from(f));
+    let peer_tls = match (
+        file(&cfg.peer_tls_cert),
+        file(&cfg.peer_tls_key),
+        file(&cfg.peer_tls_ca),
+    ) {
+        (Some(cert), Some(key), Some(ca)) => Some(
+            PeerTls::load(
+                TlsFiles {
+                    cert,
+                    key,
+                    ca: Some(ca),
+                },
+                &cfg.peer_tls_node_name,
+                Some(metrics.tls_reloads_total.clone()),
+            )
+            .map_err(|e| NodeError::Config(format!("peer TLS: {e}")))?,
+        ),
+        _ => None,
+    };
+    let client_tls = match (file(&cfg.client_tls_cert), file(&cfg.client_tls_key)) {
+        (Some(cert), Some(key)) => Some(
+            ClientTls::load(
+                TlsFiles {
+                    cert,
+                    key,
+                    ca: file(&cfg.client_tls_ca),
+                },
+                Some(metrics.tls_reloads_total.clone()),
+            )
+            .map_err(|e| NodeError::Config(format!("client TLS: {e}")))?,
+        ),
+        _ => None,
+    };
+    let dialer = PeerDialer {
+        cluster_token: cfg.cluster_token.clone(),
+        tls: peer_tls.clone(),
+    };
+    for reason in ["token", "identity"] {
+        metrics
+            .peer_connections_refused_total
+            .with_label_values(&[reason]);
+    }
+
     let security = Arc::new(
         super::auth::ClientSecurity::load(&cfg.client_auth_file, &cfg.fencing_key_file)
             .map_err(NodeError::Config)?,
     );
-    if cfg.cluster_token.is_empty() && !cfg.peer_listen.ip().is_loopback() {
+    if cfg.cluster_token.is_empty() && peer_tls.is_none() && !cfg.peer_listen.ip().is_loopback() {
         tracing::warn!(
             peer_listen = %cfg.peer_listen,
-            "--insecure: the peer port is reachable beyond this host and no cluster token is \
-             set: anyone who reaches it can join the cluster or remove members"
+            "--insecure: the peer port is reachable beyond this host with neither TLS nor a \
+             cluster token: anyone who reaches it can join the cluster or remove members"
         );
     }
     if security.auth.is_none() && !cfg.client_listen.ip().is_loopback() {
@@ -96,7 +142,9 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
     // A StatefulSet runs every pod with the same flags: the pod named by `bootstrap_id` starts
     // the cluster, but only when no peer already belongs to one (its volume was lost, say).
     let bootstrap = cfg.bootstrap
-        || (fresh && cfg.bootstrap_id == cfg.node_id && !cluster_exists(&cfg, &shutdown).await);
+        || (fresh
+            && cfg.bootstrap_id == cfg.node_id
+            && !cluster_exists(&cfg, &dialer, &shutdown).await);
 
     let addresses = AddressBook::default();
     addresses.learn(cfg.node_id, &cfg.advertise_peer, &cfg.advertise_client);
@@ -145,14 +193,13 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
         "recovered"
     );
 
-    let metrics = NodeMetrics::new();
     let transport = PeerTransport::new(
         LocalIdentity {
             id: cfg.node_id,
             peer_addr: cfg.advertise_peer.clone(),
             client_addr: cfg.advertise_client.clone(),
-            cluster_token: cfg.cluster_token.clone(),
         },
+        dialer.clone(),
         addresses.clone(),
         metrics.clone(),
         cfg.max_message_bytes,
@@ -208,6 +255,8 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
         driver: input_tx.clone(),
         addresses: addresses.clone(),
         cluster_token: cfg.cluster_token.clone(),
+        tls: peer_tls.clone(),
+        refused: metrics.peer_connections_refused_total.clone(),
         status: status_rx.clone(),
         admitted: admitted.clone(),
     };
@@ -215,13 +264,26 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
         .max_decoding_message_size(cfg.max_message_bytes)
         .max_encoding_message_size(cfg.max_message_bytes);
     let mut peer_shutdown = shutdown.clone();
-    let peer_server = tonic::transport::Server::builder()
+    let peer_stopped = async move {
+        let _ = peer_shutdown.wait_for(|s| *s).await;
+    };
+    let peer_router = tonic::transport::Server::builder()
         .tcp_nodelay(true)
-        .add_service(peer_service)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(peer_listener), async move {
-            let _ = peer_shutdown.wait_for(|s| *s).await;
-        });
-    let peer_task = tokio::spawn(peer_server);
+        .add_service(peer_service);
+    let peer_task = match &peer_tls {
+        Some(tls) => tokio::spawn(
+            peer_router.serve_with_incoming_shutdown(tls.incoming(peer_listener), peer_stopped),
+        ),
+        None => tokio::spawn(
+            peer_router
+                .serve_with_incoming_shutdown(TcpListenerStream::new(peer_listener), peer_stopped),
+        ),
+    };
+    tokio::spawn(super::tls::reload_loop(
+        peer_tls.clone(),
+        client_tls.clone(),
+        shutdown.clone(),
+    ));
 
     // Client port: WebSocket + HTTP + gRPC (`raftlock.lock.v1.LockService` and seed 004's
     // `api.LockService`) on one listener.
@@ -242,7 +304,7 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
         addresses: addresses.clone(),
         forwarder: Arc::new(super::forward::Forwarder::new(
             cfg.node_id,
-            cfg.cluster_token.clone(),
+            dialer.clone(),
             cfg.max_pending_requests,
             cfg.max_message_bytes,
         )),
@@ -271,6 +333,7 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
             max_tcp_connections,
             super::listener::REQUEST_HEAD_DEADLINE,
             refused,
+            client_tls,
         );
         axum::serve(client_listener, app)
             .with_graceful_shutdown(async move {
@@ -281,6 +344,7 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
 
     tokio::spawn(refresh_addresses(
         cfg.clone(),
+        dialer.clone(),
         status_rx.clone(),
         addresses.clone(),
         shutdown.clone(),
@@ -291,8 +355,16 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
         let join_shutdown = shutdown.clone();
         let join_admitted = admitted.clone();
         let join_addresses = addresses.clone();
+        let join_dialer = dialer.clone();
         tokio::spawn(async move {
-            join_cluster(join_cfg, join_addresses, join_admitted, join_shutdown).await
+            join_cluster(
+                join_cfg,
+                join_dialer,
+                join_addresses,
+                join_admitted,
+                join_shutdown,
+            )
+            .await
         });
     }
 
@@ -315,6 +387,7 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
 /// starting, or an operator must first remove the member it replaces); it stays unready meanwhile.
 async fn join_cluster(
     cfg: NodeConfig,
+    dialer: PeerDialer,
     addresses: AddressBook,
     admitted: Arc<AtomicBool>,
     shutdown: watch::Receiver<bool>,
@@ -328,13 +401,13 @@ async fn join_cluster(
         for start in &peers {
             let mut target = start.clone();
             for hop in 0..5 {
-                match ask_to_join(&cfg, &target).await {
+                match ask_to_join(&cfg, &dialer, &target).await {
                     Ok(reply) if reply.success => {
                         admitted.store(true, Ordering::Release);
                         info!(via = %target, hop, "joined the cluster as a learner");
                         // Learn every member's addresses now: if the leader fails before this
                         // node hears from the others, it must still reach them to elect a new one.
-                        match fetch_peer_list(&cfg, &target).await {
+                        match fetch_peer_list(&dialer, &target).await {
                             Ok(reply) => learn_peer_list(&addresses, reply),
                             Err(err) => debug!(via = %target, cause = %err, "no peer list yet"),
                         }
@@ -373,14 +446,18 @@ fn other_join_peers(cfg: &NodeConfig) -> Vec<String> {
 
 /// Asks the `join` peers (other than this node) whether any of them belongs to a cluster, for a
 /// few rounds. Unreachable peers and peers without members count as "no cluster".
-async fn cluster_exists(cfg: &NodeConfig, shutdown: &watch::Receiver<bool>) -> bool {
+async fn cluster_exists(
+    cfg: &NodeConfig,
+    dialer: &PeerDialer,
+    shutdown: &watch::Receiver<bool>,
+) -> bool {
     let peers = other_join_peers(cfg);
     for round in 0..3 {
         if *shutdown.borrow() {
             return false;
         }
         for peer in &peers {
-            match fetch_peer_list(cfg, peer).await {
+            match fetch_peer_list(dialer, peer).await {
                 Ok(reply) if !reply.peer_set.is_empty() => {
                     info!(via = %peer, members = ?reply.peer_set, "a cluster exists; joining it");
                     return true;
@@ -399,24 +476,18 @@ async fn cluster_exists(cfg: &NodeConfig, shutdown: &watch::Receiver<bool>) -> b
 
 async fn ask_to_join(
     cfg: &NodeConfig,
+    dialer: &PeerDialer,
     target: &str,
 ) -> Result<super::proto::peer::JoinClusterReply, Box<dyn std::error::Error + Send + Sync>> {
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{target}"))?
+    let endpoint = PeerDialer::endpoint(target)?
         .connect_timeout(Duration::from_secs(1))
-        .timeout(Duration::from_secs(5))
-        .connect()
-        .await?;
-    let mut client = PeerClient::new(channel);
-    let mut request = tonic::Request::new(JoinClusterRequest {
+        .timeout(Duration::from_secs(5));
+    let mut client = PeerClient::new(dialer.connect(endpoint, None).await?);
+    let request = dialer.request(JoinClusterRequest {
         server_id: cfg.node_id,
         server_addr: cfg.advertise_peer.clone(),
         client_addr: cfg.advertise_client.clone(),
     });
-    if !cfg.cluster_token.is_empty() {
-        request
-            .metadata_mut()
-            .insert(TOKEN_HEADER, cfg.cluster_token.parse()?);
-    }
     Ok(client.join_cluster(request).await?.into_inner())
 }
 
@@ -428,6 +499,7 @@ const ADDRESS_REFRESH_INTERVAL: Duration = Duration::from_secs(2);
 /// member's address is missing, this asks the leader (`FetchPeerList`) every couple of seconds.
 async fn refresh_addresses(
     cfg: NodeConfig,
+    dialer: PeerDialer,
     status: watch::Receiver<NodeStatus>,
     addresses: AddressBook,
     mut shutdown: watch::Receiver<bool>,
@@ -452,7 +524,7 @@ async fn refresh_addresses(
         if complete || leader_peer.is_empty() {
             continue;
         }
-        match fetch_peer_list(&cfg, &leader_peer).await {
+        match fetch_peer_list(&dialer, &leader_peer).await {
             Ok(reply) => learn_peer_list(&addresses, reply),
             Err(err) => {
                 debug!(leader = %leader_peer, cause = %err, "could not fetch the peer list")
@@ -470,20 +542,14 @@ fn learn_peer_list(addresses: &AddressBook, reply: FetchPeerListReply) {
 }
 
 async fn fetch_peer_list(
-    cfg: &NodeConfig,
+    dialer: &PeerDialer,
     target: &str,
 ) -> Result<FetchPeerListReply, Box<dyn std::error::Error + Send + Sync>> {
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{target}"))?
+    let endpoint = PeerDialer::endpoint(target)?
         .connect_timeout(Duration::from_secs(1))
-        .timeout(Duration::from_secs(2))
-        .connect()
-        .await?;
-    let mut request = tonic::Request::new(FetchPeerListRequest { term: 0 });
-    if !cfg.cluster_token.is_empty() {
-        request
-            .metadata_mut()
-            .insert(TOKEN_HEADER, cfg.cluster_token.parse()?);
-    }
+        .timeout(Duration::from_secs(2));
+    let channel = dialer.connect(endpoint, None).await?;
+    let request = dialer.request(FetchPeerListRequest { term: 0 });
     Ok(PeerClient::new(channel)
         .fetch_peer_list(request)
         .await?

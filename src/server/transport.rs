@@ -20,6 +20,7 @@ use tracing::{debug, warn};
 use super::convert::message_to_pb;
 use super::proto::peer::peer_client::PeerClient;
 use super::proto::peer::RaftMessage;
+use super::tls::PeerTls;
 use crate::raft::{Message, NodeId};
 use crate::telemetry::NodeMetrics;
 
@@ -72,19 +73,66 @@ impl AddressBook {
     }
 }
 
+/// How this node opens connections to other nodes' peer ports: over mutual TLS when configured,
+/// and with the cluster token when one is set.
+#[derive(Clone, Debug, Default)]
+pub struct PeerDialer {
+    pub cluster_token: String,
+    pub tls: Option<Arc<PeerTls>>,
+}
+
+impl PeerDialer {
+    /// The endpoint for a peer address (`host:port`); TLS, when on, is added by the connector.
+    pub fn endpoint(addr: &str) -> Result<Endpoint, tonic::transport::Error> {
+        Endpoint::from_shared(format!("http://{addr}"))
+    }
+
+    /// Connects; `expect`: the node id that must answer there, when known (checked against its
+    /// certificate under TLS).
+    pub async fn connect(
+        &self,
+        endpoint: Endpoint,
+        expect: Option<NodeId>,
+    ) -> Result<Channel, tonic::transport::Error> {
+        match &self.tls {
+            Some(tls) => tls.connect(endpoint, expect).await,
+            None => endpoint.connect().await,
+        }
+    }
+
+    /// [`PeerDialer::connect`], connecting on first use.
+    pub fn connect_lazy(&self, endpoint: Endpoint, expect: Option<NodeId>) -> Channel {
+        match &self.tls {
+            Some(tls) => tls.connect_lazy(endpoint, expect),
+            None => endpoint.connect_lazy(),
+        }
+    }
+
+    /// A request carrying the cluster token, when one is set.
+    pub fn request<T>(&self, message: T) -> tonic::Request<T> {
+        let mut request = tonic::Request::new(message);
+        if !self.cluster_token.is_empty() {
+            if let Ok(v) = self.cluster_token.parse() {
+                request.metadata_mut().insert(TOKEN_HEADER, v);
+            }
+        }
+        request
+    }
+}
+
 /// This node's identity, sent with every outgoing stream so peers learn its addresses.
 #[derive(Clone, Debug)]
 pub struct LocalIdentity {
     pub id: NodeId,
     pub peer_addr: String,
     pub client_addr: String,
-    pub cluster_token: String,
 }
 
 /// Sends Raft messages to peers over long-lived streams.
 #[derive(Clone)]
 pub struct PeerTransport {
     identity: LocalIdentity,
+    dialer: PeerDialer,
     addresses: AddressBook,
     peers: Arc<RwLock<BTreeMap<NodeId, mpsc::Sender<RaftMessage>>>>,
     metrics: NodeMetrics,
@@ -105,12 +153,14 @@ impl std::fmt::Debug for PeerTransport {
 impl PeerTransport {
     pub fn new(
         identity: LocalIdentity,
+        dialer: PeerDialer,
         addresses: AddressBook,
         metrics: NodeMetrics,
         max_message_bytes: usize,
     ) -> Self {
         PeerTransport {
             identity,
+            dialer,
             addresses,
             peers: Arc::default(),
             metrics,
@@ -159,6 +209,7 @@ impl PeerTransport {
         let task = PeerSender {
             to,
             identity: self.identity.clone(),
+            dialer: self.dialer.clone(),
             addresses: self.addresses.clone(),
             max_message_bytes: self.max_message_bytes,
         };
@@ -170,6 +221,7 @@ impl PeerTransport {
 struct PeerSender {
     to: NodeId,
     identity: LocalIdentity,
+    dialer: PeerDialer,
     addresses: AddressBook,
     max_message_bytes: usize,
 }
@@ -217,12 +269,13 @@ impl PeerSender {
         addr: &str,
         queue: &SharedQueue,
     ) -> Result<StreamEnd, Box<dyn std::error::Error + Send + Sync>> {
-        let endpoint = Endpoint::from_shared(format!("http://{addr}"))?
+        let endpoint = PeerDialer::endpoint(addr)?
             .connect_timeout(Duration::from_millis(500))
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(5))
             .keep_alive_timeout(Duration::from_secs(5));
-        let channel: Channel = endpoint.connect().await?;
+        // Under TLS the node that answers must hold a certificate naming the id dialled.
+        let channel: Channel = self.dialer.connect(endpoint, Some(self.to)).await?;
         let mut client = PeerClient::new(channel)
             .max_decoding_message_size(self.max_message_bytes)
             .max_encoding_message_size(self.max_message_bytes);
@@ -232,7 +285,7 @@ impl PeerSender {
             let next = queue.lock().await.recv().await;
             next.map(|msg| (msg, queue))
         });
-        let mut request = tonic::Request::new(messages);
+        let mut request = self.dialer.request(messages);
         let md = request.metadata_mut();
         md.insert(NODE_ID_HEADER, MetadataValue::from(self.identity.id));
         if let Ok(v) = self.identity.peer_addr.parse() {
@@ -240,11 +293,6 @@ impl PeerSender {
         }
         if let Ok(v) = self.identity.client_addr.parse() {
             md.insert(CLIENT_ADDR_HEADER, v);
-        }
-        if !self.identity.cluster_token.is_empty() {
-            if let Ok(v) = self.identity.cluster_token.parse() {
-                md.insert(TOKEN_HEADER, v);
-            }
         }
         let result = client.raft(request).await;
         if queue.lock().await.is_closed() {

@@ -37,6 +37,8 @@ pub struct NodeMetrics {
     pub lock_renewals_total: IntCounter,
     pub client_connections: IntGauge,
     pub client_connections_refused_total: IntCounterVec,
+    pub tls_reloads_total: IntCounterVec,
+    pub peer_connections_refused_total: IntCounterVec,
     pub ignored_fields_total: IntCounter,
     pub requests_total: IntCounterVec,
     pub peer_messages_dropped_total: IntCounterVec,
@@ -174,6 +176,22 @@ impl NodeMetrics {
                     "raftlock_client_connections_refused_total",
                     "Client TCP connections closed by the listener: over the connection limit, \
                      or no request within the deadline."
+                ),
+                &["reason"]
+            )),
+            tls_reloads_total: reg!(IntCounterVec::new(
+                Opts::new(
+                    "raftlock_tls_reloads_total",
+                    "Changed TLS certificate files taken (ok) or refused as unusable (error), \
+                     by port (peer, client)."
+                ),
+                &["port", "result"]
+            )),
+            peer_connections_refused_total: reg!(IntCounterVec::new(
+                Opts::new(
+                    "raftlock_peer_requests_refused_total",
+                    "Peer-port requests refused: no or wrong cluster token (token), or a \
+                     certificate that does not name the node id the request speaks for (identity)."
                 ),
                 &["reason"]
             )),

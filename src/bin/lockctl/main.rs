@@ -1,6 +1,7 @@
 //! `lockctl`: RaftLock's command-line tool — a local cluster (`up`), lock and admin commands,
 //! `run` a command under a lock, a failover `demo`, and a workload `simulate`.
 
+mod certs;
 mod control;
 mod local;
 mod run;
@@ -11,8 +12,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use raftlock::client::http::get_json;
-use raftlock::client::{AdminClient, ClientError, RaftLockClient};
+use raftlock::client::http::get_json_with;
+use raftlock::client::{AdminClient, ClientError, RaftLockClient, TlsConfig};
 use raftlock::server::proto::peer::peer_client::PeerClient;
 use raftlock::server::proto::peer::{JoinClusterRequest, RemoveServerRequest};
 use serde_json::{json, Value};
@@ -45,6 +46,10 @@ struct Args {
         hide_env_values = true
     )]
     auth_token: Option<String>,
+    /// CA bundle (PEM) that signed the nodes' client-port certificates: connect with TLS
+    /// (wss://, https) and trust only these CAs.
+    #[arg(long, global = true, env = "RAFTLOCK_TLS_CA")]
+    tls_ca: Option<std::path::PathBuf>,
     #[command(subcommand)]
     command: Cmd,
 }
@@ -191,6 +196,26 @@ enum Cmd {
     },
     /// Print the manual page (roff), e.g. `lockctl man > /usr/local/share/man/man1/lockctl.1`.
     Man,
+    /// Write a CA and TLS certificates for a cluster: one per node (peer mutual TLS, named
+    /// after the node id), one for the client port and one client certificate. A CA already in
+    /// --out is kept, so running it again rotates the other certificates under the same CA.
+    Certs {
+        #[arg(long, default_value = "./raftlock-certs")]
+        out: PathBuf,
+        /// Node ids to issue certificates for: `1,2,3`.
+        #[arg(long, value_delimiter = ',', default_value = "1,2,3")]
+        nodes: Vec<u64>,
+        /// The name a node's certificate carries; must match the nodes' --peer-tls-node-name.
+        #[arg(long, default_value = "node-{id}.raftlock")]
+        node_name: String,
+        /// Host names and IP addresses the nodes are reached at (added to every node's and the
+        /// client port's certificate): `127.0.0.1,raftlock.example.com`.
+        #[arg(long, value_delimiter = ',', default_value = "127.0.0.1,localhost")]
+        hosts: Vec<String>,
+        /// Days the node and client certificates stay valid (the CA: five times as long).
+        #[arg(long, default_value_t = 90)]
+        valid_days: u32,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -304,6 +329,9 @@ fn make_client(args: &Args) -> Result<RaftLockClient, ClientError> {
     b = b.client_id(id);
     if let Some(token) = &args.auth_token {
         b = b.auth_token(token.clone());
+    }
+    if let Some(ca) = &args.tls_ca {
+        b = b.tls_ca_file(ca.clone());
     }
     // OpenTelemetry's convention for passing trace context to a command: the TRACEPARENT
     // environment variable. The requests of this command then join that trace.
@@ -439,6 +467,30 @@ async fn dispatch(args: Args) -> ExitCode {
             clap_complete::generate(*shell, &mut command, "lockctl", &mut std::io::stdout());
             ExitCode::SUCCESS
         }
+        Cmd::Certs {
+            out,
+            nodes,
+            node_name,
+            hosts,
+            valid_days,
+        } => {
+            let request = certs::CertsRequest {
+                out,
+                nodes,
+                node_name,
+                hosts,
+                valid_days: *valid_days,
+            };
+            match certs::generate(&request) {
+                Ok(written) => {
+                    for path in written {
+                        println!("{}", path.display());
+                    }
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail(e),
+            }
+        }
         Cmd::Man => {
             use clap::CommandFactory;
             let page = clap_mangen::Man::new(Args::command());
@@ -476,9 +528,18 @@ async fn dispatch(args: Args) -> ExitCode {
                 .await
                 .unwrap_or(ExitCode::FAILURE)
         }
-        Cmd::Status { endpoint } => {
-            show(endpoint.as_deref().unwrap_or(&first), "/status", json_out).await
-        }
+        Cmd::Status { endpoint } => match tls_config(&args) {
+            Ok(tls) => {
+                show(
+                    endpoint.as_deref().unwrap_or(&first),
+                    "/status",
+                    json_out,
+                    tls.as_ref(),
+                )
+                .await
+            }
+            Err(e) => fail(e),
+        },
         Cmd::Watch {
             prefix,
             from_index,
@@ -518,9 +579,7 @@ async fn dispatch(args: Args) -> ExitCode {
             }
             ExitCode::SUCCESS
         }
-        Cmd::Locks { prefix } => match AdminClient::new(args.endpoints.clone())
-            .map(|a| a.with_auth_token(args.auth_token.clone()))
-        {
+        Cmd::Locks { prefix } => match admin_client(&args) {
             Ok(admin) => match admin.locks(prefix).await {
                 Ok(v) => {
                     emit(json_out, v.clone(), || print_table(&locks_table(&v)));
@@ -690,13 +749,15 @@ async fn dispatch(args: Args) -> ExitCode {
 
 async fn members(args: &Args, action: &MembersCmd, json_out: bool) -> ExitCode {
     match action {
-        MembersCmd::List => match AdminClient::new(args.endpoints.clone()) {
+        MembersCmd::List => match admin_client(args) {
             Ok(admin) => match admin.members().await {
                 Ok(v) => {
                     if json_out {
                         print_machine(&v);
                     } else {
-                        print_table(&members_table(&v).await);
+                        print_table(
+                            &members_table(&v, tls_config(args).ok().flatten().as_ref()).await,
+                        );
                     }
                     ExitCode::SUCCESS
                 }
@@ -864,8 +925,23 @@ async fn supervise(cluster: &mut LocalCluster) -> ExitCode {
     }
 }
 
-async fn show(endpoint: &str, path: &str, json: bool) -> ExitCode {
-    match get_json(endpoint, path).await {
+/// The TLS settings of `--tls-ca`, if given.
+fn tls_config(args: &Args) -> Result<Option<TlsConfig>, ClientError> {
+    args.tls_ca
+        .as_deref()
+        .map(|ca| raftlock::tls::client_config(ca, None))
+        .transpose()
+        .map_err(|e| ClientError::Config(e.to_string()))
+}
+
+fn admin_client(args: &Args) -> Result<AdminClient, ClientError> {
+    Ok(AdminClient::new(args.endpoints.clone())?
+        .with_auth_token(args.auth_token.clone())
+        .with_tls(tls_config(args)?))
+}
+
+async fn show(endpoint: &str, path: &str, json: bool, tls: Option<&TlsConfig>) -> ExitCode {
+    match get_json_with(endpoint, path, None, tls).await {
         Ok((200, value)) => {
             if json {
                 print_machine(&value);
@@ -1031,7 +1107,7 @@ fn status_table(s: &Value) -> Vec<Vec<String>> {
 
 /// Members with the role and term each reports on its own /status ("unreachable" if it does
 /// not answer).
-async fn members_table(v: &Value) -> Vec<Vec<String>> {
+async fn members_table(v: &Value, tls: Option<&TlsConfig>) -> Vec<Vec<String>> {
     let mut rows = vec![vec![
         "ID".into(),
         "ROLE".into(),
@@ -1045,12 +1121,15 @@ async fn members_table(v: &Value) -> Vec<Vec<String>> {
         let status = if client.is_empty() {
             None
         } else {
-            tokio::time::timeout(Duration::from_secs(2), get_json(client, "/status"))
-                .await
-                .ok()
-                .and_then(Result::ok)
-                .filter(|(code, _)| *code == 200)
-                .map(|(_, s)| s)
+            tokio::time::timeout(
+                Duration::from_secs(2),
+                get_json_with(client, "/status", None, tls),
+            )
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .filter(|(code, _)| *code == 200)
+            .map(|(_, s)| s)
         };
         let (role, term) = match &status {
             Some(s) => (cell(&s["role"]), cell(&s["term"])),
