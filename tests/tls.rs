@@ -116,9 +116,10 @@ async fn wait_for_leader(cluster: &Cluster, tls: &TlsConfig) -> u64 {
     panic!("no leader; logs in {}", cluster.dir.path().display());
 }
 
-/// The value of the first metric line starting with `prefix` on node `addr`.
+/// The value of the first metric line starting with `prefix` on node `addr` (0 if absent or the
+/// node does not answer, as a restarted node may not yet).
 async fn metric(addr: &str, tls: &TlsConfig, prefix: &str) -> f64 {
-    let (_, body) = raftlock::client::http::request_with(
+    let Ok((_, body)) = raftlock::client::http::request_with(
         addr,
         "GET",
         "/metrics",
@@ -128,7 +129,9 @@ async fn metric(addr: &str, tls: &TlsConfig, prefix: &str) -> f64 {
         Some(tls),
     )
     .await
-    .unwrap();
+    else {
+        return 0.0;
+    };
     body.lines()
         .find(|l| l.starts_with(prefix))
         .and_then(|l| l.rsplit(' ').next())
@@ -409,6 +412,13 @@ async fn certificates_rotate_under_load_without_losing_the_cluster() {
     let new_leader = wait_for_leader(&cluster, &tls).await;
     assert_ne!(new_leader, leader);
     cluster.node(leader).start();
+    // Back up (with the new certificates, read at start) before the next step edits them.
+    let restarted = cluster.client_addr_of(leader);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while status(&restarted, &tls).await.is_none() {
+        assert!(Instant::now() < deadline, "node {leader} did not restart");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 
     // A broken set (node 1's new certificate beside another key) is refused; the last good
     // certificates stay in use.

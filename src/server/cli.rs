@@ -54,7 +54,8 @@ struct Args {
     #[arg(long)]
     cluster_token: Option<String>,
     /// Peer-port mutual TLS: this node's certificate chain (PEM). With --peer-tls-key and
-    /// --peer-tls-ca; the files are reloaded when they change.
+    /// --peer-tls-ca; the files are reloaded when they change. `{id}` in the path stands for
+    /// the node id (`/etc/raftlock/peer-tls/node-{id}.pem`).
     #[arg(long)]
     peer_tls_cert: Option<String>,
     /// Peer-port mutual TLS: the key of --peer-tls-cert (PEM).

@@ -69,7 +69,12 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
         })?;
 
     let metrics = NodeMetrics::new();
-    let file = |f: &str| (!f.is_empty()).then(|| std::path::PathBuf::from(f));
+    // `{id}` in a path stands for this node's id, so that every pod of a StatefulSet can run with
+    // the same flags over one Secret holding every node's certificate.
+    let file = |f: &str| {
+        (!f.is_empty())
+            .then(|| std::path::PathBuf::from(f.replace("{id}", &cfg.node_id.to_string())))
+    };
     let peer_tls = match (
         file(&cfg.peer_tls_cert),
         file(&cfg.peer_tls_key),

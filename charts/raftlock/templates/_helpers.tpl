@@ -139,3 +139,49 @@ storageClassName: ""
 storageClassName: {{ .storageClass | quote }}
 {{- end -}}
 {{- end -}}
+
+{{/* Fails on TLS settings without their Secret. */}}
+{{- define "raftlock.validateTls" -}}
+{{- if and .Values.tls.peer.enabled (not .Values.tls.peer.secretName) -}}
+{{- fail "tls.peer.enabled needs tls.peer.secretName (a Secret with ca.pem, node-N.pem and node-N-key.pem: lockctl certs writes them)" -}}
+{{- end -}}
+{{- if and .Values.tls.client.enabled (not .Values.tls.client.secretName) -}}
+{{- fail "tls.client.enabled needs tls.client.secretName (a kubernetes.io/tls Secret)" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Pod volumes for the TLS Secrets. */}}
+{{- define "raftlock.tlsVolumes" -}}
+{{- if .Values.tls.peer.enabled }}
+- name: peer-tls
+  secret:
+    secretName: {{ .Values.tls.peer.secretName }}
+{{- end }}
+{{- if .Values.tls.client.enabled }}
+- name: client-tls
+  secret:
+    secretName: {{ .Values.tls.client.secretName }}
+{{- end }}
+{{- end -}}
+
+{{/* Container mounts of those volumes. */}}
+{{- define "raftlock.tlsMounts" -}}
+{{- if .Values.tls.peer.enabled }}
+- name: peer-tls
+  mountPath: /etc/raftlock/peer-tls
+  readOnly: true
+{{- end }}
+{{- if .Values.tls.client.enabled }}
+- name: client-tls
+  mountPath: /etc/raftlock/client-tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/* Environment that makes lockctl use the client port's TLS. */}}
+{{- define "raftlock.lockctlTlsEnv" -}}
+{{- if .Values.tls.client.enabled }}
+- name: RAFTLOCK_TLS_CA
+  value: /etc/raftlock/client-tls/{{ .Values.tls.client.caKey }}
+{{- end }}
+{{- end -}}

@@ -16,6 +16,8 @@ use raftlock::client::http::get_json_with;
 use raftlock::client::{AdminClient, ClientError, RaftLockClient, TlsConfig};
 use raftlock::server::proto::peer::peer_client::PeerClient;
 use raftlock::server::proto::peer::{JoinClusterRequest, RemoveServerRequest};
+use raftlock::server::tls::{PeerTls, TlsFiles};
+use raftlock::server::transport::PeerDialer;
 use serde_json::{json, Value};
 
 use local::{LocalCluster, Ports, INTERNAL_DATA_STORE, INTERNAL_LOCK_NODE};
@@ -235,8 +237,8 @@ enum MembersCmd {
         /// Any member's peer address.
         #[arg(long, default_value = "127.0.0.1:8081")]
         via: String,
-        #[arg(long, env = "RAFTLOCK_CLUSTER_TOKEN", default_value = "")]
-        cluster_token: String,
+        #[command(flatten)]
+        peer: PeerAccess,
     },
     /// Remove a server from the cluster (the leader too: it steps down).
     Remove {
@@ -244,9 +246,71 @@ enum MembersCmd {
         id: u64,
         #[arg(long, default_value = "127.0.0.1:8081")]
         via: String,
-        #[arg(long, env = "RAFTLOCK_CLUSTER_TOKEN", default_value = "")]
-        cluster_token: String,
+        #[command(flatten)]
+        peer: PeerAccess,
     },
+}
+
+/// How `lockctl members` reaches a peer port: the cluster token, and under peer mutual TLS a
+/// certificate from the cluster's CA (for `add`: the new node's own, which must name its id).
+#[derive(clap::Args, Debug)]
+struct PeerAccess {
+    #[arg(
+        long,
+        env = "RAFTLOCK_CLUSTER_TOKEN",
+        default_value = "",
+        hide_env_values = true
+    )]
+    cluster_token: String,
+    /// Peer mutual TLS: a certificate from the cluster's CA (PEM).
+    #[arg(long, env = "RAFTLOCK_PEER_TLS_CERT", requires_all = ["peer_tls_key", "peer_tls_ca"])]
+    peer_tls_cert: Option<PathBuf>,
+    /// Peer mutual TLS: the key of --peer-tls-cert (PEM).
+    #[arg(long, env = "RAFTLOCK_PEER_TLS_KEY")]
+    peer_tls_key: Option<PathBuf>,
+    /// Peer mutual TLS: the cluster's CA bundle (PEM).
+    #[arg(long, env = "RAFTLOCK_PEER_TLS_CA")]
+    peer_tls_ca: Option<PathBuf>,
+}
+
+impl PeerAccess {
+    fn dialer(&self) -> Result<PeerDialer, String> {
+        let tls = match (&self.peer_tls_cert, &self.peer_tls_key, &self.peer_tls_ca) {
+            (Some(cert), Some(key), Some(ca)) => Some(
+                PeerTls::load(
+                    TlsFiles {
+                        cert: cert.clone(),
+                        key: key.clone(),
+                        ca: Some(ca.clone()),
+                    },
+                    raftlock::server::tls::DEFAULT_NODE_NAME,
+                    None,
+                )
+                .map_err(|e| e.to_string())?,
+            ),
+            (None, None, None) => None,
+            _ => {
+                return Err("--peer-tls-cert, --peer-tls-key and --peer-tls-ca go together".into())
+            }
+        };
+        Ok(PeerDialer {
+            cluster_token: self.cluster_token.clone(),
+            tls,
+        })
+    }
+
+    async fn client(&self, target: &str) -> Result<PeerClient<tonic::transport::Channel>, String> {
+        let dialer = self.dialer()?;
+        let endpoint = PeerDialer::endpoint(target)
+            .map_err(|e| format!("bad address {target}: {e}"))?
+            .connect_timeout(Duration::from_secs(2))
+            .timeout(Duration::from_secs(10));
+        dialer
+            .connect(endpoint, None)
+            .await
+            .map(PeerClient::new)
+            .map_err(|e| format!("cannot reach {target}: {e}"))
+    }
 }
 
 #[derive(Subcommand, Debug)]
@@ -414,6 +478,18 @@ fn hint(message: &str) -> Option<&'static str> {
         "this client id already holds the lock: release it first, or use another --client-id"
     } else if has("REQUEST_ID_REUSED") {
         "a request id names one operation: retry with a fresh one"
+    } else if has("invalid peer certificate") || has("UnknownIssuer") || has("NotValidForName") {
+        "the node's TLS certificate is not trusted: pass --tls-ca (RAFTLOCK_TLS_CA) with the CA \
+         that signed it, and dial a name or address the certificate carries"
+    } else if has("InvalidContentType") || has("corrupt message") {
+        "the node does not speak TLS on this port: drop --tls-ca (RAFTLOCK_TLS_CA)"
+    } else if has("malformed HTTP response")
+        || has("httparse")
+        || has("Handshake not finished")
+        || has("Connection reset")
+    {
+        "the node may speak TLS on its client port: pass --tls-ca (RAFTLOCK_TLS_CA) with the CA \
+         of its certificate"
     } else if has("Connection refused")
         || has("cannot connect")
         || has("timed out")
@@ -770,19 +846,18 @@ async fn members(args: &Args, action: &MembersCmd, json_out: bool) -> ExitCode {
             peer_addr,
             client_addr,
             via,
-            cluster_token,
+            peer,
         } => {
             let mut target = via.clone();
             for _ in 0..5 {
-                let mut req = tonic::Request::new(JoinClusterRequest {
+                let req = JoinClusterRequest {
                     server_id: *id,
                     server_addr: peer_addr.clone(),
                     client_addr: client_addr.clone(),
-                });
-                add_token(&mut req, cluster_token);
-                let reply = match PeerClient::connect(format!("http://{target}")).await {
-                    Ok(mut c) => c.join_cluster(req).await,
-                    Err(e) => return fail(format!("cannot reach {target}: {e}")),
+                };
+                let reply = match peer.client(&target).await {
+                    Ok(mut c) => c.join_cluster(with_token(req, &peer.cluster_token)).await,
+                    Err(e) => return fail(e),
                 };
                 match reply {
                     Ok(r) => {
@@ -804,18 +879,13 @@ async fn members(args: &Args, action: &MembersCmd, json_out: bool) -> ExitCode {
             }
             fail("no leader found within 5 hops")
         }
-        MembersCmd::Remove {
-            id,
-            via,
-            cluster_token,
-        } => {
+        MembersCmd::Remove { id, via, peer } => {
             let mut target = via.clone();
             for _ in 0..5 {
-                let mut req = tonic::Request::new(RemoveServerRequest { server_id: *id });
-                add_token(&mut req, cluster_token);
-                let reply = match PeerClient::connect(format!("http://{target}")).await {
-                    Ok(mut c) => c.remove_server(req).await,
-                    Err(e) => return fail(format!("cannot reach {target}: {e}")),
+                let req = RemoveServerRequest { server_id: *id };
+                let reply = match peer.client(&target).await {
+                    Ok(mut c) => c.remove_server(with_token(req, &peer.cluster_token)).await,
+                    Err(e) => return fail(e),
                 };
                 match reply {
                     Ok(r) => {
@@ -840,13 +910,12 @@ async fn members(args: &Args, action: &MembersCmd, json_out: bool) -> ExitCode {
     }
 }
 
-fn add_token<T>(req: &mut tonic::Request<T>, token: &str) {
-    if token.is_empty() {
-        return;
+fn with_token<T>(message: T, token: &str) -> tonic::Request<T> {
+    PeerDialer {
+        cluster_token: token.to_string(),
+        tls: None,
     }
-    if let Ok(v) = token.parse() {
-        req.metadata_mut().insert("x-raftlock-cluster-token", v);
-    }
+    .request(message)
 }
 
 async fn up(nodes: u64, data_dir: &std::path::Path, ports: Ports) -> ExitCode {
@@ -956,10 +1025,7 @@ async fn show(endpoint: &str, path: &str, json: bool, tls: Option<&TlsConfig>) -
             eprintln!("lockctl: {endpoint}{path} answered {status}: {value}");
             ExitCode::FAILURE
         }
-        Err(err) => {
-            eprintln!("lockctl: {err}");
-            ExitCode::FAILURE
-        }
+        Err(err) => fail(err),
     }
 }
 
