@@ -337,3 +337,137 @@ fn a_node_refuses_an_open_peer_port_without_a_token() {
         "{err}"
     );
 }
+
+/// Mints a token with `lockctl token`.
+fn lockctl_token(key_file: &std::path::Path, sub: &str, rights: &[&str]) -> String {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_lockctl"))
+        .args(["token", "--key-file", &key_file.display().to_string()])
+        .args(["--sub", sub])
+        .args(rights)
+        .output()
+        .expect("run lockctl token");
+    assert!(
+        out.status.success(),
+        "lockctl token: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+/// A JWT with these claims signed with `key`, as an identity provider would make one.
+fn sign(key: &[u8], claims: &Value) -> String {
+    jsonwebtoken::encode(
+        &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+        claims,
+        &jsonwebtoken::EncodingKey::from_secret(key),
+    )
+    .unwrap()
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
+/// Signed client tokens (HS256 JWTs) carry the identity and its rights: no identity file needed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signed_tokens_carry_the_identity_and_its_rights_until_they_expire() {
+    const KEY: &[u8] = b"jwt-signing-key-of-this-cluster-0123456789";
+    let files = tempfile::tempdir().unwrap();
+    let key_file = files.path().join("jwt.key");
+    std::fs::write(&key_file, [KEY, b"\n"].concat()).unwrap();
+    let arg = key_file.display().to_string();
+    let cluster = Cluster::start_with(1, move |_| {
+        vec!["--client-jwt-key-file".into(), arg.clone()]
+    });
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let addr = cluster.client_addr_of(leader);
+
+    let billing = lockctl_token(
+        &key_file,
+        "billing",
+        &[
+            "--prefixes",
+            "billing/",
+            "--operations",
+            "acquire,release",
+            "--ttl",
+            "1h",
+        ],
+    );
+    let mut ws = ws_as(&addr, Some(&billing)).await;
+    let g = ws_request(&mut ws, &acquire("billing/jwt", "w1", "j1")).await;
+    assert_eq!(g["success"], true, "{g}");
+    let token = g["fencingToken"]["value"].as_u64().unwrap();
+    let r = ws_request(&mut ws, &acquire("payroll/jwt", "w1", "j2")).await;
+    assert_eq!(code_of(&r), "PERMISSION_DENIED", "{r}");
+
+    // Another identity's token, with the same client id, is not the holder.
+    let payroll = sign(
+        KEY,
+        &json!({"sub": "payroll", "exp": unix_now() + 600,
+                "raftlock": {"prefixes": [""], "operations": ["release"]}}),
+    );
+    let mut other = ws_as(&addr, Some(&payroll)).await;
+    let release = json!({"commandType": 4, "key": "billing/jwt", "clientId": "w1",
+                         "requestId": "p1", "fencingToken": {"key": "billing/jwt", "value": token}});
+    let r = ws_request(&mut other, &release).await;
+    assert_eq!(code_of(&r), "NOT_HOLDER", "{r}");
+
+    // Refused: another key, alg none, expired, granting nothing, and a made-up string.
+    let claims = json!({"sub": "billing", "exp": unix_now() + 600,
+                        "raftlock": {"prefixes": [""], "operations": ["acquire"]}});
+    let forged = sign(b"some-other-key-that-is-long-enough-000", &claims);
+    let none = {
+        use base64::Engine;
+        let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+        format!(
+            "{}.{}.",
+            b64.encode(br#"{"alg":"none","typ":"JWT"}"#),
+            b64.encode(claims.to_string())
+        )
+    };
+    let expired = sign(
+        KEY,
+        &json!({"sub": "billing", "exp": unix_now() - 60,
+                "raftlock": {"prefixes": [""], "operations": ["acquire"]}}),
+    );
+    let empty = sign(KEY, &json!({"sub": "billing", "exp": unix_now() + 600}));
+    for (what, bad) in [
+        ("another key", forged.as_str()),
+        ("alg none", none.as_str()),
+        ("expired", expired.as_str()),
+        ("no rights", empty.as_str()),
+        ("not a JWT", "a.b.c"),
+    ] {
+        let mut ws = ws_as(&addr, Some(bad)).await;
+        let r = ws_request(
+            &mut ws,
+            &acquire("billing/bad", "w9", &format!("bad-{what}")),
+        )
+        .await;
+        assert_eq!(code_of(&r), "UNAUTHENTICATED", "{what}: {r}");
+    }
+
+    // A token that expires while its connection is open: refused from then on.
+    let short = sign(
+        KEY,
+        &json!({"sub": "billing", "exp": unix_now() + 1,
+                "raftlock": {"prefixes": ["billing/"], "operations": ["acquire"]}}),
+    );
+    let mut ws = ws_as(&addr, Some(&short)).await;
+    let r = ws_request(&mut ws, &acquire("billing/short", "w2", "s1")).await;
+    assert_eq!(r["success"], true, "{r}");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let r = ws_request(&mut ws, &acquire("billing/short2", "w2", "s2")).await;
+    assert_eq!(code_of(&r), "UNAUTHENTICATED", "{r}");
+    assert!(
+        r["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("expired"),
+        "{r}"
+    );
+}

@@ -21,8 +21,24 @@
 //! it), so no other identity can release or renew the lock whatever client id it sends. Only an
 //! admin sees fencing tokens in `GET /locks`.
 //!
-//! Tokens are compared by their SHA-256 digests, in constant time. Without a file, the client port
-//! is open to anyone who reaches it (the default, for loopback development).
+//! Tokens are compared by their SHA-256 digests, in constant time.
+//!
+//! With `--client-jwt-key-file` (a shared secret of at least 32 bytes), a bearer token may also be
+//! a JWT signed with HMAC-SHA256 (`alg` HS256, nothing else) by whoever holds the key — an
+//! identity provider or `lockctl token` — carrying the identity and its rights, so adding a client
+//! needs no change on the nodes:
+//!
+//! ```json
+//! {"sub": "billing", "exp": 1790000000,
+//!  "raftlock": {"prefixes": ["billing/"], "operations": ["acquire", "release", "renew"]}}
+//! ```
+//!
+//! `exp` is required; `nbf` is honoured; `raftlock.admin: true` makes an admin. A JWT's identity is
+//! its `sub`: the same name as a file identity is the same holder. Past `exp` every request is
+//! refused `UNAUTHENTICATED`, also on a connection opened before.
+//!
+//! Without a file or key, the client port is open to anyone who reaches it (the default, for
+//! loopback development).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -53,12 +69,19 @@ pub struct Identity {
     operations: Vec<Operation>,
     pub admin: bool,
     digest: [u8; 32],
+    /// For a JWT: when it expires (Unix seconds).
+    expires_at: Option<u64>,
 }
 
 impl Identity {
     /// Whether `key` is under one of this identity's prefixes (an admin: every key).
     fn covers(&self, key: &str) -> bool {
-        self.admin || self.prefixes.iter().any(|p| key.starts_with(p.as_str()))
+        !self.expired() && (self.admin || self.prefixes.iter().any(|p| key.starts_with(p.as_str())))
+    }
+
+    /// Whether this identity came from a JWT that has expired since.
+    fn expired(&self) -> bool {
+        self.expires_at.is_some_and(|exp| unix_now() > exp)
     }
 }
 
@@ -84,10 +107,58 @@ struct AuthFile {
     identities: Vec<IdentityFile>,
 }
 
-/// The identities a node accepts.
-#[derive(Debug, Default)]
+/// The identities a node accepts: from the file, and from JWTs signed with the key.
+#[derive(Default)]
 pub struct AuthTable {
     identities: Vec<Arc<Identity>>,
+    jwt: Option<jsonwebtoken::DecodingKey>,
+}
+
+impl std::fmt::Debug for AuthTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AuthTable")
+            .field("identities", &self.identities.len())
+            .field("jwt", &self.jwt.is_some())
+            .finish()
+    }
+}
+
+/// The claims of a RaftLock JWT.
+#[derive(Deserialize)]
+struct JwtClaims {
+    sub: String,
+    exp: u64,
+    #[serde(default)]
+    raftlock: JwtRights,
+}
+
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct JwtRights {
+    #[serde(default)]
+    prefixes: Vec<String>,
+    #[serde(default)]
+    operations: Vec<Operation>,
+    #[serde(default)]
+    admin: bool,
+}
+
+/// Shortest JWT signing key accepted.
+pub const MIN_JWT_KEY_BYTES: usize = 32;
+
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 128
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '@'))
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 /// Most identities one file may hold.
@@ -127,13 +198,7 @@ impl AuthTable {
         let mut identities: Vec<Arc<Identity>> = Vec::new();
         for (i, entry) in file.identities.into_iter().enumerate() {
             let at = format!("identity #{} ({:?})", i + 1, entry.name);
-            let valid_name = !entry.name.is_empty()
-                && entry.name.len() <= 128
-                && entry
-                    .name
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '@'));
-            if !valid_name {
+            if !valid_name(&entry.name) {
                 return Err(format!("{at}: a name is 1..=128 of A-Z a-z 0-9 - _ . @"));
             }
             if identities.iter().any(|other| other.name == entry.name) {
@@ -167,9 +232,73 @@ impl AuthTable {
                 operations: entry.operations,
                 admin: entry.admin,
                 digest,
+                expires_at: None,
             }));
         }
-        Ok(AuthTable { identities })
+        Ok(AuthTable {
+            identities,
+            jwt: None,
+        })
+    }
+
+    /// Also accepts JWTs signed (HS256) with the key in `path` (its bytes, trailing whitespace
+    /// removed; at least [`MIN_JWT_KEY_BYTES`]).
+    pub fn with_jwt_key_file(mut self, path: &Path) -> Result<AuthTable, String> {
+        let text = std::fs::read(path)
+            .map_err(|e| format!("cannot read the JWT key file {}: {e}", path.display()))?;
+        let key = trim_end(&text);
+        if key.len() < MIN_JWT_KEY_BYTES {
+            return Err(format!(
+                "JWT key file {}: the key must be at least {MIN_JWT_KEY_BYTES} bytes",
+                path.display()
+            ));
+        }
+        self.jwt = Some(jsonwebtoken::DecodingKey::from_secret(key));
+        Ok(self)
+    }
+
+    /// The identity of a JWT signed with the key, or why it is not one.
+    fn identify_jwt(&self, token: &str) -> Result<Arc<Identity>, &'static str> {
+        let key = self
+            .jwt
+            .as_ref()
+            .ok_or("the bearer token is not valid on this cluster")?;
+        let mut validation = jsonwebtoken::Validation::new(jsonwebtoken::Algorithm::HS256);
+        validation.validate_nbf = true;
+        validation.leeway = 5;
+        validation.set_required_spec_claims(&["exp", "sub"]);
+        let data =
+            jsonwebtoken::decode::<JwtClaims>(token, key, &validation).map_err(|e| {
+                match e.kind() {
+                    jsonwebtoken::errors::ErrorKind::ExpiredSignature => {
+                        "the bearer token has expired"
+                    }
+                    jsonwebtoken::errors::ErrorKind::ImmatureSignature => {
+                        "the bearer token is not valid yet (nbf)"
+                    }
+                    _ => "the bearer token is not valid on this cluster",
+                }
+            })?;
+        let claims = data.claims;
+        let rights = claims.raftlock;
+        if !valid_name(&claims.sub) {
+            return Err(
+                "the token's sub is not a valid identity name (1..=128 of A-Z a-z 0-9 - _ . @)",
+            );
+        }
+        if !rights.admin && (rights.prefixes.is_empty() || rights.operations.is_empty()) {
+            return Err(
+                "the token grants nothing: raftlock.prefixes and raftlock.operations are empty",
+            );
+        }
+        Ok(Arc::new(Identity {
+            name: claims.sub,
+            prefixes: rights.prefixes,
+            operations: rights.operations,
+            admin: rights.admin,
+            digest: digest(token.as_bytes()),
+            expires_at: Some(claims.exp),
+        }))
     }
 
     /// The identity whose token this is. Every identity is compared, in constant time, so the
@@ -189,6 +318,14 @@ impl AuthTable {
     }
 }
 
+fn trim_end(bytes: &[u8]) -> &[u8] {
+    let end = bytes
+        .iter()
+        .rposition(|b| !b.is_ascii_whitespace())
+        .map_or(0, |i| i + 1);
+    &bytes[..end]
+}
+
 /// The client port's security settings.
 #[derive(Debug, Default)]
 pub struct ClientSecurity {
@@ -200,11 +337,21 @@ pub struct ClientSecurity {
 
 impl ClientSecurity {
     /// Loads the files named in the configuration (empty names: off).
-    pub fn load(client_auth_file: &str, fencing_key_file: &str) -> Result<ClientSecurity, String> {
-        let auth = if client_auth_file.is_empty() {
-            None
-        } else {
-            Some(AuthTable::from_file(Path::new(client_auth_file))?)
+    pub fn load(
+        client_auth_file: &str,
+        client_jwt_key_file: &str,
+        fencing_key_file: &str,
+    ) -> Result<ClientSecurity, String> {
+        let auth = match (client_auth_file.is_empty(), client_jwt_key_file.is_empty()) {
+            (true, true) => None,
+            (false, _) => Some(AuthTable::from_file(Path::new(client_auth_file))?),
+            (true, false) => Some(AuthTable::default()),
+        };
+        let auth = match auth {
+            Some(table) if !client_jwt_key_file.is_empty() => {
+                Some(table.with_jwt_key_file(Path::new(client_jwt_key_file))?)
+            }
+            other => other,
         };
         let fencing_key = if fencing_key_file.is_empty() {
             None
@@ -256,6 +403,14 @@ impl Caller {
             ),
             (Some(table), Some(token)) => match table.identify(token) {
                 Some(identity) => Caller::Authenticated(identity),
+                // A JWT has three dot-separated parts; a file token may have dots too, so the
+                // file is asked first.
+                None if token.len() <= MAX_TOKEN_BYTES && token.matches('.').count() == 2 => {
+                    match table.identify_jwt(token) {
+                        Ok(identity) => Caller::Authenticated(identity),
+                        Err(reason) => Caller::Refused(reason),
+                    }
+                }
                 None => Caller::Refused("the bearer token is not valid on this cluster"),
             },
         }
@@ -265,7 +420,7 @@ impl Caller {
     pub fn sees_tokens(&self) -> bool {
         match self {
             Caller::Open => true,
-            Caller::Authenticated(identity) => identity.admin,
+            Caller::Authenticated(identity) => identity.admin && !identity.expired(),
             Caller::Refused(_) => false,
         }
     }
@@ -294,6 +449,12 @@ impl Caller {
             }
             Caller::Authenticated(identity) => identity,
         };
+        if identity.expired() {
+            return Err(ApiError::new(
+                ErrorCode::Unauthenticated,
+                "the bearer token has expired: reconnect with a fresh one",
+            ));
+        }
         if identity.admin {
             return Ok(());
         }

@@ -81,6 +81,11 @@ struct Args {
     /// can join the cluster or remove members). For throwaway clusters only.
     #[arg(long)]
     insecure: bool,
+    /// Accept bearer tokens that are JWTs signed (HS256) with the key in this file (at least 32
+    /// bytes), carrying the identity (`sub`), `exp` and `raftlock.prefixes/operations/admin`;
+    /// `lockctl token` makes them. Alone or with --client-auth-file.
+    #[arg(long)]
+    client_jwt_key_file: Option<String>,
     /// Identities, their bearer tokens and rights on the client port (JSON; see the README's
     /// security section). Without it the client port takes requests from anyone.
     #[arg(long)]
@@ -176,6 +181,7 @@ impl Args {
             client_tls_key,
             client_tls_ca,
             client_auth_file,
+            client_jwt_key_file,
             fencing_key_file,
             tick,
             election_ticks,

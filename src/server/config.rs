@@ -72,6 +72,9 @@ pub struct NodeConfig {
     pub client_tls_key: String,
     #[serde(default)]
     pub client_tls_ca: String,
+    /// File holding the HS256 key of signed client tokens (JWTs); empty: no JWTs.
+    #[serde(default)]
+    pub client_jwt_key_file: String,
     /// File holding the fencing-token MAC key shared with the data store; empty: no MACs.
     #[serde(default)]
     pub fencing_key_file: String,

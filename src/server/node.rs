@@ -119,8 +119,12 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
     }
 
     let security = Arc::new(
-        super::auth::ClientSecurity::load(&cfg.client_auth_file, &cfg.fencing_key_file)
-            .map_err(NodeError::Config)?,
+        super::auth::ClientSecurity::load(
+            &cfg.client_auth_file,
+            &cfg.client_jwt_key_file,
+            &cfg.fencing_key_file,
+        )
+        .map_err(NodeError::Config)?,
     );
     if cfg.cluster_token.is_empty() && peer_tls.is_none() && !cfg.peer_listen.ip().is_loopback() {
         tracing::warn!(

@@ -198,6 +198,29 @@ enum Cmd {
     },
     /// Print the manual page (roff), e.g. `lockctl man > /usr/local/share/man/man1/lockctl.1`.
     Man,
+    /// Print a signed client token (an HS256 JWT) for nodes run with --client-jwt-key-file:
+    /// `RAFTLOCK_AUTH_TOKEN=$(lockctl token --key-file jwt.key --sub billing --prefixes billing/
+    /// --operations acquire,release,renew --ttl 8h)`.
+    Token {
+        /// The nodes' JWT key file.
+        #[arg(long)]
+        key_file: PathBuf,
+        /// The identity (the lock holder's name).
+        #[arg(long)]
+        sub: String,
+        /// Key prefixes the token allows (`""` for every key).
+        #[arg(long, value_delimiter = ',')]
+        prefixes: Vec<String>,
+        /// Operations it allows: acquire, release, renew, cancel, read, write.
+        #[arg(long, value_delimiter = ',')]
+        operations: Vec<String>,
+        /// Every operation on every key, and fencing tokens in listings.
+        #[arg(long)]
+        admin: bool,
+        /// How long the token is valid.
+        #[arg(long, default_value = "1h", value_parser = humantime::parse_duration)]
+        ttl: Duration,
+    },
     /// Write a CA and TLS certificates for a cluster: one per node (peer mutual TLS, named
     /// after the node id), one for the client port and one client certificate. A CA already in
     /// --out is kept, so running it again rotates the other certificates under the same CA.
@@ -543,6 +566,20 @@ async fn dispatch(args: Args) -> ExitCode {
             clap_complete::generate(*shell, &mut command, "lockctl", &mut std::io::stdout());
             ExitCode::SUCCESS
         }
+        Cmd::Token {
+            key_file,
+            sub,
+            prefixes,
+            operations,
+            admin,
+            ttl,
+        } => match make_token(key_file, sub, prefixes, operations, *admin, *ttl) {
+            Ok(token) => {
+                println!("{token}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => fail(e),
+        },
         Cmd::Certs {
             out,
             nodes,
@@ -992,6 +1029,54 @@ async fn supervise(cluster: &mut LocalCluster) -> ExitCode {
             }
         }
     }
+}
+
+/// An HS256 JWT for `sub` with these rights, valid for `ttl`.
+fn make_token(
+    key_file: &std::path::Path,
+    sub: &str,
+    prefixes: &[String],
+    operations: &[String],
+    admin: bool,
+    ttl: Duration,
+) -> Result<String, String> {
+    const KNOWN: [&str; 6] = ["acquire", "release", "renew", "cancel", "read", "write"];
+    if let Some(op) = operations.iter().find(|o| !KNOWN.contains(&o.as_str())) {
+        return Err(format!(
+            "unknown operation {op:?} (known: {})",
+            KNOWN.join(", ")
+        ));
+    }
+    if !admin && (prefixes.is_empty() || operations.is_empty()) {
+        return Err("give --prefixes and --operations (or --admin)".into());
+    }
+    let key = std::fs::read(key_file).map_err(|e| format!("{}: {e}", key_file.display()))?;
+    let end = key
+        .iter()
+        .rposition(|b| !b.is_ascii_whitespace())
+        .map_or(0, |i| i + 1);
+    let key = &key[..end];
+    if key.len() < raftlock::server::auth::MIN_JWT_KEY_BYTES {
+        return Err(format!(
+            "{}: the key must be at least {} bytes",
+            key_file.display(),
+            raftlock::server::auth::MIN_JWT_KEY_BYTES
+        ));
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_err(|e| e.to_string())?
+        .as_secs();
+    let claims = json!({
+        "sub": sub, "iat": now, "nbf": now, "exp": now + ttl.as_secs().max(1),
+        "raftlock": {"prefixes": prefixes, "operations": operations, "admin": admin},
+    });
+    jsonwebtoken::encode(
+        &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+        &claims,
+        &jsonwebtoken::EncodingKey::from_secret(key),
+    )
+    .map_err(|e| e.to_string())
 }
 
 /// The TLS settings of `--tls-ca`, if given.
