@@ -150,8 +150,23 @@ storageClassName: {{ .storageClass | quote }}
 {{- end -}}
 {{- end -}}
 
-{{/* Pod volumes for the TLS Secrets. */}}
+{{/* Pod volumes for the TLS Secrets (and the client auth and fencing key Secrets). */}}
 {{- define "raftlock.tlsVolumes" -}}
+{{- with .Values.clientAuth.identitiesSecret }}
+- name: client-auth
+  secret:
+    secretName: {{ . }}
+{{- end }}
+{{- with .Values.clientAuth.jwtKeySecret }}
+- name: client-jwt
+  secret:
+    secretName: {{ . }}
+{{- end }}
+{{- with .Values.fencingKeySecret }}
+- name: fencing-key
+  secret:
+    secretName: {{ . }}
+{{- end }}
 {{- if .Values.tls.peer.enabled }}
 - name: peer-tls
   secret:
@@ -166,6 +181,21 @@ storageClassName: {{ .storageClass | quote }}
 
 {{/* Container mounts of those volumes. */}}
 {{- define "raftlock.tlsMounts" -}}
+{{- if .Values.clientAuth.identitiesSecret }}
+- name: client-auth
+  mountPath: /etc/raftlock/client-auth
+  readOnly: true
+{{- end }}
+{{- if .Values.clientAuth.jwtKeySecret }}
+- name: client-jwt
+  mountPath: /etc/raftlock/client-jwt
+  readOnly: true
+{{- end }}
+{{- if .Values.fencingKeySecret }}
+- name: fencing-key
+  mountPath: /etc/raftlock/fencing
+  readOnly: true
+{{- end }}
 {{- if .Values.tls.peer.enabled }}
 - name: peer-tls
   mountPath: /etc/raftlock/peer-tls
@@ -178,10 +208,22 @@ storageClassName: {{ .storageClass | quote }}
 {{- end }}
 {{- end -}}
 
-{{/* Environment that makes lockctl use the client port's TLS. */}}
+{{/* Environment that makes lockctl use the client port's TLS (and its bearer token). */}}
 {{- define "raftlock.lockctlTlsEnv" -}}
+{{- with .Values.clientAuth.lockctlTokenSecret }}
+- name: RAFTLOCK_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: token
+{{- end }}
 {{- if .Values.tls.client.enabled }}
 - name: RAFTLOCK_TLS_CA
   value: /etc/raftlock/client-tls/{{ .Values.tls.client.caKey }}
 {{- end }}
+{{- end -}}
+
+{{/* Whether pods mount any Secret besides their data. */}}
+{{- define "raftlock.mountsSecrets" -}}
+{{- if or .Values.tls.peer.enabled .Values.tls.client.enabled .Values.clientAuth.identitiesSecret .Values.clientAuth.jwtKeySecret .Values.fencingKeySecret -}}true{{- end -}}
 {{- end -}}

@@ -146,7 +146,7 @@ enum Cmd {
         action: KvCmd,
     },
     /// Run CMD while holding KEY, renewing in the background. The command gets RAFTLOCK_KEY,
-    /// RAFTLOCK_FENCING_TOKEN and RAFTLOCK_CLIENT_ID (the lock's owner id); its whole process group is killed before
+    /// RAFTLOCK_FENCING_TOKEN, RAFTLOCK_FENCING_MAC and RAFTLOCK_CLIENT_ID (the lock's owner id); its whole process group is killed before
     /// the lease could lapse if the lock is lost. Exits with the command's status, 75 if the
     /// lock was not acquired within --wait, 76 if the lock was lost, 78 on other errors.
     Run {

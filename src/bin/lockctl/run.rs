@@ -1,6 +1,7 @@
 //! `lockctl run KEY -- CMD ARGS…`: run a command while holding a lock.
 //!
-//! The command runs in its own process group with `RAFTLOCK_KEY`, `RAFTLOCK_FENCING_TOKEN` and
+//! The command runs in its own process group with `RAFTLOCK_KEY`, `RAFTLOCK_FENCING_TOKEN`,
+//! `RAFTLOCK_FENCING_MAC` and
 //! `RAFTLOCK_CLIENT_ID` (the lock's owner id) in its environment. The lock is renewed in the background; if renewal
 //! fails, the whole process group is killed (SIGKILL) before the lease could lapse on the
 //! server, so the command never runs while someone else holds the lock.
@@ -65,6 +66,9 @@ pub async fn run(client: RaftLockClient, args: RunArgs) -> ExitCode {
         .env("RAFTLOCK_KEY", &args.key)
         .env("RAFTLOCK_FENCING_TOKEN", lock.fencing_token().to_string())
         .env("RAFTLOCK_CLIENT_ID", lock.owner_id())
+        // The token's MAC for a resource that verifies it (empty when the cluster has no
+        // fencing key).
+        .env("RAFTLOCK_FENCING_MAC", lock.fencing_mac().unwrap_or(""))
         .process_group(0)
         .kill_on_drop(true)
         .spawn()
