@@ -475,3 +475,46 @@ async fn certificates_rotate_under_load_without_losing_the_cluster() {
     }
     println!("tls rotation: {total} lock cycles, {before_rotation} before the rotation");
 }
+
+/// `--client-tls-ca`: the client port takes only clients that present a certificate from that CA.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_port_with_a_ca_requires_client_certificates() {
+    let certs = tempfile::tempdir().unwrap();
+    let dir = certs.path().to_path_buf();
+    issue(&dir, "1");
+    let flags_dir = dir.clone();
+    let cluster = Cluster::start_with(1, move |n| {
+        let mut flags = tls_flags(&flags_dir, n.id);
+        flags.extend(["--client-tls-ca".into(), path(&flags_dir, "ca.pem")]);
+        flags
+    });
+    let with_cert = raftlock::tls::client_config(
+        &dir.join("ca.pem"),
+        Some((&dir.join("client.pem"), &dir.join("client-key.pem"))),
+    )
+    .unwrap();
+    wait_for_leader(&cluster, &with_cert).await;
+    let addr = cluster.client_addr_of(1);
+    let client = RaftLockClient::builder()
+        .endpoints([addr.clone()])
+        .client_id("with-cert")
+        .tls_config(with_cert.clone())
+        .build()
+        .unwrap();
+    client
+        .acquire("mtls/k")
+        .await
+        .expect("a client with a certificate")
+        .release()
+        .await
+        .unwrap();
+    // Without a certificate the handshake (or the first read after it) fails.
+    assert!(status(&addr, &client_tls(&dir)).await.is_none());
+    let refused = metric(
+        &addr,
+        &with_cert,
+        "raftlock_client_connections_refused_total{reason=\"tls_handshake\"}",
+    )
+    .await;
+    assert!(refused >= 1.0, "failed handshakes counted: {refused}");
+}
