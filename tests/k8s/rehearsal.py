@@ -28,7 +28,14 @@ above the previous one; the data store accepted exactly the writes the workload 
 acknowledged KV put is readable at the end; clients saw at most retries (unavailable, no leader,
 connection loss), never another error. Exits non-zero on the first failure, printing it.
 
-Usage: tests/k8s/rehearsal.py --image raftlock/raftlock:0.1.0 [--keep]
+With --secured the chart runs with everything security turns on, from Secrets made for the run
+(as an operator creates them): peer mutual TLS (`tls.peer`), client-port TLS (`tls.client`),
+signed client tokens (`clientAuth.jwtKeySecret`, with `lockctl token` for the helm test pods,
+the hook and the workload) and the fencing MAC key for the lock nodes and the data store
+(`fencingKeySecret`). The workload then speaks wss:// and https with the CA, presents its token,
+and sends each grant's MAC with its writes.
+
+Usage: tests/k8s/rehearsal.py --image raftlock/raftlock:0.1.0 [--secured] [--keep]
 Needs Docker, PyYAML and websocket-client (pip), and the chart renderer's Python packages.
 """
 
@@ -38,6 +45,7 @@ import json
 import os
 import random
 import re
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -53,6 +61,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 NAMESPACE = "default"
 RELEASE = "raftlock"
 CLUSTER_DOMAIN = "cluster.local"
+
+
+# --secured: the CA file, the TLS context and the bearer token the rehearsal's own clients use.
+SECURE = None
+
+
+def urlopen(url_or_request, timeout):
+    """urllib's urlopen, over TLS with the run's CA and with its token when --secured."""
+    if SECURE is None:
+        return urllib.request.urlopen(url_or_request, timeout=timeout)
+    req = url_or_request
+    if isinstance(req, str):
+        req = urllib.request.Request(req)
+    req.add_header("Authorization", f"Bearer {SECURE['token']}")
+    return urllib.request.urlopen(req, timeout=timeout, context=SECURE["context"])
 
 
 def log(*args):
@@ -379,24 +402,26 @@ class Cluster:
         self.up.discard(ordinal)
 
     def url(self, ordinal, path):
-        return f"http://{self.pods.ip(self.pod(ordinal))}:{self.client_port}{path}"
+        scheme = "https" if SECURE else "http"
+        return f"{scheme}://{self.pods.ip(self.pod(ordinal))}:{self.client_port}{path}"
 
     def ws_urls(self):
         urls = []
         for o in sorted(self.up):
             try:
-                urls.append(f"ws://{self.pods.ip(self.pod(o))}:{self.client_port}/ws")
+                scheme = "wss" if SECURE else "ws"
+                urls.append(f"{scheme}://{self.pods.ip(self.pod(o))}:{self.client_port}/ws")
             except Failure:
                 pass
         return urls
 
     def get_json(self, ordinal, path):
-        with urllib.request.urlopen(self.url(ordinal, path), timeout=3) as r:
+        with urlopen(self.url(ordinal, path), timeout=3) as r:
             return json.loads(r.read())
 
     def ready(self, ordinal):
         try:
-            with urllib.request.urlopen(self.url(ordinal, self.ready_path), timeout=3) as r:
+            with urlopen(self.url(ordinal, self.ready_path), timeout=3) as r:
                 return r.status == 200
         except (urllib.error.URLError, OSError, Failure):
             return False
@@ -465,7 +490,16 @@ class Client:
         random.shuffle(urls)
         for url in urls:
             try:
-                self.ws = websocket.create_connection(url, timeout=5)
+                if SECURE:
+                    # Pods are dialled by IP here: the CA is checked, the name is not (the
+                    # pods' own lockctl checks names, dialling the Services' DNS names).
+                    self.ws = websocket.create_connection(
+                        url, timeout=5,
+                        header=[f"Authorization: Bearer {SECURE['token']}"],
+                        sslopt={"cert_reqs": ssl.CERT_REQUIRED, "ca_certs": SECURE["ca"],
+                                "check_hostname": False})
+                else:
+                    self.ws = websocket.create_connection(url, timeout=5)
                 return
             except (OSError, websocket.WebSocketException):
                 continue
@@ -544,7 +578,8 @@ class Workload(threading.Thread):
                     raise Failure(f"worker {self.index}: acquire answered {r}")
                 token = r["fencingToken"]["value"]
                 self.grants.append(token)
-                status = self.write(token, f"worker {self.index} write {n}")
+                status = self.write(token, f"worker {self.index} write {n}",
+                                    r["fencingToken"].get("mac"))
                 if status == 200:
                     self.writes_accepted += 1
                 else:
@@ -565,9 +600,11 @@ class Workload(threading.Thread):
         finally:
             self.client.close()
 
-    def write(self, token, data):
-        body = json.dumps({"clientID": self.client.client_id,
-                           "fencingToken": {"key": self.KEY, "value": token},
+    def write(self, token, data, mac=None):
+        fencing = {"key": self.KEY, "value": token}
+        if mac:
+            fencing["mac"] = mac
+        body = json.dumps({"clientID": self.client.client_id, "fencingToken": fencing,
                            "data": data}).encode()
         deadline = time.time() + 30
         while True:
@@ -610,18 +647,28 @@ def main():
     ap.add_argument("--image", required=True, help="the image to run, repository:tag")
     ap.add_argument("--workers", type=int, default=3)
     ap.add_argument("--keep", action="store_true", help="leave containers and volumes behind")
+    ap.add_argument("--secured", action="store_true",
+                    help="TLS on both ports, signed client tokens and fencing MACs from Secrets")
+    ap.add_argument("--lockctl", default=os.path.join(ROOT, "target", "release", "lockctl"),
+                    help="the lockctl that makes certificates and tokens for --secured")
     args = ap.parse_args()
     repo, tag = args.image.rsplit(":", 1)
     base = os.path.join(ROOT, "tests", "k8s", "rehearsal-values.yaml")
+    extra = {}
+    secrets = {}
+    if args.secured:
+        extra, secrets = secured_setup(args.lockctl)
     values3 = values_file(base, replicas=3, image={"repository": repo, "tag": tag,
-                                                    "pullPolicy": "Never"})
+                                                    "pullPolicy": "Never"}, **extra)
     values5 = values_file(base, replicas=5, image={"repository": repo, "tag": tag,
-                                                    "pullPolicy": "Never"})
+                                                    "pullPolicy": "Never"}, **extra)
     prefix = f"rlk8s{os.getpid()}"
     started = time.time()
     docs3 = render([values3])
     docs5 = render([values5])
     pods = Pods(docs3, prefix)
+    # The Secrets an operator created before the install.
+    pods.secrets.update(secrets)
     workers = []
     try:
         rehearse(pods, docs3, docs5, workers, args.workers)
@@ -637,6 +684,61 @@ def main():
             log(f"kept containers and volumes with prefix {prefix}")
         else:
             pods.cleanup()
+
+
+def secured_setup(lockctl):
+    """Certificates, keys and tokens for --secured, made with lockctl as an operator would, as
+    (values, Secrets by name)."""
+    global SECURE
+    d = tempfile.mkdtemp(prefix="raftlock-secured-")
+    svc = f"{RELEASE}.{NAMESPACE}.svc.{CLUSTER_DOMAIN}"
+    headless = f"*.{RELEASE}-headless.{NAMESPACE}.svc.{CLUSTER_DOMAIN}"
+    run([lockctl, "certs", "--out", f"{d}/certs", "--nodes", "1,2,3,4,5",
+         "--hosts", f"{svc},{headless},localhost,127.0.0.1"])
+    with open(f"{d}/jwt.key", "w") as f:
+        f.write(base64.b64encode(os.urandom(48)).decode() + "\n")
+    with open(f"{d}/fencing.key", "w") as f:
+        f.write(base64.b64encode(os.urandom(32)).decode() + "\n")
+
+    def token(*rights):
+        return run([lockctl, "token", "--key-file", f"{d}/jwt.key", "--ttl", "2h", *rights]).stdout.strip()
+
+    def read(name):
+        with open(f"{d}/{name}") as f:
+            return f.read()
+
+    def secret(name, items):
+        return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name},
+                "stringData": items}
+
+    peer = {"ca.pem": read("certs/ca.pem")}
+    for i in range(1, 6):
+        peer[f"node-{i}.pem"] = read(f"certs/node-{i}.pem")
+        peer[f"node-{i}-key.pem"] = read(f"certs/node-{i}-key.pem")
+    secrets = {
+        "rehearsal-peer-tls": secret("rehearsal-peer-tls", peer),
+        "rehearsal-client-tls": secret("rehearsal-client-tls", {
+            "tls.crt": read("certs/client-port.pem"), "tls.key": read("certs/client-port-key.pem"),
+            "ca.crt": read("certs/ca.pem")}),
+        "rehearsal-jwt": secret("rehearsal-jwt", {"jwt.key": read("jwt.key")}),
+        "rehearsal-fencing": secret("rehearsal-fencing", {"fencing.key": read("fencing.key")}),
+        # For lockctl in the pods (helm test, the scale-down hook): only helm-test/ keys.
+        "rehearsal-lockctl-token": secret("rehearsal-lockctl-token", {"token": token(
+            "--sub", "helm-test", "--prefixes", "helm-test/", "--operations", "acquire,release")}),
+    }
+    values = {
+        "tls": {"peer": {"enabled": True, "secretName": "rehearsal-peer-tls"},
+                "client": {"enabled": True, "secretName": "rehearsal-client-tls"}},
+        "clientAuth": {"jwtKeySecret": "rehearsal-jwt",
+                       "lockctlTokenSecret": "rehearsal-lockctl-token"},
+        "fencingKeySecret": "rehearsal-fencing",
+    }
+    context = ssl.create_default_context(cafile=f"{d}/certs/ca.pem")
+    context.check_hostname = False
+    SECURE = {"ca": f"{d}/certs/ca.pem", "context": context,
+              "token": token("--sub", "rehearsal", "--admin")}
+    log(f"secured: TLS on both ports, signed client tokens and fencing MACs (material in {d})")
+    return values, secrets
 
 
 def secret_shapes(docs):
