@@ -1,0 +1,270 @@
+#!/usr/bin/env python3
+"""CPU budget of one lock cycle (acquire + release), in instructions, by process and component.
+
+Instructions, counted by valgrind's callgrind, do not depend on what else the machine is doing:
+the same binary, inputs and flags give nearly the same counts, so this budget can be compared
+across commits where wall-clock benchmarks on a shared machine cannot.
+
+How: three lock-nodes run under callgrind (with a slower tick, since valgrind slows them down
+about 50x). Once a leader is elected, every node's counters are zeroed, one WebSocket client does
+--cycles uncontended acquire + release cycles against the leader, and the counters are dumped.
+Then, for the same wall time, an idle window is measured (ticks and heartbeats only) and
+subtracted. The per-cycle cost is (busy - idle) / cycles for the leader and for each follower,
+broken down by the crate or part of RaftLock that executed the instructions (self cost: each
+instruction counted once, in the function that ran it). The client is not measured (it is this
+script).
+
+Caveat: valgrind runs a process's threads one at a time, so what threads spend waking and
+parking each other (the async runtime, futexes) is counted as it happens under that schedule, which
+may differ from a real multi-core run. The counts still move only when the code does.
+
+Usage: scripts/cpu-budget.py [--cycles 300] [--top 15] [--bin target/release/lock-node] [--json out.json]
+Needs valgrind (apt-get install valgrind) and websocket-client (pip).
+"""
+
+import argparse
+import glob
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import websocket
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Component of a function, by the first pattern its name matches (order matters).
+COMPONENTS = [
+    ("storage: sled", r"^sled::|<sled::"),
+    ("storage: RaftLock's log and state", r"raftlock::storage"),
+    ("Raft core", r"raftlock::raft::"),
+    ("lock state machine", r"raftlock::lock::"),
+    ("node core (leader duties, sessions)", r"raftlock::node::"),
+    ("server shell (driver, transport, front ends)", r"raftlock::server::|raftlock::telemetry"),
+    ("peers: gRPC, HTTP/2, protobuf", r"\bh2::|hyper|tonic|prost|tower|http::"),
+    ("clients: WebSocket, JSON", r"tungstenite|axum|serde_json|serde::|ryu|itoa"),
+    ("async runtime (tokio)", r"tokio|mio::|futures"),
+    ("allocation", r"malloc|free|realloc|calloc|alloc::|__rust_alloc|__rust_dealloc|_int_"),
+    ("memory copies", r"memcpy|memmove|memset|memcmp|bcmp"),
+    ("checksums", r"crc32"),
+    ("metrics and tracing", r"prometheus|tracing|opentelemetry|hdrhistogram"),
+    ("serialization (postcard)", r"postcard"),
+]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get_json(addr, path):
+    with urllib.request.urlopen(f"http://{addr}{path}", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def wait_leader(nodes, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for n in nodes:
+            try:
+                if get_json(n["client"], "/status")["role"] == "leader":
+                    return n
+            except (OSError, ValueError, KeyError):
+                pass
+        time.sleep(1)
+    raise SystemExit("no leader under valgrind within the timeout")
+
+
+def control(args):
+    subprocess.run(["callgrind_control", *args], check=True, capture_output=True, text=True)
+
+
+def dumps(out_dir, node):
+    return sorted(glob.glob(os.path.join(out_dir, f"node{node['id']}.*.*")),
+                  key=lambda p: int(p.rsplit(".", 1)[1]))
+
+
+def dump_all(nodes, out_dir, label):
+    """Dumps (and so zeroes) every node's counters; returns ({node id: dump file}, the time the
+    dumps were asked for)."""
+    before = {n["id"]: set(dumps(out_dir, n)) for n in nodes}
+    asked = time.time()
+    for n in nodes:
+        control(["--dump=" + label, str(n["proc"].pid)])
+    files = {}
+    deadline = time.time() + 120
+    for n in nodes:
+        while True:
+            new = [f for f in dumps(out_dir, n) if f not in before[n["id"]]]
+            if new:
+                files[n["id"]] = new[-1]
+                break
+            if time.time() > deadline:
+                raise SystemExit(f"node {n['id']} wrote no dump")
+            time.sleep(0.5)
+    time.sleep(1)  # let the writes finish
+    return files, asked
+
+
+def self_costs(dump):
+    """Self instructions per function in a callgrind dump, read from the file itself: cost lines
+    under `fn=` are that function's own; the line after `calls=` is a call's inclusive cost and
+    is skipped (so every instruction is counted once)."""
+    names = {}
+    costs = {}
+    current = "?"
+    after_call = False
+
+    def resolve(text):
+        text = text.strip()
+        m = re.match(r"^\((\d+)\)(?:\s+(.*))?$", text)
+        if not m:
+            return text
+        if m.group(2):
+            names[m.group(1)] = m.group(2)
+        return names.get(m.group(1), text)
+
+    total = None
+    with open(dump) as f:
+        for line in f:
+            if line.startswith("fn="):
+                current = resolve(line[3:])
+            elif line.startswith("cfn="):
+                resolve(line[4:])
+            elif line.startswith("calls="):
+                after_call = True
+            elif line.startswith("totals:") or line.startswith("summary:"):
+                total = int(line.split()[1])
+            elif line[:1].isdigit() or line[:1] in "+-*":
+                if after_call:
+                    after_call = False
+                    continue
+                fields = line.split()
+                if len(fields) >= 2:
+                    costs[current] = costs.get(current, 0) + int(fields[1])
+    counted = sum(costs.values())
+    return costs, (total if total is not None else counted)
+
+
+def by_component(dump):
+    """Self instructions per component in one callgrind dump, the total, and the functions by
+    self cost."""
+    costs, total = self_costs(dump)
+    totals = {name: 0 for name, _ in COMPONENTS}
+    totals["other (std, libc)"] = 0
+    for name, count in costs.items():
+        for component, pattern in COMPONENTS:
+            if re.search(pattern, name):
+                totals[component] += count
+                break
+        else:
+            totals["other (std, libc)"] += count
+    functions = sorted(((c, n) for n, c in costs.items()), reverse=True)
+    return totals, total, functions
+
+
+def cycles(leader_client, n, tag):
+    ws = websocket.create_connection(f"ws://{leader_client}/ws", timeout=120)
+    started = time.time()
+    for i in range(n):
+        key = f"budget/{i % 16}"
+        ws.send(json.dumps({"commandType": 3, "key": key, "clientId": "budget",
+                            "requestId": f"{tag}-a{i}", "ttl": 60000, "waitTimeout": 0}))
+        r = json.loads(ws.recv())
+        if not r.get("success"):
+            raise SystemExit(f"acquire {i}: {r}")
+        token = r["fencingToken"]["value"]
+        ws.send(json.dumps({"commandType": 4, "key": key, "clientId": "budget",
+                            "requestId": f"{tag}-r{i}",
+                            "fencingToken": {"key": key, "value": token}}))
+        r = json.loads(ws.recv())
+        if not r.get("success"):
+            raise SystemExit(f"release {i}: {r}")
+    ws.close()
+    return time.time() - started
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cycles", type=int, default=300)
+    ap.add_argument("--bin", default=os.path.join(ROOT, "target", "release", "lock-node"))
+    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--top", type=int, default=15, help="costliest functions listed per process")
+    args = ap.parse_args()
+    if not shutil.which("valgrind"):
+        raise SystemExit("valgrind is missing (apt-get install valgrind)")
+    work = tempfile.mkdtemp(prefix="raftlock-cpu-budget-")
+    nodes = [{"id": i, "peer": f"127.0.0.1:{free_port()}", "client": f"127.0.0.1:{free_port()}"}
+             for i in (1, 2, 3)]
+    initial = ",".join(f"{n['id']}={n['peer']}" for n in nodes)
+    for n in nodes:
+        log = open(os.path.join(work, f"node{n['id']}.log"), "w")
+        n["proc"] = subprocess.Popen(
+            ["valgrind", "--tool=callgrind", "--quiet",
+             f"--callgrind-out-file={work}/node{n['id']}.%p",
+             args.bin, "--node-id", str(n["id"]), "--data-dir", f"{work}/data{n['id']}",
+             "--peer-listen", n["peer"], "--client-listen", n["client"],
+             "--initial-cluster", initial,
+             # valgrind runs the node ~50x slower: a 100 ms tick keeps elections quiet.
+             "--tick", "100ms", "--election-ticks", "30", "--heartbeat-ticks", "3"],
+            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        leader = wait_leader(nodes)
+        print(f"leader: node {leader['id']}; warming up", flush=True)
+        cycles(leader["client"], 20, "warmup")
+        _, t0 = dump_all(nodes, work, "warmup")
+        elapsed = cycles(leader["client"], args.cycles, "busy")
+        busy, t1 = dump_all(nodes, work, "busy")
+        # An idle window exactly as long as the busy one (both from one dump request to the
+        # next), whose ticks, heartbeats and timers are then subtracted.
+        window = t1 - t0
+        time.sleep(max(0.0, t1 + window - time.time()))
+        idle, t2 = dump_all(nodes, work, "idle")
+        scale = window / (t2 - t1)
+        if get_json(leader["client"], "/status")["role"] != "leader":
+            raise SystemExit("the leader changed during the measurement: run again")
+        results = {"cycles": args.cycles, "seconds_under_valgrind": round(elapsed, 1),
+                   "window_seconds": round(window, 2),
+                   "processes": {}}
+        for n in nodes:
+            role = "leader" if n is leader else f"follower (node {n['id']})"
+            b, b_total, b_functions = by_component(busy[n["id"]])
+            i, i_total, _ = by_component(idle[n["id"]])
+            per = {k: max(0, b[k] - i[k] * scale) / args.cycles for k in b}
+            results["processes"][role] = {
+                "instructions_per_cycle": round((b_total - i_total * scale) / args.cycles),
+                "idle_instructions_per_second": round(i_total / (t2 - t1)),
+                "by_component": {k: round(v) for k, v in sorted(per.items(), key=lambda kv: -kv[1])},
+                # The busy window's costliest functions (idle not subtracted), per cycle.
+                "top_functions": [[round(c / args.cycles), f[:160]]
+                                  for c, f in b_functions[:args.top]],
+            }
+        print(json.dumps(results, indent=2))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+    finally:
+        for n in nodes:
+            if n["proc"].poll() is None:
+                n["proc"].send_signal(signal.SIGTERM)
+        for n in nodes:
+            try:
+                n["proc"].wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                n["proc"].kill()
+        if os.environ.get("CPU_BUDGET_KEEP"):
+            print(f"kept {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
