@@ -244,16 +244,8 @@ impl AuthTable {
     /// Also accepts JWTs signed (HS256) with the key in `path` (its bytes, trailing whitespace
     /// removed; at least [`MIN_JWT_KEY_BYTES`]).
     pub fn with_jwt_key_file(mut self, path: &Path) -> Result<AuthTable, String> {
-        let text = std::fs::read(path)
-            .map_err(|e| format!("cannot read the JWT key file {}: {e}", path.display()))?;
-        let key = trim_end(&text);
-        if key.len() < MIN_JWT_KEY_BYTES {
-            return Err(format!(
-                "JWT key file {}: the key must be at least {MIN_JWT_KEY_BYTES} bytes",
-                path.display()
-            ));
-        }
-        self.jwt = Some(jsonwebtoken::DecodingKey::from_secret(key));
+        let key = read_jwt_key(path)?;
+        self.jwt = Some(jsonwebtoken::DecodingKey::from_secret(&key));
         Ok(self)
     }
 
@@ -318,12 +310,19 @@ impl AuthTable {
     }
 }
 
-fn trim_end(bytes: &[u8]) -> &[u8] {
-    let end = bytes
-        .iter()
-        .rposition(|b| !b.is_ascii_whitespace())
-        .map_or(0, |i| i + 1);
-    &bytes[..end]
+/// The HS256 key in a JWT key file: its bytes without trailing whitespace, at least
+/// [`MIN_JWT_KEY_BYTES`] of them (what the nodes verify with and `lockctl token` signs with).
+pub fn read_jwt_key(path: &Path) -> Result<Vec<u8>, String> {
+    let text = std::fs::read(path)
+        .map_err(|e| format!("cannot read the JWT key file {}: {e}", path.display()))?;
+    let key = text.trim_ascii_end();
+    if key.len() < MIN_JWT_KEY_BYTES {
+        return Err(format!(
+            "JWT key file {}: the key must be at least {MIN_JWT_KEY_BYTES} bytes",
+            path.display()
+        ));
+    }
+    Ok(key.to_vec())
 }
 
 /// The client port's security settings.

@@ -317,12 +317,9 @@ impl PeerApi {
         let Some(tls) = &self.tls else {
             return Ok(());
         };
-        let cert = request
-            .extensions()
-            .get::<super::tls::PeerCert>()
-            .and_then(|c| c.0.as_ref());
+        let cert = request.extensions().get::<super::tls::PeerCert>();
         match cert {
-            Some(cert) if tls.cert_speaks_for(cert, id) => Ok(()),
+            Some(cert) if cert.speaks_for(tls, id) => Ok(()),
             _ => {
                 self.refused.with_label_values(&["identity"]).inc();
                 Err(Status::permission_denied(format!(

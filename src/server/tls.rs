@@ -73,63 +73,105 @@ impl TlsFiles {
     }
 }
 
-/// What both ports share: files, the bytes last loaded from them, and a reload counter.
-struct Watched {
+/// A configuration built from files and rebuilt when their bytes change: what both ports share.
+struct Reloading<T> {
     files: TlsFiles,
     port: &'static str,
+    build: fn(&TlsFiles, &[Vec<u8>]) -> Result<T, TlsError>,
+    current: RwLock<Arc<T>>,
     loaded: Mutex<Vec<Vec<u8>>>,
     /// The bytes of the last set that could not be used (reported once, not every interval).
     refused: Mutex<Option<Vec<Vec<u8>>>>,
     reloads: Option<IntCounterVec>,
 }
 
-impl Watched {
-    fn new(
+impl<T> Reloading<T> {
+    /// Reads the files and builds the first configuration (an error stops the node at start).
+    fn load(
         files: TlsFiles,
         port: &'static str,
-        bytes: Vec<Vec<u8>>,
+        build: fn(&TlsFiles, &[Vec<u8>]) -> Result<T, TlsError>,
         reloads: Option<IntCounterVec>,
-    ) -> Watched {
+    ) -> Result<Reloading<T>, TlsError> {
+        let bytes = files.read_all()?;
+        let first = build(&files, &bytes)?;
         if let Some(r) = &reloads {
             for result in ["ok", "error"] {
                 r.with_label_values(&[port, result]);
             }
         }
-        Watched {
+        Ok(Reloading {
             files,
             port,
+            build,
+            current: RwLock::new(Arc::new(first)),
             loaded: Mutex::new(bytes),
             refused: Mutex::new(None),
             reloads,
-        }
+        })
     }
 
-    /// The files' bytes if they differ from what was last loaded and from the last set refused.
-    fn changed(&self) -> Result<Option<Vec<Vec<u8>>>, TlsError> {
+    fn current(&self) -> Arc<T> {
+        self.current
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Reads the files again; true if a new configuration was taken. A set that differs from
+    /// both the one loaded and the last one refused is built; if that fails it is remembered as
+    /// refused and the current configuration stays.
+    fn reload_if_changed(&self) -> Result<bool, TlsError> {
         let now = self.files.read_all()?;
-        let loaded = self.loaded.lock().unwrap_or_else(|p| p.into_inner());
-        let refused = self.refused.lock().unwrap_or_else(|p| p.into_inner());
-        Ok((*loaded != now && refused.as_ref() != Some(&now)).then_some(now))
-    }
-
-    /// Takes `bytes` as loaded, or remembers them as refused.
-    fn settle<T>(&self, bytes: Vec<Vec<u8>>, built: Result<T, TlsError>) -> Result<T, TlsError> {
-        match built {
-            Ok(t) => {
-                *self.loaded.lock().unwrap_or_else(|p| p.into_inner()) = bytes;
-                Ok(t)
+        {
+            let loaded = self.loaded.lock().unwrap_or_else(|p| p.into_inner());
+            let refused = self.refused.lock().unwrap_or_else(|p| p.into_inner());
+            if *loaded == now || refused.as_ref() == Some(&now) {
+                return Ok(false);
+            }
+        }
+        match (self.build)(&self.files, &now) {
+            Ok(config) => {
+                *self.current.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(config);
+                *self.loaded.lock().unwrap_or_else(|p| p.into_inner()) = now;
+                Ok(true)
             }
             Err(e) => {
-                *self.refused.lock().unwrap_or_else(|p| p.into_inner()) = Some(bytes);
+                *self.refused.lock().unwrap_or_else(|p| p.into_inner()) = Some(now);
                 Err(e)
             }
         }
     }
 
-    fn count(&self, result: &str) {
-        if let Some(reloads) = &self.reloads {
-            reloads.with_label_values(&[self.port, result]).inc();
+    /// [`Reloading::reload_if_changed`], logged and counted.
+    fn reload_and_report(&self) {
+        let count = |result: &str| {
+            if let Some(reloads) = &self.reloads {
+                reloads.with_label_values(&[self.port, result]).inc();
+            }
+        };
+        match self.reload_if_changed() {
+            Ok(false) => {}
+            Ok(true) => {
+                info!(port = self.port, cert = %self.files.cert.display(), "reloaded TLS certificates");
+                count("ok");
+            }
+            Err(err) => {
+                // Mid-rotation files (a new certificate beside the old key) land here until the
+                // set is complete; the previous configuration stays in use.
+                warn!(port = self.port, cause = %err, "TLS files changed but cannot be used; keeping the previous ones");
+                count("error");
+            }
         }
+    }
+}
+
+impl<T> std::fmt::Debug for Reloading<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reloading")
+            .field("port", &self.port)
+            .field("files", &self.files)
+            .finish()
     }
 }
 
@@ -138,19 +180,10 @@ impl Watched {
 
 /// The peer port's TLS: one configuration for accepting peers and one for dialling them, both
 /// from the same certificate, key and CA bundle.
+#[derive(Debug)]
 pub struct PeerTls {
-    watched: Watched,
+    configs: Reloading<PeerConfigs>,
     node_name: String,
-    current: RwLock<Arc<PeerConfigs>>,
-}
-
-impl std::fmt::Debug for PeerTls {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PeerTls")
-            .field("files", &self.watched.files)
-            .field("node_name", &self.node_name)
-            .finish()
-    }
 }
 
 struct PeerConfigs {
@@ -179,20 +212,14 @@ impl PeerTls {
                 "peer_tls_node_name `{node_name}` must contain {{id}}"
             )));
         }
-        let bytes = files.read_all()?;
-        let configs = peer_configs(&files, &bytes)?;
         Ok(Arc::new(PeerTls {
-            watched: Watched::new(files, "peer", bytes, reloads),
+            configs: Reloading::load(files, "peer", peer_configs, reloads)?,
             node_name: node_name.to_string(),
-            current: RwLock::new(Arc::new(configs)),
         }))
     }
 
     fn configs(&self) -> Arc<PeerConfigs> {
-        self.current
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.configs.current()
     }
 
     /// The DNS name that node `id`'s certificate carries.
@@ -212,13 +239,7 @@ impl PeerTls {
 
     /// Reads the files again; true if a new configuration was taken.
     pub fn reload_if_changed(&self) -> Result<bool, TlsError> {
-        let Some(bytes) = self.watched.changed()? else {
-            return Ok(false);
-        };
-        let built = peer_configs(&self.watched.files, &bytes);
-        let configs = self.watched.settle(bytes, built)?;
-        *self.current.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(configs);
-        Ok(true)
+        self.configs.reload_if_changed()
     }
 
     /// Accepts connections on `listener` and hands the ones whose handshake succeeded to the
@@ -426,9 +447,35 @@ impl ServerCertVerifier for MemberVerifier {
 /// An accepted peer connection after its handshake.
 pub struct PeerTlsStream(Box<tokio_rustls::server::TlsStream<TcpStream>>);
 
-/// The certificate a peer connection presented, in each request's extensions.
+/// The certificate a peer connection presented, in each request's extensions (shared by the
+/// connection's requests, not copied into each).
 #[derive(Clone, Debug)]
-pub struct PeerCert(pub Option<CertificateDer<'static>>);
+pub struct PeerCert(Option<Arc<PresentedCert>>);
+
+#[derive(Debug)]
+struct PresentedCert {
+    der: CertificateDer<'static>,
+    /// The node id this certificate was found to name: a connection speaks for one node, so
+    /// its later requests skip parsing the certificate again.
+    proven: std::sync::OnceLock<NodeId>,
+}
+
+impl PeerCert {
+    /// Whether the connection's certificate names node `id` (see [`PeerTls::cert_speaks_for`]).
+    pub fn speaks_for(&self, tls: &PeerTls, id: NodeId) -> bool {
+        let Some(cert) = &self.0 else {
+            return false;
+        };
+        if cert.proven.get() == Some(&id) {
+            return true;
+        }
+        let named = tls.cert_speaks_for(&cert.der, id);
+        if named {
+            let _ = cert.proven.set(id);
+        }
+        named
+    }
+}
 
 impl tonic::transport::server::Connected for PeerTlsStream {
     type ConnectInfo = PeerCert;
@@ -438,7 +485,12 @@ impl tonic::transport::server::Connected for PeerTlsStream {
         PeerCert(
             conn.peer_certificates()
                 .and_then(|certs| certs.first())
-                .map(|c| c.clone().into_owned()),
+                .map(|c| {
+                    Arc::new(PresentedCert {
+                        der: c.clone().into_owned(),
+                        proven: std::sync::OnceLock::new(),
+                    })
+                }),
         )
     }
 }
@@ -475,17 +527,9 @@ impl AsyncWrite for PeerTlsStream {
 // Client port: server TLS.
 
 /// The client port's TLS: a certificate and key (clients authenticate with bearer tokens).
+#[derive(Debug)]
 pub struct ClientTls {
-    watched: Watched,
-    current: RwLock<Arc<ServerConfig>>,
-}
-
-impl std::fmt::Debug for ClientTls {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ClientTls")
-            .field("files", &self.watched.files)
-            .finish()
-    }
+    config: Reloading<ServerConfig>,
 }
 
 impl ClientTls {
@@ -493,32 +537,18 @@ impl ClientTls {
         files: TlsFiles,
         reloads: Option<IntCounterVec>,
     ) -> Result<Arc<ClientTls>, TlsError> {
-        let bytes = files.read_all()?;
-        let config = client_port_config(&files, &bytes)?;
         Ok(Arc::new(ClientTls {
-            watched: Watched::new(files, "client", bytes, reloads),
-            current: RwLock::new(Arc::new(config)),
+            config: Reloading::load(files, "client", client_port_config, reloads)?,
         }))
     }
 
     /// The acceptor for a new connection, with the current certificate.
     pub fn acceptor(&self) -> tokio_rustls::TlsAcceptor {
-        tokio_rustls::TlsAcceptor::from(
-            self.current
-                .read()
-                .unwrap_or_else(|p| p.into_inner())
-                .clone(),
-        )
+        tokio_rustls::TlsAcceptor::from(self.config.current())
     }
 
     pub fn reload_if_changed(&self) -> Result<bool, TlsError> {
-        let Some(bytes) = self.watched.changed()? else {
-            return Ok(false);
-        };
-        let built = client_port_config(&self.watched.files, &bytes);
-        let config = self.watched.settle(bytes, built)?;
-        *self.current.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(config);
-        Ok(true)
+        self.config.reload_if_changed()
     }
 }
 
@@ -564,26 +594,10 @@ pub async fn reload_loop(
             _ = shutdown.wait_for(|s| *s) => return,
         }
         if let Some(peer) = &peer {
-            report(&peer.watched, peer.reload_if_changed());
+            peer.configs.reload_and_report();
         }
         if let Some(client) = &client {
-            report(&client.watched, client.reload_if_changed());
-        }
-    }
-}
-
-fn report(watched: &Watched, result: Result<bool, TlsError>) {
-    match result {
-        Ok(false) => {}
-        Ok(true) => {
-            info!(port = watched.port, cert = %watched.files.cert.display(), "reloaded TLS certificates");
-            watched.count("ok");
-        }
-        Err(err) => {
-            // Mid-rotation files (a new certificate beside the old key) land here until the
-            // set is complete; the previous configuration stays in use.
-            warn!(port = watched.port, cause = %err, "TLS files changed but cannot be used; keeping the previous ones");
-            watched.count("error");
+            client.config.reload_and_report();
         }
     }
 }

@@ -321,19 +321,22 @@ impl PeerAccess {
             tls,
         })
     }
+}
 
-    async fn client(&self, target: &str) -> Result<PeerClient<tonic::transport::Channel>, String> {
-        let dialer = self.dialer()?;
-        let endpoint = PeerDialer::endpoint(target)
-            .map_err(|e| format!("bad address {target}: {e}"))?
-            .connect_timeout(Duration::from_secs(2))
-            .timeout(Duration::from_secs(10));
-        dialer
-            .connect(endpoint, None)
-            .await
-            .map(PeerClient::new)
-            .map_err(|e| format!("cannot reach {target}: {e}"))
-    }
+/// A peer-port client for `target`, through `dialer`.
+async fn peer_client(
+    dialer: &PeerDialer,
+    target: &str,
+) -> Result<PeerClient<tonic::transport::Channel>, String> {
+    let endpoint = PeerDialer::endpoint(target)
+        .map_err(|e| format!("bad address {target}: {e}"))?
+        .connect_timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(10));
+    dialer
+        .connect(endpoint, None)
+        .await
+        .map(PeerClient::new)
+        .map_err(|e| format!("cannot reach {target}: {e}"))
 }
 
 #[derive(Subcommand, Debug)]
@@ -885,6 +888,11 @@ async fn members(args: &Args, action: &MembersCmd, json_out: bool) -> ExitCode {
             via,
             peer,
         } => {
+            // Certificates are read once, not on every hop to the leader.
+            let dialer = match peer.dialer() {
+                Ok(d) => d,
+                Err(e) => return fail(e),
+            };
             let mut target = via.clone();
             for _ in 0..5 {
                 let req = JoinClusterRequest {
@@ -892,8 +900,8 @@ async fn members(args: &Args, action: &MembersCmd, json_out: bool) -> ExitCode {
                     server_addr: peer_addr.clone(),
                     client_addr: client_addr.clone(),
                 };
-                let reply = match peer.client(&target).await {
-                    Ok(mut c) => c.join_cluster(with_token(req, &peer.cluster_token)).await,
+                let reply = match peer_client(&dialer, &target).await {
+                    Ok(mut c) => c.join_cluster(dialer.request(req)).await,
                     Err(e) => return fail(e),
                 };
                 match reply {
@@ -917,11 +925,15 @@ async fn members(args: &Args, action: &MembersCmd, json_out: bool) -> ExitCode {
             fail("no leader found within 5 hops")
         }
         MembersCmd::Remove { id, via, peer } => {
+            let dialer = match peer.dialer() {
+                Ok(d) => d,
+                Err(e) => return fail(e),
+            };
             let mut target = via.clone();
             for _ in 0..5 {
                 let req = RemoveServerRequest { server_id: *id };
-                let reply = match peer.client(&target).await {
-                    Ok(mut c) => c.remove_server(with_token(req, &peer.cluster_token)).await,
+                let reply = match peer_client(&dialer, &target).await {
+                    Ok(mut c) => c.remove_server(dialer.request(req)).await,
                     Err(e) => return fail(e),
                 };
                 match reply {
@@ -945,14 +957,6 @@ async fn members(args: &Args, action: &MembersCmd, json_out: bool) -> ExitCode {
             fail("no leader found within 5 hops")
         }
     }
-}
-
-fn with_token<T>(message: T, token: &str) -> tonic::Request<T> {
-    PeerDialer {
-        cluster_token: token.to_string(),
-        tls: None,
-    }
-    .request(message)
 }
 
 async fn up(nodes: u64, data_dir: &std::path::Path, ports: Ports) -> ExitCode {
@@ -1050,19 +1054,7 @@ fn make_token(
     if !admin && (prefixes.is_empty() || operations.is_empty()) {
         return Err("give --prefixes and --operations (or --admin)".into());
     }
-    let key = std::fs::read(key_file).map_err(|e| format!("{}: {e}", key_file.display()))?;
-    let end = key
-        .iter()
-        .rposition(|b| !b.is_ascii_whitespace())
-        .map_or(0, |i| i + 1);
-    let key = &key[..end];
-    if key.len() < raftlock::server::auth::MIN_JWT_KEY_BYTES {
-        return Err(format!(
-            "{}: the key must be at least {} bytes",
-            key_file.display(),
-            raftlock::server::auth::MIN_JWT_KEY_BYTES
-        ));
-    }
+    let key = raftlock::server::auth::read_jwt_key(key_file)?;
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_err(|e| e.to_string())?
@@ -1074,7 +1066,7 @@ fn make_token(
     jsonwebtoken::encode(
         &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
         &claims,
-        &jsonwebtoken::EncodingKey::from_secret(key),
+        &jsonwebtoken::EncodingKey::from_secret(&key),
     )
     .map_err(|e| e.to_string())
 }
