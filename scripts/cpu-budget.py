@@ -51,7 +51,7 @@ COMPONENTS = [
     ("peers: gRPC, HTTP/2, protobuf", r"\bh2::|hyper|tonic|prost|tower|http::"),
     ("clients: WebSocket, JSON", r"tungstenite|axum|serde_json|serde::|ryu|itoa"),
     ("async runtime (tokio)", r"tokio|mio::|futures"),
-    ("allocation", r"malloc|free|realloc|calloc|alloc::|__rust_alloc|__rust_dealloc|_int_"),
+    ("allocation", r"malloc|free|realloc|calloc|alloc::|__rust_alloc|__rust_dealloc|_int_|^_?mi_|mimalloc"),
     ("memory copies", r"memcpy|memmove|memset|memcmp|bcmp"),
     ("checksums", r"crc32"),
     ("metrics and tracing", r"prometheus|tracing|opentelemetry|hdrhistogram"),
