@@ -224,8 +224,10 @@ pub struct Driver {
     snapshot_job: Option<std::sync::mpsc::Receiver<Result<Snapshot, StorageError>>>,
     /// Per peer: when the heartbeat being timed was sent (for `raftlock_peer_rtt_seconds`).
     heartbeat_sent: HashMap<NodeId, Instant>,
-    /// Peers whose replication-lag series this node published while leading.
-    lag_series: Vec<NodeId>,
+    /// While leading: each other member's replication-lag gauges (entries, seconds).
+    lag_gauges: HashMap<NodeId, (prometheus::IntGauge, prometheus::Gauge)>,
+    /// `publish_status`'s scratch buffer for the replication view.
+    replication_buf: Vec<PeerReplication>,
     /// While leading: when the log's entries were appended (for `raftlock_replication_lag_seconds`).
     lag_clock: Option<LagClock>,
 }
@@ -293,7 +295,8 @@ impl Driver {
             status,
             snapshot_job: None,
             heartbeat_sent: HashMap::new(),
-            lag_series: Vec::new(),
+            lag_gauges: HashMap::new(),
+            replication_buf: Vec::new(),
             lag_clock: None,
         }
     }
@@ -658,94 +661,130 @@ impl Driver {
         let sm = self.core.state_machine();
         let membership = raft.membership();
         let leader_id = raft.leader_id();
-        let mut status = NodeStatus {
-            id: raft.id(),
-            role: format!("{:?}", raft.role()).to_lowercase(),
-            term: raft.term(),
-            leader_id,
-            leader_addr: self
-                .addresses
-                .get(leader_id)
-                .map(|a| a.client)
-                .unwrap_or_default(),
-            commit_index: raft.commit_index(),
-            applied_index: raft.applied_index(),
-            last_index: raft.last_index(),
-            voters: membership.voters.iter().copied().collect(),
-            learners: membership.learners.iter().copied().collect(),
-            locks_held: sm.locks_held() as u64,
-            waiters: sm.waiter_count() as u64,
-            replication: Vec::new(),
-        };
+        let role = role_name(raft.role());
+        let term = raft.term();
+        let commit_index = raft.commit_index();
+        let applied_index = raft.applied_index();
+        let last_index = raft.last_index();
+        let locks_held = sm.locks_held() as u64;
+        let waiters = sm.waiter_count() as u64;
         let m = &self.metrics;
-        m.term.set(status.term as i64);
+        m.term.set(term as i64);
         m.is_leader.set(i64::from(raft.is_leader()));
         m.has_leader.set(i64::from(leader_id != 0));
-        m.commit_index.set(status.commit_index as i64);
-        m.applied_index.set(status.applied_index as i64);
-        m.last_log_index.set(status.last_index as i64);
+        m.commit_index.set(commit_index as i64);
+        m.applied_index.set(applied_index as i64);
+        m.last_log_index.set(last_index as i64);
         let elections = raft.stats().elections_started;
         let counted = m.elections_total.get();
         if elections > counted {
             m.elections_total.inc_by(elections - counted);
         }
-        m.locks_held.set(status.locks_held as i64);
-        m.lock_waiters.set(status.waiters as i64);
+        m.locks_held.set(locks_held as i64);
+        m.lock_waiters.set(waiters as i64);
         m.proposals_pending.set(self.core.pending_requests() as i64);
+        // Runs after every batch of inputs, several times per lock cycle: the replication view
+        // is kept in a reused buffer and each peer's lag gauges are looked up once, when the
+        // peer first appears, so that nothing here allocates while nothing changes.
+        let mut replication = std::mem::take(&mut self.replication_buf);
+        replication.clear();
         if raft.is_leader() {
             let now = std::time::Instant::now();
             let clock = self
                 .lag_clock
-                .get_or_insert_with(|| LagClock::new(now, status.last_index));
-            clock.observe_last_index(now, status.last_index);
-            let mut published = Vec::new();
-            let mut min_matched = status.last_index;
+                .get_or_insert_with(|| LagClock::new(now, last_index));
+            clock.observe_last_index(now, last_index);
+            let mut min_matched = last_index;
             for peer in membership.members().filter(|&p| p != raft.id()) {
                 if let Some((matched, _, _)) = raft.progress(peer) {
-                    let label = peer.to_string();
-                    m.replication_lag_entries
-                        .with_label_values(&[&label])
-                        .set(status.last_index.saturating_sub(matched) as i64);
-                    m.replication_lag_seconds
-                        .with_label_values(&[&label])
-                        .set(clock.lag(now, matched, status.last_index).as_secs_f64());
+                    let gauges = self.lag_gauges.entry(peer).or_insert_with(|| {
+                        let label = peer.to_string();
+                        (
+                            m.replication_lag_entries.with_label_values(&[&label]),
+                            m.replication_lag_seconds.with_label_values(&[&label]),
+                        )
+                    });
+                    gauges.0.set(last_index.saturating_sub(matched) as i64);
+                    gauges
+                        .1
+                        .set(clock.lag(now, matched, last_index).as_secs_f64());
                     min_matched = min_matched.min(matched);
-                    published.push(peer);
-                    status.replication.push(PeerReplication {
+                    replication.push(PeerReplication {
                         id: peer,
                         match_index: matched,
-                        lag_entries: status.last_index.saturating_sub(matched),
+                        lag_entries: last_index.saturating_sub(matched),
                     });
                 }
             }
             clock.forget_before(min_matched);
-            for gone in self.lag_series.iter().filter(|p| !published.contains(p)) {
-                remove_lag_series(m, *gone);
-            }
-            self.lag_series = published;
+            self.lag_gauges.retain(|peer, _| {
+                let keep = replication.iter().any(|r| r.id == *peer);
+                if !keep {
+                    remove_lag_series(m, *peer);
+                }
+                keep
+            });
         } else {
             self.lag_clock = None;
-            for gone in self.lag_series.drain(..) {
+            for (gone, _) in self.lag_gauges.drain() {
                 remove_lag_series(m, gone);
             }
         }
+        let addresses = &self.addresses;
         self.status.send_if_modified(|old| {
-            let changed = old.term != status.term
-                || old.leader_id != status.leader_id
-                || old.role != status.role
-                || old.commit_index != status.commit_index
-                || old.applied_index != status.applied_index
-                || old.last_index != status.last_index
-                || old.voters != status.voters
-                || old.learners != status.learners
-                || old.leader_addr != status.leader_addr
-                || old.locks_held != status.locks_held
-                || old.waiters != status.waiters
-                || old.replication != status.replication;
+            let leader_addr_same = addresses.client_addr_is(leader_id, &old.leader_addr);
+            let changed = old.term != term
+                || old.leader_id != leader_id
+                || old.role != role
+                || old.commit_index != commit_index
+                || old.applied_index != applied_index
+                || old.last_index != last_index
+                || !old.voters.iter().eq(membership.voters.iter())
+                || !old.learners.iter().eq(membership.learners.iter())
+                || !leader_addr_same
+                || old.locks_held != locks_held
+                || old.waiters != waiters
+                || old.replication != replication;
             if changed {
-                *old = status;
+                old.id = raft.id();
+                old.term = term;
+                old.leader_id = leader_id;
+                if old.role != role {
+                    old.role = role.to_string();
+                }
+                old.commit_index = commit_index;
+                old.applied_index = applied_index;
+                old.last_index = last_index;
+                if !old.voters.iter().eq(membership.voters.iter()) {
+                    old.voters = membership.voters.iter().copied().collect();
+                }
+                if !old.learners.iter().eq(membership.learners.iter()) {
+                    old.learners = membership.learners.iter().copied().collect();
+                }
+                if !leader_addr_same {
+                    old.leader_addr = addresses
+                        .get(leader_id)
+                        .map(|a| a.client)
+                        .unwrap_or_default();
+                }
+                old.locks_held = locks_held;
+                old.waiters = waiters;
+                if old.replication != replication {
+                    old.replication.clone_from(&replication);
+                }
             }
             changed
         });
+        self.replication_buf = replication;
+    }
+}
+
+/// `/status`'s name for a role.
+fn role_name(role: crate::raft::Role) -> &'static str {
+    match role {
+        crate::raft::Role::Follower => "follower",
+        crate::raft::Role::PreCandidate => "precandidate",
+        crate::raft::Role::Candidate => "candidate",
+        crate::raft::Role::Leader => "leader",
     }
 }

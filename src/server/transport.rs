@@ -52,6 +52,15 @@ impl AddressBook {
         self.inner.read().ok()?.get(&id).cloned()
     }
 
+    /// Whether `id`'s client address is `addr` (an unknown id has the empty address); reads
+    /// without copying.
+    pub fn client_addr_is(&self, id: NodeId, addr: &str) -> bool {
+        match self.inner.read() {
+            Ok(map) => map.get(&id).map_or("", |a| a.client.as_str()) == addr,
+            Err(_) => addr.is_empty(),
+        }
+    }
+
     pub fn all(&self) -> BTreeMap<NodeId, MemberAddrs> {
         self.inner.read().map(|m| m.clone()).unwrap_or_default()
     }

@@ -215,7 +215,7 @@ pub async fn handle_text(
             )),
         };
     }
-    let request: WsRequest = match serde_json::from_value(raw.clone()) {
+    let request = match WsRequest::deserialize(&raw) {
         Ok(r) => r,
         Err(err) => {
             let e = ApiError::new(ErrorCode::InvalidRequest, format!("invalid request: {err}"));
@@ -563,7 +563,7 @@ pub fn parse_text(text: &str, limits: &ClientLimits, conn: u64) -> Result<Client
         let e = ApiError::new(ErrorCode::InvalidRequest, format!("malformed JSON: {err}"));
         error_json(&Value::Null, &e)
     })?;
-    let request: WsRequest = serde_json::from_value(raw.clone()).map_err(|err| {
+    let request = WsRequest::deserialize(&raw).map_err(|err| {
         let e = ApiError::new(ErrorCode::InvalidRequest, format!("invalid request: {err}"));
         error_json(&raw, &e)
     })?;
@@ -709,13 +709,47 @@ pub fn error_json(raw: &Value, e: &ApiError) -> String {
 }
 
 /// A fencing token as JSON, with its MAC when the node has a fencing key.
-fn token_json(token: &FencingToken, key: Option<&FencingKey>) -> Value {
-    match key {
-        Some(k) => {
-            json!({"key": token.key, "value": token.value, "mac": k.mac(&token.key, token.value)})
+#[derive(serde::Serialize)]
+struct TokenJson<'a> {
+    key: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    mac: Option<String>,
+    value: u64,
+}
+
+impl<'a> TokenJson<'a> {
+    fn new(token: &'a FencingToken, key: Option<&FencingKey>) -> Self {
+        TokenJson {
+            key: &token.key,
+            mac: key.map(|k| k.mac(&token.key, token.value)),
+            value: token.value,
         }
-        None => json!({"key": token.key, "value": token.value}),
     }
+}
+
+/// A successful reply. Written straight from borrowed fields rather than built as a
+/// `serde_json::Value` first (this runs for every request); fields are declared in
+/// alphabetical order, the order the replies have always had.
+#[derive(serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+struct OkReply<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cancelled: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    deleted: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    expires_in_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    fencing_token: Option<TokenJson<'a>>,
+    key: &'a Value,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    released: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    renewed: Option<bool>,
+    request_id: &'a Value,
+    success: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    value: Option<Option<std::borrow::Cow<'a, str>>>,
 }
 
 fn reply_json(
@@ -724,39 +758,40 @@ fn reply_json(
     release: bool,
     fencing_key: Option<&FencingKey>,
 ) -> String {
-    let (key, request_id) = echo_fields(raw);
-    let value = match reply {
+    let mut ok = OkReply {
+        cancelled: None,
+        deleted: None,
+        expires_in_ms: None,
+        fencing_token: None,
+        key: raw.get("key").unwrap_or(&Value::Null),
+        released: None,
+        renewed: None,
+        request_id: raw.get("requestId").unwrap_or(&Value::Null),
+        success: true,
+        value: None,
+    };
+    match reply {
         ClientReply::Granted {
             token,
             expires_in_ms,
             ..
-        } => json!({
-            "success": true,
-            "fencingToken": token_json(token, fencing_key),
-            "requestId": request_id, "key": key, "expiresInMs": expires_in_ms,
-        }),
-        ClientReply::Released => {
-            json!({"success": true, "released": true, "key": key, "requestId": request_id})
+        } => {
+            ok.fencing_token = Some(TokenJson::new(token, fencing_key));
+            ok.expires_in_ms = Some(*expires_in_ms);
         }
+        ClientReply::Released => ok.released = Some(true),
         ClientReply::Renewed {
             token,
             expires_in_ms,
-        } => json!({
-            "success": true, "renewed": true,
-            "fencingToken": token_json(token, fencing_key),
-            "key": key, "requestId": request_id, "expiresInMs": expires_in_ms,
-        }),
-        ClientReply::WaitCancelled => {
-            json!({"success": true, "cancelled": true, "key": key, "requestId": request_id})
+        } => {
+            ok.renewed = Some(true);
+            ok.fencing_token = Some(TokenJson::new(token, fencing_key));
+            ok.expires_in_ms = Some(*expires_in_ms);
         }
-        ClientReply::Stored => json!({"success": true, "key": key, "requestId": request_id}),
-        ClientReply::Deleted { existed } => {
-            json!({"success": true, "deleted": existed, "key": key, "requestId": request_id})
-        }
-        ClientReply::Value(v) => json!({
-            "success": true, "key": key, "requestId": request_id,
-            "value": v.as_ref().map(|b| String::from_utf8_lossy(b).into_owned()),
-        }),
+        ClientReply::WaitCancelled => ok.cancelled = Some(true),
+        ClientReply::Stored => {}
+        ClientReply::Deleted { existed } => ok.deleted = Some(*existed),
+        ClientReply::Value(v) => ok.value = Some(v.as_deref().map(String::from_utf8_lossy)),
         ClientReply::Error(e) => {
             let mut text: Value = serde_json::from_str(&error_json(raw, e)).unwrap_or(Value::Null);
             if release {
@@ -764,6 +799,101 @@ fn reply_json(
             }
             return text.to_string();
         }
-    };
-    value.to_string()
+    }
+    serde_json::to_string(&ok).unwrap_or_else(|e| {
+        error_json(
+            raw,
+            &ApiError::new(ErrorCode::Unavailable, format!("cannot write the reply: {e}")),
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn token() -> FencingToken {
+        FencingToken {
+            key: "jobs/a".into(),
+            value: 42,
+        }
+    }
+
+    /// The replies clients parse, byte for byte: fields in alphabetical order, the echoed key
+    /// and request id whatever their JSON type.
+    #[test]
+    fn replies_keep_their_wire_form() {
+        let raw: Value =
+            serde_json::from_str(r#"{"commandType":1,"key":"jobs/a","requestId":"r1"}"#).unwrap();
+        let cases = [
+            (
+                ClientReply::Granted {
+                    token: token(),
+                    expires_in_ms: 5000,
+                    queued: None,
+                },
+                r#"{"expiresInMs":5000,"fencingToken":{"key":"jobs/a","value":42},"key":"jobs/a","requestId":"r1","success":true}"#,
+            ),
+            (
+                ClientReply::Released,
+                r#"{"key":"jobs/a","released":true,"requestId":"r1","success":true}"#,
+            ),
+            (
+                ClientReply::Renewed {
+                    token: token(),
+                    expires_in_ms: 7,
+                },
+                r#"{"expiresInMs":7,"fencingToken":{"key":"jobs/a","value":42},"key":"jobs/a","renewed":true,"requestId":"r1","success":true}"#,
+            ),
+            (
+                ClientReply::WaitCancelled,
+                r#"{"cancelled":true,"key":"jobs/a","requestId":"r1","success":true}"#,
+            ),
+            (
+                ClientReply::Stored,
+                r#"{"key":"jobs/a","requestId":"r1","success":true}"#,
+            ),
+            (
+                ClientReply::Deleted { existed: false },
+                r#"{"deleted":false,"key":"jobs/a","requestId":"r1","success":true}"#,
+            ),
+            (
+                ClientReply::Value(Some(b"v\"1".to_vec())),
+                r#"{"key":"jobs/a","requestId":"r1","success":true,"value":"v\"1"}"#,
+            ),
+            (
+                ClientReply::Value(None),
+                r#"{"key":"jobs/a","requestId":"r1","success":true,"value":null}"#,
+            ),
+        ];
+        for (reply, want) in cases {
+            assert_eq!(reply_json(&raw, &reply, false, None), want, "{reply:?}");
+        }
+        // No key and a numeric request id (seed clients send either).
+        let raw: Value = serde_json::from_str(r#"{"commandType":2,"requestId":7}"#).unwrap();
+        assert_eq!(
+            reply_json(&raw, &ClientReply::Released, true, None),
+            r#"{"key":null,"released":true,"requestId":7,"success":true}"#
+        );
+        // With a fencing key the token carries its MAC.
+        let key = FencingKey::new(&[7u8; 32]).unwrap();
+        let text = reply_json(
+            &raw,
+            &ClientReply::Granted {
+                token: token(),
+                expires_in_ms: 1,
+                queued: None,
+            },
+            false,
+            Some(&key),
+        );
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["fencingToken"]["mac"], json!(key.mac("jobs/a", 42)));
+        // Errors keep their own form, with `released: false` on a failed release.
+        let err = ClientReply::error(ErrorCode::NotHolder, "not yours");
+        let v: Value = serde_json::from_str(&reply_json(&raw, &err, true, None)).unwrap();
+        assert_eq!(v["success"], json!(false));
+        assert_eq!(v["released"], json!(false));
+        assert_eq!(v["error"]["code"], json!(ErrorCode::NotHolder.as_str()));
+    }
 }
