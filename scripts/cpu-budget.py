@@ -171,6 +171,113 @@ def by_component(dump):
     return totals, total, functions
 
 
+# Stages of the request path, each the inclusive cost (the function and everything it calls) of
+# the functions that begin it. A function inlined into its caller has no entry of its own; the
+# instructions of all stages together are compared with the whole and the rest is reported as
+# "runtime and other" (scheduling, parking and waking threads, timers).
+STAGES = [
+    ("client: WebSocket frames, JSON parse, reply",
+     [r"^axum::extract::ws::WebSocketUpgrade<F>::on_upgrade::\{\{closure\}\}$",
+      r"^raftlock::server::ws::serve_socket::\{\{closure\}\}::\{\{closure\}\}$"]),
+    ("driver: take inputs, propose", [r"^raftlock::server::driver::Driver::handle_inputs$"]),
+    ("driver: Raft, persistence, apply (NodeCore::drive)", [r"^raftlock::node::NodeCore<S,R>::drive$"]),
+    ("  of which log append and flush (sled)",
+     [r"^<raftlock::storage::sled_store::SledStorage as raftlock::storage::Storage>::append$",
+      r"^<raftlock::server::driver::TimedStorage<S> as raftlock::storage::Storage>::flush$",
+      r"^<raftlock::storage::sled_store::SledStorage as raftlock::storage::Storage>::set_hard_state$"]),
+    ("  of which lock state machine apply", [r"^raftlock::lock::machine::LockStateMachine::apply$"]),
+    ("driver: send messages, answer clients", [r"^raftlock::server::driver::Driver::handle_effects$"]),
+    ("driver: status and metrics", [r"^raftlock::server::driver::Driver::publish_status$"]),
+    ("driver: ticks (applied-state write every 100 ms)", [r"^raftlock::node::NodeCore<S,R>::tick$"]),
+    ("peers: outgoing gRPC streams (encode, HTTP/2, write)",
+     [r"^<hyper::proto::h2::client::H2ClientFuture<B,T,E> as core::future::future::Future>::poll$"]),
+    ("peers: incoming gRPC streams (read, HTTP/2, decode)",
+     [r"^tonic::transport::server::serve_connection::\{\{closure\}\}$"]),
+    ("storage: sled background threads", [r"^sled::threadpool::perform_work$"]),
+]
+
+
+def inclusive_costs(dump):
+    """Inclusive instructions per function name, from callgrind_annotate. A function inlined
+    into others appears once per source file; the largest entry is the function's own."""
+    out = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", dump],
+                         check=True, capture_output=True, text=True).stdout
+    costs = {}
+    for line in out.splitlines():
+        m = re.match(r"^\s*([\d,]+)\s+\([^)]*\)\s+(?:\S*?\.(?:rs|c|S|h)|\?\?\?):(.*?)(?:\s+\[[^\]]*\])?\s*$", line)
+        if not m:
+            continue
+        name = re.sub(r"'\d+$", "", m.group(2).strip())
+        cost = int(m.group(1).replace(",", ""))
+        costs[name] = max(costs.get(name, 0), cost)
+    return costs
+
+
+def by_stage(dump):
+    costs = inclusive_costs(dump)
+    stages = {}
+    for stage, patterns in STAGES:
+        stages[stage] = sum(max((c for n, c in costs.items() if re.search(p, n)), default=0)
+                            for p in patterns)
+    return stages
+
+
+def roles(results):
+    """(leader, the followers' mean) of one result, as {section: {row: instructions}}."""
+    procs = results["processes"]
+    leader = procs["leader"]
+    followers = [v for k, v in procs.items() if k != "leader"]
+
+    def mean(section):
+        rows = {}
+        for f in followers:
+            for k, v in f.get(section, {}).items():
+                rows[k] = rows.get(k, 0) + v / len(followers)
+        return rows
+
+    out = {}
+    for section in ("by_stage", "by_component"):
+        out[section] = (leader.get(section, {}), mean(section))
+    total_f = sum(f["instructions_per_cycle"] for f in followers) / len(followers)
+    out["total"] = (leader["instructions_per_cycle"], total_f)
+    return out
+
+
+def markdown(results, baseline, args):
+    now, then = roles(results), roles(baseline) if baseline else None
+
+    def num(v):
+        return "" if v is None else f"{round(v):,}"
+
+    def table(section, title):
+        cols = ["leader", "follower"]
+        if then:
+            head = f"| {title} | leader, {args.baseline_label} | leader, {args.label} | follower, {args.baseline_label} | follower, {args.label} |"
+            lines = [head, "|---|---:|---:|---:|---:|"]
+        else:
+            lines = [f"| {title} | leader | follower |", "|---|---:|---:|"]
+        rows = list(now[section][0].keys())
+        if then:
+            rows += [r for r in then[section][0] if r not in rows]
+        for row in rows:
+            cells = []
+            for i, _ in enumerate(cols):
+                if then:
+                    cells.append(num(then[section][i].get(row)))
+                cells.append(num(now[section][i].get(row)))
+            name = row.replace("  of which", "&nbsp;&nbsp;of which")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        cells = []
+        for i, _ in enumerate(cols):
+            if then:
+                cells.append(f"**{num(then['total'][i])}**")
+            cells.append(f"**{num(now['total'][i])}**")
+        lines.append("| **total per cycle** | " + " | ".join(cells) + " |")
+        return "\n".join(lines) + "\n"
+
+    return (table("by_stage", "stage") + "\n" + table("by_component", "component"))
+
+
 def cycles(leader_client, n, tag):
     ws = websocket.create_connection(f"ws://{leader_client}/ws", timeout=120)
     started = time.time()
@@ -198,6 +305,10 @@ def main():
     ap.add_argument("--bin", default=os.path.join(ROOT, "target", "release", "lock-node"))
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--top", type=int, default=15, help="costliest functions listed per process")
+    ap.add_argument("--markdown", help="write the budget as markdown tables here")
+    ap.add_argument("--baseline", help="an earlier --json result to set beside this one")
+    ap.add_argument("--baseline-label", default="before")
+    ap.add_argument("--label", default="after")
     args = ap.parse_args()
     if not shutil.which("valgrind"):
         raise SystemExit("valgrind is missing (apt-get install valgrind)")
@@ -239,15 +350,25 @@ def main():
             b, b_total, b_functions = by_component(busy[n["id"]])
             i, i_total, _ = by_component(idle[n["id"]])
             per = {k: max(0, b[k] - i[k] * scale) / args.cycles for k in b}
+            bs, is_ = by_stage(busy[n["id"]]), by_stage(idle[n["id"]])
+            stages = {k: round(max(0, bs[k] - is_[k] * scale) / args.cycles) for k in bs}
+            whole = (b_total - i_total * scale) / args.cycles
+            counted = sum(v for k, v in stages.items() if not k.startswith("  "))
+            stages["runtime and other (scheduling, wakeups, timers)"] = round(max(0, whole - counted))
             results["processes"][role] = {
                 "instructions_per_cycle": round((b_total - i_total * scale) / args.cycles),
                 "idle_instructions_per_second": round(i_total / (t2 - t1)),
                 "by_component": {k: round(v) for k, v in sorted(per.items(), key=lambda kv: -kv[1])},
+                "by_stage": stages,
                 # The busy window's costliest functions (idle not subtracted), per cycle.
                 "top_functions": [[round(c / args.cycles), f[:160]]
                                   for c, f in b_functions[:args.top]],
             }
         print(json.dumps(results, indent=2))
+        if args.markdown:
+            baseline = json.load(open(args.baseline)) if args.baseline else None
+            with open(args.markdown, "w") as f:
+                f.write(markdown(results, baseline, args))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=2)
