@@ -46,6 +46,7 @@ const REQUIRED: &[&str] = &[
     "raftlock_proposals_committed_total",
     "raftlock_proposals_pending",
     "raftlock_fsync_duration_seconds_bucket",
+    "raftlock_commit_duration_seconds_bucket",
     "raftlock_locks_held",
     "raftlock_lock_waiters",
     "raftlock_lock_grants_total",

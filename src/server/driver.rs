@@ -111,6 +111,10 @@ impl NodeStatus {
     }
 }
 
+/// Batches awaiting commit that `raftlock_commit_duration_seconds` follows at once; beyond it
+/// the oldest is dropped unobserved.
+const COMMIT_MARKS_MAX: usize = 4096;
+
 /// A timed heartbeat not answered within this long is forgotten and the next one is timed.
 const HEARTBEAT_RTT_GIVE_UP: Duration = Duration::from_secs(2);
 
@@ -226,6 +230,11 @@ pub struct Driver {
     heartbeat_sent: HashMap<NodeId, Instant>,
     /// While leading: each other member's replication-lag gauges (entries, seconds).
     lag_gauges: HashMap<NodeId, (prometheus::IntGauge, prometheus::Gauge)>,
+    /// While leading: `(last index, when)` after each batch that appended entries, until the
+    /// entries are known committed (for `raftlock_commit_duration_seconds`); bounded.
+    commit_marks: std::collections::VecDeque<(crate::raft::Index, std::time::Instant)>,
+    /// When the batch of inputs being handled was taken from the queue.
+    batch_started: std::time::Instant,
     /// `publish_status`'s scratch buffer for the replication view.
     replication_buf: Vec<PeerReplication>,
     /// While leading: when the log's entries were appended (for `raftlock_replication_lag_seconds`).
@@ -297,6 +306,8 @@ impl Driver {
             heartbeat_sent: HashMap::new(),
             lag_gauges: HashMap::new(),
             replication_buf: Vec::new(),
+            commit_marks: std::collections::VecDeque::new(),
+            batch_started: std::time::Instant::now(),
             lag_clock: None,
         }
     }
@@ -313,12 +324,14 @@ impl Driver {
         loop {
             let result = tokio::select! {
                 _ = ticker.tick() => {
+                    self.batch_started = std::time::Instant::now();
                     let now = self.now();
                     self.poll_snapshot_job()
                         .and_then(|()| self.core.tick(now))
                 }
                 input = self.inputs.recv() => {
                     let Some(input) = input else { break };
+                    self.batch_started = std::time::Instant::now();
                     let mut batch = Vec::with_capacity(64);
                     batch.push(input);
                     while batch.len() < self.cfg.max_batch_inputs {
@@ -717,6 +730,22 @@ impl Driver {
                 }
             }
             clock.forget_before(min_matched);
+            if self.commit_marks.back().map_or(true, |&(i, _)| i < last_index) {
+                if self.commit_marks.len() == COMMIT_MARKS_MAX {
+                    self.commit_marks.pop_front();
+                }
+                // The entries were proposed by the batch or tick being finished.
+                let proposed = self.batch_started.min(now);
+                self.commit_marks.push_back((last_index, proposed));
+            }
+            while let Some(&(index, at)) = self.commit_marks.front() {
+                if index > commit_index {
+                    break;
+                }
+                m.commit_duration_seconds
+                    .observe(now.saturating_duration_since(at).as_secs_f64());
+                self.commit_marks.pop_front();
+            }
             self.lag_gauges.retain(|peer, _| {
                 let keep = replication.iter().any(|r| r.id == *peer);
                 if !keep {
@@ -726,6 +755,7 @@ impl Driver {
             });
         } else {
             self.lag_clock = None;
+            self.commit_marks.clear();
             for (gone, _) in self.lag_gauges.drain() {
                 remove_lag_series(m, gone);
             }

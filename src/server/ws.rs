@@ -536,8 +536,16 @@ pub async fn execute_here(op: ClientOp, conn: u64, state: &AppState) -> ClientRe
             .inc();
         return ClientReply::error(ErrorCode::Busy, "the node's request queue is full");
     }
-    rx.await
-        .unwrap_or_else(|_| ClientReply::error(ErrorCode::Unavailable, "node is shutting down"))
+    let started = std::time::Instant::now();
+    let reply = rx
+        .await
+        .unwrap_or_else(|_| ClientReply::error(ErrorCode::Unavailable, "node is shutting down"));
+    state
+        .metrics
+        .request_duration_seconds
+        .with_label_values(&[name])
+        .observe(started.elapsed().as_secs_f64());
+    reply
 }
 
 /// A request id for a request that came without one (seed 000's client sends none): unique per

@@ -26,6 +26,8 @@ pub struct NodeMetrics {
     pub proposals_failed_total: IntCounter,
     pub proposals_pending: IntGauge,
     pub fsync_duration_seconds: Histogram,
+    pub commit_duration_seconds: Histogram,
+    pub request_duration_seconds: HistogramVec,
     pub snapshots_total: IntCounterVec,
     pub locks_held: IntGauge,
     pub lock_waiters: IntGauge,
@@ -137,6 +139,19 @@ impl NodeMetrics {
                 "raftlock_fsync_duration_seconds",
                 "Duration of one storage flush (covers a whole Raft Ready).",
                 LATENCY_BUCKETS
+            )),
+            commit_duration_seconds: reg!(hist(
+                "raftlock_commit_duration_seconds",
+                "Leader only: from appending entries to its log to knowing them on a majority's disks.",
+                LATENCY_BUCKETS
+            )),
+            request_duration_seconds: reg!(HistogramVec::new(
+                HistogramOpts::new(
+                    "raftlock_request_duration_seconds",
+                    "From a client request entering the driver queue of the node that executes it to its answer (time queued for a lock included)."
+                )
+                .buckets(LATENCY_BUCKETS.to_vec()),
+                &["op"]
             )),
             snapshots_total: reg!(IntCounterVec::new(
                 Opts::new(
