@@ -26,12 +26,14 @@
 
 pub mod api;
 pub mod events;
+mod timed;
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use bytes::Bytes;
 
 use self::api::{ApiError, ClientOp, ClientReply, ErrorCode, QueuedInfo};
+use self::timed::{Deadline, TimedMap};
 use crate::lock::{Command, Event, FencingToken, LockStateMachine, Outcome, RejectCode};
 use crate::raft::{
     EntryPayload, Index, MembershipChange, Message, NodeId, ProposeError, Raft, Ready, Role,
@@ -251,6 +253,24 @@ struct Lease {
     expiry_proposed_at: Option<Micros>,
 }
 
+impl Deadline for Lease {
+    fn deadline(&self) -> Micros {
+        self.deadline
+    }
+    fn proposed_at(&self) -> Option<Micros> {
+        self.expiry_proposed_at
+    }
+}
+
+impl Deadline for WaitDeadline {
+    fn deadline(&self) -> Micros {
+        self.at
+    }
+    fn proposed_at(&self) -> Option<Micros> {
+        self.cancel_proposed_at
+    }
+}
+
 /// When the leader cancels a queued waiter (wait timeout or reclaim window).
 #[derive(Clone, Debug)]
 struct WaitDeadline {
@@ -283,8 +303,10 @@ pub struct NodeCore<S: Storage, R> {
     batch: Vec<(Command, Pending<R>)>,
     pending: BTreeMap<Index, Pending<R>>,
     waiting: BTreeMap<(String, String), Waiting<R>>,
-    leases: BTreeMap<String, Lease>,
-    wait_deadlines: BTreeMap<(String, String), WaitDeadline>,
+    /// Leader only: the lease of every held lock, and when each falls due.
+    leases: TimedMap<String, Lease>,
+    /// Leader only: when queued waiters are cancelled.
+    wait_deadlines: TimedMap<(String, String), WaitDeadline>,
     reads: BTreeMap<u64, (String, R)>,
     read_indexes: Vec<(Index, u64)>,
     next_read_ctx: u64,
@@ -316,6 +338,12 @@ impl<S: Storage, R> NodeCore<S, R> {
         cfg: NodeSettings,
         now: Micros,
     ) -> Self {
+        // Only builds that can switch known bugs on have the switch (see `bug`).
+        #[cfg(any(test, feature = "mutations"))]
+        let never_retry = cfg.bugs.housekeeping_never_retried;
+        #[cfg(not(any(test, feature = "mutations")))]
+        let never_retry = false;
+        let retry = cfg.housekeeping_retry_us;
         NodeCore {
             raft,
             storage,
@@ -326,8 +354,8 @@ impl<S: Storage, R> NodeCore<S, R> {
             batch: Vec::new(),
             pending: BTreeMap::new(),
             waiting: BTreeMap::new(),
-            leases: BTreeMap::new(),
-            wait_deadlines: BTreeMap::new(),
+            leases: TimedMap::new(retry, never_retry),
+            wait_deadlines: TimedMap::new(retry, never_retry),
             reads: BTreeMap::new(),
             read_indexes: Vec::new(),
             next_read_ctx: 0,
@@ -586,12 +614,17 @@ impl<S: Storage, R> NodeCore<S, R> {
             }
             let key = self.sm.waiter(&w.key, &id.0, &id.1).map(|w| w.key);
             if let Some(key) = key {
-                let entry = self.wait_deadlines.entry(id).or_insert(WaitDeadline {
-                    key,
-                    at: reclaim_at,
-                    cancel_proposed_at: None,
-                });
-                entry.at = entry.at.min(reclaim_at);
+                if self.wait_deadlines.contains_key(&id) {
+                    self.wait_deadlines
+                        .update(&id, |d| d.at = d.at.min(reclaim_at));
+                } else {
+                    let deadline = WaitDeadline {
+                        key,
+                        at: reclaim_at,
+                        cancel_proposed_at: None,
+                    };
+                    self.wait_deadlines.insert(id, deadline);
+                }
             }
         }
         for p in self.pending.values_mut() {
@@ -900,26 +933,19 @@ impl<S: Storage, R> NodeCore<S, R> {
     /// longer, in which its client can re-attach (README: "What RaftLock guarantees").
     fn rebuild_deadlines(&mut self) {
         let now = self.now;
-        self.leases = self
-            .sm
-            .held_locks()
-            .into_iter()
-            .map(|h| {
-                let full_ttl = if self.bug(|b| b.no_lease_wait_after_election) {
-                    0
-                } else {
-                    h.ttl_ms * MS
-                };
-                let lease = Lease {
-                    token: h.token,
-                    lease_index: h.lease_index,
-                    deadline: now + full_ttl,
-                    started: now,
-                    expiry_proposed_at: None,
-                };
-                (h.key, lease)
-            })
-            .collect();
+        self.leases.clear();
+        let no_wait = self.bug(|b| b.no_lease_wait_after_election);
+        for h in self.sm.held_locks() {
+            let full_ttl = if no_wait { 0 } else { h.ttl_ms * MS };
+            let lease = Lease {
+                token: h.token,
+                lease_index: h.lease_index,
+                deadline: now + full_ttl,
+                started: now,
+                expiry_proposed_at: None,
+            };
+            self.leases.insert(h.key, lease);
+        }
         self.wait_deadlines.clear();
         for w in self.sm.waiters() {
             let id = (w.client_id, w.request_id);
@@ -1446,7 +1472,8 @@ impl<S: Storage, R> NodeCore<S, R> {
             self.propose_limits_if_unset();
         }
         self.advance_log_clock();
-        for (key, lease) in &self.leases {
+        // Only the leases and waiters that are due are read (`TimedMap::due`), in key order.
+        for (key, lease) in self.leases.due(now) {
             if lease.deadline <= now && due(lease.expiry_proposed_at) {
                 commands.push(if only_token {
                     Command::Expire {
@@ -1463,7 +1490,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             }
         }
         let expiries = commands.len();
-        for ((client_id, request_id), d) in &self.wait_deadlines {
+        for ((client_id, request_id), d) in self.wait_deadlines.due(now) {
             if d.at <= now && due(d.cancel_proposed_at) {
                 commands.push(Command::CancelWait {
                     key: d.key.clone(),
@@ -1479,9 +1506,8 @@ impl<S: Storage, R> NodeCore<S, R> {
                 for cmd in &commands {
                     match cmd {
                         Command::Expire { key, .. } | Command::ExpireLease { key, .. } => {
-                            if let Some(l) = self.leases.get_mut(key) {
-                                l.expiry_proposed_at = Some(now);
-                            }
+                            self.leases
+                                .update(key, |l| l.expiry_proposed_at = Some(now));
                         }
                         Command::CancelWait {
                             client_id,
@@ -1489,9 +1515,8 @@ impl<S: Storage, R> NodeCore<S, R> {
                             ..
                         } => {
                             let id = (client_id.clone(), request_id.clone());
-                            if let Some(d) = self.wait_deadlines.get_mut(&id) {
-                                d.cancel_proposed_at = Some(now);
-                            }
+                            self.wait_deadlines
+                                .update(&id, |d| d.cancel_proposed_at = Some(now));
                         }
                         _ => {}
                     }

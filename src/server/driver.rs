@@ -730,7 +730,11 @@ impl Driver {
                 }
             }
             clock.forget_before(min_matched);
-            if self.commit_marks.back().map_or(true, |&(i, _)| i < last_index) {
+            if self
+                .commit_marks
+                .back()
+                .is_none_or(|&(i, _)| i < last_index)
+            {
                 if self.commit_marks.len() == COMMIT_MARKS_MAX {
                     self.commit_marks.pop_front();
                 }
