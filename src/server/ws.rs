@@ -811,7 +811,10 @@ fn reply_json(
     serde_json::to_string(&ok).unwrap_or_else(|e| {
         error_json(
             raw,
-            &ApiError::new(ErrorCode::Unavailable, format!("cannot write the reply: {e}")),
+            &ApiError::new(
+                ErrorCode::Unavailable,
+                format!("cannot write the reply: {e}"),
+            ),
         )
     })
 }
