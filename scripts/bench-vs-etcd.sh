@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # RaftLock against etcd on this machine, in one run: installs what is missing (etcd-server,
-# matplotlib), builds raftlock-bench with the etcd target, starts a three-node etcd cluster and a
-# three-node RaftLock cluster on 127.0.0.1 with their data on the same disk, runs the workloads
-# against each in alternation, and writes docs/bench/results.md, results.json and chart.png.
+# matplotlib, valgrind, websocket-client), builds raftlock-bench with the etcd target, starts a
+# three-node etcd cluster and a three-node RaftLock cluster on 127.0.0.1 with their data on the
+# same disk, runs the workloads against each in alternation, and writes docs/bench/results.md,
+# results.json and chart.png; then the CPU budget per lock cycle beside its baseline
+# (docs/bench/cpu-budget.md, scripts/cpu-budget.py) and the scale runs (docs/bench/scale.md,
+# `raftlock-bench scale`).
 #
-#   scripts/bench-vs-etcd.sh            # full run: 1, 8, 32, 128 clients, 5 s per run, 2 rounds
+#   scripts/bench-vs-etcd.sh            # full run: 1, 8, 32, 128, 512 clients, 5 s per run, 2 rounds
 #   scripts/bench-vs-etcd.sh --quick    # 1 and 32 clients, 2 s per run, 1 round
 #   scripts/bench-vs-etcd.sh -- --seconds 10   # extra options for `raftlock-bench compare`
 set -euo pipefail
@@ -21,9 +24,18 @@ fi
 # The Debian package may start an etcd service on the default ports; the benchmark uses its own
 # free ports and data directories, so a running service does not interfere.
 
+if ! command -v valgrind >/dev/null; then
+  echo "== installing valgrind"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends valgrind
+fi
+
 if ! python3 -c 'import matplotlib' 2>/dev/null; then
   echo "== installing matplotlib"
   python3 -m pip install --quiet matplotlib
+fi
+if ! python3 -c 'import websocket' 2>/dev/null; then
+  python3 -m pip install --quiet websocket-client
 fi
 
 # etcd-client generates its gRPC code at build time and needs protoc: use one from PATH or the
@@ -38,8 +50,12 @@ echo "== building"
 cargo build --release --features etcd --bin raftlock-bench --bin lock-node
 
 ARGS=()
+BUDGET_CYCLES=300
+SCALE=()
 if [ "${1:-}" = "--quick" ]; then
   ARGS=(--clients 1,32 --seconds 2 --rounds 1)
+  BUDGET_CYCLES=100
+  SCALE=(--connections 500 --locks 20000)
   shift
 fi
 if [ "${1:-}" = "--" ]; then shift; fi
@@ -47,4 +63,13 @@ if [ "${1:-}" = "--" ]; then shift; fi
 echo "== running"
 ./target/release/raftlock-bench compare "${ARGS[@]}" "$@" --out docs/bench
 python3 scripts/plot-bench.py docs/bench/results.json docs/bench/chart.png
-echo "== done: docs/bench/results.md, docs/bench/chart.png"
+
+echo "== CPU budget per lock cycle (callgrind)"
+python3 scripts/cpu-budget.py --cycles "$BUDGET_CYCLES" --json docs/bench/cpu-budget.json \
+  --markdown docs/bench/cpu-budget.md --baseline docs/bench/cpu-budget-baseline.json \
+  --baseline-label "$(python3 -c 'import json; print(json.load(open("docs/bench/cpu-budget-baseline.json"))["label"])')" \
+  --label "now" > /dev/null
+
+echo "== scale"
+./target/release/raftlock-bench scale "${SCALE[@]}" --out docs/bench
+echo "== done: docs/bench/results.md, chart.png, cpu-budget.md, scale.md"

@@ -19,6 +19,8 @@ parking each other (the async runtime, futexes) is counted as it happens under t
 may differ from a real multi-core run. The counts still move only when the code does.
 
 Usage: scripts/cpu-budget.py [--cycles 300] [--top 15] [--bin target/release/lock-node] [--json out.json]
+       [--markdown docs/bench/cpu-budget.md --baseline docs/bench/cpu-budget-baseline.json]
+(--markdown replaces the tables between the file's `<!-- budget tables -->` markers.)
 Needs valgrind (apt-get install valgrind) and websocket-client (pip).
 """
 
@@ -367,8 +369,16 @@ def main():
         print(json.dumps(results, indent=2))
         if args.markdown:
             baseline = json.load(open(args.baseline)) if args.baseline else None
+            tables = markdown(results, baseline, args)
+            begin, end = "<!-- budget tables -->\n", "<!-- end budget tables -->"
+            text = open(args.markdown).read() if os.path.exists(args.markdown) else ""
+            if begin in text and end in text:
+                # Only the tables between the markers are replaced; the prose around them stays.
+                text = text[:text.index(begin) + len(begin)] + tables + text[text.index(end):]
+            else:
+                text = begin + tables + end + "\n"
             with open(args.markdown, "w") as f:
-                f.write(markdown(results, baseline, args))
+                f.write(text)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=2)

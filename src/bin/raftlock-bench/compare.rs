@@ -219,7 +219,7 @@ pub fn loopback_floor(n: usize) -> Result<f64, String> {
     Ok(samples[n / 2])
 }
 
-fn machine() -> String {
+pub fn machine() -> String {
     let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
     let mem = std::fs::read_to_string("/proc/meminfo")
         .ok()
@@ -233,7 +233,7 @@ fn machine() -> String {
     format!("{cpus} CPUs, {mem} GiB RAM, Linux {}", kernel.trim())
 }
 
-fn today() -> String {
+pub fn today() -> String {
     Command::new("date")
         .arg("+%Y-%m-%d")
         .output()
@@ -391,5 +391,46 @@ fn markdown(report: &serde_json::Value) -> String {
     s.push_str(
         "\nRatios are RaftLock / etcd (throughput: higher is better; p99: lower is better).\n",
     );
+    s.push_str(&goals(&rows, 2.0 * (fsync + rtt) / 1000.0));
+    s
+}
+
+/// The performance goals, judged from this run's rows: at 32 clients, uncontended and
+/// contended, at least 10× etcd's throughput and at most ⅕ of its p99; one client's
+/// uncontended cycle (acquire + release, one after the other) within 2× the floor.
+fn goals(rows: &[serde_json::Value], floor_ms: f64) -> String {
+    let f = |v: &serde_json::Value| v.as_f64().unwrap_or(0.0);
+    let find = |workload: &str, clients: u64, target: &str| {
+        rows.iter().find(|r| {
+            r["workload"] == workload
+                && r["clients"].as_u64() == Some(clients)
+                && r["target"] == target
+        })
+    };
+    let verdict = |met: bool| if met { "met" } else { "not met" };
+    let mut s = String::from("\n## Goals\n\n| goal | measured | verdict |\n|---|---:|---|\n");
+    for workload in ["uncontended", "contended"] {
+        if let (Some(r), Some(e)) = (find(workload, 32, "raftlock"), find(workload, 32, "etcd")) {
+            let tr = f(&r["throughput"]) / f(&e["throughput"]).max(1e-9);
+            let pr = f(&r["p99_ms"]) / f(&e["p99_ms"]).max(1e-9);
+            s.push_str(&format!(
+                "| {workload}, 32 clients: throughput ≥ 10× etcd | {tr:.1}× | {} |\n",
+                verdict(tr >= 10.0)
+            ));
+            s.push_str(&format!(
+                "| {workload}, 32 clients: p99 ≤ ⅕ of etcd's | {pr:.2}× | {} |\n",
+                verdict(pr <= 0.2)
+            ));
+        }
+    }
+    if let Some(r) = find("uncontended", 1, "raftlock") {
+        let cycle_ms = 1000.0 / f(&r["throughput"]).max(1e-9);
+        s.push_str(&format!(
+            "| one client: a cycle ≤ 2× the floor ({:.2} ms) | {cycle_ms:.2} ms ({:.1}× the floor) | {} |\n",
+            2.0 * floor_ms,
+            cycle_ms / floor_ms.max(1e-9),
+            verdict(cycle_ms <= 2.0 * floor_ms)
+        ));
+    }
     s
 }

@@ -9,9 +9,14 @@
 //! - `load`: C concurrent clients taking locks on a running RaftLock or etcd cluster.
 //! - `compare`: RaftLock and etcd side by side in one run (see `scripts/bench-vs-etcd.sh`).
 //! - `tracing`: RaftLock with trace export off and on side by side in one run.
+//! - `latency`: where one client's lock cycle goes, from the nodes' own timings.
+//! - `scale`: many connections holding and renewing locks on one node, and a million held
+//!   locks (memory, snapshot, restart and catch-up), on clusters it starts itself.
 
 mod compare;
+mod latency;
 mod load;
+mod scale;
 mod tracing_cost;
 
 use std::collections::VecDeque;
@@ -72,7 +77,7 @@ enum Command {
     },
     /// Start three-node etcd and RaftLock clusters on loopback and compare them (A B A B).
     Compare {
-        #[arg(long, value_delimiter = ',', default_values_t = vec![1, 8, 32, 128])]
+        #[arg(long, value_delimiter = ',', default_values_t = vec![1, 8, 32, 128, 512])]
         clients: Vec<usize>,
         #[arg(long, value_enum, value_delimiter = ',', default_values_t = vec![load::Workload::Uncontended, load::Workload::Contended, load::Workload::Mixed])]
         workloads: Vec<load::Workload>,
@@ -89,6 +94,16 @@ enum Command {
         #[arg(long, default_value = "docs/bench")]
         out: std::path::PathBuf,
     },
+    /// Where one client's lock cycle goes: a three-node cluster, one uncontended client, and the
+    /// nodes' own timings (request in the leader, commit, flushes, round trips) from /metrics.
+    Latency {
+        /// Seconds of load.
+        #[arg(long, default_value_t = 10)]
+        seconds: u64,
+        /// Where the cluster keeps its data.
+        #[arg(long, default_value = "target/bench-data/latency")]
+        dir: std::path::PathBuf,
+    },
     /// Two RaftLock clusters side by side, trace export off and on (every span sent over OTLP
     /// to a receiver in this process): what tracing costs the hot path.
     Tracing {
@@ -103,6 +118,25 @@ enum Command {
         /// Where both clusters keep their data.
         #[arg(long, default_value = "target/bench-data")]
         dir: std::path::PathBuf,
+    },
+    /// Start RaftLock clusters and measure them at scale: N connections each holding and
+    /// renewing a lock on the leader; N held locks (memory, snapshot, restart, catch-up).
+    Scale {
+        /// WebSocket connections to the leader, each holding and renewing its own lock.
+        #[arg(long, default_value_t = 10_000)]
+        connections: usize,
+        /// Distinct locks held at once (the node holds at most 1,000,000).
+        #[arg(long, default_value_t = 1_000_000)]
+        locks: u64,
+        /// Run only one of the two parts.
+        #[arg(long, value_enum)]
+        only: Option<scale::Part>,
+        /// Where the clusters keep their data.
+        #[arg(long, default_value = "target/bench-data/scale")]
+        dir: std::path::PathBuf,
+        /// Where scale.md and scale.json are written.
+        #[arg(long, default_value = "docs/bench")]
+        out: std::path::PathBuf,
     },
     /// Resident memory per held lock and per waiter of the lock state machine (process RSS
     /// before and after, so allocator overhead is included; key bytes are subtracted).
@@ -345,6 +379,18 @@ fn main() {
                 }
             }
         }
+        Command::Latency { seconds, dir } => {
+            let args = latency::LatencyArgs {
+                seconds: seconds.max(1),
+                dir: dir.clone(),
+            };
+            let result = runtime().block_on(latency::latency(args));
+            let _ = std::fs::remove_dir_all(&dir);
+            if let Err(e) = result {
+                eprintln!("raftlock-bench: {e}");
+                std::process::exit(1);
+            }
+        }
         Command::Tracing {
             clients,
             seconds,
@@ -362,6 +408,31 @@ fn main() {
             let _ = std::fs::remove_dir_all(dir.join("tracing-on"));
             if let Err(e) = result {
                 eprintln!("raftlock-bench tracing: {e}");
+                std::process::exit(1);
+            }
+        }
+        Command::Scale {
+            connections,
+            locks,
+            only,
+            dir,
+            out,
+        } => {
+            let command_line = std::env::args()
+                .skip(1)
+                .fold(String::from("raftlock-bench"), |acc, a| acc + " " + &a);
+            let args = scale::ScaleArgs {
+                connections,
+                locks,
+                only,
+                dir: dir.clone(),
+                out,
+                command_line,
+            };
+            let result = runtime().block_on(scale::scale(args));
+            let _ = std::fs::remove_dir_all(&dir);
+            if let Err(e) = result {
+                eprintln!("raftlock-bench scale: {e}");
                 std::process::exit(1);
             }
         }
