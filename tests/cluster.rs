@@ -603,3 +603,62 @@ async fn peers_without_the_cluster_token_are_refused() {
         .unwrap();
     assert_eq!(s["voters"].as_array().unwrap().len(), 3, "{s}");
 }
+
+/// A follower that lost its data directory and is started again with its old flags refuses to
+/// start, saying why (it would vote without the entries it acknowledged, and the leader would
+/// never resend them); the rest of the cluster goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_voter_that_lost_its_data_refuses_to_start() {
+    let mut cluster = Cluster::start(3);
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let addr = cluster.node(leader).client_addr();
+    let mut ws = ws_connect(&addr).await;
+    let held = ws_request(&mut ws, &acquire("k", "c", "r1", 60_000)).await;
+    assert_eq!(held["success"], true, "{held}");
+    let follower = (1..=3).find(|&id| id != leader).unwrap();
+    // The leader must have matched the follower's log before the data goes.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = http_json(&addr, "/status").await.unwrap();
+        let matched = s["replication"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|r| r["id"] == follower)
+            .and_then(|r| r["matchIndex"].as_u64())
+            .unwrap_or(0);
+        if matched > 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "follower never matched: {s}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    cluster.node(follower).kill();
+    let data = cluster.node(follower).data_dir.clone();
+    std::fs::remove_dir_all(&data).unwrap();
+    cluster.node(follower).start();
+    let status = {
+        let child = cluster.node(follower).child.as_mut().unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "a node that lost its data kept running"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    cluster.node(follower).child = None;
+    assert!(!status.success());
+    let log = cluster.log_of(follower);
+    assert!(log.contains("lost its data"), "{log}");
+    // Nothing changed for the others: the lock is still held, the node is still a member.
+    let locks = http_json(&addr, "/locks").await.unwrap();
+    assert_eq!(locks["locks"][0]["holder"], "c", "{locks}");
+}

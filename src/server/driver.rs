@@ -233,6 +233,8 @@ pub struct Driver {
     /// While leading: `(last index, when)` after each batch that appended entries, until the
     /// entries are known committed (for `raftlock_commit_duration_seconds`); bounded.
     commit_marks: std::collections::VecDeque<(crate::raft::Index, std::time::Instant)>,
+    /// When the snapshot being built was handed to its thread.
+    snapshot_started: Option<std::time::Instant>,
     /// When the batch of inputs being handled was taken from the queue.
     batch_started: std::time::Instant,
     /// `publish_status`'s scratch buffer for the replication view.
@@ -308,6 +310,7 @@ impl Driver {
             replication_buf: Vec::new(),
             commit_marks: std::collections::VecDeque::new(),
             batch_started: std::time::Instant::now(),
+            snapshot_started: None,
             lag_clock: None,
         }
     }
@@ -556,7 +559,10 @@ impl Driver {
                             let _ = tx.send(job());
                         });
                     match spawned {
-                        Ok(_) => self.snapshot_job = Some(rx),
+                        Ok(_) => {
+                            self.snapshot_job = Some(rx);
+                            self.snapshot_started = Some(std::time::Instant::now());
+                        }
                         Err(err) => {
                             let now = self.now();
                             let failed = Err(StorageError::Io {
@@ -574,7 +580,7 @@ impl Driver {
         }
     }
 
-    fn observe(&self, o: Observation) {
+    fn observe(&mut self, o: Observation) {
         let m = &self.metrics;
         match o {
             Observation::BecameLeader { term } => {
@@ -619,13 +625,18 @@ impl Driver {
             Observation::ProposalFailed => m.proposals_failed_total.inc(),
             Observation::SnapshotTaken { index, bytes } => {
                 m.snapshots_total.with_label_values(&["taken"]).inc();
+                let took = self.snapshot_started.take().map(|at| at.elapsed());
+                if let Some(took) = took {
+                    m.snapshot_duration_seconds.observe(took.as_secs_f64());
+                }
+                let took_ms = took.map_or(0, |t| t.as_millis() as u64);
                 tracing::debug_span!(
                     "raft.snapshot",
                     kind = "taken",
                     index = index as i64,
                     bytes = bytes as i64
                 )
-                .in_scope(|| info!(index, bytes, "snapshot taken, log compacted"));
+                .in_scope(|| info!(index, bytes, took_ms, "snapshot taken, log compacted"));
             }
             Observation::SnapshotInstalled { index } => {
                 self.cfg.watch.reset(index);

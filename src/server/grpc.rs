@@ -447,6 +447,11 @@ impl ppb::peer_server::Peer for PeerApi {
             peer_set,
             peer_address,
             client_address,
+            match_index: s
+                .replication
+                .iter()
+                .map(|r| (r.id, r.match_index))
+                .collect(),
         }))
     }
 

@@ -24,7 +24,7 @@ use super::proto::seed004::lock_service_server::LockServiceServer as SeedLockSer
 use super::tls::{ClientTls, PeerTls, TlsFiles};
 use super::transport::{AddressBook, LocalIdentity, PeerDialer, PeerTransport};
 use crate::lock::{Limits, LockStateMachine};
-use crate::raft::{Config, InitialState, Membership, Raft};
+use crate::raft::{Config, InitialState, Membership, NodeId, Raft};
 use crate::storage::{SledStorage, Storage};
 use crate::telemetry::NodeMetrics;
 
@@ -147,6 +147,10 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
     let initial_members = cfg
         .initial_members()
         .map_err(|e| NodeError::Config(e.to_string()))?;
+
+    if fresh && !cfg.bootstrap && initial_members.len() > 1 {
+        refuse_if_data_lost(&cfg, &dialer, &initial_members).await?;
+    }
 
     // A StatefulSet runs every pod with the same flags: the pod named by `bootstrap_id` starts
     // the cluster, but only when no peer already belongs to one (its volume was lost, say).
@@ -563,6 +567,48 @@ async fn fetch_peer_list(
         .fetch_peer_list(request)
         .await?
         .into_inner())
+}
+
+/// A member of a static cluster (`--initial-cluster`) whose data directory is empty, while the
+/// cluster's leader has already matched its log, lost its data: started again under its old id it
+/// would vote without the entries it acknowledged (which can lose committed locks), and the
+/// leader, which knows it has them, would never send them again. Such a node refuses to start.
+/// Peers that cannot be reached, or that know no leader, prove nothing: the first start of a
+/// cluster goes on as before.
+async fn refuse_if_data_lost(
+    cfg: &NodeConfig,
+    dialer: &PeerDialer,
+    members: &std::collections::BTreeMap<NodeId, String>,
+) -> Result<(), NodeError> {
+    for (id, peer) in members.iter().filter(|(id, _)| **id != cfg.node_id) {
+        let Ok(reply) = fetch_peer_list(dialer, peer).await else {
+            continue;
+        };
+        // A follower names the leader; only the leader knows how far this node's log matched.
+        let reply =
+            if reply.leader_id != 0 && reply.leader_id != *id && !reply.leader_addr.is_empty() {
+                match fetch_peer_list(dialer, &reply.leader_addr).await {
+                    Ok(from_leader) => from_leader,
+                    Err(_) => reply,
+                }
+            } else {
+                reply
+            };
+        let matched = reply.match_index.get(&cfg.node_id).copied().unwrap_or(0);
+        if matched > 0 {
+            return Err(NodeError::Config(format!(
+                "node {} starts with an empty data directory ({}), but the cluster's leader (node \
+                 {}) holds its log as matched up to index {matched}: this node lost its data. A \
+                 voter that forgot its log must not vote. Restore the data directory, or remove \
+                 the member (`lockctl members remove --id {}`) and start this node with --join",
+                cfg.node_id,
+                cfg.data_dir.display(),
+                reply.leader_id,
+                cfg.node_id,
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Election timeouts only need to differ between nodes and restarts; this is the I/O shell, so

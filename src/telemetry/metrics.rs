@@ -27,6 +27,7 @@ pub struct NodeMetrics {
     pub proposals_pending: IntGauge,
     pub fsync_duration_seconds: Histogram,
     pub commit_duration_seconds: Histogram,
+    pub snapshot_duration_seconds: Histogram,
     pub request_duration_seconds: HistogramVec,
     pub snapshots_total: IntCounterVec,
     pub locks_held: IntGauge,
@@ -52,6 +53,9 @@ impl std::fmt::Debug for NodeMetrics {
     }
 }
 
+const SNAPSHOT_BUCKETS: &[f64] = &[
+    0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
 const LATENCY_BUCKETS: &[f64] = &[
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
     5.0, 10.0,
@@ -144,6 +148,11 @@ impl NodeMetrics {
                 "raftlock_commit_duration_seconds",
                 "Leader only: from appending entries to its log to knowing them on a majority's disks.",
                 LATENCY_BUCKETS
+            )),
+            snapshot_duration_seconds: reg!(hist(
+                "raftlock_snapshot_duration_seconds",
+                "Taking a snapshot: reading and encoding the state, writing it, compacting the log.",
+                SNAPSHOT_BUCKETS
             )),
             request_duration_seconds: reg!(HistogramVec::new(
                 HistogramOpts::new(

@@ -1077,8 +1077,17 @@ async fn locks_part(n: u64, base: &Path, run: &str) -> Result<Value, String> {
     // If the fill itself crossed the threshold, the snapshot's start was not seen: its time is
     // not measured (reported as such), only its size.
     let snapshot_during_fill = applied_after_fill >= threshold;
+    // The node times its own snapshots (raftlock_snapshot_duration_seconds); polling the
+    // counter below is only the fallback for nodes without that metric.
+    let snap_sum = "raftlock_snapshot_duration_seconds_sum";
+    let snap_count = "raftlock_snapshot_duration_seconds_count";
+    let (sum_before, count_before) = (
+        metric(&addr, snap_sum).await.unwrap_or(0.0),
+        metric(&addr, snap_count).await.unwrap_or(0.0),
+    );
     let mut crossed = None;
-    let mut snapshot_seconds = None;
+    let mut snapshot_seconds =
+        (snapshot_during_fill && count_before > 0.0).then(|| sum_before / count_before);
     let snap_deadline = Instant::now() + Duration::from_secs(600);
     while !snapshot_during_fill && Instant::now() < snap_deadline {
         if crossed.is_none() {
@@ -1089,7 +1098,14 @@ async fn locks_part(n: u64, base: &Path, run: &str) -> Result<Value, String> {
             }
         }
         if metric(&addr, taken).await.unwrap_or(0.0) > taken_during_fill {
-            snapshot_seconds = Some(crossed.unwrap_or(pad_start).elapsed().as_secs_f64());
+            let polled = crossed.unwrap_or(pad_start).elapsed().as_secs_f64();
+            let sum = metric(&addr, snap_sum).await.unwrap_or(0.0);
+            let count = metric(&addr, snap_count).await.unwrap_or(0.0);
+            snapshot_seconds = Some(if count > count_before {
+                (sum - sum_before) / (count - count_before)
+            } else {
+                polled
+            });
             break;
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
@@ -1149,9 +1165,44 @@ async fn locks_part(n: u64, base: &Path, run: &str) -> Result<Value, String> {
         std::fs::remove_dir_all(&data).map_err(|e| format!("{}: {e}", data.display()))?;
         let started = Instant::now();
         procs.0[f2] = respawn(&argv, &node_env, &log)?;
-        let same_id = time_catch_up(&endpoints[f2], started, commit, WIPED_SAME_ID_WAIT).await;
+        // A lock-node that sees it lost its data refuses to start: wait for that first.
+        let mut refused = None;
+        while started.elapsed() < WIPED_SAME_ID_WAIT {
+            if let Ok(Some(exit)) = procs.0[f2].try_wait() {
+                refused = Some(exit);
+                break;
+            }
+            if let Ok(s) = status(&endpoints[f2]).await {
+                if field(&s, "appliedIndex") >= commit {
+                    break;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let same_id = match refused {
+            Some(exit) => Ok(Err(exit)),
+            None => time_catch_up(
+                &endpoints[f2],
+                started,
+                commit,
+                WIPED_SAME_ID_WAIT.saturating_sub(started.elapsed()),
+            )
+            .await
+            .map(Ok),
+        };
         let same_id = match same_id {
-            Ok((_, caught, _)) => json!({"caught_up": true, "caught_up_s": caught}),
+            Ok(Err(exit)) => {
+                let said = std::fs::read_to_string(&log).ok().and_then(|text| {
+                    text.lines()
+                        .rev()
+                        .find(|l| l.contains("lost its data"))
+                        .map(str::to_string)
+                });
+                json!({"caught_up": false, "refused_to_start": true,
+                       "after_s": started.elapsed().as_secs_f64(),
+                       "exit_code": exit.code(), "message": said})
+            }
+            Ok(Ok((_, caught, _))) => json!({"caught_up": true, "caught_up_s": caught}),
             Err(_) => {
                 let s = status(&endpoints[f2]).await.unwrap_or(Value::Null);
                 let leader_view = status(&addr).await.unwrap_or(Value::Null);
@@ -1411,10 +1462,10 @@ fn markdown(r: &Value) -> String {
                 ("leader RSS before / after fill", format!("{} / {}", mib(&l["leader_rss_before_bytes"]), mib(&l["leader_rss_after_fill_bytes"])), format!("after the snapshot: {}; a follower: {} / {}", mib(&l["leader_rss_after_snapshot_bytes"]), mib(&l["follower_rss_before_bytes"]), mib(&l["follower_rss_after_fill_bytes"]))),
                 ("bytes per held lock", num(&l["bytes_per_lock"], 0), "(after fill − before) / locks: the lock, its lease timer, the exactly-once answer kept for the acquire, and the log entries not yet compacted".into()),
                 ("snapshot size", mib(&l["snapshot_bytes"]), "the encoded state the leader sends a follower (from its `snapshot taken` log line); the state itself lives in the sled data directory".into()),
-                ("snapshot time", if l["snapshot_threshold_crossed_by_fill"] == true { "not measured".into() } else { format!("{} s", num(&l["snapshot_seconds"], 2)) }, "applied index reached the threshold → `raftlock_snapshots_total{kind=\"taken\"}` went up (polled every 25 ms): reading the state, encoding it, compacting the log".into()),
+                ("snapshot time", if l["snapshot_seconds"].is_null() { "not measured".into() } else { format!("{} s", num(&l["snapshot_seconds"], 2)) }, "the leader's own timing (`raftlock_snapshot_duration_seconds`): reading the state, encoding it, writing it, compacting the log; the snapshot is built on its own thread while the node goes on serving".into()),
                 ("leader data directory", format!("{} / {}", mib(&l["leader_data_dir_after_fill_bytes"]), mib(&l["leader_data_dir_after_snapshot_bytes"])), "on disk (allocated blocks) after the fill / 5 s after the snapshot".into()),
                 ("follower restart", format!("{} s", num(&rs["caught_up_s"], 2)), format!("SIGKILL, start again → its /status shows a leader and applied index ≥ the leader's commit index at the kill ({}); first /status answer after {} s. {}", rs["commit_index_at_kill"], num(&rs["first_status_answer_s"], 2), rs["error"].as_str().unwrap_or(""))),
-                ("wiped follower, same flags", if wf["same_id_without_removal"]["caught_up"] == true { format!("{} s", num(&wf["same_id_without_removal"]["caught_up_s"], 2)) } else { "never caught up".into() }, format!("SIGKILL, data directory deleted, started again with its old flags (same id, --initial-cluster), which Raft does not provide for: {}", wf["same_id_without_removal"])),
+                ("wiped follower, same flags", if wf["same_id_without_removal"]["refused_to_start"] == true { format!("refused to start ({} s)", num(&wf["same_id_without_removal"]["after_s"], 2)) } else if wf["same_id_without_removal"]["caught_up"] == true { format!("{} s", num(&wf["same_id_without_removal"]["caught_up_s"], 2)) } else { "never caught up".into() }, format!("SIGKILL, data directory deleted, started again with its old flags (same id, --initial-cluster): a voter that forgot the entries it acknowledged must not vote, so the node refuses to start and says why: {}", wf["same_id_without_removal"])),
                 ("follower catch-up from empty", format!("{} s", num(&wf["caught_up_s"], 2)), format!("the documented way: wiped node removed from the members through the leader's peer port, started again with `--join` → caught up to {} (snapshots installed: {}; locks held there: {}; its data directory then {}). {}", wf["commit_index_at_join"], wf["snapshots_installed"], wf["locks_held"], mib(&wf["data_dir_bytes"]), wf["error"].as_str().unwrap_or(""))),
             ];
             s.push_str("| measure | value | what it means |\n|---|---:|---|\n");
