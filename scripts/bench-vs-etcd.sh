@@ -70,6 +70,15 @@ python3 scripts/cpu-budget.py --cycles "$BUDGET_CYCLES" --json docs/bench/cpu-bu
   --baseline-label "$(python3 -c 'import json; print(json.load(open("docs/bench/cpu-budget-baseline.json"))["label"])')" \
   --label "now" > /dev/null
 
+echo "== one client's cycle against the nodes' own timings"
+{
+  echo "# Where one client's lock cycle goes"
+  echo
+  echo "$(date +%F) · \`raftlock-bench latency --seconds 10\` (see docs/bench/cpu-budget.md for what each part costs in instructions)"
+  echo
+  ./target/release/raftlock-bench latency --seconds 10
+} > docs/bench/latency.md
+
 echo "== scale"
 ./target/release/raftlock-bench scale "${SCALE[@]}" --out docs/bench
-echo "== done: docs/bench/results.md, chart.png, cpu-budget.md, scale.md"
+echo "== done: docs/bench/results.md, chart.png, cpu-budget.md, latency.md, scale.md"

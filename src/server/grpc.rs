@@ -288,6 +288,8 @@ pub struct PeerApi {
     /// old id cannot be fed the log (and vote) as if it remembered its term — the leader refuses
     /// its join until an operator removes the old member.
     pub admitted: Arc<AtomicBool>,
+    /// `raftlock_request_duration_seconds` for requests forwarded here by other nodes.
+    pub request_duration: prometheus::HistogramVec,
 }
 
 impl PeerApi {
@@ -559,14 +561,22 @@ impl ppb::peer_server::Peer for PeerApi {
             conn,
         };
         let (tx, rx) = oneshot::channel();
+        let name = op.name();
         let reply = match self.driver.try_send(Input::Client {
             op,
             conn,
             reply: tx,
         }) {
-            Ok(()) => rx.instrument(span.clone()).await.unwrap_or_else(|_| {
-                ClientReply::error(ErrorCode::Unavailable, "node is shutting down")
-            }),
+            Ok(()) => {
+                let started = std::time::Instant::now();
+                let reply = rx.instrument(span.clone()).await.unwrap_or_else(|_| {
+                    ClientReply::error(ErrorCode::Unavailable, "node is shutting down")
+                });
+                self.request_duration
+                    .with_label_values(&[name])
+                    .observe(started.elapsed().as_secs_f64());
+                reply
+            }
             Err(_) => ClientReply::error(ErrorCode::Busy, "the leader's request queue is full"),
         };
         super::ws::finish_span(&span, &reply);

@@ -272,6 +272,7 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
         refused: metrics.peer_connections_refused_total.clone(),
         status: status_rx.clone(),
         admitted: admitted.clone(),
+        request_duration: metrics.request_duration_seconds.clone(),
     };
     let peer_service = PeerServer::new(peer_api)
         .max_decoding_message_size(cfg.max_message_bytes)

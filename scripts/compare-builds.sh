@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Two builds of lock-node side by side on this machine: a three-node cluster of each on
+# 127.0.0.1, the same raftlock-bench load against each in alternation (A B A B ...), so that
+# whatever else the machine does falls on both. For "did this change make it faster?".
+#
+#   scripts/compare-builds.sh OLD_LOCK_NODE NEW_LOCK_NODE [clients] [workload] [rounds]
+#
+# e.g. build the old commit in a worktree first:
+#   git worktree add /tmp/old <commit> && (cd /tmp/old && CARGO_TARGET_DIR=/tmp/old-target cargo build --release --bin lock-node)
+#   scripts/compare-builds.sh /tmp/old-target/release/lock-node target/release/lock-node 8 contended 3
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OLD=${1:?old lock-node}; NEW=${2:?new lock-node}
+CLIENTS=${3:-1}; WORKLOAD=${4:-uncontended}; ROUNDS=${5:-3}
+BENCH=target/release/raftlock-bench
+[ -x "$BENCH" ] || cargo build --release --bin raftlock-bench
+WORK=$(mktemp -d)
+cleanup() {
+  if [ -f "$WORK/pids" ]; then kill $(cat "$WORK/pids") 2>/dev/null || true; fi
+  sleep 1; rm -rf "$WORK"
+}
+trap cleanup EXIT
+port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
+start() { # name binary -> prints the client endpoints
+  local name=$1 bin=$2 peers=() clients=() initial=""
+  for i in 1 2 3; do peers+=("$(port)"); clients+=("$(port)"); done
+  for i in 1 2 3; do initial+="${initial:+,}$i=127.0.0.1:${peers[$((i-1))]}"; done
+  for i in 1 2 3; do
+    "$bin" --node-id "$i" --data-dir "$WORK/$name$i" --peer-listen "127.0.0.1:${peers[$((i-1))]}" \
+      --client-listen "127.0.0.1:${clients[$((i-1))]}" --initial-cluster "$initial" \
+      >"$WORK/$name$i.log" 2>&1 &
+    echo $! >>"$WORK/pids"
+  done
+  echo "127.0.0.1:${clients[0]},127.0.0.1:${clients[1]},127.0.0.1:${clients[2]}"
+}
+A=$(start old "$OLD"); B=$(start new "$NEW")
+sleep 5
+for r in $(seq "$ROUNDS"); do
+  for side in old new; do
+    if [ $side = old ]; then E=$A; else E=$B; fi
+    printf '%s round %s: ' "$side" "$r"
+    "$BENCH" load --endpoints "$E" --clients "$CLIENTS" --workload "$WORKLOAD" --duration 5s 2>&1 \
+      | grep -v hand-off | tail -1
+  done
+done
