@@ -320,15 +320,24 @@ pub async fn compare(args: CompareArgs) -> Result<(), String> {
         "floor": {"fsync_p50_us": fsync_p50, "fsync_p99_us": fsync_p99, "loopback_rtt_p50_us": rtt},
         "rows": rows,
     });
-    let json_path = args.out.join("results.json");
+    write_report(&args.out, "results", &report, &markdown(&report))
+}
+
+/// Writes `<stem>.json` and `<stem>.md` into `out` and prints the markdown.
+pub fn write_report(
+    out: &Path,
+    stem: &str,
+    report: &serde_json::Value,
+    md: &str,
+) -> Result<(), String> {
+    let json_path = out.join(format!("{stem}.json"));
     std::fs::write(
         &json_path,
-        serde_json::to_string_pretty(&report).unwrap_or_default(),
+        serde_json::to_string_pretty(report).unwrap_or_default() + "\n",
     )
     .map_err(|e| format!("{}: {e}", json_path.display()))?;
-    let md = markdown(&report);
-    let md_path = args.out.join("results.md");
-    std::fs::write(&md_path, &md).map_err(|e| format!("{}: {e}", md_path.display()))?;
+    let md_path = out.join(format!("{stem}.md"));
+    std::fs::write(&md_path, md).map_err(|e| format!("{}: {e}", md_path.display()))?;
     println!("{md}");
     println!("wrote {} and {}", md_path.display(), json_path.display());
     Ok(())

@@ -149,6 +149,13 @@ enum Command {
     },
 }
 
+/// This invocation as written, for the reports.
+fn command_line() -> String {
+    std::env::args()
+        .skip(1)
+        .fold(String::from("raftlock-bench"), |acc, a| acc + " " + &a)
+}
+
 /// Resident set size of this process, from /proc/self/statm (pages of 4 KiB).
 fn rss_bytes() -> u64 {
     std::fs::read_to_string("/proc/self/statm")
@@ -418,9 +425,7 @@ fn main() {
             dir,
             out,
         } => {
-            let command_line = std::env::args()
-                .skip(1)
-                .fold(String::from("raftlock-bench"), |acc, a| acc + " " + &a);
+            let command_line = command_line();
             let args = scale::ScaleArgs {
                 connections,
                 locks,
@@ -444,9 +449,7 @@ fn main() {
             dir,
             out,
         } => {
-            let command_line = std::env::args()
-                .skip(1)
-                .fold(String::from("raftlock-bench"), |acc, a| acc + " " + &a);
+            let command_line = command_line();
             let _ = std::fs::remove_dir_all(&dir);
             let args = compare::CompareArgs {
                 clients,

@@ -23,11 +23,10 @@ use std::time::{Duration, Instant};
 use futures::{SinkExt, StreamExt};
 use hdrhistogram::Histogram;
 use serde_json::{json, Value};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_tungstenite::tungstenite::Message;
 
-use crate::compare::{machine, start_raftlock, today, wait_ready, Procs};
+use crate::compare::{machine, start_raftlock, today, wait_ready, write_report, Procs};
 use crate::load::{new_hist, Target};
 
 type Ws =
@@ -152,62 +151,11 @@ fn dir_size(path: &Path) -> u64 {
     total
 }
 
-/// A plain HTTP/1.1 GET on the node's client port; returns (status, body).
+/// A GET on the node's client port through the SDK's HTTP client; returns (status, body).
 async fn http_get(addr: &str, path: &str) -> Result<(u16, String), String> {
-    let fetch = async {
-        let mut s = tokio::net::TcpStream::connect(addr)
-            .await
-            .map_err(|e| format!("GET {addr}{path}: {e}"))?;
-        let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
-        s.write_all(req.as_bytes())
-            .await
-            .map_err(|e| format!("GET {addr}{path}: {e}"))?;
-        let mut buf = Vec::new();
-        s.take(64 << 20)
-            .read_to_end(&mut buf)
-            .await
-            .map_err(|e| format!("GET {addr}{path}: {e}"))?;
-        Ok::<_, String>(buf)
-    };
-    let buf = tokio::time::timeout(Duration::from_secs(5), fetch)
+    raftlock::client::http::request(addr, "GET", path, None, Duration::from_secs(5))
         .await
-        .map_err(|_| format!("GET {addr}{path}: timed out"))??;
-    let text = String::from_utf8_lossy(&buf);
-    let (head, body) = text
-        .split_once("\r\n\r\n")
-        .ok_or_else(|| format!("GET {addr}{path}: no HTTP response"))?;
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse::<u16>().ok())
-        .unwrap_or(0);
-    let chunked = head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked");
-    let body = if chunked {
-        dechunk(body)
-    } else {
-        body.to_string()
-    };
-    Ok((status, body))
-}
-
-fn dechunk(mut s: &str) -> String {
-    let mut out = String::new();
-    for _ in 0..1_000_000 {
-        let Some((size, rest)) = s.split_once("\r\n") else {
-            break;
-        };
-        let Ok(n) = usize::from_str_radix(size.trim(), 16) else {
-            break;
-        };
-        if n == 0 || rest.len() < n {
-            break;
-        }
-        out.push_str(&rest[..n]);
-        s = rest[n..].trim_start_matches("\r\n");
-    }
-    out
+        .map_err(|e| format!("GET {addr}{path}: {e}"))
 }
 
 async fn status(addr: &str) -> Result<Value, String> {
@@ -1361,17 +1309,7 @@ pub async fn scale(args: ScaleArgs) -> Result<(), String> {
         "connections": connections,
         "locks": locks,
     });
-    let json_path = args.out.join("scale.json");
-    std::fs::write(
-        &json_path,
-        serde_json::to_string_pretty(&report).unwrap_or_default() + "\n",
-    )
-    .map_err(|e| format!("{}: {e}", json_path.display()))?;
-    let md = markdown(&report);
-    let md_path = args.out.join("scale.md");
-    std::fs::write(&md_path, &md).map_err(|e| format!("{}: {e}", md_path.display()))?;
-    println!("{md}");
-    println!("wrote {} and {}", md_path.display(), json_path.display());
+    write_report(&args.out, "scale", &report, &markdown(&report))?;
     if failed.is_empty() {
         Ok(())
     } else {
