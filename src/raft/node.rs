@@ -25,6 +25,9 @@ use super::types::{
     Snapshot, SnapshotMeta, Term,
 };
 
+/// Heartbeat answers that may pass before a snapshot chunk without an answer is sent again.
+const SNAPSHOT_RETRY_HEARTBEATS: u32 = 3;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Role {
     Follower,
@@ -1222,7 +1225,15 @@ impl Raft {
         }
         let behind = pr.match_index < last_index;
         match state {
-            ProgressState::Snapshot => self.send_snapshot_chunk(from),
+            ProgressState::Snapshot => {
+                // The chunk in flight is answered by its own response; only when that has not
+                // come for a few heartbeat rounds is it taken as lost and sent again.
+                let pr = self.progress.get_mut(&from).expect("checked above");
+                pr.snapshot_waits += 1;
+                if pr.snapshot_waits >= SNAPSHOT_RETRY_HEARTBEATS {
+                    self.send_snapshot_chunk(from);
+                }
+            }
             _ if behind => self.send_append(from, true),
             _ => {}
         }
@@ -1330,6 +1341,7 @@ impl Raft {
             // A newer snapshot replaced the one being sent: start over with it.
             pr.become_snapshot(snapshot.meta.index);
         }
+        pr.snapshot_waits = 0;
         let len = snapshot.data.len() as u64;
         let offset = pr.snapshot_offset.min(len);
         let end = (offset + self.cfg.snapshot_chunk_bytes as u64).min(len);
@@ -1362,7 +1374,13 @@ impl Raft {
             self.send(from, body);
             return;
         }
-        if offset == 0 {
+        // A copy of the first chunk (sent again while its answer was on the way) must not throw
+        // away what has arrived since.
+        let resumed = self
+            .incoming_snapshot
+            .as_ref()
+            .is_some_and(|inc| inc.meta == meta && !inc.data.is_empty());
+        if offset == 0 && !resumed {
             self.incoming_snapshot = Some(IncomingSnapshot {
                 meta: meta.clone(),
                 data: Vec::new(),
@@ -1436,10 +1454,15 @@ impl Raft {
             pr.become_probe(snapshot_index + 1);
             self.maybe_commit();
             self.send_append(from, true);
-        } else {
+        } else if next_offset != pr.snapshot_offset {
+            // Forward: the chunk in flight arrived, send the next. Backward: the follower lost
+            // what it had (it restarted), go back to where it is.
             pr.snapshot_offset = next_offset;
             self.send_snapshot_chunk(from);
         }
+        // Equal: the answer to a copy; the chunk at this offset is in flight already, and the
+        // heartbeat rounds send it again if it was lost. Sending it here too would start a
+        // second stream of chunks beside the first, and every copy would add another.
     }
 
     // ----- membership (dissertation §4) ------------------------------------------------------

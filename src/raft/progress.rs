@@ -36,6 +36,9 @@ pub struct Progress {
     /// In `Snapshot`: which snapshot is being sent and where the next chunk starts.
     pub snapshot_index: Index,
     pub snapshot_offset: u64,
+    /// In `Snapshot`: heartbeat answers received since the chunk at `snapshot_offset` was sent.
+    /// The chunk is sent again only when enough of them pass without its answer.
+    pub snapshot_waits: u32,
 }
 
 impl Progress {
@@ -50,6 +53,7 @@ impl Progress {
             read_ack: 0,
             snapshot_index: 0,
             snapshot_offset: 0,
+            snapshot_waits: 0,
         }
     }
 
@@ -71,6 +75,7 @@ impl Progress {
         self.state = ProgressState::Snapshot;
         self.snapshot_index = snapshot_index;
         self.snapshot_offset = 0;
+        self.snapshot_waits = 0;
         self.inflight.clear();
     }
 

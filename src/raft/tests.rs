@@ -109,6 +109,33 @@ impl Net {
         }
     }
 
+    /// Like `tick_all`, but every message takes one tick to arrive: what a tick sends is
+    /// delivered at the start of the next, so heartbeats overlap slower exchanges.
+    /// `lose` picks messages the network drops.
+    fn tick_with_latency(&mut self, ticks: u32, mut lose: impl FnMut(&Message) -> bool) {
+        for _ in 0..ticks {
+            let in_flight = self.queue.len();
+            for _ in 0..in_flight {
+                let msg = self.queue.pop_front().unwrap();
+                if self.blocked.contains(&msg.from) || self.blocked.contains(&msg.to) || lose(&msg)
+                {
+                    continue;
+                }
+                self.log.push(msg.clone());
+                let to = msg.to;
+                if let Some(raft) = self.nodes.get_mut(&to) {
+                    raft.step(msg);
+                    self.process(to);
+                }
+            }
+            let ids: Vec<NodeId> = self.nodes.keys().copied().collect();
+            for id in ids {
+                self.raft(id).tick();
+                self.process(id);
+            }
+        }
+    }
+
     fn elect(&mut self, id: NodeId) {
         self.raft(id).campaign_now();
         self.process(id);
@@ -589,6 +616,94 @@ fn snapshot_install_for_a_lagging_follower() {
         net.raft(3).latest_snapshot().map(|s| s.data.clone()),
         Some(data)
     );
+}
+
+// Reference: §5.7 — a snapshot of many chunks sent over a network slower than the heartbeat:
+// each chunk goes out once (plus a retry when it is lost), not again with every heartbeat answer.
+// Regression: every heartbeat answer used to send the current chunk once more, and each answer to
+// such a copy sent the next one, so copies multiplied until the peer's queue was full and a large
+// snapshot never arrived.
+#[test]
+fn snapshot_chunks_are_not_multiplied_by_heartbeats() {
+    let mut net = Net::new(3, true);
+    net.raft(1).set_snapshot_chunk_bytes(1024);
+    net.elect(1);
+    net.blocked.insert(3);
+    for _ in 0..30 {
+        net.propose(1, b"x");
+    }
+    let applied = net.raft(1).applied_index();
+    let chunks = 60;
+    let data = Bytes::from(vec![9u8; chunks * 1024]);
+    assert!(net.raft(1).compact(applied, data.clone()));
+    net.blocked.clear();
+    net.log.clear();
+    // One chunk per round trip (two ticks) and a heartbeat every two ticks.
+    net.tick_with_latency(4 * chunks as u32, |_| false);
+    assert_eq!(
+        net.raft(3).snapshot_index(),
+        applied,
+        "snapshot not installed"
+    );
+    assert_eq!(
+        net.raft(3).latest_snapshot().map(|s| s.data.clone()),
+        Some(data)
+    );
+    let sent = net
+        .log
+        .iter()
+        .filter(|m| matches!(m.body, MessageBody::InstallSnapshot { .. }) && m.to == 3)
+        .count();
+    assert!(
+        sent <= chunks + chunks / 4,
+        "{sent} chunk messages for a snapshot of {chunks} chunks"
+    );
+    assert!(net.raft(1).is_leader());
+}
+
+// Reference: §5.7 — a lost chunk, or a lost answer to one, is sent again after a few heartbeat
+// rounds, and the snapshot still arrives whole.
+#[test]
+fn lost_snapshot_chunks_are_sent_again() {
+    let mut net = Net::new(3, true);
+    net.raft(1).set_snapshot_chunk_bytes(1024);
+    net.elect(1);
+    net.blocked.insert(3);
+    for _ in 0..30 {
+        net.propose(1, b"x");
+    }
+    let applied = net.raft(1).applied_index();
+    let chunks = 40;
+    let data = Bytes::from(
+        (0..chunks * 1024)
+            .map(|i| (i % 251) as u8)
+            .collect::<Vec<u8>>(),
+    );
+    assert!(net.raft(1).compact(applied, data.clone()));
+    net.blocked.clear();
+    // Every fifth chunk and every seventh answer to one is lost.
+    let (mut chunk_no, mut answer_no) = (0, 0);
+    net.tick_with_latency(12 * chunks as u32, |m| match m.body {
+        MessageBody::InstallSnapshot { .. } => {
+            chunk_no += 1;
+            chunk_no % 5 == 0
+        }
+        MessageBody::InstallSnapshotResponse { .. } => {
+            answer_no += 1;
+            answer_no % 7 == 0
+        }
+        _ => false,
+    });
+    assert_eq!(
+        net.raft(3).snapshot_index(),
+        applied,
+        "snapshot not installed"
+    );
+    assert_eq!(
+        net.raft(3).latest_snapshot().map(|s| s.data.clone()),
+        Some(data)
+    );
+    assert!(net.raft(1).is_leader());
 }
 
 // Reference: dissertation §9.6 — with PreVote a node rejoining after a partition does not make a

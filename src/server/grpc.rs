@@ -356,16 +356,29 @@ impl ppb::peer_server::Peer for PeerApi {
         self.speaks_for(&request, from)?;
         // A stream may set only its own node's addresses, and only a member's: under TLS the
         // certificate binds it to that node; without TLS the cluster token is the guard.
-        let member = {
-            let s = self.status.borrow();
-            s.voters.contains(&from) || s.learners.contains(&from)
+        // A stream can open before this node knows its sender as a member (a node that has not
+        // caught up with the configuration yet): look again with each message until it is one,
+        // or the sender's client address would stay unknown for as long as the stream lives.
+        let peer_addr = header(PEER_ADDR_HEADER);
+        let client_addr = header(CLIENT_ADDR_HEADER);
+        let mut learned = false;
+        let learn_if_member = |learned: &mut bool| {
+            if *learned {
+                return;
+            }
+            let member = {
+                let s = self.status.borrow();
+                s.voters.contains(&from) || s.learners.contains(&from)
+            };
+            if member {
+                self.addresses.learn(from, &peer_addr, &client_addr);
+                *learned = true;
+            }
         };
-        if member {
-            self.addresses
-                .learn(from, &header(PEER_ADDR_HEADER), &header(CLIENT_ADDR_HEADER));
-        }
+        learn_if_member(&mut learned);
         let mut stream = request.into_inner();
         while let Some(next) = stream.message().await? {
+            learn_if_member(&mut learned);
             match message_from_pb(next) {
                 Ok(_) if !self.admitted.load(Ordering::Acquire) => {
                     debug!(
