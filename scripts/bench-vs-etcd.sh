@@ -3,7 +3,8 @@
 # matplotlib, valgrind, websocket-client), builds raftlock-bench with the etcd target, starts a
 # three-node etcd cluster and a three-node RaftLock cluster on 127.0.0.1 with their data on the
 # same disk, runs the workloads against each in alternation, and writes docs/bench/results.md,
-# results.json and chart.png; then the CPU budget per lock cycle beside its baseline
+# results.json and chart.png; the same with five nodes in each cluster (docs/bench/five-nodes/);
+# then the CPU budget per lock cycle beside its baseline
 # (docs/bench/cpu-budget.md, scripts/cpu-budget.py) and the scale runs (docs/bench/scale.md,
 # `raftlock-bench scale`).
 #
@@ -50,10 +51,12 @@ echo "== building"
 cargo build --release --features etcd --bin raftlock-bench --bin lock-node
 
 ARGS=()
+FIVE=(--clients 1,32,128 --workloads uncontended,contended)
 BUDGET_CYCLES=300
 SCALE=()
 if [ "${1:-}" = "--quick" ]; then
   ARGS=(--clients 1,32 --seconds 2 --rounds 1)
+  FIVE=(--clients 32 --workloads uncontended --seconds 2 --rounds 1)
   BUDGET_CYCLES=100
   SCALE=(--connections 500 --locks 20000)
   shift
@@ -63,6 +66,10 @@ if [ "${1:-}" = "--" ]; then shift; fi
 echo "== running"
 ./target/release/raftlock-bench compare "${ARGS[@]}" "$@" --out docs/bench
 python3 scripts/plot-bench.py docs/bench/results.json docs/bench/chart.png
+
+echo "== five nodes in each cluster"
+mkdir -p docs/bench/five-nodes
+./target/release/raftlock-bench compare --nodes 5 "${FIVE[@]}" --out docs/bench/five-nodes
 
 echo "== CPU budget per lock cycle (callgrind)"
 python3 scripts/cpu-budget.py --cycles "$BUDGET_CYCLES" --json docs/bench/cpu-budget.json \
@@ -81,4 +88,4 @@ echo "== one client's cycle against the nodes' own timings"
 
 echo "== scale"
 ./target/release/raftlock-bench scale "${SCALE[@]}" --out docs/bench
-echo "== done: docs/bench/results.md, chart.png, cpu-budget.md, latency.md, scale.md"
+echo "== done: docs/bench/results.md, chart.png, five-nodes/results.md, cpu-budget.md, latency.md, scale.md"

@@ -150,6 +150,11 @@ struct Args {
     /// Default 1m
     #[arg(long)]
     dedupe_retain: Option<String>,
+    /// Answers kept in all (the exactly-once table). Each answer is kept at least
+    /// --dedupe-retain, so this caps the sustained request rate at max-answers / dedupe-retain.
+    /// Default 500000
+    #[arg(long)]
+    max_answers: Option<usize>,
     /// Log format: text or json. Default text (filter with RUST_LOG)
     #[arg(long)]
     log_format: Option<String>,
@@ -201,6 +206,7 @@ impl Args {
             session_idle,
             max_sessions,
             dedupe_retain,
+            max_answers,
             log_format
         );
         if let Some(dir) = &self.data_dir {

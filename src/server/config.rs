@@ -111,6 +111,8 @@ pub struct NodeConfig {
     /// always answered from the table).
     #[serde(deserialize_with = "duration")]
     pub dedupe_retain: Duration,
+    /// Answers kept in all (the exactly-once table's bound).
+    pub max_answers: usize,
     /// `text` or `json`.
     pub log_format: String,
 }
@@ -138,6 +140,7 @@ pub const DEFAULTS: &[(&str, &str)] = &[
     ("session_idle", "5m"),
     ("max_sessions", "10000"),
     ("dedupe_retain", "1m"),
+    ("max_answers", "500000"),
     ("log_format", "text"),
 ];
 
@@ -231,6 +234,12 @@ impl NodeConfig {
             );
         }
         self.initial_members()?;
+        if self.max_answers == 0 {
+            return invalid(
+                "max_answers",
+                "must be positive (it bounds the answers kept for retries)",
+            );
+        }
         if self.session_idle < Duration::from_secs(1) || self.max_sessions == 0 {
             return invalid(
                 "session_idle",
@@ -389,6 +398,27 @@ mod tests {
         .unwrap();
         assert_eq!(cfg.session_idle, Duration::from_secs(300));
         assert_eq!(cfg.dedupe_retain, Duration::from_secs(60));
+        assert_eq!(cfg.max_answers, 500_000);
+        assert_eq!(
+            crate::server::node::lock_limits(&cfg).dedupe_entries_max,
+            500_000
+        );
+    }
+
+    #[test]
+    fn the_answer_bound_is_positive_and_reaches_the_lock_limits() {
+        let base = || vec![("node_id", "1".to_string()), ("insecure", "true".into())];
+        let mut zero = base();
+        zero.push(("max_answers", "0".into()));
+        let err = NodeConfig::load(None, &zero).unwrap_err();
+        assert!(err.to_string().contains("max_answers"), "{err}");
+        let mut more = base();
+        more.push(("max_answers", "2000000".into()));
+        let cfg = NodeConfig::load(None, &more).unwrap();
+        assert_eq!(
+            crate::server::node::lock_limits(&cfg).dedupe_entries_max,
+            2_000_000
+        );
     }
 
     #[test]

@@ -632,6 +632,7 @@ pub fn lock_limits(cfg: &NodeConfig) -> Limits {
         session_idle_ms: cfg.session_idle.as_millis() as u64,
         sessions_max: cfg.max_sessions,
         dedupe_retain_ms: cfg.dedupe_retain.as_millis() as u64,
+        dedupe_entries_max: cfg.max_answers,
         ..Limits::default()
     }
 }

@@ -75,8 +75,14 @@ enum Command {
         #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
         duration: std::time::Duration,
     },
-    /// Start three-node etcd and RaftLock clusters on loopback and compare them (A B A B).
+    /// Start etcd and RaftLock clusters of the same size on loopback and compare them (A B A B).
     Compare {
+        /// Nodes in each cluster.
+        #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u8).range(1..=7))]
+        nodes: u8,
+        /// Where etcd's load clients connect; `best` probes both ways and keeps the faster.
+        #[arg(long, value_enum, default_value_t = compare::EtcdClients::Best)]
+        etcd_clients: compare::EtcdClients,
         #[arg(long, value_delimiter = ',', default_values_t = vec![1, 8, 32, 128, 512])]
         clients: Vec<usize>,
         #[arg(long, value_enum, value_delimiter = ',', default_values_t = vec![load::Workload::Uncontended, load::Workload::Contended, load::Workload::Mixed])]
@@ -442,6 +448,8 @@ fn main() {
             }
         }
         Command::Compare {
+            nodes,
+            etcd_clients,
             clients,
             workloads,
             seconds,
@@ -452,6 +460,8 @@ fn main() {
             let command_line = command_line();
             let _ = std::fs::remove_dir_all(&dir);
             let args = compare::CompareArgs {
+                nodes: nodes.into(),
+                etcd_clients,
                 clients,
                 workloads,
                 seconds: seconds.max(1),
