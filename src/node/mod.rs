@@ -326,7 +326,13 @@ pub struct NodeCore<S: Storage, R> {
     /// While leading: the time the log clock was last advanced to (by a `Tick` this leader
     /// proposed, or its election).
     clock_ticked_at: Option<Micros>,
+    /// Set by a shell that can send while this node flushes (see [`NodeCore::send_early_with`]).
+    early_sender: Option<EarlySender>,
 }
+
+/// Sends one of the leader's own replication messages at once, before the flush of the Ready
+/// that holds it; returns false to leave the message to [`Effect::Send`] after the flush.
+pub type EarlySender = Box<dyn FnMut(&Message, &Raft) -> bool + Send>;
 
 impl<S: Storage, R> NodeCore<S, R> {
     /// A node over recovered storage: `raft` was built from `storage.recover()` and `sm` from
@@ -370,6 +376,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             failed: false,
             limits_proposed_at: None,
             clock_ticked_at: None,
+            early_sender: None,
         }
     }
 
@@ -401,6 +408,16 @@ impl<S: Storage, R> NodeCore<S, R> {
     }
 
     /// Everything the shell must do, in order.
+    /// Lets the leader's appends leave before its own flush, as the Raft dissertation allows
+    /// (§10.2.1): `send` is called with each of a Ready's `messages_now` before storage flushes
+    /// that Ready, and whatever it declines becomes an [`Effect::Send`] as usual. The leader still
+    /// counts itself towards a commit only with entries it has flushed, and answers (a
+    /// follower's acknowledgements, votes) always wait for the flush. Without it every message
+    /// leaves as an effect, after the flush: the same outcome, later (the simulator runs so).
+    pub fn send_early_with(&mut self, send: EarlySender) {
+        self.early_sender = Some(send);
+    }
+
     pub fn take_effects(&mut self) -> Vec<Effect<R>> {
         std::mem::take(&mut self.effects)
     }
@@ -835,7 +852,13 @@ impl<S: Storage, R> NodeCore<S, R> {
             self.role_changed(soft.role, soft.leader_id);
         }
         for msg in &ready.messages_now {
-            self.effects.push(Effect::Send(msg.clone()));
+            let sent = match self.early_sender.as_mut() {
+                Some(send) => send(msg, &self.raft),
+                None => false,
+            };
+            if !sent {
+                self.effects.push(Effect::Send(msg.clone()));
+            }
         }
         if let Some(snapshot) = &ready.snapshot {
             self.install_snapshot(snapshot)?;
