@@ -11,8 +11,11 @@ about 50x). Once a leader is elected, every node's counters are zeroed, one WebS
 Then, for the same wall time, an idle window is measured (ticks and heartbeats only) and
 subtracted. The per-cycle cost is (busy - idle) / cycles for the leader and for each follower,
 broken down by the crate or part of RaftLock that executed the instructions (self cost: each
-instruction counted once, in the function that ran it). The client is not measured (it is this
-script).
+instruction counted once, in the function that ran it). The client that drives those cycles is
+this script; the Rust SDK's own share of a cycle is measured after it: `raftlock-bench cycles`
+runs under callgrind against the same cluster once with N cycles and once with none, and the
+difference divided by N is what one cycle costs the client (connecting and starting up cancel
+out).
 
 Caveat: valgrind runs a process's threads one at a time, so what threads spend waking and
 parking each other (the async runtime, futexes) is counted as it happens under that schedule, which
@@ -45,6 +48,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Component of a function, by the first pattern its name matches (order matters).
 COMPONENTS = [
     ("storage: sled", r"^sled::|<sled::"),
+    ("SDK client (raftlock::client)", r"raftlock::client::"),
     ("storage: RaftLock's log and state", r"raftlock::storage"),
     ("Raft core", r"raftlock::raft::"),
     ("lock state machine", r"raftlock::lock::"),
@@ -277,7 +281,50 @@ def markdown(results, baseline, args):
         lines.append("| **total per cycle** | " + " | ".join(cells) + " |")
         return "\n".join(lines) + "\n"
 
-    return (table("by_stage", "stage") + "\n" + table("by_component", "component"))
+    return (table("by_stage", "stage") + "\n" + table("by_component", "component")
+            + client_table(results, baseline, args))
+
+
+def client_budget(args, leader_client, work):
+    """The Rust SDK's instructions per cycle: `raftlock-bench cycles` under callgrind with N
+    cycles and with none, against the running cluster; (with - without) / N."""
+    n = max(30, args.cycles // 3)
+    runs = {}
+    for count in (0, n):
+        out = os.path.join(work, f"client-{count}.out")
+        subprocess.run(["valgrind", "--tool=callgrind", "--quiet", f"--callgrind-out-file={out}",
+                        args.client_bin, "cycles", "--endpoint", leader_client,
+                        "--count", str(count)], check=True, timeout=1800)
+        runs[count] = by_component(out)
+    (c0, t0, _), (cn, tn, functions) = runs[0], runs[n]
+    return {
+        "cycles": n,
+        "instructions_per_cycle": round((tn - t0) / n),
+        "by_component": {k: round(max(0, cn[k] - c0[k]) / n)
+                         for k in sorted(cn, key=lambda k: -(cn[k] - c0[k]))},
+        "top_functions": [[round(c / n), f[:160]] for c, f in functions[:args.top]],
+    }
+
+
+def client_table(results, baseline, args):
+    """The SDK client's share, by component (empty when it was not measured)."""
+    now = results.get("client")
+    if not now:
+        return ""
+    then = (baseline or {}).get("client")
+    lines = ["", f"The client's share: one Rust SDK client (`raftlock-bench cycles`, {now['cycles']} cycles), self cost by component:", ""]
+    if then:
+        lines += [f"| component | client, {args.baseline_label} | client, {args.label} |", "|---|---:|---:|"]
+    else:
+        lines += [f"| component | client, {args.label} |", "|---|---:|"]
+    for k, v in now["by_component"].items():
+        if v == 0 and not (then and then["by_component"].get(k)):
+            continue
+        cells = ([f"{then['by_component'].get(k, 0):,}"] if then else []) + [f"{v:,}"]
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    total = ([f"**{then['instructions_per_cycle']:,}**"] if then else []) + [f"**{now['instructions_per_cycle']:,}**"]
+    lines.append("| **total per cycle** | " + " | ".join(total) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def cycles(leader_client, n, tag):
@@ -309,6 +356,8 @@ def main():
     ap.add_argument("--top", type=int, default=15, help="costliest functions listed per process")
     ap.add_argument("--markdown", help="write the budget as markdown tables here")
     ap.add_argument("--baseline", help="an earlier --json result to set beside this one")
+    ap.add_argument("--client-bin", default=os.path.join(ROOT, "target", "release", "raftlock-bench"),
+                    help="raftlock-bench, for the SDK client's share (skipped if missing)")
     ap.add_argument("--baseline-label", default="before")
     ap.add_argument("--label", default="after")
     args = ap.parse_args()
@@ -366,6 +415,11 @@ def main():
                 "top_functions": [[round(c / args.cycles), f[:160]]
                                   for c, f in b_functions[:args.top]],
             }
+        if os.path.exists(args.client_bin):
+            try:
+                results["client"] = client_budget(args, leader["client"], work)
+            except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+                print(f"the client's share was not measured: {e}", file=sys.stderr)
         print(json.dumps(results, indent=2))
         if args.markdown:
             baseline = json.load(open(args.baseline)) if args.baseline else None

@@ -238,6 +238,15 @@ async fn acquire_through_a_follower_then_release_and_kv() {
         .await
         .expect("guarded put");
     assert_eq!(c.get("cfg/a").await.expect("get").as_deref(), Some("1"));
+    // A value many times the connection's 4 KiB read buffer travels whole both ways.
+    let big = "v".repeat(60_000);
+    c.put("cfg/big", &big, Some(("orders", lock.fencing_token())))
+        .await
+        .expect("large put");
+    assert_eq!(
+        c.get("cfg/big").await.expect("get").as_deref(),
+        Some(big.as_str())
+    );
     let token = lock.fencing_token();
     lock.release().await.expect("release");
     let err = c.release("orders", token).await.unwrap_err();

@@ -117,6 +117,11 @@ fn ws_request(
     Ok(request)
 }
 
+/// Read buffer of one connection (the server uses the same size).
+const READ_BUFFER_BYTES: usize = 4096;
+/// Bytes gathered before a write reaches the socket; every send flushes anyway.
+const WRITE_BUFFER_BYTES: usize = 4096;
+
 impl Conn {
     pub async fn connect(
         addr: &str,
@@ -130,6 +135,11 @@ impl Conn {
         let mut config = tokio_tungstenite::tungstenite::protocol::WebSocketConfig::default();
         config.max_message_size = Some(max_message_bytes);
         config.max_frame_size = Some(max_message_bytes);
+        // The library zero-fills its whole read buffer before every socket read (128 KiB by
+        // default): that was most of the SDK's CPU per lock cycle (scripts/cpu-budget.py, the
+        // client's share). A small buffer still reads a large message whole; it grows as needed.
+        config.read_buffer_size = READ_BUFFER_BYTES;
+        config.write_buffer_size = WRITE_BUFFER_BYTES;
         let connect = open_ws(addr, auth_token, tls, Some(config));
         let socket = match tokio::time::timeout(timeout, connect).await {
             Ok(Ok(s)) => s,

@@ -127,6 +127,15 @@ enum Command {
     },
     /// Start RaftLock clusters and measure them at scale: N connections each holding and
     /// renewing a lock on the leader; N held locks (memory, snapshot, restart, catch-up).
+    /// One SDK client doing COUNT uncontended acquire + release cycles against ENDPOINT, one
+    /// after the other, then exiting: what scripts/cpu-budget.py runs under callgrind for the
+    /// client's share of a cycle (run with COUNT and with 0; the difference is the cycles').
+    Cycles {
+        #[arg(long)]
+        endpoint: String,
+        #[arg(long, default_value_t = 100)]
+        count: u64,
+    },
     Scale {
         /// WebSocket connections to the leader, each holding and renewing its own lock.
         #[arg(long, default_value_t = 10_000)]
@@ -340,6 +349,35 @@ fn run_storage_bench(dir: Option<std::path::PathBuf>, seconds: u64) -> Result<()
     Ok(())
 }
 
+/// `count` acquire + release cycles through the SDK, one connection, keys spread over 16 names.
+async fn sdk_cycles(endpoint: &str, count: u64) -> Result<(), String> {
+    let client = raftlock::client::RaftLockClient::builder()
+        .endpoints([endpoint.to_string()])
+        .client_id(format!("cycles-{}", std::process::id()))
+        .request_timeout(std::time::Duration::from_secs(120))
+        .build()
+        .map_err(|e| e.to_string())?;
+    // Connect (and find the leader) before the first cycle, so that COUNT = 0 pays for it too.
+    client
+        .get("budget-sdk/warm-up")
+        .await
+        .map_err(|e| format!("first request: {e}"))?;
+    for i in 0..count {
+        let held = client
+            .acquire_with(
+                &format!("budget-sdk/{}", i % 16),
+                std::time::Duration::from_secs(60),
+                Some(std::time::Duration::ZERO),
+            )
+            .await
+            .map_err(|e| format!("acquire {i}: {e}"))?;
+        held.release()
+            .await
+            .map_err(|e| format!("release {i}: {e}"))?;
+    }
+    Ok(())
+}
+
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -421,6 +459,12 @@ fn main() {
             let _ = std::fs::remove_dir_all(dir.join("tracing-on"));
             if let Err(e) = result {
                 eprintln!("raftlock-bench tracing: {e}");
+                std::process::exit(1);
+            }
+        }
+        Command::Cycles { endpoint, count } => {
+            if let Err(e) = runtime().block_on(sdk_cycles(&endpoint, count)) {
+                eprintln!("raftlock-bench cycles: {e}");
                 std::process::exit(1);
             }
         }
