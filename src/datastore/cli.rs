@@ -96,6 +96,11 @@ async fn serve(args: Args) -> ExitCode {
             }
         }
     };
+    // Small request/answer exchanges: no Nagle delay on accepted connections.
+    use axum::serve::ListenerExt;
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     match axum::serve(listener, store.router())
         .with_graceful_shutdown(shutdown)
         .await
