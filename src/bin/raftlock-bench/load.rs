@@ -292,16 +292,23 @@ pub async fn run(spec: &LoadSpec) -> Result<LoadResult, String> {
         acquire: new_hist(),
         handoff: new_hist(),
     };
-    for t in tasks {
-        // A contended client may be waiting in the queue; give everyone a bounded time to finish.
-        match tokio::time::timeout(Duration::from_secs(30), t).await {
+    // A contended client may be waiting in the queue: every client gets until one shared
+    // deadline to finish (a wait per client, one after the other, could add up to hours when a
+    // lock is stuck, e.g. an etcd lock key left behind by a failed call until its lease ends).
+    let finish_by = tokio::time::Instant::now() + Duration::from_secs(30);
+    for mut t in tasks {
+        match tokio::time::timeout_at(finish_by, &mut t).await {
             Ok(Ok((g, e, a, h))) => {
                 result.grants += g;
                 result.errors += e;
                 let _ = result.acquire.add(&a);
                 let _ = result.handoff.add(&h);
             }
-            _ => result.errors += 1,
+            _ => {
+                // Still waiting: stop it, so it does not run into the next measurement.
+                t.abort();
+                result.errors += 1;
+            }
         }
     }
     Ok(result)
