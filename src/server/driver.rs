@@ -243,7 +243,6 @@ pub struct Driver {
     lag_clock: Option<LagClock>,
 }
 
-/// Drops a peer's replication-lag series (this node stopped leading or the peer left).
 /// A span per append that carries entries (field values are computed only when traced).
 fn replicate_span(
     msg: &Message,
@@ -270,6 +269,7 @@ fn replicate_span(
     }
 }
 
+/// Drops a peer's replication-lag series (this node stopped leading or the peer left).
 fn remove_lag_series(m: &NodeMetrics, peer: NodeId) {
     let label = peer.to_string();
     let _ = m.replication_lag_entries.remove_label_values(&[&label]);
