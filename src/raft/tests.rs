@@ -85,17 +85,22 @@ impl Net {
             let Some(msg) = self.queue.pop_front() else {
                 return;
             };
-            if self.blocked.contains(&msg.from) || self.blocked.contains(&msg.to) {
-                continue;
-            }
-            self.log.push(msg.clone());
-            let to = msg.to;
-            if let Some(raft) = self.nodes.get_mut(&to) {
-                raft.step(msg);
-                self.process(to);
-            }
+            self.deliver(msg);
         }
         panic!("network did not quiesce");
+    }
+
+    /// Hands `msg` to its node unless either end is blocked.
+    fn deliver(&mut self, msg: Message) {
+        if self.blocked.contains(&msg.from) || self.blocked.contains(&msg.to) {
+            return;
+        }
+        self.log.push(msg.clone());
+        let to = msg.to;
+        if let Some(raft) = self.nodes.get_mut(&to) {
+            raft.step(msg);
+            self.process(to);
+        }
     }
 
     fn tick_all(&mut self, ticks: u32) {
@@ -117,15 +122,8 @@ impl Net {
             let in_flight = self.queue.len();
             for _ in 0..in_flight {
                 let msg = self.queue.pop_front().unwrap();
-                if self.blocked.contains(&msg.from) || self.blocked.contains(&msg.to) || lose(&msg)
-                {
-                    continue;
-                }
-                self.log.push(msg.clone());
-                let to = msg.to;
-                if let Some(raft) = self.nodes.get_mut(&to) {
-                    raft.step(msg);
-                    self.process(to);
+                if !lose(&msg) {
+                    self.deliver(msg);
                 }
             }
             let ids: Vec<NodeId> = self.nodes.keys().copied().collect();
@@ -134,6 +132,30 @@ impl Net {
                 self.process(id);
             }
         }
+    }
+
+    /// Node 1 leads with 1 KiB snapshot chunks; node 3, cut off, misses 30 entries that node 1
+    /// then compacts into a snapshot holding `data`; node 3 is reachable again. Returns the
+    /// snapshot's index.
+    fn lagging_follower_and_snapshot(&mut self, data: &Bytes) -> Index {
+        self.raft(1).set_snapshot_chunk_bytes(1024);
+        self.elect(1);
+        self.blocked.insert(3);
+        for _ in 0..30 {
+            self.propose(1, b"x");
+        }
+        let applied = self.raft(1).applied_index();
+        assert!(self.raft(1).compact(applied, data.clone()));
+        self.blocked.clear();
+        applied
+    }
+
+    /// InstallSnapshot messages delivered to `to` so far.
+    fn chunks_delivered_to(&self, to: NodeId) -> usize {
+        self.log
+            .iter()
+            .filter(|m| matches!(m.body, MessageBody::InstallSnapshot { .. }) && m.to == to)
+            .count()
     }
 
     fn elect(&mut self, id: NodeId) {
@@ -589,24 +611,12 @@ fn read_index() {
 fn snapshot_install_for_a_lagging_follower() {
     let mut net = Net::new(3, true);
     // Small chunks so the snapshot travels in several messages.
-    net.raft(1).set_snapshot_chunk_bytes(1024);
-    net.elect(1);
-    net.blocked.insert(3);
-    for _ in 0..30 {
-        net.propose(1, b"x");
-    }
-    let applied = net.raft(1).applied_index();
     let data = Bytes::from(vec![7u8; 3 * 1024 + 5]);
-    assert!(net.raft(1).compact(applied, data.clone()));
+    let applied = net.lagging_follower_and_snapshot(&data);
     assert_eq!(net.raft(1).snapshot_index(), applied);
-    net.blocked.clear();
     net.log.clear();
     net.tick_all(4);
-    let chunks = net
-        .log
-        .iter()
-        .filter(|m| matches!(m.body, MessageBody::InstallSnapshot { .. }) && m.to == 3)
-        .count();
+    let chunks = net.chunks_delivered_to(3);
     assert!(chunks >= 4, "expected at least 4 chunks, saw {chunks}");
     assert_eq!(net.installed_snapshots.get(&3), Some(&applied));
     assert_eq!(net.raft(3).snapshot_index(), applied);
@@ -626,17 +636,9 @@ fn snapshot_install_for_a_lagging_follower() {
 #[test]
 fn snapshot_chunks_are_not_multiplied_by_heartbeats() {
     let mut net = Net::new(3, true);
-    net.raft(1).set_snapshot_chunk_bytes(1024);
-    net.elect(1);
-    net.blocked.insert(3);
-    for _ in 0..30 {
-        net.propose(1, b"x");
-    }
-    let applied = net.raft(1).applied_index();
     let chunks = 60;
     let data = Bytes::from(vec![9u8; chunks * 1024]);
-    assert!(net.raft(1).compact(applied, data.clone()));
-    net.blocked.clear();
+    let applied = net.lagging_follower_and_snapshot(&data);
     net.log.clear();
     // One chunk per round trip (two ticks) and a heartbeat every two ticks.
     net.tick_with_latency(4 * chunks as u32, |_| false);
@@ -649,11 +651,7 @@ fn snapshot_chunks_are_not_multiplied_by_heartbeats() {
         net.raft(3).latest_snapshot().map(|s| s.data.clone()),
         Some(data)
     );
-    let sent = net
-        .log
-        .iter()
-        .filter(|m| matches!(m.body, MessageBody::InstallSnapshot { .. }) && m.to == 3)
-        .count();
+    let sent = net.chunks_delivered_to(3);
     assert!(
         sent <= chunks + chunks / 4,
         "{sent} chunk messages for a snapshot of {chunks} chunks"
@@ -666,21 +664,13 @@ fn snapshot_chunks_are_not_multiplied_by_heartbeats() {
 #[test]
 fn lost_snapshot_chunks_are_sent_again() {
     let mut net = Net::new(3, true);
-    net.raft(1).set_snapshot_chunk_bytes(1024);
-    net.elect(1);
-    net.blocked.insert(3);
-    for _ in 0..30 {
-        net.propose(1, b"x");
-    }
-    let applied = net.raft(1).applied_index();
     let chunks = 40;
     let data = Bytes::from(
         (0..chunks * 1024)
             .map(|i| (i % 251) as u8)
             .collect::<Vec<u8>>(),
     );
-    assert!(net.raft(1).compact(applied, data.clone()));
-    net.blocked.clear();
+    let applied = net.lagging_follower_and_snapshot(&data);
     // Every fifth chunk and every seventh answer to one is lost.
     let (mut chunk_no, mut answer_no) = (0, 0);
     net.tick_with_latency(12 * chunks as u32, |m| match m.body {

@@ -372,16 +372,15 @@ async fn etcd_endpoints(
     args: &CompareArgs,
     all: &[String],
 ) -> Result<(Vec<String>, serde_json::Value), String> {
-    let leader = match args.etcd_clients {
-        EtcdClients::Spread => None,
-        _ => Some(vec![etcd_leader(all).await?]),
-    };
-    match (args.etcd_clients, leader) {
-        (EtcdClients::Leader, Some(leader)) => {
+    match args.etcd_clients {
+        EtcdClients::Spread => Ok((all.to_vec(), json!({"chosen": "spread", "endpoints": all}))),
+        EtcdClients::Leader => {
+            let leader = vec![etcd_leader(all).await?];
             let v = json!({"chosen": "leader", "endpoints": leader});
             Ok((leader, v))
         }
-        (EtcdClients::Best, Some(leader)) => {
+        EtcdClients::Best => {
+            let leader = vec![etcd_leader(all).await?];
             // The same probe for both: 32 uncontended clients, spread first, then pinned.
             let mut probe = serde_json::Map::new();
             let mut best: Option<(f64, &str, Vec<String>)> = None;
@@ -406,7 +405,6 @@ async fn etcd_endpoints(
             let v = json!({"chosen": name, "endpoints": endpoints, "probe_locks_per_s": probe});
             Ok((endpoints, v))
         }
-        _ => Ok((all.to_vec(), json!({"chosen": "spread", "endpoints": all}))),
     }
 }
 
