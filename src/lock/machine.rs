@@ -299,19 +299,46 @@ impl LockStateMachine {
             .range(prefix.to_string()..)
             .take_while(|(key, _)| key.starts_with(prefix))
             .take(limit)
-            .map(|(key, entry)| {
-                let waiters = entry
-                    .waiters
-                    .iter()
-                    .map(|w| WaiterInfo {
-                        key: key.clone(),
-                        client_id: w.client_id.to_string(),
-                        request_id: w.request_id.to_string(),
-                        wait_timeout_ms: w.wait_timeout_ms,
-                    })
-                    .collect();
-                (key.clone(), self.holder(key), waiters)
+            .map(|(key, entry)| self.lock_view(key, entry))
+            .collect()
+    }
+
+    /// One lock with its holder and its waiters in queue order.
+    fn lock_view(
+        &self,
+        key: &str,
+        entry: &LockEntry,
+    ) -> (String, Option<HeldLock>, Vec<WaiterInfo>) {
+        let waiters = entry
+            .waiters
+            .iter()
+            .map(|w| WaiterInfo {
+                key: key.to_string(),
+                client_id: w.client_id.to_string(),
+                request_id: w.request_id.to_string(),
+                wait_timeout_ms: w.wait_timeout_ms,
             })
+            .collect();
+        (key.to_string(), self.holder(key), waiters)
+    }
+
+    /// Up to `limit` locks (held or with waiters) whose key sorts after `after` (from the first
+    /// when `None`), in key order: each with its holder and its waiters in queue order. Lets a
+    /// caller walk every lock a bounded step at a time.
+    pub fn locks_after(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Vec<(String, Option<HeldLock>, Vec<WaiterInfo>)> {
+        use std::ops::Bound;
+        let lower = match after {
+            Some(key) => Bound::Excluded(key),
+            None => Bound::Unbounded,
+        };
+        self.locks
+            .range::<str, _>((lower, Bound::Unbounded))
+            .take(limit)
+            .map(|(key, entry)| self.lock_view(key, entry))
             .collect()
     }
 

@@ -58,8 +58,16 @@ pub struct NodeSettings {
     pub waiter_reclaim_us: Micros,
     /// Applied state is a cache of the log, written at most this often.
     pub applied_write_interval_us: Micros,
-    /// … or as soon as this many state keys changed.
+    /// … or as soon as this many state keys changed. Each write is one storage transaction on
+    /// the driver's thread, so this bounds how long one write holds up the node's other work.
     pub applied_write_max_keys: usize,
+    /// Locks a new leader visits per tick to give them their leases (see
+    /// `NodeCore::rebuild_deadlines`).
+    pub rebuild_keys_per_tick: usize,
+    /// While a snapshot job reads the state, writes are held back; once this many state keys
+    /// are waiting, the shell waits for the job (a memory bound: the job takes seconds for a
+    /// large state, so this is far above `applied_write_max_keys`).
+    pub snapshot_hold_max_keys: usize,
     /// An expiry or cancel proposal not applied within this long is proposed again.
     pub housekeeping_retry_us: Micros,
     /// While client sessions are open, the leader proposes a `Tick` (advancing the log clock
@@ -90,7 +98,9 @@ impl Default for NodeSettings {
             snapshot_bytes: 64 << 20,
             waiter_reclaim_us: 10_000 * MS,
             applied_write_interval_us: 100 * MS,
-            applied_write_max_keys: 8192,
+            applied_write_max_keys: 1024,
+            rebuild_keys_per_tick: 16_384,
+            snapshot_hold_max_keys: 1 << 18,
             housekeeping_retry_us: 1_000 * MS,
             session_tick_us: 1_000 * MS,
             readies_per_drive: 64,
@@ -243,6 +253,14 @@ struct Waiting<R> {
     position: u32,
 }
 
+/// Where a new leader's walk over the locks stands (see [`NodeCore::rebuild_deadlines`]).
+struct Rebuild {
+    /// When the walk began: deadlines count from here.
+    since: Micros,
+    /// The last key visited.
+    after: Option<String>,
+}
+
 /// The leader's lease of one held lock.
 #[derive(Clone, Debug)]
 struct Lease {
@@ -307,6 +325,9 @@ pub struct NodeCore<S: Storage, R> {
     leases: TimedMap<String, Lease>,
     /// Leader only: when queued waiters are cancelled.
     wait_deadlines: TimedMap<(String, String), WaitDeadline>,
+    /// Leader only: the walk over every lock that gives each its lease and its waiters their
+    /// deadlines after an election, a bounded number of keys per tick.
+    rebuild: Option<Rebuild>,
     reads: BTreeMap<u64, (String, R)>,
     read_indexes: Vec<(Index, u64)>,
     next_read_ctx: u64,
@@ -316,6 +337,11 @@ pub struct NodeCore<S: Storage, R> {
     log_bytes_since_snapshot: u64,
     unwritten_changes: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
     unwritten_applied: Option<Index>,
+    /// Applied-state changes held back while a snapshot job read the state, in order, each the
+    /// changes up to its index: written one per step afterwards, so that no single write (which
+    /// stops every other write to the store while it runs) takes seconds.
+    held: std::collections::VecDeque<(Index, Vec<crate::storage::KvChange>)>,
+    held_keys: usize,
     applied_written_at: Micros,
     /// A snapshot job handed out and not yet returned; applied-state writes wait for it.
     snapshot_in_progress: bool,
@@ -362,6 +388,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             waiting: BTreeMap::new(),
             leases: TimedMap::new(retry, never_retry),
             wait_deadlines: TimedMap::new(retry, never_retry),
+            rebuild: None,
             reads: BTreeMap::new(),
             read_indexes: Vec::new(),
             next_read_ctx: 0,
@@ -371,6 +398,8 @@ impl<S: Storage, R> NodeCore<S, R> {
             log_bytes_since_snapshot: 0,
             unwritten_changes: BTreeMap::new(),
             unwritten_applied: None,
+            held: std::collections::VecDeque::new(),
+            held_keys: 0,
             applied_written_at: now,
             snapshot_in_progress: false,
             failed: false,
@@ -444,7 +473,8 @@ impl<S: Storage, R> NodeCore<S, R> {
     /// Whether applied-state changes piled up while a snapshot job runs; the shell should wait
     /// for the job and hand its result back.
     pub fn needs_snapshot_result(&self) -> bool {
-        self.snapshot_in_progress && self.unwritten_changes.len() >= self.cfg.applied_write_max_keys
+        self.snapshot_in_progress
+            && self.held_keys + self.unwritten_changes.len() >= self.cfg.snapshot_hold_max_keys
     }
 
     fn observe(&mut self, o: Observation) {
@@ -481,6 +511,9 @@ impl<S: Storage, R> NodeCore<S, R> {
     pub fn tick(&mut self, now: Micros) -> Result<(), StorageError> {
         self.advance_clock(now);
         self.raft.tick();
+        if self.raft.is_leader() {
+            self.continue_rebuild();
+        }
         self.leader_duties();
         self.write_applied(false)?;
         self.maybe_snapshot()?;
@@ -734,7 +767,7 @@ impl<S: Storage, R> NodeCore<S, R> {
     /// The shell hands back any snapshot job first.
     pub fn shutdown(&mut self) -> Result<(), StorageError> {
         self.fail_all(ErrorCode::Unavailable, "node is shutting down");
-        self.write_applied(true)?;
+        self.write_all_applied()?;
         self.storage.flush()
     }
 
@@ -899,6 +932,8 @@ impl<S: Storage, R> NodeCore<S, R> {
         self.snapshot_in_progress = false;
         self.unwritten_changes.clear();
         self.unwritten_applied = None;
+        self.held.clear();
+        self.held_keys = 0;
         self.storage
             .install_snapshot(&snapshot.meta, &snapshot.data)?;
         let pairs = decode_snapshot_data(&snapshot.data)?;
@@ -941,6 +976,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             });
             self.leases.clear();
             self.wait_deadlines.clear();
+            self.rebuild = None;
             self.promote_when_caught_up.clear();
             self.clock_ticked_at = None;
             self.fail_all(
@@ -954,36 +990,70 @@ impl<S: Storage, R> NodeCore<S, R> {
     /// On election (or a snapshot installed while leading): every held lock gets a full TTL
     /// from now, every queued waiter its wait timeout or a reclaim window from now, whichever is
     /// longer, in which its client can re-attach (README: "What RaftLock guarantees").
+    ///
+    /// The locks are visited `rebuild_keys_per_tick` at a time, the rest on the following ticks,
+    /// so that a leader of a million locks does not fall silent for longer than an election
+    /// timeout. Deadlines count from the election whenever a lock is reached; a lock not reached
+    /// yet has no lease here and so cannot expire early (it can only expire late, by at most the
+    /// walk's duration). A lease or wait deadline set meanwhile by an applied command is newer
+    /// and is kept.
     fn rebuild_deadlines(&mut self) {
-        let now = self.now;
         self.leases.clear();
-        let no_wait = self.bug(|b| b.no_lease_wait_after_election);
-        for h in self.sm.held_locks() {
-            let full_ttl = if no_wait { 0 } else { h.ttl_ms * MS };
-            let lease = Lease {
-                token: h.token,
-                lease_index: h.lease_index,
-                deadline: now + full_ttl,
-                started: now,
-                expiry_proposed_at: None,
-            };
-            self.leases.insert(h.key, lease);
-        }
         self.wait_deadlines.clear();
-        for w in self.sm.waiters() {
-            let id = (w.client_id, w.request_id);
-            let mut at = now + self.cfg.waiter_reclaim_us;
-            if let Some(ms) = w.wait_timeout_ms {
-                at = at.max(now + ms * MS);
+        self.rebuild = Some(Rebuild {
+            since: self.now,
+            after: None,
+        });
+        self.continue_rebuild();
+    }
+
+    /// One step of the walk started by [`NodeCore::rebuild_deadlines`].
+    fn continue_rebuild(&mut self) {
+        let Some(rebuild) = self.rebuild.take() else {
+            return;
+        };
+        let since = rebuild.since;
+        let limit = self.cfg.rebuild_keys_per_tick.max(1);
+        let locks = self.sm.locks_after(rebuild.after.as_deref(), limit);
+        let done = locks.len() < limit;
+        let no_wait = self.bug(|b| b.no_lease_wait_after_election);
+        let mut last = None;
+        for (key, held, waiters) in locks {
+            if let Some(h) = held {
+                if !self.leases.contains_key(&key) {
+                    let full_ttl = if no_wait { 0 } else { h.ttl_ms * MS };
+                    let lease = Lease {
+                        token: h.token,
+                        lease_index: h.lease_index,
+                        deadline: since + full_ttl,
+                        started: since,
+                        expiry_proposed_at: None,
+                    };
+                    self.leases.insert(key.clone(), lease);
+                }
             }
-            self.wait_deadlines.insert(
-                id,
-                WaitDeadline {
-                    key: w.key,
-                    at,
-                    cancel_proposed_at: None,
-                },
-            );
+            for w in waiters {
+                let id = (w.client_id, w.request_id);
+                if self.wait_deadlines.contains_key(&id) {
+                    continue;
+                }
+                let mut at = since + self.cfg.waiter_reclaim_us;
+                if let Some(ms) = w.wait_timeout_ms {
+                    at = at.max(since + ms * MS);
+                }
+                self.wait_deadlines.insert(
+                    id,
+                    WaitDeadline {
+                        key: w.key,
+                        at,
+                        cancel_proposed_at: None,
+                    },
+                );
+            }
+            last = Some(key);
+        }
+        if !done {
+            self.rebuild = Some(Rebuild { since, after: last });
         }
     }
 
@@ -1095,9 +1165,24 @@ impl<S: Storage, R> NodeCore<S, R> {
         }
         self.unwritten_applied = Some(last);
         if self.unwritten_changes.len() >= self.cfg.applied_write_max_keys {
+            if self.snapshot_in_progress || !self.held.is_empty() {
+                self.seal_unwritten();
+            }
             self.write_applied(true)?;
         }
         Ok(())
+    }
+
+    /// Moves the unwritten changes to the end of `held`, as one write of their own.
+    fn seal_unwritten(&mut self) {
+        let Some(applied) = self.unwritten_applied.take() else {
+            return;
+        };
+        let changes: Vec<_> = std::mem::take(&mut self.unwritten_changes)
+            .into_iter()
+            .collect();
+        self.held_keys += changes.len();
+        self.held.push_back((applied, changes));
     }
 
     /// Makes the leader's lease of the command's key match the applied state.
@@ -1629,14 +1714,22 @@ impl<S: Storage, R> NodeCore<S, R> {
     /// Hands the unwritten applied state to storage (durable with the next flush): always when
     /// `force`, otherwise once it is older than the write interval. Waits while a snapshot job
     /// reads the stored state.
+    ///
+    /// Changes held back during a snapshot job go first, one held write per call.
     fn write_applied(&mut self, force: bool) -> Result<(), StorageError> {
+        if self.snapshot_in_progress {
+            return Ok(());
+        }
+        if let Some((applied, changes)) = self.held.pop_front() {
+            self.held_keys -= changes.len();
+            self.storage.apply(applied, &changes)?;
+            self.applied_written_at = self.now;
+            return Ok(());
+        }
         let Some(applied) = self.unwritten_applied else {
             return Ok(());
         };
         if !force && self.now < self.applied_written_at + self.cfg.applied_write_interval_us {
-            return Ok(());
-        }
-        if self.snapshot_in_progress {
             return Ok(());
         }
         let changes: Vec<_> = std::mem::take(&mut self.unwritten_changes)
@@ -1645,6 +1738,16 @@ impl<S: Storage, R> NodeCore<S, R> {
         self.storage.apply(applied, &changes)?;
         self.unwritten_applied = None;
         self.applied_written_at = self.now;
+        Ok(())
+    }
+
+    /// Hands every unwritten change to storage (unless a snapshot job is reading it).
+    fn write_all_applied(&mut self) -> Result<(), StorageError> {
+        while !self.snapshot_in_progress
+            && (!self.held.is_empty() || self.unwritten_applied.is_some())
+        {
+            self.write_applied(true)?;
+        }
         Ok(())
     }
 
@@ -1661,7 +1764,7 @@ impl<S: Storage, R> NodeCore<S, R> {
         if !by_count && !by_bytes {
             return Ok(());
         }
-        self.write_applied(true)?;
+        self.write_all_applied()?;
         let job = self.storage.snapshot_job()?;
         self.snapshot_in_progress = true;
         self.effects.push(Effect::BuildSnapshot(job));

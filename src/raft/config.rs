@@ -21,6 +21,10 @@ pub struct Config {
     pub max_inflight_appends: usize,
     /// Upper bound on the entry bytes in one Append message (at least one entry is always sent).
     pub max_batch_bytes: usize,
+    /// Upper bound on the committed entry bytes handed out for applying in one `Ready` (at least
+    /// one entry). Keeps each driver step short, so a backlog of committed entries does not hold
+    /// up ticks, heartbeats and vote answers for longer than an election timeout.
+    pub max_apply_bytes: usize,
     /// Upper bound on entries the leader holds that are not yet committed; proposals beyond it are
     /// refused with [`super::ProposeError::Busy`] so clients see back-pressure, not memory growth.
     pub max_uncommitted_entries: usize,
@@ -47,6 +51,7 @@ impl Config {
             check_quorum: true,
             max_inflight_appends: 64,
             max_batch_bytes: 1 << 20,
+            max_apply_bytes: 256 << 10,
             max_uncommitted_entries: 100_000,
             max_pending_reads: 10_000,
             snapshot_chunk_bytes: 1 << 20,
@@ -70,9 +75,10 @@ impl Config {
                 "election_ticks must exceed heartbeat_ticks",
             ));
         }
-        if self.max_inflight_appends == 0 || self.max_batch_bytes == 0 {
+        if self.max_inflight_appends == 0 || self.max_batch_bytes == 0 || self.max_apply_bytes == 0
+        {
             return Err(ConfigError::Invalid(
-                "max_inflight_appends and max_batch_bytes must be > 0",
+                "max_inflight_appends, max_batch_bytes and max_apply_bytes must be > 0",
             ));
         }
         if self.snapshot_chunk_bytes == 0 || self.max_uncommitted_entries == 0 {

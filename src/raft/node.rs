@@ -121,6 +121,9 @@ pub struct CoreStats {
     pub elections_started: u64,
     pub pre_votes_started: u64,
     pub terms_won: u64,
+    /// Times this server stopped leading because it had not heard from a quorum within an
+    /// election timeout (CheckQuorum).
+    pub quorum_lost: u64,
 }
 
 struct PendingRead {
@@ -398,6 +401,7 @@ impl Raft {
             // CheckQuorum (§6.2): step down if a quorum has not been heard from for an election
             // timeout, so a partitioned leader stops claiming leadership.
             if self.cfg.check_quorum && !self.quorum_recently_active() {
+                self.stats.quorum_lost += 1;
                 self.become_follower(self.term, 0);
                 return;
             }
@@ -600,7 +604,7 @@ impl Raft {
             entries,
             messages_now,
             messages,
-            committed_entries: self.log.take_committed(self.cfg.max_batch_bytes * 4),
+            committed_entries: self.log.take_committed(self.cfg.max_apply_bytes),
             read_states: std::mem::take(&mut self.read_states),
         };
         self.prev_soft = soft;

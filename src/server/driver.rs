@@ -115,6 +115,15 @@ impl NodeStatus {
 /// the oldest is dropped unobserved.
 const COMMIT_MARKS_MAX: usize = 4096;
 
+/// A driver turn goes on taking Readies (persist, send, apply) while it has run less than this;
+/// what is left waits for the next turn, after any tick or input that came meanwhile. Together
+/// with the Raft core's bound on the entries applied per Ready, this keeps a backlog from
+/// silencing a leader's heartbeats (or a follower's answers) for an election timeout.
+const TURN_BUDGET: Duration = Duration::from_millis(20);
+
+/// A driver turn (inputs, Raft, persistence, apply, sends) this long is logged as slow.
+const SLOW_TURN: Duration = Duration::from_millis(100);
+
 /// A timed heartbeat not answered within this long is forgotten and the next one is timed.
 const HEARTBEAT_RTT_GIVE_UP: Duration = Duration::from_secs(2);
 
@@ -137,6 +146,23 @@ pub struct DriverConfig {
 pub struct TimedStorage<S> {
     inner: S,
     metrics: NodeMetrics,
+    /// Time spent appending, applying and flushing since the driver last took it (for the
+    /// slow-turn log line).
+    spent: StorageTime,
+}
+
+/// Where a driver turn's storage time went.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StorageTime {
+    pub append: Duration,
+    pub apply: Duration,
+    pub flush: Duration,
+}
+
+impl<S> TimedStorage<S> {
+    fn take_spent(&mut self) -> StorageTime {
+        std::mem::take(&mut self.spent)
+    }
 }
 
 impl<S: Storage> Storage for TimedStorage<S> {
@@ -144,7 +170,10 @@ impl<S: Storage> Storage for TimedStorage<S> {
         self.inner.recover()
     }
     fn append(&mut self, entries: &[crate::raft::Entry]) -> Result<(), StorageError> {
-        self.inner.append(entries)
+        let started = std::time::Instant::now();
+        let result = self.inner.append(entries);
+        self.spent.append += started.elapsed();
+        result
     }
     fn set_hard_state(&mut self, hs: crate::raft::HardState) -> Result<(), StorageError> {
         self.inner.set_hard_state(hs)
@@ -154,7 +183,10 @@ impl<S: Storage> Storage for TimedStorage<S> {
         applied_index: crate::raft::Index,
         changes: &[crate::storage::KvChange],
     ) -> Result<(), StorageError> {
-        self.inner.apply(applied_index, changes)
+        let started = std::time::Instant::now();
+        let result = self.inner.apply(applied_index, changes);
+        self.spent.apply += started.elapsed();
+        result
     }
     fn install_snapshot(
         &mut self,
@@ -204,9 +236,11 @@ impl<S: Storage> Storage for TimedStorage<S> {
         let _span = tracing::debug_span!("raft.fsync").entered();
         let started = std::time::Instant::now();
         let result = self.inner.flush();
+        let took = started.elapsed();
+        self.spent.flush += took;
         self.metrics
             .fsync_duration_seconds
-            .observe(started.elapsed().as_secs_f64());
+            .observe(took.as_secs_f64());
         result
     }
 }
@@ -241,6 +275,13 @@ pub struct Driver {
     replication_buf: Vec<PeerReplication>,
     /// While leading: when the log's entries were appended (for `raftlock_replication_lag_seconds`).
     lag_clock: Option<LagClock>,
+    /// When a message from the leader (or, while leading, from each follower) last arrived;
+    /// logged when an election timeout or CheckQuorum ends a term's leadership.
+    last_heard: HashMap<NodeId, std::time::Instant>,
+    /// The core's election counters as last logged.
+    logged_stats: crate::raft::CoreStats,
+    /// The last leader this node knew.
+    leader_seen: NodeId,
 }
 
 /// A span per append that carries entries (field values are computed only when traced).
@@ -301,6 +342,8 @@ impl Driver {
             waiter_reclaim_us: cfg.waiter_reclaim.as_micros() as Micros,
             configured_limits: Some(cfg.limits.clone()),
             observe_lock_events: true,
+            // One Ready per drive: the loop in `run` takes more while its turn budget lasts.
+            readies_per_drive: 1,
             ..NodeSettings::default()
         };
         // A lock-node built with the `mutations` feature runs with the named bug switched on:
@@ -320,6 +363,7 @@ impl Driver {
         let storage = TimedStorage {
             inner: storage,
             metrics: metrics.clone(),
+            spent: StorageTime::default(),
         };
         let mut core = NodeCore::new(raft, storage, sm, settings, 0);
         // The leader's appends go to the peers' queues at once, so the followers write them
@@ -351,6 +395,9 @@ impl Driver {
             batch_started: std::time::Instant::now(),
             snapshot_started: None,
             lag_clock: None,
+            last_heard: HashMap::new(),
+            logged_stats: Default::default(),
+            leader_seen: 0,
         }
     }
 
@@ -363,8 +410,17 @@ impl Driver {
         let mut ticker = tokio::time::interval(self.cfg.tick);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         self.publish_status();
+        let mut inputs = 0usize;
+        let mut handled = Duration::ZERO;
         loop {
+            // Work left over from a turn that used up its budget; taken in turn with ticks
+            // and inputs (select! picks among ready branches at random).
+            let more = self.core.raft().has_ready();
             let result = tokio::select! {
+                _ = std::future::ready(()), if more => {
+                    self.batch_started = std::time::Instant::now();
+                    self.core.drive()
+                }
                 _ = ticker.tick() => {
                     self.batch_started = std::time::Instant::now();
                     let now = self.now();
@@ -388,7 +444,9 @@ impl Driver {
                         commit_index = tracing::field::Empty,
                     );
                     let _entered = span.enter();
+                    inputs = batch.len();
                     self.handle_inputs(batch);
+                    handled = self.batch_started.elapsed();
                     let result = self.core.drive();
                     if !span.is_disabled() {
                         span.record("commit_index", self.core.raft().commit_index() as i64);
@@ -403,11 +461,38 @@ impl Driver {
                     Ok(())
                 }
             };
+            let mut result = result;
+            while result.is_ok()
+                && self.core.raft().has_ready()
+                && self.batch_started.elapsed() < TURN_BUDGET
+            {
+                result = self.core.drive();
+            }
+            let driven = self.batch_started.elapsed();
             let result = result.and_then(|()| self.after_drive());
             if let Err(err) = result {
                 error!(cause = %err, "storage failure; stopping the node");
                 break;
             }
+            let took = self.batch_started.elapsed();
+            let storage = self.core.storage_mut().take_spent();
+            if took >= SLOW_TURN {
+                // Peers hear nothing from this node while a turn runs: a leader's turn near the
+                // election timeout costs its leadership.
+                warn!(
+                    took_ms = took.as_millis() as u64,
+                    inputs,
+                    inputs_ms = handled.as_millis() as u64,
+                    drive_ms = driven.saturating_sub(handled).as_millis() as u64,
+                    effects_ms = took.saturating_sub(driven).as_millis() as u64,
+                    append_ms = storage.append.as_millis() as u64,
+                    apply_ms = storage.apply.as_millis() as u64,
+                    flush_ms = storage.flush.as_millis() as u64,
+                    "slow driver turn"
+                );
+            }
+            inputs = 0;
+            handled = Duration::ZERO;
         }
         if let Err(err) = self
             .finish_snapshot_job()
@@ -520,6 +605,7 @@ impl Driver {
     }
 
     fn step_peer(&mut self, now: Micros, msg: Message) {
+        self.last_heard.insert(msg.from, std::time::Instant::now());
         if matches!(msg.body, MessageBody::HeartbeatResponse { .. }) {
             if let Some(sent) = self.heartbeat_sent.remove(&msg.from) {
                 self.metrics
@@ -715,7 +801,45 @@ impl Driver {
         m.commit_index.set(commit_index as i64);
         m.applied_index.set(applied_index as i64);
         m.last_log_index.set(last_index as i64);
-        let elections = raft.stats().elections_started;
+        let stats = raft.stats();
+        if stats.pre_votes_started != self.logged_stats.pre_votes_started
+            || stats.elections_started != self.logged_stats.elections_started
+            || stats.quorum_lost != self.logged_stats.quorum_lost
+        {
+            let heard = |id: NodeId| {
+                self.last_heard
+                    .get(&id)
+                    .map(|t| t.elapsed().as_millis() as i64)
+                    .unwrap_or(-1)
+            };
+            if stats.quorum_lost != self.logged_stats.quorum_lost {
+                let ms: Vec<(NodeId, i64)> = membership
+                    .voters
+                    .iter()
+                    .filter(|&&v| v != raft.id())
+                    .map(|&v| (v, heard(v)))
+                    .collect();
+                warn!(
+                    term,
+                    last_heard_ms = ?ms,
+                    "stepping down: fewer than a quorum answered within an election timeout"
+                );
+            } else {
+                let prev = self.leader_seen;
+                warn!(
+                    term,
+                    last_leader = prev,
+                    last_heard_from_it_ms = heard(prev),
+                    pre_vote = stats.pre_votes_started != self.logged_stats.pre_votes_started,
+                    "election timeout: no word from a leader; campaigning"
+                );
+            }
+            self.logged_stats = stats;
+        }
+        if leader_id != 0 {
+            self.leader_seen = leader_id;
+        }
+        let elections = stats.elections_started;
         let counted = m.elections_total.get();
         if elections > counted {
             m.elections_total.inc_by(elections - counted);

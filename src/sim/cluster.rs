@@ -247,6 +247,9 @@ struct SimNode {
     drift_ppm: i64,
     /// SIGSTOP: nothing runs until then; messages wait in `inbox`.
     paused_until: u64,
+    /// A snapshot job's result not handed back yet: the job "runs on another thread" for a
+    /// while, so that applies go on meanwhile and the node holds its state writes back.
+    snapshot_result: Option<Result<crate::raft::Snapshot, StorageError>>,
     inbox: Vec<Message>,
     client_inbox: Vec<(ClientOp, ReplyTo)>,
     /// Removed from the cluster: keeps running until then, then shut down for good.
@@ -367,6 +370,7 @@ impl Cluster {
             next_tick_us: self.now_us + self.rng.random_range(0..tick_us),
             drift_ppm: self.rng.random_range(-NODE_DRIFT_PPM..=NODE_DRIFT_PPM),
             paused_until: 0,
+            snapshot_result: None,
             inbox: Vec::new(),
             client_inbox: Vec::new(),
             retire_at: None,
@@ -384,6 +388,7 @@ impl Cluster {
         cfg.pre_vote = self.cfg.pre_vote;
         cfg.max_inflight_appends = self.max_inflight_appends;
         cfg.max_batch_bytes = self.max_batch_bytes;
+        cfg.max_apply_bytes = self.max_batch_bytes * 4;
         cfg.max_uncommitted_entries = self.max_uncommitted_entries;
         cfg.snapshot_chunk_bytes = 512;
         #[cfg(test)]
@@ -399,7 +404,11 @@ impl Cluster {
             snapshot_bytes: u64::MAX,
             waiter_reclaim_us: 500_000,
             applied_write_interval_us: self.cfg.applied_write_interval_us,
-            applied_write_max_keys: 64,
+            // Small, so that changes held during a (delayed) snapshot job form several segments.
+            applied_write_max_keys: 8,
+            // Small, so that a new leader's walk over the locks spans several ticks.
+            rebuild_keys_per_tick: 4,
+            snapshot_hold_max_keys: 64,
             housekeeping_retry_us: 200_000,
             session_tick_us: 1_000_000,
             readies_per_drive: 1,
@@ -454,6 +463,7 @@ impl Cluster {
                 node.last_commit = core.raft().commit_index();
                 node.next_apply = core.raft().applied_index() + 1;
                 node.core = Some(core);
+                node.snapshot_result = None;
                 node.paused_until = 0;
                 node.inbox.clear();
                 node.client_inbox.clear();
@@ -764,14 +774,28 @@ impl Cluster {
     /// Effects and checks after one drive; false if the node went down.
     fn after_one_drive(&mut self, id: NodeId, result: Result<(), StorageError>) -> bool {
         loop {
+            // A snapshot job still "running" finishes now and then, and at once when the node
+            // would wait for it; never into a step whose storage just lost power (the node is
+            // going down).
+            let mut rerun = None;
+            let finish = result.is_ok()
+                && (self.nodes.get(&id).is_some_and(|n| {
+                    n.snapshot_result.is_some()
+                        && n.core.as_ref().is_some_and(|c| c.needs_snapshot_result())
+                }) || self.rng.random_bool(0.05));
+            if finish {
+                rerun = self
+                    .nodes
+                    .get_mut(&id)
+                    .and_then(|n| n.snapshot_result.take());
+            }
             let Some(core) = self.nodes.get_mut(&id).and_then(|n| n.core.as_mut()) else {
                 return false;
             };
             let effects = core.take_effects();
-            if effects.is_empty() {
+            if effects.is_empty() && rerun.is_none() {
                 break;
             }
-            let mut rerun = None;
             for effect in effects {
                 match effect {
                     Effect::Send(msg) => {
@@ -780,8 +804,15 @@ impl Cluster {
                     }
                     Effect::Reply(to, reply) => self.push_client_msg(ClientMsg::Answer(to, reply)),
                     Effect::BuildSnapshot(job) => {
-                        // The job runs "on another thread" that finishes at once here.
-                        rerun = Some(job());
+                        // The job runs "on another thread": it reads the state now (writes are
+                        // held back until its result is handed back) and finishes at once or
+                        // some steps later.
+                        let built = job();
+                        if self.rng.random_bool(0.5) {
+                            rerun = Some(built);
+                        } else if let Some(node) = self.nodes.get_mut(&id) {
+                            node.snapshot_result = Some(built);
+                        }
                     }
                     Effect::Observe(o) => self.observe(id, o),
                 }

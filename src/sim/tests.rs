@@ -448,8 +448,9 @@ fn caught_prevote_counted_as_vote() {
 fn caught_membership_guards_off() {
     assert_caught(
         "membership_guards_off",
-        // Caught at seed 39 on 3 nodes.
-        150,
+        // Caught at seed 312 on 3 nodes (seed 39 before snapshot jobs began to finish some
+        // steps late, which changed every seed's schedule).
+        500,
         Bugs {
             membership_guards_off: true,
             ..Bugs::default()

@@ -152,6 +152,9 @@ enum Command {
         /// Where scale.md and scale.json are written.
         #[arg(long, default_value = "docs/bench")]
         out: std::path::PathBuf,
+        /// Keep the clusters' data directories and node logs (`raftlock-N.log`) after the run.
+        #[arg(long)]
+        keep_data: bool,
     },
     /// Resident memory per held lock and per waiter of the lock state machine (process RSS
     /// before and after, so allocator overhead is included; key bytes are subtracted).
@@ -474,6 +477,7 @@ fn main() {
             only,
             dir,
             out,
+            keep_data,
         } => {
             let command_line = command_line();
             let args = scale::ScaleArgs {
@@ -485,7 +489,9 @@ fn main() {
                 command_line,
             };
             let result = runtime().block_on(scale::scale(args));
-            let _ = std::fs::remove_dir_all(&dir);
+            if !keep_data {
+                let _ = std::fs::remove_dir_all(&dir);
+            }
             if let Err(e) = result {
                 eprintln!("raftlock-bench scale: {e}");
                 std::process::exit(1);
