@@ -153,10 +153,66 @@ fn tx_err(action: &'static str, e: TransactionError<StorageError>) -> StorageErr
     }
 }
 
+/// sled 0.34 writes its own snapshot (its page table, not ours) to `snap.<lsn>.generating`, syncs
+/// it and renames it to `snap.<lsn>`, removing older ones only after the rename. A process killed
+/// before the rename leaves the unfinished file behind, and sled's start-up counts it among its
+/// snapshots: it sorts last, so sled reads it as the newest, finds it short or its checksum wrong,
+/// and refuses to open with `Corruption`. The file is by construction a write that never took
+/// effect (the previous snapshot and the log after it are intact), so it is removed before sled
+/// looks. A missing directory is a new store and has nothing to remove.
+///
+/// Only while holding the lock sled itself takes on its `db` file: a store another process has
+/// open may be writing that file at this moment. Then nothing is removed, and sled's own open
+/// reports the lock.
+fn remove_unfinished_sled_snapshots(dir: &Path) -> Result<(), StorageError> {
+    let lock_file = match std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(dir.join("db"))
+    {
+        Ok(file) => file,
+        // No store here yet, or one sled will report on itself.
+        Err(_) => return Ok(()),
+    };
+    if lock_file.try_lock().is_err() {
+        return Ok(());
+    }
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(source) => {
+            return Err(StorageError::Io {
+                action: "listing the store directory",
+                source,
+            })
+        }
+    };
+    for entry in entries {
+        let entry = entry.map_err(|source| StorageError::Io {
+            action: "listing the store directory",
+            source,
+        })?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if name.starts_with("snap.") && name.ends_with(".generating") {
+            tracing::warn!(
+                file = %entry.path().display(),
+                "removing an unfinished sled snapshot left by a crash during its write"
+            );
+            std::fs::remove_file(entry.path()).map_err(|source| StorageError::Io {
+                action: "removing an unfinished sled snapshot",
+                source,
+            })?;
+        }
+    }
+    Ok(())
+}
+
 impl SledStorage {
     /// Opens (or creates) the store in `dir`. A damaged store is an error, never a panic.
     pub fn open(dir: impl AsRef<Path>) -> Result<Self, StorageError> {
         let dir = dir.as_ref().to_path_buf();
+        remove_unfinished_sled_snapshots(&dir)?;
         let opened = std::panic::catch_unwind(move || sled::Config::new().path(dir).open());
         let db = match opened {
             Ok(Ok(db)) => db,
