@@ -509,7 +509,11 @@ fn unfinished_sled_snapshot_left_by_a_kill_is_not_corruption() {
     leftovers.extend(finished.iter().map(|name| format!("{name}.generating")));
     for (i, name) in leftovers.iter().enumerate() {
         // An empty file and a cut-off one: both were being written when the process died.
-        let bytes: Vec<u8> = if i % 2 == 0 { Vec::new() } else { vec![0x5a; 40] };
+        let bytes: Vec<u8> = if i % 2 == 0 {
+            Vec::new()
+        } else {
+            vec![0x5a; 40]
+        };
         std::fs::write(dir.path().join(name), bytes).unwrap();
     }
     let (_store, state) = open_and_recover(dir.path())

@@ -275,7 +275,7 @@ pub async fn demo(args: DemoArgs) -> ExitCode {
                         _ => bump(&stats, "write errors"),
                     }
                 }
-                if n % 5 == 0 {
+                if n.is_multiple_of(5) {
                     // A long pause (a GC stall, a swapped-out VM) past the TTL without renewing:
                     // the lease lapses and someone else may hold the lock by now. Writing
                     // anyway must be refused once a newer holder wrote.
