@@ -48,6 +48,10 @@ pub struct SledStorage {
     config_entries: std::sync::OnceLock<std::collections::BTreeMap<Index, Entry>>,
     /// Removes compacted log entries in the background; see [`SledStorage::compact`].
     trimmer: LogTrimmer,
+    /// Bytes of snapshot chunks in `staging`: the offset the next chunk must have. Counted from
+    /// the tree once after opening, then kept here (summing the staged chunks for every chunk
+    /// read the whole transfer again each time: quadratic in the snapshot's size).
+    staged_bytes: Option<u64>,
 }
 
 /// A thread that deletes log entries at or below the snapshot point after a compaction.
@@ -245,6 +249,7 @@ impl SledStorage {
             last_index: 0,
             applied_index: 0,
             config_entries: std::sync::OnceLock::new(),
+            staged_bytes: None,
         };
         storage.load_cache()?;
         if storage.last_index == storage.snapshot_meta.index {
@@ -505,6 +510,7 @@ impl Storage for SledStorage {
     }
 
     fn begin_snapshot(&mut self, meta: &SnapshotMeta) -> Result<(), StorageError> {
+        self.staged_bytes = None;
         self.staging
             .clear()
             .map_err(|e| StorageError::sled("clearing staging", e))?;
@@ -513,6 +519,7 @@ impl Storage for SledStorage {
         self.staging
             .insert(STAGING_META, record)
             .map_err(|e| StorageError::sled("starting a snapshot", e))?;
+        self.staged_bytes = Some(0);
         Ok(())
     }
 
@@ -520,13 +527,18 @@ impl Storage for SledStorage {
         if self.staging.get(STAGING_META).ok().flatten().is_none() {
             return Err(StorageError::NoSnapshotInProgress);
         }
-        let staged: u64 = self
-            .staging
-            .iter()
-            .filter_map(|r| r.ok())
-            .filter(|(k, _)| k.as_ref() != STAGING_META)
-            .map(|(_, v)| v.len() as u64)
-            .sum();
+        let staged = match self.staged_bytes {
+            Some(staged) => staged,
+            None => {
+                let mut staged = 0u64;
+                for item in self.staging.scan_prefix(b"chunk/") {
+                    let (_, v) = item.map_err(|e| StorageError::sled("reading staging", e))?;
+                    staged += v.len() as u64;
+                }
+                self.staged_bytes = Some(staged);
+                staged
+            }
+        };
         if offset != staged {
             return Err(StorageError::SnapshotChunkOutOfOrder {
                 offset,
@@ -535,9 +547,11 @@ impl Storage for SledStorage {
         }
         let mut key = b"chunk/".to_vec();
         key.extend_from_slice(&offset.to_be_bytes());
+        self.staged_bytes = None;
         self.staging
             .insert(key, chunk)
             .map_err(|e| StorageError::sled("staging a chunk", e))?;
+        self.staged_bytes = Some(staged + chunk.len() as u64);
         Ok(())
     }
 
@@ -567,6 +581,7 @@ impl Storage for SledStorage {
         self.staging
             .clear()
             .map_err(|e| StorageError::sled("clearing staging", e))?;
+        self.staged_bytes = Some(0);
         Ok(meta)
     }
 
