@@ -97,10 +97,10 @@ struct Args {
     /// Raft tick. Default 10ms
     #[arg(long)]
     tick: Option<String>,
-    /// Minimum election timeout in ticks (randomized up to twice this). Default 15
+    /// Minimum election timeout in ticks (randomized up to twice this). Default 50 (500 ms)
     #[arg(long)]
     election_ticks: Option<u32>,
-    /// Heartbeat interval in ticks. Default 3
+    /// Heartbeat interval in ticks. Default 5 (50 ms)
     #[arg(long)]
     heartbeat_ticks: Option<u32>,
     /// Snapshot and compact the log every this many applied entries. Default 100000
