@@ -8,6 +8,7 @@
 //!   spawn ───────────────────────────────────► open dir, recover, then loop:
 //!                                                set hard state, append entries,
 //!                                                apply (state + applied index), compact,
+//!                                                now and then install a snapshot,
 //!                                                flush, then print "ACK ..."
 //!   read ACK lines ◄────────────────────────── stdout
 //!   sleep a seeded random time, SIGKILL ─────► dies anywhere, even inside sled
@@ -26,8 +27,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use raftlock::raft::{Entry, EntryPayload, HardState, Index, Term};
-use raftlock::storage::{RecoveredState, SledStorage, Storage, StorageError};
+use raftlock::raft::{Entry, EntryPayload, HardState, Index, Membership, SnapshotMeta, Term};
+use raftlock::storage::{encode_snapshot_data, RecoveredState, SledStorage, Storage, StorageError};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -72,6 +73,26 @@ impl Ack {
         }
         Some(ack)
     }
+}
+
+/// How often the child installs a snapshot instead of only appending.
+const INSTALL_PROBABILITY: f64 = 0.01;
+/// Keys in an installed snapshot: enough that its install takes a while to be killed in.
+const SNAPSHOT_SLOTS: u64 = 5_000;
+
+/// The state a snapshot at `index` carries: what `verify` expects of an applied state.
+fn snapshot_state(index: Index) -> Bytes {
+    let mut pairs: Vec<(Vec<u8>, Vec<u8>)> = (0..SNAPSHOT_SLOTS)
+        .map(|i| {
+            (
+                format!("slot/{i:05}").into_bytes(),
+                format!("{index}").into_bytes(),
+            )
+        })
+        .collect();
+    pairs.push((b"applied".to_vec(), index.to_string().into_bytes()));
+    pairs.sort();
+    encode_snapshot_data(pairs.iter().map(|(k, v)| (k.as_slice(), v.as_slice())))
 }
 
 /// The payload of entry `index` in `term`: self-describing, so a misplaced entry is caught.
@@ -214,7 +235,23 @@ fn run_child(dir: &Path, seed: u64) -> ! {
             })
             .expect("child: hard state");
         store.append(&entries).expect("child: append");
-        let new_last = store.last_index();
+        let mut new_last = store.last_index();
+        if rng.random_bool(INSTALL_PROBABILITY) {
+            // As a follower far behind does: a snapshot from the leader replaces the state and
+            // the whole log, at an index past everything here.
+            let index = new_last + rng.random_range(1..=50);
+            let data = snapshot_state(index);
+            let meta = SnapshotMeta {
+                index,
+                term,
+                membership: Membership::with_voters([1, 2, 3]),
+            };
+            store
+                .install_snapshot(&meta, &data)
+                .expect("child: install a snapshot");
+            applied = index;
+            new_last = store.last_index();
+        }
         let target = rng.random_range(applied..=new_last);
         let changes = vec![
             (b"applied".to_vec(), Some(target.to_string().into_bytes())),
@@ -277,6 +314,7 @@ fn sled_keeps_everything_acknowledged_across_sigkill() {
     let mut kills = 0u32;
     let mut acks_total = 0u64;
     let mut kills_before_first_ack = 0u32;
+    let mut installs_resumed = 0u32;
 
     while kills < KILLS_MAX && started.elapsed() < Duration::from_secs(RUN_SECONDS_MAX) {
         let mut child = Command::new(&exe)
@@ -335,6 +373,9 @@ fn sled_keeps_everything_acknowledged_across_sigkill() {
 
         let store = open_after_child(dir.path())
             .unwrap_or_else(|e| panic!("seed {seed} kill {kills}: reopen failed: {e}"));
+        if store.resumed_install().is_some() {
+            installs_resumed += 1;
+        }
         let state = store
             .recover()
             .unwrap_or_else(|e| panic!("seed {seed} kill {kills}: recover failed: {e}"));
@@ -353,8 +394,8 @@ fn sled_keeps_everything_acknowledged_across_sigkill() {
     let elapsed = started.elapsed();
     println!(
         "storage crash test: seed {seed}, {kills} kills ({kills_before_first_ack} before the \
-         child acknowledged anything), {acks_total} acknowledged flushes, last ack {acked:?}, \
-         {:.1} s",
+         child acknowledged anything), {installs_resumed} reopens finishing an interrupted \
+         snapshot install, {acks_total} acknowledged flushes, last ack {acked:?}, {:.1} s",
         elapsed.as_secs_f64()
     );
     assert!(
