@@ -3,9 +3,10 @@
 //! Four trees: `log` (big-endian index → checksummed entry), `meta` (hard state, snapshot point,
 //! membership at the snapshot point, applied index), `state` (the applied state machine) and
 //! `staging` (chunks of an incoming snapshot). Log entries, meta records and applied-state values
-//! each carry a CRC-32 (see `codec`), so a damaged value is an error naming its tree and key. Writes that must be atomic across trees — applying
-//! state with its index, snapshot install — run as one sled transaction; an append is one batch
-//! on the log tree; a compaction records the new snapshot point and leaves the deletion of the
+//! each carry a CRC-32 (see `codec`), so a damaged value is an error naming its tree and key. Applying state with its index runs as one sled
+//! transaction; a snapshot install is staged, marked in `meta`, written in batches and finished
+//! by one small transaction, and redone from `staging` by an open that finds the mark (see
+//! [`SledStorage::install`]); an append is one batch on the log tree; a compaction records the new snapshot point and leaves the deletion of the
 //! entries behind it to a background thread. Nothing is durable before [`Storage::flush`].
 
 use std::path::Path;
