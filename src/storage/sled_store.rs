@@ -3,11 +3,12 @@
 //! Four trees: `log` (big-endian index → checksummed entry), `meta` (hard state, snapshot point,
 //! membership at the snapshot point, applied index), `state` (the applied state machine) and
 //! `staging` (chunks of an incoming snapshot). Log entries, meta records and applied-state values
-//! each carry a CRC-32 (see `codec`), so a damaged value is an error naming its tree and key. Applying state with its index runs as one sled
-//! transaction; a snapshot install is staged, marked in `meta`, written in batches and finished
-//! by one small transaction, and redone from `staging` by an open that finds the mark (see
-//! [`SledStorage::install`]); an append is one batch on the log tree; a compaction records the new snapshot point and leaves the deletion of the
-//! entries behind it to a background thread. Nothing is durable before [`Storage::flush`].
+//! each carry a CRC-32 (see `codec`), so a damaged value is an error naming its tree and key.
+//! Applying state with its index runs as one sled transaction; a snapshot install is staged,
+//! marked in `meta`, written in batches and finished by one small transaction, and redone from
+//! `staging` by an open that finds the mark (see [`SledStorage::install`]); an append is one
+//! batch on the log tree; a compaction records the new snapshot point and leaves the deletion of
+//! the entries behind it to a background thread. Nothing is durable before [`Storage::flush`].
 
 use std::path::Path;
 
@@ -191,21 +192,13 @@ fn remove_unfinished_sled_snapshots(dir: &Path) -> Result<(), StorageError> {
     if lock_file.try_lock().is_err() {
         return Ok(());
     }
-    let entries = match std::fs::read_dir(dir) {
-        Ok(entries) => entries,
-        Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(source) => {
-            return Err(StorageError::Io {
-                action: "listing the store directory",
-                source,
-            })
-        }
+    // The directory exists: its `db` file was just opened.
+    let listing = |source| StorageError::Io {
+        action: "listing the store directory",
+        source,
     };
-    for entry in entries {
-        let entry = entry.map_err(|source| StorageError::Io {
-            action: "listing the store directory",
-            source,
-        })?;
+    for entry in std::fs::read_dir(dir).map_err(listing)? {
+        let entry = entry.map_err(listing)?;
         let name = entry.file_name();
         let Some(name) = name.to_str() else { continue };
         if name.starts_with("snap.") && name.ends_with(".generating") {
@@ -346,11 +339,7 @@ impl SledStorage {
         data: &[u8],
         keys_written: usize,
     ) -> Result<(), StorageError> {
-        let pairs = decode_snapshot_data(data)?;
-        self.stage_whole(meta, data)?;
-        self.meta
-            .insert(INSTALLING, encode_index_term(meta.index, meta.term))
-            .map_err(|e| StorageError::sled("marking a snapshot install", e))?;
+        let pairs = self.begin_install(meta, data, false)?;
         self.state
             .clear()
             .map_err(|e| StorageError::sled("clearing the state", e))?;
@@ -401,6 +390,18 @@ impl SledStorage {
         data: &[u8],
         staged: bool,
     ) -> Result<(), StorageError> {
+        let pairs = self.begin_install(meta, data, staged)?;
+        self.complete_install(meta, pairs)
+    }
+
+    /// Step 1 of [`SledStorage::install`]: checks the data, stages it unless `staged`, and
+    /// writes the mark. Returns the decoded pairs.
+    fn begin_install(
+        &mut self,
+        meta: &SnapshotMeta,
+        data: &[u8],
+        staged: bool,
+    ) -> Result<Vec<KvPair>, StorageError> {
         let pairs = decode_snapshot_data(data)?;
         if !staged {
             self.stage_whole(meta, data)?;
@@ -408,7 +409,7 @@ impl SledStorage {
         self.meta
             .insert(INSTALLING, encode_index_term(meta.index, meta.term))
             .map_err(|e| StorageError::sled("marking a snapshot install", e))?;
-        self.complete_install(meta, pairs)
+        Ok(pairs)
     }
 
     /// Keeps `data` in `staging` as the chunks a transfer would have left there.
