@@ -84,8 +84,23 @@ echo "== one client's cycle against the nodes' own timings"
   echo "$(date +%F) · \`raftlock-bench latency --seconds 10\` (see docs/bench/cpu-budget.md for what each part costs in instructions)"
   echo
   ./target/release/raftlock-bench latency --seconds 10
+  echo
+  echo "## The same with 32 clients"
+  echo
+  echo "\`raftlock-bench latency --seconds 10 --clients 32\`"
+  echo
+  ./target/release/raftlock-bench latency --seconds 10 --clients 32
 } > docs/bench/latency.md
+
+echo "== the log's storage: sled against a plain append-only file, latency and CPU per flush"
+{
+  echo "# Durable appends: sled against a plain file"
+  echo
+  echo "$(date +%F) · \`raftlock-bench storage --seconds 3\` (see docs/bench/cpu-budget.md, \"Real CPU time\")"
+  echo
+  ./target/release/raftlock-bench storage --seconds 3
+} > docs/bench/storage.md
 
 echo "== scale"
 ./target/release/raftlock-bench scale "${SCALE[@]}" --out docs/bench
-echo "== done: docs/bench/results.md, chart.png, five-nodes/results.md, cpu-budget.md, latency.md, scale.md"
+echo "== done: docs/bench/results.md, chart.png, five-nodes/results.md, cpu-budget.md, latency.md, storage.md, scale.md"

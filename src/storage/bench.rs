@@ -1,13 +1,15 @@
 //! The storage benchmark behind `raftlock-bench storage`: durable appends per second through
-//! [`SledStorage`] with one flush per batch, next to the raw fsync latency of the same disk.
+//! [`SledStorage`] with one flush per batch, next to plain appends to a file with `sync_data`
+//! on the same disk, with the CPU time (user and kernel) each flush costs the process.
 //!
 //! ```text
 //!   for each batch size:  append(batch of ~100-byte entries) ─► flush ─► (acknowledge)   repeat
-//!   raw disk:             write(100 bytes) ─► sync_data                                   repeat
+//!   raw disk:             write(batch × 100 bytes) ─► sync_data                          repeat
 //! ```
 //!
 //! Both run in the same directory, so the ratio between them is what sled costs over the disk's
-//! own sync. Measures only; prints nothing (the binary prints the table).
+//! own sync, and the raw cases are what a log kept in a plain append-only file would cost.
+//! Measures only; prints nothing (the binary prints the table).
 //!
 //! sled 0.34's `flush` ends in `sync_file_range` on Linux (its log writes), not `fsync`: that
 //! survives a process crash but neither flushes the drive's write cache nor file metadata;
@@ -36,7 +38,7 @@ const SAMPLES_MAX: usize = 10_000_000;
 pub struct CaseResult {
     /// `sled append+flush` or `raw write+sync_data`.
     pub what: &'static str,
-    /// Entries per flush (1 for the raw case).
+    /// Entries (records) per flush or sync.
     pub batch: usize,
     /// Completed flushes (one per batch) or syncs.
     pub syncs: u64,
@@ -44,6 +46,9 @@ pub struct CaseResult {
     /// Latency of one batch: append and flush (or write and sync).
     pub latency_p50: Duration,
     pub latency_p99: Duration,
+    /// CPU time the whole process used during the case, user and kernel (all threads: sled's
+    /// I/O pool and flusher too). `None` where `/proc/self/stat` cannot be read.
+    pub cpu: Option<(Duration, Duration)>,
 }
 
 impl CaseResult {
@@ -54,6 +59,32 @@ impl CaseResult {
     pub fn entries_per_second(&self) -> f64 {
         self.syncs_per_second() * self.batch as f64
     }
+
+    /// CPU time (user, kernel) per flush or sync, in microseconds.
+    pub fn cpu_per_sync_us(&self) -> Option<(f64, f64)> {
+        let (user, kernel) = self.cpu?;
+        let n = self.syncs.max(1) as f64;
+        Some((user.as_secs_f64() * 1e6 / n, kernel.as_secs_f64() * 1e6 / n))
+    }
+}
+
+/// This process's CPU time so far (user, kernel), from `/proc/self/stat` (Linux).
+fn process_cpu() -> Option<(Duration, Duration)> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // After the name in parentheses: utime and stime are fields 14 and 15 (proc(5)), counted in
+    // USER_HZ, which is 100 on Linux.
+    let fields: Vec<&str> = stat[stat.rfind(')')? + 1..].split_whitespace().collect();
+    let ticks = |i: usize| -> Option<Duration> {
+        let t: u64 = fields.get(i)?.parse().ok()?;
+        Some(Duration::from_millis(t * 10))
+    };
+    Some((ticks(11)?, ticks(12)?))
+}
+
+fn cpu_since(start: Option<(Duration, Duration)>) -> Option<(Duration, Duration)> {
+    let (u0, k0) = start?;
+    let (u1, k1) = process_cpu()?;
+    Some((u1.saturating_sub(u0), k1.saturating_sub(k0)))
 }
 
 /// Why the benchmark stopped.
@@ -82,6 +113,7 @@ fn finish(
     batch: usize,
     elapsed: Duration,
     mut samples: Vec<Duration>,
+    cpu: Option<(Duration, Duration)>,
 ) -> CaseResult {
     samples.sort_unstable();
     CaseResult {
@@ -91,6 +123,7 @@ fn finish(
         elapsed,
         latency_p50: percentile(&samples, 0.50),
         latency_p99: percentile(&samples, 0.99),
+        cpu,
     }
 }
 
@@ -120,6 +153,7 @@ pub fn bench_sled_appends(
     let payload = Bytes::from(vec![b'x'; ENTRY_BYTES - 22]);
     let mut next_index = store.last_index() + 1;
     let mut samples = Vec::new();
+    let cpu_start = process_cpu();
     let started = Instant::now();
     while started.elapsed() < duration && samples.len() < SAMPLES_MAX {
         let entries: Vec<Entry> = (next_index..next_index + batch as u64)
@@ -146,12 +180,19 @@ pub fn bench_sled_appends(
     } else {
         "sled append+flush"
     };
-    Ok(finish(what, batch, started.elapsed(), samples))
+    let elapsed = started.elapsed();
+    Ok(finish(what, batch, elapsed, samples, cpu_since(cpu_start)))
 }
 
-/// Appends `RAW_WRITE_BYTES` to a file in `dir` and calls `sync_data`, repeatedly, for
-/// `duration`: the floor under any durable append on this disk.
-pub fn bench_raw_fsync(dir: &Path, duration: Duration) -> Result<CaseResult, BenchError> {
+/// Appends `batch` records of `RAW_WRITE_BYTES` to a file in `dir` with one `write` and calls
+/// `sync_data`, repeatedly, for `duration`: the floor under any durable append on this disk,
+/// and what a log kept in a plain append-only file would cost.
+pub fn bench_raw_fsync(
+    dir: &Path,
+    batch: usize,
+    duration: Duration,
+) -> Result<CaseResult, BenchError> {
+    let batch = batch.max(1);
     let path = dir.join("raw-fsync.dat");
     let io_error = |source| BenchError::Io {
         path: path.clone(),
@@ -162,8 +203,9 @@ pub fn bench_raw_fsync(dir: &Path, duration: Duration) -> Result<CaseResult, Ben
         .append(true)
         .open(&path)
         .map_err(io_error)?;
-    let record = [b'x'; RAW_WRITE_BYTES];
+    let record = vec![b'x'; RAW_WRITE_BYTES * batch];
     let mut samples = Vec::new();
+    let cpu_start = process_cpu();
     let started = Instant::now();
     while started.elapsed() < duration && samples.len() < SAMPLES_MAX {
         let sync_started = Instant::now();
@@ -171,11 +213,19 @@ pub fn bench_raw_fsync(dir: &Path, duration: Duration) -> Result<CaseResult, Ben
         file.sync_data().map_err(io_error)?;
         samples.push(sync_started.elapsed());
     }
-    Ok(finish("raw write+sync_data", 1, started.elapsed(), samples))
+    let elapsed = started.elapsed();
+    Ok(finish(
+        "raw write+sync_data",
+        batch,
+        elapsed,
+        samples,
+        cpu_since(cpu_start),
+    ))
 }
 
 /// Runs every case in its own subdirectory of `dir`: sled with each batch size, the same with
-/// an extra fsync per flush, then the raw fsync. Subdirectories are removed afterwards.
+/// an extra fsync per flush, then raw writes of the same batches with `sync_data`. Subdirectories
+/// are removed afterwards.
 pub fn run(
     dir: &Path,
     batches: &[usize],
@@ -196,10 +246,12 @@ pub fn run(
             results.push(result?);
         }
     }
-    let raw_dir = dir.join("raw");
-    std::fs::create_dir_all(&raw_dir).map_err(io_error(&raw_dir))?;
-    let result = bench_raw_fsync(&raw_dir, duration);
-    let _ = std::fs::remove_dir_all(&raw_dir);
-    results.push(result?);
+    for &batch in batches {
+        let raw_dir = dir.join(format!("raw-batch-{batch}"));
+        std::fs::create_dir_all(&raw_dir).map_err(io_error(&raw_dir))?;
+        let result = bench_raw_fsync(&raw_dir, batch, duration);
+        let _ = std::fs::remove_dir_all(&raw_dir);
+        results.push(result?);
+    }
     Ok(results)
 }

@@ -17,6 +17,84 @@ use super::load::{self, LoadSpec, Target, Workload};
 pub struct LatencyArgs {
     pub seconds: u64,
     pub dir: PathBuf,
+    /// Concurrent uncontended clients (1: one client's cycle).
+    pub clients: usize,
+}
+
+/// CPU time in clock ticks (user, kernel) of a process, by thread group: threads named alike
+/// (`sled-io-0`, `sled-io-1`, …) are one group, and what threads that have already ended used
+/// is the group `ended threads` (the process's totals include them, its live threads do not).
+fn thread_cpu(pid: u32) -> BTreeMap<String, (u64, u64)> {
+    let ticks = |path: &str| stat_ticks(&std::fs::read_to_string(path).ok()?);
+    let mut groups: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    let Some(total) = ticks(&format!("/proc/{pid}/stat")) else {
+        return groups;
+    };
+    let mut live = (0, 0);
+    if let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) {
+        for task in tasks.flatten() {
+            let dir = task.path();
+            let Some(t) = ticks(&format!("{}/stat", dir.display())) else {
+                continue;
+            };
+            let name = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+            let g = groups.entry(thread_group(&name)).or_default();
+            g.0 += t.0;
+            g.1 += t.1;
+            live.0 += t.0;
+            live.1 += t.1;
+        }
+    }
+    groups.insert(
+        "ended threads".into(),
+        (
+            total.0.saturating_sub(live.0),
+            total.1.saturating_sub(live.1),
+        ),
+    );
+    groups
+}
+
+/// User and kernel ticks from a `/proc/…/stat` line: after the name in parentheses (which may
+/// hold spaces and parentheses) state is field 3, utime 14 and stime 15 (proc(5)).
+fn stat_ticks(stat: &str) -> Option<(u64, u64)> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    Some((fields.get(11)?.parse().ok()?, fields.get(12)?.parse().ok()?))
+}
+
+/// A thread's group: its name without a trailing number (`sled-io-3` → `sled-io`).
+fn thread_group(name: &str) -> String {
+    name.trim()
+        .trim_end_matches(|c: char| c.is_ascii_digit())
+        .trim_end_matches('-')
+        .to_string()
+}
+
+/// What each thread group of lock-node does, for the report.
+fn thread_group_label(group: &str) -> String {
+    match group {
+        "raftlock-driver" => "driver thread: Raft, apply, storage calls, flush waits".into(),
+        "tokio-rt-worker" => "I/O runtime: client connections, peer streams".into(),
+        "sled-io" => "sled's I/O pool: its log writes and syncs".into(),
+        "lock-node" => "main thread".into(),
+        "log flusher" => "sled's periodic flusher".into(),
+        "ended threads" => "threads that ended during the run".into(),
+        other => other.to_string(),
+    }
+}
+
+fn cpu_delta(
+    before: &BTreeMap<String, (u64, u64)>,
+    after: &BTreeMap<String, (u64, u64)>,
+) -> BTreeMap<String, (u64, u64)> {
+    after
+        .iter()
+        .map(|(k, &(u, s))| {
+            let (u0, s0) = before.get(k).copied().unwrap_or((0, 0));
+            (k.clone(), (u.saturating_sub(u0), s.saturating_sub(s0)))
+        })
+        .collect()
 }
 
 /// Sum and count of every histogram series in a Prometheus text page, by series name with its
@@ -88,22 +166,33 @@ pub async fn latency(args: LatencyArgs) -> Result<(), String> {
         }
     }
     let leader_endpoint = leader_endpoint.ok_or("no node says it leads")?;
+    let pids: Vec<u32> = procs.0.iter().map(|c| c.id()).collect();
     let before = scrape(&endpoints).await?;
+    let cpu_before: Vec<_> = pids.iter().map(|&p| thread_cpu(p)).collect();
+    let self_before = thread_cpu(std::process::id());
     let spec = LoadSpec {
         target: Target::Raftlock,
         endpoints: vec![leader_endpoint],
         workload: Workload::Uncontended,
-        clients: 1,
+        clients: args.clients.max(1),
         duration: Duration::from_secs(args.seconds),
         run_id: "latency".into(),
     };
     let r = load::run(&spec).await?;
+    let cpu: Vec<_> = pids
+        .iter()
+        .zip(&cpu_before)
+        .map(|(&p, b)| cpu_delta(b, &thread_cpu(p)))
+        .collect();
+    let client_cpu = cpu_delta(&self_before, &thread_cpu(std::process::id()));
     let after = scrape(&endpoints).await?;
     drop(procs);
     if r.grants == 0 {
         return Err("no lock was granted".into());
     }
-    let cycle_ms = r.seconds * 1000.0 / r.grants as f64;
+    // Each client runs its cycles one after the other for the whole run: one client's cycle
+    // takes clients × seconds / cycles.
+    let cycle_ms = r.seconds * 1000.0 * spec.clients as f64 / r.grants as f64;
     let leader = (0..endpoints.len())
         .max_by_key(|&i| {
             mean_ms(&before[i], &after[i], "raftlock_commit_duration_seconds")
@@ -114,8 +203,12 @@ pub async fn latency(args: LatencyArgs) -> Result<(), String> {
         Some((ms, n)) => println!("| {what} | {ms:.3} | {n:.0} |"),
         None => println!("| {what} | – | 0 |"),
     };
+    let who = match args.clients.max(1) {
+        1 => "One client".to_string(),
+        n => format!("{n} clients"),
+    };
     println!(
-        "One client, uncontended, {} s: {} cycles, errors {}. Floor: fsync p50 {:.3} ms, loopback RTT p50 {:.3} ms; a cycle (two commits) ≥ {floor_ms:.2} ms.\n",
+        "{who}, uncontended, {} s: {} cycles, errors {}. Floor: fsync p50 {:.3} ms, loopback RTT p50 {:.3} ms; a cycle (two commits) ≥ {floor_ms:.2} ms.\n",
         args.seconds,
         r.grants,
         r.errors,
@@ -124,7 +217,7 @@ pub async fn latency(args: LatencyArgs) -> Result<(), String> {
     );
     println!("| what | mean ms | count |\n|---|---:|---:|");
     println!(
-        "| **one cycle, as the client sees it** (acquire + release) | **{cycle_ms:.3}** | {} |",
+        "| **one cycle, as a client sees it** (acquire + release) | **{cycle_ms:.3}** | {} |",
         r.grants
     );
     println!(
@@ -165,5 +258,111 @@ pub async fn latency(args: LatencyArgs) -> Result<(), String> {
             cycle_ms - acq - rel
         );
     }
+    print_cpu_table(&cpu, leader, &client_cpu, r.grants);
     Ok(())
+}
+
+/// CPU time per cycle (µs), user and kernel, by thread group: the leader, the mean of the
+/// followers, and this process (the load generator: SDK clients and their runtime). Unlike the
+/// instruction budget (callgrind counts user-space instructions only), this includes the
+/// kernel's share: system calls, waking and switching threads.
+fn print_cpu_table(
+    nodes: &[BTreeMap<String, (u64, u64)>],
+    leader: usize,
+    client: &BTreeMap<String, (u64, u64)>,
+    cycles: u64,
+) {
+    // /proc counts in USER_HZ ticks, 100 per second on Linux.
+    let us = |ticks: u64| ticks as f64 * 10_000.0 / cycles.max(1) as f64;
+    let followers: Vec<&BTreeMap<String, (u64, u64)>> = nodes
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| i != leader)
+        .map(|(_, m)| m)
+        .collect();
+    let mut groups: Vec<&String> = nodes.iter().flat_map(|m| m.keys()).collect();
+    groups.sort();
+    groups.dedup();
+    println!(
+        "\nCPU time per cycle in µs, user + kernel, by thread group (from /proc; 10 ms resolution per thread group over the whole run):\n"
+    );
+    println!("| thread group | leader user | leader kernel | follower user | follower kernel |");
+    println!("|---|---:|---:|---:|---:|");
+    let mut totals = [0.0f64; 4];
+    for g in groups {
+        let (lu, ls) = nodes
+            .get(leader)
+            .and_then(|m| m.get(g))
+            .copied()
+            .unwrap_or((0, 0));
+        let n = followers.len().max(1) as f64;
+        let fu = followers
+            .iter()
+            .filter_map(|m| m.get(g))
+            .map(|v| us(v.0))
+            .sum::<f64>()
+            / n;
+        let fs = followers
+            .iter()
+            .filter_map(|m| m.get(g))
+            .map(|v| us(v.1))
+            .sum::<f64>()
+            / n;
+        let row = [us(lu), us(ls), fu, fs];
+        if row.iter().all(|&v| v < 0.5) {
+            continue;
+        }
+        for (t, v) in totals.iter_mut().zip(row) {
+            *t += v;
+        }
+        println!(
+            "| {} | {:.0} | {:.0} | {:.0} | {:.0} |",
+            thread_group_label(g),
+            row[0],
+            row[1],
+            row[2],
+            row[3]
+        );
+    }
+    println!(
+        "| **total** | **{:.0}** | **{:.0}** | **{:.0}** | **{:.0}** |",
+        totals[0], totals[1], totals[2], totals[3]
+    );
+    let (cu, cs) = client
+        .values()
+        .fold((0, 0), |acc, v| (acc.0 + v.0, acc.1 + v.1));
+    println!(
+        "\nThe load generator (this process: the SDK clients, their runtime): user {:.0} µs, kernel {:.0} µs per cycle.",
+        us(cu),
+        us(cs)
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_lines_with_odd_names_parse() {
+        let line = "4242 (tokio (rt) 1) S 1 4242 4242 0 -1 4194624 900 0 0 0 123 45 0 0 20 0 3 0";
+        assert_eq!(stat_ticks(line), Some((123, 45)));
+        assert_eq!(stat_ticks("4242 (short) S 1 2"), None);
+        assert_eq!(stat_ticks("no parenthesis"), None);
+    }
+
+    #[test]
+    fn numbered_threads_share_a_group() {
+        assert_eq!(thread_group("sled-io-12\n"), "sled-io");
+        assert_eq!(thread_group("raftlock-driver"), "raftlock-driver");
+        assert_eq!(thread_group("tokio-rt-worker"), "tokio-rt-worker");
+    }
+
+    #[test]
+    fn deltas_subtract_per_group() {
+        let before = BTreeMap::from([("a".to_string(), (5, 1))]);
+        let after = BTreeMap::from([("a".to_string(), (9, 4)), ("b".to_string(), (2, 2))]);
+        let d = cpu_delta(&before, &after);
+        assert_eq!(d["a"], (4, 3));
+        assert_eq!(d["b"], (2, 2));
+    }
 }

@@ -53,7 +53,7 @@ enum Command {
         /// Default: ./target (the build's disk, usually the data disk too).
         #[arg(long)]
         dir: Option<std::path::PathBuf>,
-        /// Seconds per case (four cases).
+        /// Seconds per case (nine cases).
         #[arg(long, default_value_t = 3)]
         seconds: u64,
     },
@@ -109,6 +109,10 @@ enum Command {
         /// Where the cluster keeps its data.
         #[arg(long, default_value = "target/bench-data/latency")]
         dir: std::path::PathBuf,
+        /// Concurrent uncontended clients, each on its own key (the same report for a loaded
+        /// cluster; the CPU table then says where a cycle's CPU goes under load).
+        #[arg(long, default_value_t = 1)]
+        clients: usize,
     },
     /// Two RaftLock clusters side by side, trace export off and on (every span sent over OTLP
     /// to a receiver in this process): what tracing costs the hot path.
@@ -336,11 +340,15 @@ fn run_storage_bench(dir: Option<std::path::PathBuf>, seconds: u64) -> Result<()
         bench::ENTRY_BYTES,
         bench::RAW_WRITE_BYTES
     );
-    println!("| case | entries/flush | flushes/s | entries/s | p50 latency | p99 latency |");
-    println!("|---|---:|---:|---:|---:|---:|");
+    println!("| case | entries/flush | flushes/s | entries/s | p50 latency | p99 latency | CPU per flush: user | kernel |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
     for r in &results {
+        let (user, kernel) = match r.cpu_per_sync_us() {
+            Some((u, k)) => (format!("{u:.0} µs"), format!("{k:.0} µs")),
+            None => ("–".to_string(), "–".to_string()),
+        };
         println!(
-            "| {} | {} | {:.0} | {:.0} | {:.3} ms | {:.3} ms |",
+            "| {} | {} | {:.0} | {:.0} | {:.3} ms | {:.3} ms | {user} | {kernel} |",
             r.what,
             r.batch,
             r.syncs_per_second(),
@@ -349,6 +357,9 @@ fn run_storage_bench(dir: Option<std::path::PathBuf>, seconds: u64) -> Result<()
             r.latency_p99.as_secs_f64() * 1e3
         );
     }
+    println!(
+        "\nCPU per flush is the whole process's (user and kernel, all threads, sled's own I/O threads included) divided by the flushes; /proc counts it in 10 ms steps."
+    );
     Ok(())
 }
 
@@ -433,10 +444,15 @@ fn main() {
                 }
             }
         }
-        Command::Latency { seconds, dir } => {
+        Command::Latency {
+            seconds,
+            dir,
+            clients,
+        } => {
             let args = latency::LatencyArgs {
                 seconds: seconds.max(1),
                 dir: dir.clone(),
+                clients: clients.clamp(1, 4096),
             };
             let result = runtime().block_on(latency::latency(args));
             let _ = std::fs::remove_dir_all(&dir);
