@@ -19,6 +19,10 @@ pub struct Config {
     pub check_quorum: bool,
     /// Appends in flight to one follower before the leader waits for acknowledgements.
     pub max_inflight_appends: usize,
+    /// Entry bytes in flight to one follower before the leader waits for acknowledgements (one
+    /// append is always allowed). Bounds what a follower catching up receives in one burst,
+    /// and so how long the leader spends building it.
+    pub max_inflight_bytes: usize,
     /// Upper bound on the entry bytes in one Append message (at least one entry is always sent).
     pub max_batch_bytes: usize,
     /// Upper bound on the committed entry bytes handed out for applying in one `Ready` (at least
@@ -50,6 +54,7 @@ impl Config {
             pre_vote: true,
             check_quorum: true,
             max_inflight_appends: 64,
+            max_inflight_bytes: 8 << 20,
             max_batch_bytes: 1 << 20,
             max_apply_bytes: 256 << 10,
             max_uncommitted_entries: 100_000,
@@ -75,10 +80,13 @@ impl Config {
                 "election_ticks must exceed heartbeat_ticks",
             ));
         }
-        if self.max_inflight_appends == 0 || self.max_batch_bytes == 0 || self.max_apply_bytes == 0
+        if self.max_inflight_appends == 0
+            || self.max_inflight_bytes == 0
+            || self.max_batch_bytes == 0
+            || self.max_apply_bytes == 0
         {
             return Err(ConfigError::Invalid(
-                "max_inflight_appends, max_batch_bytes and max_apply_bytes must be > 0",
+                "max_inflight_appends, max_inflight_bytes, max_batch_bytes and max_apply_bytes must be > 0",
             ));
         }
         if self.snapshot_chunk_bytes == 0 || self.max_uncommitted_entries == 0 {

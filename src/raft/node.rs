@@ -163,6 +163,9 @@ pub struct Raft {
     election_elapsed: u32,
     heartbeat_elapsed: u32,
     randomized_election_ticks: u32,
+    /// Leader only: heartbeat broadcasts so far. A follower's heartbeat answers unblock flow
+    /// control to it at most once per round (see `handle_heartbeat_response`).
+    heartbeat_round: u64,
     rng: ChaCha8Rng,
 
     /// Leader only: transferring leadership to this voter (§3.10); proposals are refused meanwhile.
@@ -234,6 +237,7 @@ impl Raft {
             election_elapsed: 0,
             heartbeat_elapsed: 0,
             randomized_election_ticks: cfg.election_ticks,
+            heartbeat_round: 0,
             rng,
             transfer_target: None,
             read_seq: 0,
@@ -326,6 +330,14 @@ impl Raft {
         }
     }
     /// Leader only: (match_index, next_index, state) for a follower.
+    /// Appends in flight to `id` and their entry bytes (the leader's flow control).
+    #[cfg(test)]
+    pub(crate) fn inflight_to(&self, id: NodeId) -> (usize, usize) {
+        self.progress
+            .get(&id)
+            .map_or((0, 0), |pr| (pr.inflight_len(), pr.inflight_bytes()))
+    }
+
     pub fn progress(&self, id: NodeId) -> Option<(Index, Index, ProgressState)> {
         self.progress
             .get(&id)
@@ -981,6 +993,7 @@ impl Raft {
     }
 
     fn broadcast_heartbeat(&mut self) {
+        self.heartbeat_round += 1;
         let peers: Vec<(NodeId, Index)> = self
             .progress
             .iter()
@@ -1010,7 +1023,12 @@ impl Raft {
             match pr.state {
                 ProgressState::Snapshot => return,
                 ProgressState::Probe if pr.probe_sent => return,
-                ProgressState::Replicate if pr.inflight_full(self.cfg.max_inflight_appends) => {
+                ProgressState::Replicate
+                    if pr.inflight_full(
+                        self.cfg.max_inflight_appends,
+                        self.cfg.max_inflight_bytes,
+                    ) =>
+                {
                     return
                 }
                 _ => {}
@@ -1028,13 +1046,14 @@ impl Raft {
             }
             allow_empty = false;
             let last = entries.last().map(|e| e.index);
+            let bytes = entries.iter().map(|e| e.size_bytes()).sum::<usize>();
             let leader_commit = self.log.committed;
             let pr = self.progress.get_mut(&to).expect("checked above");
             match pr.state {
                 ProgressState::Replicate => {
                     if let Some(last) = last {
                         pr.next_index = last + 1;
-                        pr.inflight.push_back(last);
+                        pr.sent(last, bytes);
                     }
                 }
                 _ => pr.probe_sent = true,
@@ -1216,19 +1235,34 @@ impl Raft {
 
     fn handle_heartbeat_response(&mut self, from: NodeId, read_seq: u64) {
         let last_index = self.log.last_index();
-        let max_inflight = self.cfg.max_inflight_appends;
+        let (max_inflight, max_bytes) = (self.cfg.max_inflight_appends, self.cfg.max_inflight_bytes);
+        let round = self.heartbeat_round;
         let Some(pr) = self.progress.get_mut(&from) else {
             return;
         };
         pr.recent_active = true;
         pr.read_ack = pr.read_ack.max(read_seq);
-        pr.probe_sent = false;
+        // An answer to a heartbeat stands for "anything sent before may be lost": it lets a
+        // probe go again, frees a slot of a full pipeline and counts towards resending a
+        // snapshot chunk. Only once per heartbeat round: a follower that was stalled (a long
+        // snapshot install, a paused process) answers every heartbeat queued meanwhile at
+        // once, and each answer used to send another full append (hundreds of 512 KiB appends
+        // built in one turn of the leader's loop).
+        let fresh = pr.unblocked_round < round;
+        if fresh {
+            pr.unblocked_round = round;
+            pr.probe_sent = false;
+        }
         let state = pr.state;
-        if state == ProgressState::Replicate && pr.inflight_full(max_inflight) {
-            pr.inflight.pop_front();
+        if fresh
+            && state == ProgressState::Replicate
+            && pr.inflight_full(max_inflight, max_bytes)
+        {
+            pr.free_oldest();
         }
         let behind = pr.match_index < last_index;
         match state {
+            ProgressState::Snapshot if !fresh => {}
             ProgressState::Snapshot => {
                 // The chunk in flight is answered by its own response; only when that has not
                 // come for a few heartbeat rounds is it taken as lost and sent again.

@@ -188,6 +188,9 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
     raft_cfg.election_ticks = cfg.election_ticks;
     raft_cfg.heartbeat_ticks = cfg.heartbeat_ticks;
     raft_cfg.max_batch_bytes = (cfg.max_message_bytes / 2).max(64 * 1024);
+    // A follower catching up gets at most eight full appends at a time (4 MiB with the default
+    // message size) instead of 64: the leader's turn that builds them stays short.
+    raft_cfg.max_inflight_bytes = raft_cfg.max_batch_bytes * 8;
     raft_cfg.snapshot_chunk_bytes = (cfg.max_message_bytes / 2).max(64 * 1024);
     let initial = InitialState {
         hard_state: recovered.hard_state,

@@ -388,6 +388,10 @@ impl Cluster {
         cfg.pre_vote = self.cfg.pre_vote;
         cfg.max_inflight_appends = self.max_inflight_appends;
         cfg.max_batch_bytes = self.max_batch_bytes;
+        // Half of what the count bound allows, so that with full-size appends the byte bound
+        // is the one that holds (derived, not drawn: the seeds' schedules stay as they were).
+        cfg.max_inflight_bytes =
+            (self.max_batch_bytes * self.max_inflight_appends / 2).max(self.max_batch_bytes);
         cfg.max_apply_bytes = self.max_batch_bytes * 4;
         cfg.max_uncommitted_entries = self.max_uncommitted_entries;
         cfg.snapshot_chunk_bytes = 512;
