@@ -43,7 +43,7 @@ pub struct Progress {
     /// The leader's heartbeat round in which this follower's heartbeat answer last unblocked
     /// flow control (at most one per round).
     pub unblocked_round: u64,
-    /// In `Snapshot`: heartbeat answers received since the chunk at `snapshot_offset` was sent.
+    /// In `Snapshot`: heartbeat rounds answered since the chunk at `snapshot_offset` was sent.
     /// The chunk is sent again only when enough of them pass without its answer.
     pub snapshot_waits: u32,
 }
