@@ -1235,7 +1235,8 @@ impl Raft {
 
     fn handle_heartbeat_response(&mut self, from: NodeId, read_seq: u64) {
         let last_index = self.log.last_index();
-        let (max_inflight, max_bytes) = (self.cfg.max_inflight_appends, self.cfg.max_inflight_bytes);
+        let (max_inflight, max_bytes) =
+            (self.cfg.max_inflight_appends, self.cfg.max_inflight_bytes);
         let round = self.heartbeat_round;
         let Some(pr) = self.progress.get_mut(&from) else {
             return;
@@ -1254,10 +1255,7 @@ impl Raft {
             pr.probe_sent = false;
         }
         let state = pr.state;
-        if fresh
-            && state == ProgressState::Replicate
-            && pr.inflight_full(max_inflight, max_bytes)
-        {
+        if fresh && state == ProgressState::Replicate && pr.inflight_full(max_inflight, max_bytes) {
             pr.free_oldest();
         }
         let behind = pr.match_index < last_index;

@@ -95,7 +95,11 @@ impl Progress {
             self.match_index = index;
         }
         self.next_index = self.next_index.max(index + 1);
-        while self.inflight.front().is_some_and(|&(last, _)| last <= index) {
+        while self
+            .inflight
+            .front()
+            .is_some_and(|&(last, _)| last <= index)
+        {
             self.free_oldest();
         }
         advanced

@@ -863,7 +863,10 @@ fn appends_in_flight_are_bounded_in_bytes() {
         bytes < BOUND + 2 * BATCH,
         "{bytes} entry bytes in flight with a bound of {BOUND}"
     );
-    assert!(count > 1, "appends are still pipelined ({count} in flight at most)");
+    assert!(
+        count > 1,
+        "appends are still pipelined ({count} in flight at most)"
+    );
     // Without the byte bound the same catch-up puts far more in flight at once: the check above
     // can tell the two apart.
     let (unbounded_bytes, _) = peak(usize::MAX);
