@@ -296,18 +296,10 @@ fn print_cpu_table(
             .copied()
             .unwrap_or((0, 0));
         let n = followers.len().max(1) as f64;
-        let fu = followers
+        let (fu, fs) = followers
             .iter()
             .filter_map(|m| m.get(g))
-            .map(|v| us(v.0))
-            .sum::<f64>()
-            / n;
-        let fs = followers
-            .iter()
-            .filter_map(|m| m.get(g))
-            .map(|v| us(v.1))
-            .sum::<f64>()
-            / n;
+            .fold((0.0, 0.0), |(u, s), v| (u + us(v.0) / n, s + us(v.1) / n));
         let row = [us(lu), us(ls), fu, fs];
         if row.iter().all(|&v| v < 0.5) {
             continue;
