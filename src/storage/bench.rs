@@ -70,15 +70,21 @@ impl CaseResult {
 
 /// This process's CPU time so far (user, kernel), from `/proc/self/stat` (Linux).
 fn process_cpu() -> Option<(Duration, Duration)> {
-    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
-    // After the name in parentheses: utime and stime are fields 14 and 15 (proc(5)), counted in
-    // USER_HZ, which is 100 on Linux.
-    let fields: Vec<&str> = stat[stat.rfind(')')? + 1..].split_whitespace().collect();
-    let ticks = |i: usize| -> Option<Duration> {
-        let t: u64 = fields.get(i)?.parse().ok()?;
-        Some(Duration::from_millis(t * 10))
-    };
-    Some((ticks(11)?, ticks(12)?))
+    let (user, kernel) = stat_ticks(&std::fs::read_to_string("/proc/self/stat").ok()?)?;
+    // USER_HZ is 100 on Linux: a tick is 10 ms.
+    Some((
+        Duration::from_millis(user * 10),
+        Duration::from_millis(kernel * 10),
+    ))
+}
+
+/// User and kernel ticks from a `/proc/…/stat` line (a process's or a thread's): after the name
+/// in parentheses (which may hold spaces and parentheses) state is field 3, utime 14 and stime
+/// 15 (proc(5)).
+pub fn stat_ticks(stat: &str) -> Option<(u64, u64)> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    Some((fields.get(11)?.parse().ok()?, fields.get(12)?.parse().ok()?))
 }
 
 fn cpu_since(start: Option<(Duration, Duration)>) -> Option<(Duration, Duration)> {

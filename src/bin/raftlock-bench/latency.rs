@@ -11,6 +11,8 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use raftlock::storage::bench::stat_ticks;
+
 use super::compare::{fsync_floor, loopback_floor, start_raftlock, wait_ready, Procs};
 use super::load::{self, LoadSpec, Target, Workload};
 
@@ -53,14 +55,6 @@ fn thread_cpu(pid: u32) -> BTreeMap<String, (u64, u64)> {
         ),
     );
     groups
-}
-
-/// User and kernel ticks from a `/proc/…/stat` line: after the name in parentheses (which may
-/// hold spaces and parentheses) state is field 3, utime 14 and stime 15 (proc(5)).
-fn stat_ticks(stat: &str) -> Option<(u64, u64)> {
-    let rest = &stat[stat.rfind(')')? + 1..];
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    Some((fields.get(11)?.parse().ok()?, fields.get(12)?.parse().ok()?))
 }
 
 /// A thread's group: its name without a trailing number (`sled-io-3` → `sled-io`).
