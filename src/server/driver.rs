@@ -170,9 +170,14 @@ impl<S: Storage> Storage for TimedStorage<S> {
         self.inner.recover()
     }
     fn append(&mut self, entries: &[crate::raft::Entry]) -> Result<(), StorageError> {
+        super::probe::event("append");
         let started = std::time::Instant::now();
         let result = self.inner.append(entries);
         self.spent.append += started.elapsed();
+        super::probe::event("appended");
+        if let Some(last) = entries.last() {
+            super::probe::appended(last.index);
+        }
         result
     }
     fn set_hard_state(&mut self, hs: crate::raft::HardState) -> Result<(), StorageError> {
@@ -234,9 +239,11 @@ impl<S: Storage> Storage for TimedStorage<S> {
     }
     fn flush(&mut self) -> Result<(), StorageError> {
         let _span = tracing::debug_span!("raft.fsync").entered();
+        super::probe::event("flush");
         let started = std::time::Instant::now();
         let result = self.inner.flush();
         let took = started.elapsed();
+        super::probe::event("flushed");
         self.spent.flush += took;
         self.metrics
             .fsync_duration_seconds
@@ -552,6 +559,7 @@ impl Driver {
             match input {
                 Input::Peer(msg) => self.step_peer(now, msg),
                 Input::Client { op, conn, reply } => {
+                    super::probe::event("picked");
                     self.metrics
                         .requests_total
                         .with_label_values(&[op.name(), "received"])
@@ -606,6 +614,7 @@ impl Driver {
 
     fn step_peer(&mut self, now: Micros, msg: Message) {
         self.last_heard.insert(msg.from, std::time::Instant::now());
+        super::probe::peer_message_stepped(&msg);
         if matches!(msg.body, MessageBody::HeartbeatResponse { .. }) {
             if let Some(sent) = self.heartbeat_sent.remove(&msg.from) {
                 self.metrics
@@ -628,6 +637,9 @@ impl Driver {
                 *timed = now;
             }
         }
+        if matches!(msg.body, MessageBody::AppendResponse { .. }) {
+            super::probe::ack_sent();
+        }
         self.transport.send(msg);
     }
 
@@ -647,6 +659,7 @@ impl Driver {
             match effect {
                 Effect::Send(msg) => self.send_peer(&msg),
                 Effect::Reply(tx, reply) => {
+                    super::probe::event("replied");
                     let reply = match reply {
                         ClientReply::Error(e) => ClientReply::Error(self.with_leader_addr(e)),
                         other => other,

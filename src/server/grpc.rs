@@ -388,6 +388,7 @@ impl ppb::peer_server::Peer for PeerApi {
                 }
                 Ok(msg) if msg.from == from => {
                     // Never block the stream on a busy driver: Raft tolerates loss.
+                    super::probe::peer_message_received(&msg);
                     let _ = self.driver.try_send(Input::Peer(msg));
                 }
                 Ok(msg) => debug!(

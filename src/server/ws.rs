@@ -522,6 +522,7 @@ fn forward_target(state: &AppState) -> Option<String> {
 /// Sends `op` to this node's driver and waits for its answer.
 pub async fn execute_here(op: ClientOp, conn: u64, state: &AppState) -> ClientReply {
     let (tx, rx) = oneshot::channel();
+    super::probe::client_enqueued();
     let name = op.name();
     let input = Input::Client {
         op,
@@ -540,6 +541,7 @@ pub async fn execute_here(op: ClientOp, conn: u64, state: &AppState) -> ClientRe
     let reply = rx
         .await
         .unwrap_or_else(|_| ClientReply::error(ErrorCode::Unavailable, "node is shutting down"));
+    super::probe::client_answered();
     state
         .metrics
         .request_duration_seconds
