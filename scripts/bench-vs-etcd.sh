@@ -5,7 +5,8 @@
 # same disk, runs the workloads against each in alternation, and writes docs/bench/results.md,
 # results.json and chart.png; the same with five nodes in each cluster (docs/bench/five-nodes/);
 # then the CPU budget per lock cycle beside its baseline
-# (docs/bench/cpu-budget.md, scripts/cpu-budget.py) and the scale runs (docs/bench/scale.md,
+# (docs/bench/cpu-budget.md, scripts/cpu-budget.py), one client's request step by step
+# (docs/bench/latency.md, scripts/latency-timeline.sh) and the scale runs (docs/bench/scale.md,
 # `raftlock-bench scale`).
 #
 #   scripts/bench-vs-etcd.sh            # full run: 1, 8, 32, 128, 512 clients, 5 s per run, 2 rounds
@@ -90,6 +91,14 @@ echo "== one client's cycle against the nodes' own timings"
   echo "\`raftlock-bench latency --seconds 10 --clients 32\`"
   echo
   ./target/release/raftlock-bench latency --seconds 10 --clients 32
+  echo
+  echo "## One request step by step, from the nodes' own clocks"
+  echo
+  echo "\`scripts/latency-timeline.sh 10\`: lock-node built with the \`latency-probe\` feature, one client"
+  echo "on the leader; every 64th request's steps on the leader and on both followers, in µs since"
+  echo "the request reached the leader's driver queue (the clocks of processes on one machine agree)."
+  echo
+  scripts/latency-timeline.sh 10
 } > docs/bench/latency.md
 
 echo "== the log's storage: sled against a plain append-only file, latency and CPU per flush"

@@ -354,6 +354,9 @@ pub struct NodeCore<S: Storage, R> {
     clock_ticked_at: Option<Micros>,
     /// Set by a shell that can send while this node flushes (see [`NodeCore::send_early_with`]).
     early_sender: Option<EarlySender>,
+    /// Set by a shell that can send a Ready's answers as soon as its flush is done (see
+    /// [`NodeCore::send_after_flush_with`]).
+    flushed_sender: Option<EarlySender>,
 }
 
 /// Sends one of the leader's own replication messages at once, before the flush of the Ready
@@ -406,6 +409,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             limits_proposed_at: None,
             clock_ticked_at: None,
             early_sender: None,
+            flushed_sender: None,
         }
     }
 
@@ -445,6 +449,15 @@ impl<S: Storage, R> NodeCore<S, R> {
     /// leaves as an effect, after the flush: the same outcome, later (the simulator runs so).
     pub fn send_early_with(&mut self, send: EarlySender) {
         self.early_sender = Some(send);
+    }
+
+    /// Lets a Ready's `messages` (answers, which wait for its flush) leave as soon as that flush
+    /// is done, before the Ready's committed entries are applied: `send` is called with each of
+    /// them right after the flush, and whatever it declines becomes an [`Effect::Send`] as
+    /// usual, handed out after the apply. A follower's acknowledgement then does not wait for the
+    /// follower to apply the entries the same append committed.
+    pub fn send_after_flush_with(&mut self, send: EarlySender) {
+        self.flushed_sender = Some(send);
     }
 
     pub fn take_effects(&mut self) -> Vec<Effect<R>> {
@@ -915,7 +928,13 @@ impl<S: Storage, R> NodeCore<S, R> {
             self.storage.flush()?;
         }
         for msg in &ready.messages {
-            self.effects.push(Effect::Send(msg.clone()));
+            let sent = match self.flushed_sender.as_mut() {
+                Some(send) => send(msg, &self.raft),
+                None => false,
+            };
+            if !sent {
+                self.effects.push(Effect::Send(msg.clone()));
+            }
         }
         self.apply(&ready)?;
         let read_states = ready.read_states.clone();

@@ -429,6 +429,30 @@ impl Raft {
             self.heartbeat_elapsed = 0;
             self.broadcast_heartbeat();
         }
+        self.announce_commit();
+    }
+
+    /// Sends the commit index to each caught-up follower that has not been told it yet. A new
+    /// commit index travels with the next append (under load there is one at once), so it is
+    /// announced on its own only when none went out by the leader's next tick: one message
+    /// (and its answer) per follower per commit saved, for followers that learn it at most a
+    /// tick later when the cluster goes idle.
+    fn announce_commit(&mut self) {
+        let committed = self.log.committed;
+        let last_index = self.log.last_index();
+        let idle: Vec<NodeId> = self
+            .progress
+            .iter()
+            .filter(|(_, p)| {
+                p.state == ProgressState::Replicate
+                    && p.next_index > last_index
+                    && p.commit_sent < committed
+            })
+            .map(|(&id, _)| id)
+            .collect();
+        for peer in idle {
+            self.send_append(peer, true);
+        }
     }
 
     fn quorum_recently_active(&self) -> bool {
@@ -1001,6 +1025,9 @@ impl Raft {
             .collect();
         for (peer, match_index) in peers {
             let commit = self.log.committed.min(match_index);
+            if let Some(pr) = self.progress.get_mut(&peer) {
+                pr.commit_sent = pr.commit_sent.max(commit);
+            }
             self.send(
                 peer,
                 MessageBody::Heartbeat {
@@ -1059,6 +1086,7 @@ impl Raft {
                 _ => pr.probe_sent = true,
             }
             let probing = pr.state == ProgressState::Probe;
+            pr.commit_sent = pr.commit_sent.max(leader_commit);
             self.send(
                 to,
                 MessageBody::Append {
@@ -1338,19 +1366,10 @@ impl Raft {
             }
         }
         // A leader removed from the configuration steps down once the removal commits (§4.2.2).
+        // Followers learn the new commit index with the next append, or at the latest on the
+        // next tick (`announce_commit`).
         if self.membership_index <= self.log.committed && !self.membership.is_voter(self.id) {
             self.become_follower(self.term, 0);
-            return;
-        }
-        // Tell followers promptly so their state machines keep up.
-        let peers: Vec<NodeId> = self.progress.keys().copied().collect();
-        for peer in peers {
-            let idle = self.progress.get(&peer).is_some_and(|p| {
-                p.state == ProgressState::Replicate && p.next_index > self.log.last_index()
-            });
-            if idle {
-                self.send_append(peer, true);
-            }
         }
     }
 

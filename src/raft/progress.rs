@@ -46,6 +46,8 @@ pub struct Progress {
     /// In `Snapshot`: heartbeat rounds answered since the chunk at `snapshot_offset` was sent.
     /// The chunk is sent again only when enough of them pass without its answer.
     pub snapshot_waits: u32,
+    /// The highest commit index sent to this follower (in an append or a heartbeat).
+    pub commit_sent: Index,
 }
 
 impl Progress {
@@ -63,6 +65,7 @@ impl Progress {
             snapshot_index: 0,
             snapshot_offset: 0,
             snapshot_waits: 0,
+            commit_sent: 0,
         }
     }
 

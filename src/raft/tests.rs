@@ -918,3 +918,48 @@ fn a_flood_of_heartbeat_answers_sends_one_probe() {
     net.tick_all(heartbeat_ticks);
     assert_eq!(flood(&mut net), 1, "the next round lets one probe go again");
 }
+
+/// A new commit index travels with the next append; only when none follows does the leader
+/// announce it on its own, on its next tick. One client's lock cycle used to cost an extra
+/// append (and its answer) per follower per commit.
+#[test]
+fn commit_index_rides_on_the_next_append_or_the_next_tick() {
+    let mut net = Net::new(3, false);
+    net.elect(1);
+    net.tick_all(1);
+    let appends_since = |net: &Net, from: usize| {
+        net.log[from..]
+            .iter()
+            .filter(|m| matches!(m.body, MessageBody::Append { .. }))
+            .count()
+    };
+    let before = net.log.len();
+    let first = net.propose(1, b"a");
+    assert_eq!(net.raft(1).commit_index(), first);
+    assert_eq!(
+        appends_since(&net, before),
+        2,
+        "one append per follower, no announcement of the commit"
+    );
+    assert!(net.raft(2).commit_index() < first && net.raft(3).commit_index() < first);
+
+    let before = net.log.len();
+    let second = net.propose(1, b"b");
+    assert_eq!(appends_since(&net, before), 2);
+    for follower in [2, 3] {
+        assert_eq!(
+            net.raft(follower).commit_index(),
+            first,
+            "the next append carried the commit index"
+        );
+    }
+
+    // Nothing follows: the next tick announces the second commit.
+    net.tick_all(1);
+    for follower in [2, 3] {
+        assert_eq!(net.raft(follower).commit_index(), second);
+    }
+    let before = net.log.len();
+    net.tick_all(1);
+    assert_eq!(appends_since(&net, before), 0, "announced once");
+}

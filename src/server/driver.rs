@@ -385,6 +385,18 @@ impl Driver {
             early.send(msg);
             true
         }));
+        // A follower's acknowledgements leave as soon as its flush is done, before it applies
+        // what the same append committed (the leader waits for them; it does not wait for the
+        // apply).
+        let flushed = transport.clone();
+        core.send_after_flush_with(Box::new(move |msg: &Message, _: &Raft| {
+            if !matches!(msg.body, MessageBody::AppendResponse { .. }) {
+                return false;
+            }
+            super::probe::ack_sent();
+            flushed.send(msg);
+            true
+        }));
         Driver {
             core,
             epoch: Instant::now(),

@@ -23,7 +23,7 @@ use tonic::transport::Channel;
 
 use super::api::{ClientOp, ClientReply, ErrorCode};
 use super::proto::peer::peer_client::PeerClient;
-use super::proto::peer::ForwardClientRequest;
+use super::proto::peer::{FetchPeerListRequest, ForwardClientRequest};
 use super::transport::PeerDialer;
 
 /// Sends client requests to the leader's peer port.
@@ -77,6 +77,21 @@ impl Forwarder {
         }
         channels.insert(peer_addr.to_string(), client.clone());
         Ok(client)
+    }
+
+    /// The commit index of the node at `peer_addr` (the leader, as this node believes; a node
+    /// that no longer leads answers with a commit index no higher than the leader's).
+    pub async fn leader_commit(&self, peer_addr: &str) -> Result<u64, String> {
+        let mut client = self.client(peer_addr)?;
+        let reply = client
+            .fetch_peer_list(self.dialer.request(FetchPeerListRequest { term: 0 }))
+            .await
+            .map_err(|status| status.message().to_string())?
+            .into_inner();
+        if !reply.success {
+            return Err(format!("the node at {peer_addr} knows no leader"));
+        }
+        Ok(reply.commit_index)
     }
 
     /// Forwards `op` to the leader at `peer_addr` and returns its answer. Ends early (dropping the

@@ -468,6 +468,7 @@ impl ppb::peer_server::Peer for PeerApi {
                 .iter()
                 .map(|r| (r.id, r.match_index))
                 .collect(),
+            commit_index: s.commit_index,
         }))
     }
 

@@ -29,6 +29,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
+/// How long a follower waits to apply up to the leader's commit index before it judges a lease
+/// on its own state.
+const CATCH_UP_WAIT: Duration = Duration::from_secs(1);
+
 use tokio::sync::oneshot;
 use tonic::{Request, Response, Status};
 
@@ -168,8 +172,24 @@ impl SeedLockApi {
         }
     }
 
-    /// The holder of `key` on this node's applied state, if its token is `lease`.
+    /// The holder of `key` on this node's applied state, if its token is `lease`. A follower
+    /// first applies up to the leader's commit index (waiting at most `CATCH_UP_WAIT`), so the
+    /// lease is judged on state at least as new as every answer the leader had given: a client
+    /// that acquired through any node and releases through this one is not refused because this
+    /// follower had not applied its grant yet.
     async fn holder_with_lease(&self, key: &str, lease: u64) -> Result<String, String> {
+        if let Some(leader) = super::ws::forward_target(&self.state) {
+            // Without an answer from the leader, judge on this node's state: the release is
+            // checked again by the state machine when it applies.
+            if let Ok(commit) = self.state.forwarder.leader_commit(&leader).await {
+                let mut status = self.state.status.clone();
+                let _ = tokio::time::timeout(
+                    CATCH_UP_WAIT,
+                    status.wait_for(|s| s.applied_index >= commit),
+                )
+                .await;
+            }
+        }
         let (tx, rx) = oneshot::channel();
         if self
             .state

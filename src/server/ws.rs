@@ -507,7 +507,7 @@ async fn forward_to(
 }
 
 /// The leader's peer address, when this node is a follower that knows one.
-fn forward_target(state: &AppState) -> Option<String> {
+pub(crate) fn forward_target(state: &AppState) -> Option<String> {
     let s = state.status.borrow();
     if s.role == "leader" || s.leader_id == 0 || s.leader_id == s.id {
         return None;
