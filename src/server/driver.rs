@@ -649,9 +649,6 @@ impl Driver {
                 *timed = now;
             }
         }
-        if matches!(msg.body, MessageBody::AppendResponse { .. }) {
-            super::probe::ack_sent();
-        }
         self.transport.send(msg);
     }
 

@@ -29,10 +29,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-/// How long a follower waits to apply up to the leader's commit index before it judges a lease
-/// on its own state.
-const CATCH_UP_WAIT: Duration = Duration::from_secs(1);
-
 use tokio::sync::oneshot;
 use tonic::{Request, Response, Status};
 
@@ -41,6 +37,10 @@ use super::auth::{Caller, Operation};
 use super::driver::Input;
 use super::http::AppState;
 use super::proto::seed004 as spb;
+
+/// How long a follower waits to apply up to the leader's commit index before it judges a lease
+/// on its own state.
+const CATCH_UP_WAIT: Duration = Duration::from_secs(1);
 
 /// How long a call waits for the cluster's answer when the client names no timeout.
 pub const COMMIT_WAIT_DEFAULT: Duration = Duration::from_secs(10);

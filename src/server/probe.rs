@@ -27,14 +27,29 @@ mod on {
     /// One record in this many (by log index) is written.
     const SAMPLE_EVERY: u64 = 64;
 
-    #[derive(Default)]
     struct Record {
         open: bool,
         key: u64,
         events: Vec<(&'static str, u64)>,
     }
 
+    const CLOSED: Record = Record {
+        open: false,
+        key: 0,
+        events: Vec::new(),
+    };
+
     impl Record {
+        /// A record that takes events, for the request or append at log index `key` (0: not
+        /// known yet).
+        fn opened(key: u64) -> Record {
+            Record {
+                open: true,
+                key,
+                events: Vec::with_capacity(MAX_EVENTS),
+            }
+        }
+
         fn push(&mut self, name: &'static str) {
             if self.open && self.events.len() < MAX_EVENTS {
                 self.events.push((name, now()));
@@ -42,7 +57,6 @@ mod on {
         }
     }
 
-    #[derive(Default)]
     struct Probe {
         leader: Record,
         follower: Record,
@@ -50,7 +64,11 @@ mod on {
         recv_io: u64,
     }
 
-    static PROBE: Mutex<Option<Probe>> = Mutex::new(None);
+    static PROBE: Mutex<Probe> = Mutex::new(Probe {
+        leader: CLOSED,
+        follower: CLOSED,
+        recv_io: 0,
+    });
     static FILE: Mutex<Option<std::fs::File>> = Mutex::new(None);
 
     fn now() -> u64 {
@@ -61,7 +79,7 @@ mod on {
 
     fn with(f: impl FnOnce(&mut Probe)) {
         if let Ok(mut p) = PROBE.lock() {
-            f(p.get_or_insert_with(Probe::default));
+            f(&mut p);
         }
     }
 
@@ -95,11 +113,7 @@ mod on {
         with(|p| {
             // A node that answers clients is not in the middle of a follower's append.
             p.follower.open = false;
-            p.leader = Record {
-                open: true,
-                key: 0,
-                events: Vec::with_capacity(MAX_EVENTS),
-            };
+            p.leader = Record::opened(0);
             p.leader.push("enqueued");
         });
     }
@@ -146,11 +160,7 @@ mod on {
 
     pub fn append_stepped(last_index: u64) {
         with(|p| {
-            p.follower = Record {
-                open: true,
-                key: last_index,
-                events: Vec::with_capacity(MAX_EVENTS),
-            };
+            p.follower = Record::opened(last_index);
             p.follower.events.push(("recv-io", p.recv_io));
             p.follower.push("recv");
         });
