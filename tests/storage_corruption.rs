@@ -94,6 +94,54 @@ fn tamper(dir: &Path, tree: &str, key: &[u8], change: impl FnOnce(&mut Vec<u8>))
     db.flush().unwrap();
 }
 
+/// The log tree: runs of consecutive entries, each run one value under its first index, laid
+/// out as a version byte and then (record length u32 BE, entry record) per entry.
+const LOG_TREE: &str = "log_runs";
+
+fn split_run(run: &[u8]) -> Vec<Vec<u8>> {
+    assert_eq!(run[0], 1, "run version");
+    let (mut records, mut rest) = (Vec::new(), &run[1..]);
+    while !rest.is_empty() {
+        let len = u32::from_be_bytes(rest[..4].try_into().unwrap()) as usize;
+        records.push(rest[4..4 + len].to_vec());
+        rest = &rest[4 + len..];
+    }
+    records
+}
+
+fn join_run(records: &[Vec<u8>]) -> Vec<u8> {
+    let mut run = vec![1u8];
+    for record in records {
+        run.extend_from_slice(&(record.len() as u32).to_be_bytes());
+        run.extend_from_slice(record);
+    }
+    run
+}
+
+/// Changes the records of the run that holds log entry `index` (given with the run's first
+/// index), as a bad disk would.
+fn tamper_run(dir: &Path, index: Index, change: impl FnOnce(Index, &mut Vec<Vec<u8>>)) {
+    with_sled(dir, |db| {
+        let log = db.open_tree(LOG_TREE).unwrap();
+        let (key, run) = log
+            .range(..=index.to_be_bytes())
+            .next_back()
+            .expect("a run at or before the index")
+            .unwrap();
+        let first = u64::from_be_bytes(key.as_ref().try_into().unwrap());
+        let mut records = split_run(&run);
+        change(first, &mut records);
+        log.insert(key, join_run(&records)).unwrap();
+    });
+}
+
+/// Changes the stored record of log entry `index` inside its run.
+fn tamper_entry(dir: &Path, index: Index, change: impl FnOnce(&mut Vec<u8>)) {
+    tamper_run(dir, index, |first, records| {
+        change(&mut records[(index - first) as usize])
+    });
+}
+
 fn with_sled(dir: &Path, action: impl FnOnce(&sled::Db)) {
     let db = open_sled(dir);
     action(&db);
@@ -134,7 +182,7 @@ fn expect_error(dir: &Path) -> StorageError {
 fn flipped_bit_in_a_log_entry_is_a_checksum_error_naming_the_index() {
     let dir = tempfile::tempdir().unwrap();
     populate(dir.path());
-    tamper(dir.path(), "log", &77u64.to_be_bytes(), |value| {
+    tamper_entry(dir.path(), 77, |value| {
         let middle = value.len() / 2;
         value[middle] ^= 0x08;
     });
@@ -165,9 +213,7 @@ fn flipped_bit_in_a_log_entry_is_a_checksum_error_naming_the_index() {
 fn flipped_checksum_byte_is_caught() {
     let dir = tempfile::tempdir().unwrap();
     populate(dir.path());
-    tamper(dir.path(), "log", &ENTRIES.to_be_bytes(), |value| {
-        value[0] ^= 0x80
-    });
+    tamper_entry(dir.path(), ENTRIES, |value| value[0] ^= 0x80);
     let error = expect_error(dir.path());
     assert!(
         matches!(error, StorageError::ChecksumMismatch { index: ENTRIES, .. }),
@@ -179,18 +225,14 @@ fn flipped_checksum_byte_is_caught() {
 fn truncated_log_entry_is_an_error() {
     let dir = tempfile::tempdir().unwrap();
     populate(dir.path());
-    tamper(dir.path(), "log", &100u64.to_be_bytes(), |value| {
-        value.truncate(value.len() - 3)
-    });
+    tamper_entry(dir.path(), 100, |value| value.truncate(value.len() - 3));
     let error = expect_error(dir.path());
     assert!(
         matches!(error, StorageError::ChecksumMismatch { index: 100, .. }),
         "{error:?}"
     );
     // Shorter than the checksum itself.
-    tamper(dir.path(), "log", &100u64.to_be_bytes(), |value| {
-        value.truncate(2)
-    });
+    tamper_entry(dir.path(), 100, |value| value.truncate(2));
     let error = expect_error(dir.path());
     assert!(
         matches!(error, StorageError::Corrupt { tree: "log", ref key, .. } if key == "100"),
@@ -200,14 +242,38 @@ fn truncated_log_entry_is_an_error() {
 }
 
 #[test]
+fn truncated_log_run_is_an_error_naming_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    populate(dir.path());
+    // populate appends ten entries at a time: entries 91..=100 are one run.
+    tamper(dir.path(), LOG_TREE, &91u64.to_be_bytes(), |value| {
+        value.truncate(value.len() - 3)
+    });
+    let error = expect_error(dir.path());
+    assert!(
+        matches!(error, StorageError::Corrupt { tree: "log", ref key, .. } if key == "run at 91"),
+        "{error:?}"
+    );
+    assert!(error.to_string().contains("truncated"), "{error}");
+    tamper(dir.path(), LOG_TREE, &91u64.to_be_bytes(), |value| {
+        value[0] = 9
+    });
+    let error = expect_error(dir.path());
+    assert!(
+        error.to_string().contains("unknown log run version 9"),
+        "{error}"
+    );
+}
+
+#[test]
 fn entry_stored_under_the_wrong_index_is_an_error() {
     let dir = tempfile::tempdir().unwrap();
     populate(dir.path());
-    with_sled(dir.path(), |db| {
-        let log = db.open_tree("log").unwrap();
-        let moved = log.get(41u64.to_be_bytes()).unwrap().unwrap();
-        log.insert(40u64.to_be_bytes(), moved).unwrap();
+    let mut moved = None;
+    tamper_run(dir.path(), 41, |first, records| {
+        moved = Some(records[(41 - first) as usize].clone())
     });
+    tamper_entry(dir.path(), 40, |value| *value = moved.unwrap());
     let error = expect_error(dir.path());
     assert!(
         matches!(error, StorageError::Corrupt { tree: "log", ref key, ref problem } if key == "40" && problem.contains("41")),
@@ -219,11 +285,10 @@ fn entry_stored_under_the_wrong_index_is_an_error() {
 fn missing_log_entry_is_a_gap_not_a_shorter_log() {
     let dir = tempfile::tempdir().unwrap();
     populate(dir.path());
-    with_sled(dir.path(), |db| {
-        db.open_tree("log")
-            .unwrap()
-            .remove(120u64.to_be_bytes())
-            .unwrap();
+    // Entry 120 is the last of its run (populate appends ten at a time).
+    tamper_run(dir.path(), 120, |first, records| {
+        assert_eq!(first + records.len() as u64 - 1, 120);
+        records.pop();
     });
     let error = expect_error(dir.path());
     assert!(
@@ -243,7 +308,7 @@ fn junk_key_in_the_log_is_an_error() {
     let dir = tempfile::tempdir().unwrap();
     populate(dir.path());
     with_sled(dir.path(), |db| {
-        db.open_tree("log")
+        db.open_tree(LOG_TREE)
             .unwrap()
             .insert(b"\xff\xffjunk-key", b"x".to_vec())
             .unwrap();

@@ -2,7 +2,8 @@
 //! codec (src/storage/codec.rs) and on into the lock state machine.
 //!
 //! The first byte chooses the decoder; the rest is its input:
-//! 0 log entry (under the index the record names, and under index 1), 1 hard state,
+//! 0 log entry (under the index the record names, and under index 1; the same bytes also as a
+//! log run of entries), 1 hard state,
 //! 2 snapshot point, 3 u64 record, 4 membership, 5 sealed state value, 6 log key, 7 snapshot
 //! data, which, when it decodes, is also rebuilt into a `LockStateMachine` the way a follower
 //! installs a snapshot (`from_kv_with_limits`).
@@ -61,6 +62,21 @@ fuzz_target!(|data: &[u8]| {
                     assert_eq!(entry.index, index);
                     let again = codec::encode_entry(&entry);
                     assert_eq!(codec::decode_entry(index, &again).ok(), Some(entry));
+                }
+            }
+            // The same bytes as a log run (a version byte, then length-prefixed entry
+            // records) stored under the index the first record names, or under 1.
+            let first = input
+                .get(18..26)
+                .map(|b| u64::from_be_bytes(b.try_into().expect("8 bytes")));
+            for first in first.into_iter().chain([1]) {
+                if let Ok(entries) = codec::decode_run(first, input) {
+                    assert!(!entries.is_empty());
+                    for (offset, entry) in entries.iter().enumerate() {
+                        assert_eq!(entry.index, first + offset as u64);
+                    }
+                    let again = codec::encode_run(&entries);
+                    assert_eq!(codec::decode_run(first, &again).ok(), Some(entries));
                 }
             }
         }

@@ -11,9 +11,12 @@
 //!   state    = record whose body is the applied-state value (sled `state` tree)
 //!   entry    = version 1 ‖ term u64 ‖ index u64 ‖ kind u8 ‖ payload
 //!              (kind 3, the bootstrap configuration, carries a sealed membership record)
+//!   run      = version 1 ‖ (record len u32 ‖ entry record)+
+//!              (consecutive entries in one sled value, keyed by the first one's index)
 //!   snapshot = "RLSNAP01" ‖ pair count u64 ‖ (key len u32 ‖ key ‖ value len u32 ‖ value)* ‖ crc32
 //! ```
 //! All integers are big-endian; log keys are the big-endian index so sled iterates in log order.
+//! Each entry in a run keeps its own checksum, so damage names the entry's index.
 
 use std::collections::BTreeSet;
 
@@ -23,6 +26,7 @@ use super::{KvPair, StorageError};
 use crate::raft::{Entry, EntryPayload, HardState, Index, Membership, MembershipChange, Term};
 
 const ENTRY_VERSION: u8 = 1;
+const RUN_VERSION: u8 = 1;
 const KIND_NOOP: u8 = 0;
 const KIND_COMMAND: u8 = 1;
 const KIND_MEMBERSHIP: u8 = 2;
@@ -176,6 +180,72 @@ pub(crate) fn decode_index_key(key: &[u8]) -> Result<Index, DecodeError> {
 
 pub(crate) fn encode_entry(entry: &Entry) -> Vec<u8> {
     let mut body = Vec::with_capacity(entry.size_bytes() + 8);
+    write_entry_body(&mut body, entry);
+    seal(body)
+}
+
+/// Starts a log run (see the module docs): the value stored under its first entry's index.
+pub(crate) fn begin_run(capacity: usize) -> Vec<u8> {
+    let mut run = Vec::with_capacity(capacity);
+    run.push(RUN_VERSION);
+    run
+}
+
+/// Appends `entry` to `run`: the length of its record, then the record `encode_entry` makes,
+/// written in place.
+pub(crate) fn push_run_entry(run: &mut Vec<u8>, entry: &Entry) {
+    let len_at = run.len();
+    run.extend_from_slice(&[0; 8]);
+    let body_at = run.len();
+    write_entry_body(run, entry);
+    let crc = crc32fast::hash(&run[body_at..]);
+    let len = (run.len() - len_at - 4) as u32;
+    run[len_at..len_at + 4].copy_from_slice(&len.to_be_bytes());
+    run[len_at + 4..body_at].copy_from_slice(&crc.to_be_bytes());
+}
+
+/// Appends an entry record already encoded by `encode_entry` to `run`.
+pub(crate) fn push_run_record(run: &mut Vec<u8>, record: &[u8]) {
+    run.extend_from_slice(&(record.len() as u32).to_be_bytes());
+    run.extend_from_slice(record);
+}
+
+/// The entry records of the run stored under `first`, with their indexes, in order. Checks the
+/// run's framing only; each record is checked when it is decoded.
+pub(crate) fn run_records(first: Index, run: &[u8]) -> Result<Vec<(Index, &[u8])>, StorageError> {
+    run_records_inner(first, run).map_err(|error| error.at("log", format!("run at {first}")))
+}
+
+fn run_records_inner(first: Index, run: &[u8]) -> Result<Vec<(Index, &[u8])>, DecodeError> {
+    let mut reader = Reader { bytes: run };
+    let version = reader.u8("run version")?;
+    if version != RUN_VERSION {
+        return Err(DecodeError::Malformed(format!(
+            "unknown log run version {version}"
+        )));
+    }
+    let mut records = Vec::new();
+    while !reader.bytes.is_empty() {
+        let len = reader.u32("entry length")? as usize;
+        let record = reader.take(len, "entry")?;
+        let index = first
+            .checked_add(records.len() as u64)
+            .ok_or_else(|| DecodeError::Malformed("run runs past the last index".into()))?;
+        records.push((index, record));
+    }
+    if records.is_empty() {
+        return Err(DecodeError::Malformed("empty log run".into()));
+    }
+    Ok(records)
+}
+
+/// The index of the last entry in the run stored under `first`.
+pub(crate) fn run_last_index(first: Index, run: &[u8]) -> Result<Index, StorageError> {
+    let records = run_records(first, run)?;
+    Ok(first + records.len() as u64 - 1)
+}
+
+fn write_entry_body(body: &mut Vec<u8>, entry: &Entry) {
     body.push(ENTRY_VERSION);
     body.extend_from_slice(&entry.term.to_be_bytes());
     body.extend_from_slice(&entry.index.to_be_bytes());
@@ -200,7 +270,6 @@ pub(crate) fn encode_entry(entry: &Entry) -> Vec<u8> {
             body.extend_from_slice(&encode_membership(membership));
         }
     }
-    seal(body)
 }
 
 /// Decodes a log entry and checks that it is the entry stored under `key_index`.
@@ -446,6 +515,21 @@ pub mod fuzzing {
     }
     pub fn decode_entry(key_index: Index, record: &[u8]) -> Result<Entry, StorageError> {
         super::decode_entry(key_index, record)
+    }
+    /// Encodes `entries` (consecutive) as one log run.
+    pub fn encode_run(entries: &[Entry]) -> Vec<u8> {
+        let mut run = super::begin_run(64);
+        for entry in entries {
+            super::push_run_entry(&mut run, entry);
+        }
+        run
+    }
+    /// Decodes a log run stored under `first`, every entry checked.
+    pub fn decode_run(first: Index, run: &[u8]) -> Result<Vec<Entry>, StorageError> {
+        super::run_records(first, run)?
+            .into_iter()
+            .map(|(index, record)| super::decode_entry(index, record))
+            .collect()
     }
     pub fn encode_hard_state(hard_state: &HardState) -> Vec<u8> {
         super::encode_hard_state(hard_state)

@@ -925,20 +925,38 @@ fn mem_and_sled_agree_on_random_operations() {
 }
 
 /// A crash after a compaction recorded its point but before the background trimmer deleted the
-/// entries behind it leaves them in the log tree: they are never read back, the bounds ignore
-/// them, and the next compaction deletes them.
+/// runs behind it leaves them in the log tree: they are never read back, the bounds ignore
+/// them, and the next compaction deletes them. A run that holds entries on both sides of the
+/// point stays whole until the point passes its last entry.
 #[test]
 fn sled_ignores_entries_left_behind_the_snapshot_point() {
-    use super::codec::{encode_entry, index_key};
+    use super::codec::{begin_run, index_key, push_run_entry};
+    let run_of = |entries: &[Entry]| {
+        let mut run = begin_run(64);
+        for e in entries {
+            push_run_entry(&mut run, e);
+        }
+        run
+    };
+    let log_keys = |harness: &mut SledHarness| -> Vec<Vec<u8>> {
+        harness
+            .store()
+            .log_tree()
+            .iter()
+            .keys()
+            .map(|k| k.unwrap().to_vec())
+            .collect()
+    };
     let mut harness = SledHarness::default();
     let store = harness.store();
-    store.append(&commands(1, 20, 1)).unwrap();
+    store.append(&commands(1, 12, 1)).unwrap();
+    store.append(&commands(13, 20, 1)).unwrap();
     store.apply(20, &[put("k", "v")]).unwrap();
     store.compact(12).unwrap();
-    let leftover = &commands(5, 5, 1)[0];
+    // What the trimmer deletes, put back as a crash before it ran would leave it.
     store
         .log_tree()
-        .insert(index_key(5), encode_entry(leftover))
+        .insert(index_key(1), run_of(&commands(1, 12, 1)))
         .unwrap();
     let recovered = recover_across_restart(&mut harness);
     assert_eq!(recovered.snapshot_meta.index, 12);
@@ -949,12 +967,14 @@ fn sled_ignores_entries_left_behind_the_snapshot_point() {
         store.entries(5, 6),
         Err(StorageError::Compacted { index: 5, .. })
     ));
+    assert_eq!(store.entries(13, 15).unwrap(), commands(13, 14, 1));
+    assert_eq!(store.term(12).unwrap(), 1);
 
     // Only leftovers in the tree: the log is empty and continues after the point.
     store.compact(20).unwrap();
     store
         .log_tree()
-        .insert(index_key(5), encode_entry(leftover))
+        .insert(index_key(13), run_of(&commands(13, 20, 1)))
         .unwrap();
     let recovered = recover_across_restart(&mut harness);
     assert!(recovered.entries.is_empty());
@@ -962,19 +982,23 @@ fn sled_ignores_entries_left_behind_the_snapshot_point() {
     harness.store().append(&commands(21, 22, 2)).unwrap();
     assert_eq!(harness.store().last_index(), 22);
 
-    // The next compaction deletes everything behind its point, leftovers included.
+    // The next compaction deletes every run behind its point, leftovers included; the run
+    // that holds the point and the entry after it stays.
     harness.store().apply(22, &[]).unwrap();
     harness.store().compact(21).unwrap();
     harness.store().flush().unwrap();
     harness.restart();
-    let keys: Vec<Vec<u8>> = harness
-        .store()
-        .log_tree()
-        .iter()
-        .keys()
-        .map(|k| k.unwrap().to_vec())
-        .collect();
-    assert_eq!(keys, vec![index_key(22).to_vec()]);
+    assert_eq!(log_keys(&mut harness), vec![index_key(21).to_vec()]);
+    assert_eq!(
+        harness.store().entries(22, 23).unwrap(),
+        commands(22, 22, 2)
+    );
+    harness.store().apply(22, &[]).unwrap();
+    harness.store().compact(22).unwrap();
+    harness.store().flush().unwrap();
+    harness.restart();
+    assert!(log_keys(&mut harness).is_empty());
+    assert_eq!(harness.store().last_index(), 22);
 }
 
 /// A crash inside a snapshot install (after its mark, with the old state cleared and part of the
@@ -1018,4 +1042,111 @@ fn sled_finishes_a_snapshot_install_interrupted_by_a_crash() {
         harness.store().append(&commands(51, 52, 3)).unwrap();
         assert_eq!(harness.store().last_index(), 52);
     }
+}
+
+/// Large appends are split into runs of about `RUN_MAX_BYTES`; a conflicting suffix that
+/// begins inside a run cuts that run and drops every run after it, across restarts.
+#[test]
+fn sled_log_runs_split_and_truncate_inside_a_run() {
+    let big = |index: Index, term: Term| Entry {
+        term,
+        index,
+        payload: EntryPayload::Command(Bytes::from(vec![b'x'; 300])),
+    };
+    let mut harness = SledHarness::default();
+    let written: Vec<Entry> = (1..=100).map(|i| big(i, 1)).collect();
+    harness.store().append(&written).unwrap();
+    let runs = harness.store().log_tree().len();
+    assert!(
+        runs >= 5,
+        "300-byte entries in runs of about 4 KiB: {runs} runs"
+    );
+    let recovered = recover_across_restart(&mut harness);
+    assert_eq!(recovered.entries, written);
+
+    // Every cut point: inside the first run, on a run boundary, inside a later run.
+    let firsts: Vec<Index> = harness
+        .store()
+        .log_tree()
+        .iter()
+        .keys()
+        .map(|k| u64::from_be_bytes(k.unwrap().as_ref().try_into().unwrap()))
+        .collect();
+    for cut in [2, firsts[1], firsts[2] + 1, 100] {
+        let mut harness = SledHarness::default();
+        harness.store().append(&written).unwrap();
+        let replacement: Vec<Entry> = (cut..cut + 3).map(|i| command(i, 2)).collect();
+        harness.store().append(&replacement).unwrap();
+        let mut expected = written[..(cut - 1) as usize].to_vec();
+        expected.extend(replacement.iter().cloned());
+        assert_eq!(harness.store().last_index(), cut + 2, "cut at {cut}");
+        assert_eq!(harness.store().term(cut - 1).unwrap(), 1);
+        assert_eq!(harness.store().term(cut).unwrap(), 2);
+        let recovered = recover_across_restart(&mut harness);
+        assert_eq!(recovered.entries, expected, "cut at {cut}");
+        assert_eq!(
+            harness.store().entries(cut - 1, cut + 1).unwrap(),
+            expected[(cut - 2) as usize..cut as usize].to_vec()
+        );
+    }
+}
+
+/// A store written before log runs (tree `log`, one entry per value) opens with its log moved
+/// into runs and the old tree gone; entries left behind its snapshot point stay ignored.
+#[test]
+fn sled_moves_a_log_of_single_entries_into_runs() {
+    use super::codec::{encode_entry, encode_index_term, encode_membership, encode_u64, index_key};
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let db = ::sled::Config::new().path(dir.path()).open().unwrap();
+        let old = db.open_tree("log").unwrap();
+        for entry in commands(3, 60, 2) {
+            old.insert(index_key(entry.index), encode_entry(&entry))
+                .unwrap();
+        }
+        let meta = db.open_tree("meta").unwrap();
+        meta.insert("snapshot_point", encode_index_term(4, 2))
+            .unwrap();
+        meta.insert("applied_index", encode_u64(4)).unwrap();
+        meta.insert(
+            "snapshot_membership",
+            encode_membership(&Membership::default()),
+        )
+        .unwrap();
+        db.flush().unwrap();
+    }
+    let store = reopen_sled(dir.path());
+    let recovered = store.recover().unwrap();
+    assert_eq!(recovered.entries, commands(5, 60, 2));
+    assert_eq!((store.first_index(), store.last_index()), (5, 60));
+    assert_eq!(store.term(4).unwrap(), 2);
+    assert!(
+        store.log_tree().len() < 10,
+        "{} runs",
+        store.log_tree().len()
+    );
+    drop(store);
+    let mut store = reopen_sled(dir.path());
+    assert_eq!(store.recover().unwrap().entries, commands(5, 60, 2));
+    store.append(&commands(61, 62, 3)).unwrap();
+    store.flush().unwrap();
+    drop(store);
+    let store = reopen_sled(dir.path());
+    assert_eq!(store.recover().unwrap().entries.len(), 58);
+    // The old tree keeps one key, which an earlier lock-node cannot read as a log index: it
+    // refuses the store instead of taking it for an empty log.
+    let old_keys: Vec<Vec<u8>> = store
+        .old_log_tree()
+        .iter()
+        .keys()
+        .map(|k| k.unwrap().to_vec())
+        .collect();
+    assert_eq!(old_keys.len(), 1);
+    assert_ne!(old_keys[0].len(), 8);
+    assert!(String::from_utf8_lossy(&old_keys[0]).contains("log_runs"));
+    drop(store);
+
+    // A store made by this version carries the same key from its first open.
+    let fresh = SledHarness::default();
+    assert_eq!(fresh.store.as_ref().unwrap().old_log_tree().len(), 1);
 }

@@ -1,6 +1,8 @@
 //! [`SledStorage`]: the on-disk implementation on sled 0.34.
 //!
-//! Four trees: `log` (big-endian index → checksummed entry), `meta` (hard state, snapshot point,
+//! Four trees: `log_runs` (the Raft log: runs of consecutive checksummed entries, each run one
+//! value under the big-endian index of its first entry, so that the entries one `Ready` appends
+//! are one sled write instead of one per entry), `meta` (hard state, snapshot point,
 //! membership at the snapshot point, applied index), `state` (the applied state machine) and
 //! `staging` (chunks of an incoming snapshot). Log entries, meta records and applied-state values
 //! each carry a CRC-32 (see `codec`), so a damaged value is an error naming its tree and key.
@@ -16,9 +18,10 @@ use sled::transaction::{ConflictableTransactionError, TransactionError};
 use sled::Transactional;
 
 use super::codec::{
-    decode_entry, decode_hard_state, decode_index_key, decode_index_term, decode_membership,
-    decode_state_value, decode_u64, encode_entry, encode_hard_state, encode_index_term,
-    encode_membership, encode_state_value, encode_u64, index_key, state_key_name,
+    begin_run, decode_entry, decode_hard_state, decode_index_key, decode_index_term,
+    decode_membership, decode_state_value, decode_u64, encode_hard_state, encode_index_term,
+    encode_membership, encode_state_value, encode_u64, index_key, push_run_entry, push_run_record,
+    run_last_index, run_records, state_key_name,
 };
 use super::{
     check_append, check_recovered, decode_snapshot_data, encode_snapshot_data, membership_after,
@@ -28,6 +31,14 @@ use crate::raft::{
     Entry, EntryPayload, HardState, Index, Membership, Snapshot, SnapshotMeta, Term,
 };
 
+/// The log tree: runs of entries (see `codec`).
+const LOG_TREE: &str = "log_runs";
+/// The log tree of stores written before runs: one entry per value. Migrated at open.
+const OLD_LOG_TREE: &str = "log";
+/// A run is closed once its entries take this many bytes, so sled's nodes (up to 17 values)
+/// stay far below the size sled moves out to a blob file of its own. An entry larger than this
+/// is a run of its own.
+const RUN_MAX_BYTES: usize = 4096;
 const HARD_STATE: &[u8] = b"hard_state";
 const SNAPSHOT_POINT: &[u8] = b"snapshot_point";
 const SNAPSHOT_MEMBERSHIP: &[u8] = b"snapshot_membership";
@@ -101,19 +112,26 @@ impl LogTrimmer {
         }
     }
 
+    /// Deletes the runs whose entries are all at or below `upto`; a run that holds `upto` and
+    /// entries after it stays whole (entries at or below the point are never read). A value
+    /// that does not decode is left for recovery to report.
     fn trim(log: &sled::Tree, upto: Index) -> sled::Result<()> {
         loop {
-            let keys: Vec<sled::IVec> = log
-                .range(..=index_key(upto))
-                .keys()
-                .take(Self::BATCH_KEYS)
-                .collect::<Result<_, _>>()?;
-            if keys.is_empty() {
-                return Ok(());
-            }
             let mut batch = sled::Batch::default();
-            for k in keys {
-                batch.remove(k);
+            let mut removed = 0;
+            for item in log.range(..=index_key(upto)).take(Self::BATCH_KEYS) {
+                let (k, v) = item?;
+                let done = decode_index_key(&k)
+                    .ok()
+                    .and_then(|first| run_last_index(first, &v).ok())
+                    .is_some_and(|last| last <= upto);
+                if done {
+                    batch.remove(k);
+                    removed += 1;
+                }
+            }
+            if removed == 0 {
+                return Ok(());
             }
             log.apply_batch(batch)?;
         }
@@ -240,7 +258,8 @@ impl SledStorage {
             db.open_tree(name)
                 .map_err(|e| StorageError::sled("opening a tree", e))
         };
-        let log = tree("log")?;
+        let log = tree(LOG_TREE)?;
+        migrate_old_log(&db, &log)?;
         let mut storage = SledStorage {
             trimmer: LogTrimmer::start(log.clone()),
             log,
@@ -289,9 +308,10 @@ impl SledStorage {
             .map_err(|e| StorageError::sled("reading the log", e))?
         {
             // Entries at or below the point may remain until the trimmer deleted them.
-            Some((k, _)) => decode_index_key(&k)
-                .map_err(|e| e.at("log", format!("{k:?}")))?
-                .max(index),
+            Some((k, v)) => {
+                let first = decode_index_key(&k).map_err(|e| e.at("log", format!("{k:?}")))?;
+                run_last_index(first, &v)?.max(index)
+            }
             None => index,
         };
         Ok(())
@@ -310,12 +330,34 @@ impl SledStorage {
 
     fn read_entries(&self, lo: Index, hi: Index) -> Result<Vec<Entry>, StorageError> {
         let mut out = Vec::new();
-        for item in self.log.range(index_key(lo)..index_key(hi)) {
+        if lo >= hi {
+            return Ok(out);
+        }
+        // From the run that holds `lo` (it may begin before it).
+        let start = match self.run_holding(lo)? {
+            Some((k, _)) => k,
+            None => sled::IVec::from(&index_key(lo)),
+        };
+        for item in self.log.range(start..sled::IVec::from(&index_key(hi))) {
             let (k, v) = item.map_err(|e| StorageError::sled("reading the log", e))?;
-            let index = decode_index_key(&k).map_err(|e| e.at("log", format!("{k:?}")))?;
-            out.push(decode_entry(index, &v)?);
+            let first = decode_index_key(&k).map_err(|e| e.at("log", format!("{k:?}")))?;
+            for (index, record) in run_records(first, &v)? {
+                if (lo..hi).contains(&index) {
+                    out.push(decode_entry(index, record)?);
+                }
+            }
         }
         Ok(out)
+    }
+
+    /// The run whose first index is the greatest at or below `index`: the one that holds
+    /// `index` if any does.
+    fn run_holding(&self, index: Index) -> Result<Option<(sled::IVec, sled::IVec)>, StorageError> {
+        self.log
+            .range(..=index_key(index))
+            .next_back()
+            .transpose()
+            .map_err(|e| StorageError::sled("reading the log", e))
     }
 
     fn membership_at(&self, index: Index) -> Result<Membership, StorageError> {
@@ -355,6 +397,14 @@ impl SledStorage {
     #[cfg(test)]
     pub(crate) fn log_tree(&self) -> &sled::Tree {
         &self.log
+    }
+
+    /// The log tree of stores written before runs, for tests.
+    #[cfg(test)]
+    pub(crate) fn old_log_tree(&self) -> sled::Tree {
+        self.db
+            .open_tree(OLD_LOG_TREE)
+            .expect("open the old log tree")
     }
 
     /// Fills [`SledStorage::config_entries`] from `entries`, all of the log after the snapshot
@@ -443,14 +493,15 @@ impl SledStorage {
         }
         drop(pairs);
         // A log that holds the snapshot's last entry is kept after it (§7: entries following
-        // the snapshot are retained); otherwise every entry after the point goes. Entries at or
-        // below the point are never read again and are left to the trimmer.
+        // the snapshot are retained), and entries at or below the point are left to the
+        // trimmer. Otherwise the whole log goes: entries after the point do not belong to it
+        // and those at or below it are never read again.
         let keep = self.term(meta.index).ok() == Some(meta.term) && meta.index <= self.last_index;
         let log_remove: Vec<sled::IVec> = if keep {
             Vec::new()
         } else {
             self.log
-                .range(index_key(meta.index + 1)..)
+                .iter()
                 .keys()
                 .collect::<Result<_, _>>()
                 .map_err(|e| StorageError::sled("scanning the log", e))?
@@ -555,6 +606,76 @@ impl SledStorage {
     }
 }
 
+/// The only key left in the old `log` tree once its entries moved into runs. Not a log key (not
+/// eight bytes) and after every log key, so a lock-node from before runs fails to open the
+/// store with an error that shows this text, instead of taking the empty tree for an empty log
+/// and forgetting entries it acknowledged.
+const MOVED_MARKER: &[u8] =
+    b"\xff\xff moved to log_runs: this data directory needs a lock-node that keeps its log in runs";
+
+/// Moves the log of a store written before log runs (tree `log`, one entry per value) into
+/// `log_runs`, consecutive entries grouped into runs, and leaves only [`MOVED_MARKER`] in the
+/// old tree (one atomic batch, after the runs are flushed): a crash before that batch leaves the
+/// old entries to migrate again at the next open. A new store gets the marker too.
+fn migrate_old_log(db: &sled::Db, log: &sled::Tree) -> Result<(), StorageError> {
+    let old = db
+        .open_tree(OLD_LOG_TREE)
+        .map_err(|e| StorageError::sled("opening the old log tree", e))?;
+    let entries = old.len() - usize::from(old.contains_key(MOVED_MARKER).unwrap_or(false));
+    if entries == 0 {
+        if old.is_empty() {
+            old.insert(MOVED_MARKER, &[][..])
+                .map_err(|e| StorageError::sled("marking the old log tree", e))?;
+        }
+        return Ok(());
+    }
+    log.clear()
+        .map_err(|e| StorageError::sled("clearing the log before migrating it", e))?;
+    let mut batch = sled::Batch::default();
+    let mut batched = 0usize;
+    let mut run: Vec<u8> = Vec::new();
+    let (mut run_first, mut next) = (0, 0);
+    let mut moved = sled::Batch::default();
+    for item in old.iter() {
+        let (k, v) = item.map_err(|e| StorageError::sled("reading the old log", e))?;
+        moved.remove(k.clone());
+        if k.as_ref() == MOVED_MARKER {
+            continue;
+        }
+        let index = decode_index_key(&k).map_err(|e| e.at("log", format!("{k:?}")))?;
+        decode_entry(index, &v)?;
+        if !run.is_empty() && (index != next || run.len() >= RUN_MAX_BYTES) {
+            batch.insert(&index_key(run_first), std::mem::take(&mut run));
+            batched += 1;
+        }
+        if run.is_empty() {
+            run = begin_run(RUN_MAX_BYTES);
+            run_first = index;
+        }
+        push_run_record(&mut run, &v);
+        next = index + 1;
+        if batched >= LogTrimmer::BATCH_KEYS {
+            log.apply_batch(std::mem::take(&mut batch))
+                .map_err(|e| StorageError::sled("migrating the log", e))?;
+            batched = 0;
+        }
+    }
+    if !run.is_empty() {
+        batch.insert(&index_key(run_first), run);
+    }
+    log.apply_batch(batch)
+        .map_err(|e| StorageError::sled("migrating the log", e))?;
+    db.flush()
+        .map_err(|e| StorageError::sled("flushing the migrated log", e))?;
+    moved.insert(MOVED_MARKER, &[][..]);
+    old.apply_batch(moved)
+        .map_err(|e| StorageError::sled("emptying the old log tree", e))?;
+    db.flush()
+        .map_err(|e| StorageError::sled("flushing after the log migration", e))?;
+    tracing::info!(entries, "moved the log into runs (tree log_runs)");
+    Ok(())
+}
+
 fn changes_membership(entry: &Entry) -> bool {
     matches!(
         entry.payload,
@@ -601,12 +722,40 @@ impl Storage for SledStorage {
             return Ok(());
         };
         let mut batch = sled::Batch::default();
-        for index in first.index..=self.last_index {
-            batch.remove(&index_key(index));
+        if first.index <= self.last_index {
+            // A conflicting suffix goes: every run from `first` on, and the tail of the run
+            // that holds `first` (a run is its entries' records in order, so the entries before
+            // `first` are a prefix of its bytes).
+            if let Some((k, v)) = self.run_holding(first.index)? {
+                let start = decode_index_key(&k).map_err(|e| e.at("log", format!("{k:?}")))?;
+                if start < first.index {
+                    let mut kept = begin_run(v.len());
+                    for (_, record) in run_records(start, &v)?
+                        .into_iter()
+                        .take_while(|(index, _)| *index < first.index)
+                    {
+                        push_run_record(&mut kept, record);
+                    }
+                    batch.insert(k, kept);
+                }
+            }
+            for key in self.log.range(index_key(first.index)..).keys() {
+                batch.remove(key.map_err(|e| StorageError::sled("reading the log", e))?);
+            }
         }
+        let mut run = Vec::new();
+        let mut run_first = first.index;
         for entry in entries {
-            batch.insert(&index_key(entry.index), encode_entry(entry));
+            if run.len() >= RUN_MAX_BYTES {
+                batch.insert(&index_key(run_first), std::mem::take(&mut run));
+            }
+            if run.is_empty() {
+                run = begin_run(RUN_MAX_BYTES.min(entries.len() * (entry.size_bytes() + 40)));
+                run_first = entry.index;
+            }
+            push_run_entry(&mut run, entry);
         }
+        batch.insert(&index_key(run_first), run);
         self.log
             .apply_batch(batch)
             .map_err(|e| StorageError::sled("appending entries", e))?;
@@ -809,17 +958,17 @@ impl Storage for SledStorage {
                 snapshot_index: self.snapshot_meta.index,
             });
         }
-        match self
-            .log
-            .get(index_key(index))
-            .map_err(|e| StorageError::sled("reading the log", e))?
-        {
-            Some(v) => Ok(decode_entry(index, &v)?.term),
-            None => Err(StorageError::Unavailable {
-                index,
-                last_index: self.last_index,
-            }),
+        if let Some((k, v)) = self.run_holding(index)? {
+            let first = decode_index_key(&k).map_err(|e| e.at("log", format!("{k:?}")))?;
+            let records = run_records(first, &v)?;
+            if let Some((_, record)) = records.get((index - first) as usize) {
+                return Ok(decode_entry(index, record)?.term);
+            }
         }
+        Err(StorageError::Unavailable {
+            index,
+            last_index: self.last_index,
+        })
     }
 
     fn first_index(&self) -> Index {
