@@ -73,6 +73,8 @@ fn thread_group_label(group: &str) -> String {
         "sled-io" => "sled's I/O pool: its log writes and syncs".into(),
         "lock-node" => "main thread".into(),
         "log flusher" => "sled's periodic flusher".into(),
+        // Linux keeps 15 bytes of a thread's name: `raftlock-log-trim` reads back like this.
+        "raftlock-log-tr" => "log trimmer: deletes log runs behind the snapshot point".into(),
         "ended threads" => "threads that ended during the run".into(),
         other => other.to_string(),
     }
@@ -341,6 +343,12 @@ mod tests {
         assert_eq!(thread_group("sled-io-12\n"), "sled-io");
         assert_eq!(thread_group("raftlock-driver"), "raftlock-driver");
         assert_eq!(thread_group("tokio-rt-worker"), "tokio-rt-worker");
+    }
+
+    #[test]
+    fn the_log_trimmer_is_named_by_its_truncated_thread_name() {
+        let group = thread_group("raftlock-log-tr\n");
+        assert!(thread_group_label(&group).starts_with("log trimmer"));
     }
 
     #[test]
