@@ -309,7 +309,7 @@ impl SledStorage {
         {
             // Entries at or below the point may remain until the trimmer deleted them.
             Some((k, v)) => {
-                let first = decode_index_key(&k).map_err(|e| e.at("log", format!("{k:?}")))?;
+                let first = log_key(&k)?;
                 run_last_index(first, &v)?.max(index)
             }
             None => index,
@@ -340,7 +340,7 @@ impl SledStorage {
         };
         for item in self.log.range(start..sled::IVec::from(&index_key(hi))) {
             let (k, v) = item.map_err(|e| StorageError::sled("reading the log", e))?;
-            let first = decode_index_key(&k).map_err(|e| e.at("log", format!("{k:?}")))?;
+            let first = log_key(&k)?;
             for (index, record) in run_records(first, &v)? {
                 if (lo..hi).contains(&index) {
                     out.push(decode_entry(index, record)?);
@@ -606,6 +606,57 @@ impl SledStorage {
     }
 }
 
+/// The index a log key names, or an error naming the key.
+fn log_key(key: &[u8]) -> Result<Index, StorageError> {
+    decode_index_key(key).map_err(|e| e.at("log", format!("{key:?}")))
+}
+
+/// Groups consecutive entries into runs of about [`RUN_MAX_BYTES`], each inserted into a batch
+/// under its first index; a gap in the indexes also starts a new run.
+struct RunBuilder {
+    run: Vec<u8>,
+    first: Index,
+    next: Index,
+    /// Capacity of each new run.
+    capacity: usize,
+    /// Runs inserted into a batch so far.
+    closed: usize,
+}
+
+impl RunBuilder {
+    fn new(capacity: usize) -> Self {
+        RunBuilder {
+            run: Vec::new(),
+            first: 0,
+            next: 0,
+            capacity: capacity.min(RUN_MAX_BYTES),
+            closed: 0,
+        }
+    }
+
+    /// The run that entry `index` goes into, closing the current one into `batch` if it is
+    /// full or `index` does not follow it.
+    fn run_for(&mut self, index: Index, batch: &mut sled::Batch) -> &mut Vec<u8> {
+        if !self.run.is_empty() && (index != self.next || self.run.len() >= RUN_MAX_BYTES) {
+            self.close(batch);
+        }
+        if self.run.is_empty() {
+            self.run = begin_run(self.capacity);
+            self.first = index;
+        }
+        self.next = index + 1;
+        &mut self.run
+    }
+
+    /// Inserts the current run, if any, into `batch`.
+    fn close(&mut self, batch: &mut sled::Batch) {
+        if !self.run.is_empty() {
+            batch.insert(&index_key(self.first), std::mem::take(&mut self.run));
+            self.closed += 1;
+        }
+    }
+}
+
 /// The only key left in the old `log` tree once its entries moved into runs. Not a log key (not
 /// eight bytes) and after every log key, so a lock-node from before runs fails to open the
 /// store with an error that shows this text, instead of taking the empty tree for an empty log
@@ -632,9 +683,7 @@ fn migrate_old_log(db: &sled::Db, log: &sled::Tree) -> Result<(), StorageError> 
     log.clear()
         .map_err(|e| StorageError::sled("clearing the log before migrating it", e))?;
     let mut batch = sled::Batch::default();
-    let mut batched = 0usize;
-    let mut run: Vec<u8> = Vec::new();
-    let (mut run_first, mut next) = (0, 0);
+    let mut runs = RunBuilder::new(RUN_MAX_BYTES);
     let mut moved = sled::Batch::default();
     for item in old.iter() {
         let (k, v) = item.map_err(|e| StorageError::sled("reading the old log", e))?;
@@ -642,27 +691,16 @@ fn migrate_old_log(db: &sled::Db, log: &sled::Tree) -> Result<(), StorageError> 
         if k.as_ref() == MOVED_MARKER {
             continue;
         }
-        let index = decode_index_key(&k).map_err(|e| e.at("log", format!("{k:?}")))?;
+        let index = log_key(&k)?;
         decode_entry(index, &v)?;
-        if !run.is_empty() && (index != next || run.len() >= RUN_MAX_BYTES) {
-            batch.insert(&index_key(run_first), std::mem::take(&mut run));
-            batched += 1;
-        }
-        if run.is_empty() {
-            run = begin_run(RUN_MAX_BYTES);
-            run_first = index;
-        }
-        push_run_record(&mut run, &v);
-        next = index + 1;
-        if batched >= LogTrimmer::BATCH_KEYS {
+        push_run_record(runs.run_for(index, &mut batch), &v);
+        if runs.closed >= LogTrimmer::BATCH_KEYS {
             log.apply_batch(std::mem::take(&mut batch))
                 .map_err(|e| StorageError::sled("migrating the log", e))?;
-            batched = 0;
+            runs.closed = 0;
         }
     }
-    if !run.is_empty() {
-        batch.insert(&index_key(run_first), run);
-    }
+    runs.close(&mut batch);
     log.apply_batch(batch)
         .map_err(|e| StorageError::sled("migrating the log", e))?;
     db.flush()
@@ -727,7 +765,7 @@ impl Storage for SledStorage {
             // that holds `first` (a run is its entries' records in order, so the entries before
             // `first` are a prefix of its bytes).
             if let Some((k, v)) = self.run_holding(first.index)? {
-                let start = decode_index_key(&k).map_err(|e| e.at("log", format!("{k:?}")))?;
+                let start = log_key(&k)?;
                 if start < first.index {
                     let mut kept = begin_run(v.len());
                     for (_, record) in run_records(start, &v)?
@@ -743,19 +781,11 @@ impl Storage for SledStorage {
                 batch.remove(key.map_err(|e| StorageError::sled("reading the log", e))?);
             }
         }
-        let mut run = Vec::new();
-        let mut run_first = first.index;
+        let mut runs = RunBuilder::new(entries.len() * (first.size_bytes() + 40));
         for entry in entries {
-            if run.len() >= RUN_MAX_BYTES {
-                batch.insert(&index_key(run_first), std::mem::take(&mut run));
-            }
-            if run.is_empty() {
-                run = begin_run(RUN_MAX_BYTES.min(entries.len() * (entry.size_bytes() + 40)));
-                run_first = entry.index;
-            }
-            push_run_entry(&mut run, entry);
+            push_run_entry(runs.run_for(entry.index, &mut batch), entry);
         }
-        batch.insert(&index_key(run_first), run);
+        runs.close(&mut batch);
         self.log
             .apply_batch(batch)
             .map_err(|e| StorageError::sled("appending entries", e))?;
@@ -959,7 +989,7 @@ impl Storage for SledStorage {
             });
         }
         if let Some((k, v)) = self.run_holding(index)? {
-            let first = decode_index_key(&k).map_err(|e| e.at("log", format!("{k:?}")))?;
+            let first = log_key(&k)?;
             let records = run_records(first, &v)?;
             if let Some((_, record)) = records.get((index - first) as usize) {
                 return Ok(decode_entry(index, record)?.term);
