@@ -9,7 +9,13 @@
 //! State lives in one key space: `lock/<key>` (holder, token, ttl, FIFO waiters), `data/<key>`
 //! (replicated values), `meta/seq` (the one fencing sequence), `meta/applied` and
 //! `meta/dedupe/<n>` (the exactly-once table, grouped into client sessions), `meta/clock` (the log
-//! clock). Only ordered maps are iterated, so the same log always yields byte-identical state.
+//! clock). That is the state as snapshots carry it ([`LockStateMachine::to_kv`]). The changes
+//! written to the node's own storage ([`LockStateMachine::take_changes`]) keep the dedupe records
+//! [`DEDUPE_BLOCK`] to a key instead (`meta/dedupe_block/<b>` holds records `b * DEDUPE_BLOCK ..`):
+//! every request leaves a record, so one key per record made each write of the applied state two
+//! storage writes per request. [`stored_to_snapshot_pairs`] turns stored pairs back into
+//! snapshot pairs, and a store written one key per record (by an older RaftLock, or by a snapshot
+//! install) moves to blocks a bounded number of blocks per write. Only ordered maps are iterated, so the same log always yields byte-identical state.
 //! Time never enters from outside: lease deadlines are tracked by the leader, which proposes
 //! `Expire` with the token it saw, and session idleness is measured on the log clock, which only
 //! `Tick` entries (proposed by the leader) advance.
@@ -35,7 +41,15 @@ const LOCK_PREFIX: &str = "lock/";
 const DATA_PREFIX: &str = "data/";
 const META_SEQ: &str = "meta/seq";
 const META_APPLIED: &str = "meta/applied";
+/// One key per dedupe record, as written before records were stored in blocks (read back, and
+/// replaced by blocks with the next write).
 const META_DEDUPE_PREFIX: &str = "meta/dedupe/";
+const META_DEDUPE_BLOCK_PREFIX: &str = "meta/dedupe_block/";
+/// Dedupe records per stored block.
+pub const DEDUPE_BLOCK: u64 = 32;
+/// Blocks of one-key-per-record storage moved to block keys per `take_changes`, besides those a
+/// change touches anyway: bounds the write that follows a snapshot install or an upgrade.
+const LEGACY_BLOCKS_PER_WRITE: usize = 8;
 const META_DEDUPE_NEXT: &str = "meta/dedupe_next";
 const META_LIMITS: &str = "meta/limits";
 const META_CLOCK: &str = "meta/clock";
@@ -202,6 +216,13 @@ pub struct LockStateMachine {
     waiters: usize,
     /// State keys changed since the last `take_changes`.
     dirty: BTreeSet<String>,
+    /// Dedupe blocks changed since the last `take_changes`.
+    dirty_blocks: BTreeSet<u64>,
+    /// Records (present or since forgotten) whose storage is still one key each
+    /// (`meta/dedupe/<n>`, read by `from_kv`): a write of their block deletes those keys.
+    legacy_dedupe_keys: BTreeSet<u64>,
+    /// Scratch for `take_changes` (empty between calls).
+    legacy_in_flight: BTreeSet<u64>,
 }
 
 impl PartialEq for LockStateMachine {
@@ -974,14 +995,14 @@ impl LockStateMachine {
         self.dedupe_index
             .insert((rec.client_id.clone(), rec.request_id.clone()), n);
         self.dedupe.insert(n, rec);
-        self.dirty.insert(dedupe_key(n));
+        self.dirty_blocks.insert(n / DEDUPE_BLOCK);
         self.dirty.insert(META_DEDUPE_NEXT.to_string());
     }
 
     /// Forgets record `n` (and its session when it was the last one).
     fn remove_record(&mut self, n: u64) -> Option<DedupeRecord> {
         let rec = self.dedupe.remove(&n)?;
-        self.dirty.insert(dedupe_key(n));
+        self.dirty_blocks.insert(n / DEDUPE_BLOCK);
         self.dedupe_index
             .remove(&(rec.client_id.clone(), rec.request_id.clone()));
         if let Some(session) = self.sessions.get_mut(&rec.client_id) {
@@ -1152,12 +1173,54 @@ impl LockStateMachine {
     }
 
     /// State writes since the last call: `(key, Some(value))` puts, `(key, None)` deletes.
+    ///
+    /// Dedupe records come as blocks (`meta/dedupe_block/<b>`, deleted when empty). Writing a
+    /// block deletes the one-record keys of its records where `from_kv` found them, in the same
+    /// changes, so a record is never stored twice; besides the blocks that changed, up to
+    /// `LEGACY_BLOCKS_PER_WRITE` blocks still stored one key per record move each time.
     pub fn take_changes(&mut self) -> Vec<(Vec<u8>, Option<Vec<u8>>)> {
+        let mut blocks = std::mem::take(&mut self.dirty_blocks);
+        let mut moved = 0;
+        while moved < LEGACY_BLOCKS_PER_WRITE {
+            let Some(&n) = self.legacy_dedupe_keys.first() else {
+                break;
+            };
+            let b = n / DEDUPE_BLOCK;
+            moved += usize::from(blocks.insert(b));
+            // Its one-record keys are taken below; skip past them here.
+            let past = self
+                .legacy_dedupe_keys
+                .split_off(&(b.saturating_add(1).saturating_mul(DEDUPE_BLOCK)));
+            let in_block = std::mem::replace(&mut self.legacy_dedupe_keys, past);
+            self.legacy_in_flight.extend(in_block);
+        }
+        let mut changes: Vec<(Vec<u8>, Option<Vec<u8>>)> = Vec::new();
+        for b in blocks {
+            let first = b.saturating_mul(DEDUPE_BLOCK);
+            let range = first..first.saturating_add(DEDUPE_BLOCK);
+            let old: Vec<u64> = self
+                .legacy_dedupe_keys
+                .range(range.clone())
+                .chain(self.legacy_in_flight.range(range.clone()))
+                .copied()
+                .collect();
+            for n in old {
+                self.legacy_dedupe_keys.remove(&n);
+                self.legacy_in_flight.remove(&n);
+                changes.push((dedupe_key(n).into_bytes(), None));
+            }
+            let records: Vec<(u64, &DedupeRecord)> =
+                self.dedupe.range(range).map(|(&n, r)| (n, r)).collect();
+            let value = (!records.is_empty()).then(|| encode_plain(&records));
+            changes.push((dedupe_block_key(b).into_bytes(), value));
+        }
         let dirty = std::mem::take(&mut self.dirty);
-        dirty
-            .into_iter()
-            .map(|k| (k.clone().into_bytes(), self.value_of(&k)))
-            .collect()
+        changes.extend(
+            dirty
+                .into_iter()
+                .map(|k| (k.clone().into_bytes(), self.value_of(&k))),
+        );
+        changes
     }
 
     /// The full state as key-value pairs in key order.
@@ -1216,6 +1279,22 @@ impl LockStateMachine {
                 sm.locks.insert(k.to_string(), entry);
             } else if let Some(k) = key.strip_prefix(DATA_PREFIX) {
                 sm.data.insert(k.to_string(), value);
+            } else if let Some(b) = key.strip_prefix(META_DEDUPE_BLOCK_PREFIX) {
+                let b: u64 = b
+                    .parse()
+                    .map_err(|_| DecodeError::InvalidState(format!("bad dedupe key {key}")))?;
+                let records: Vec<(u64, DedupeRecord)> = decode_plain(&value)?;
+                if records.is_empty() {
+                    return Err(DecodeError::InvalidState(format!("empty block {key}")));
+                }
+                for (n, rec) in records {
+                    if n / DEDUPE_BLOCK != b {
+                        return Err(DecodeError::InvalidState(format!(
+                            "dedupe record {n} stored in block {key}"
+                        )));
+                    }
+                    sm.add_loaded_record(n, rec)?;
+                }
             } else if let Some(n) = key.strip_prefix(META_DEDUPE_PREFIX) {
                 let n: u64 = n
                     .parse()
@@ -1241,12 +1320,8 @@ impl LockStateMachine {
                         })
                         .map_err(|_| err)?,
                 };
-                sm.dedupe_index
-                    .insert((rec.client_id.clone(), rec.request_id.clone()), n);
-                let session = sm.sessions.entry(rec.client_id.clone()).or_default();
-                session.records.insert(n);
-                session.queued += usize::from(matches!(rec.outcome, Outcome::Queued { .. }));
-                sm.dedupe.insert(n, rec);
+                sm.add_loaded_record(n, rec)?;
+                sm.legacy_dedupe_keys.insert(n);
             } else {
                 match key.as_str() {
                     META_SEQ => sm.fencing_seq = u64_of(&value, "meta/seq")?,
@@ -1285,6 +1360,22 @@ impl LockStateMachine {
         Ok(sm)
     }
 
+    /// Adds record `n` read from stored state; a number seen twice is damaged state.
+    fn add_loaded_record(&mut self, n: u64, rec: DedupeRecord) -> Result<(), DecodeError> {
+        if self.dedupe.contains_key(&n) {
+            return Err(DecodeError::InvalidState(format!(
+                "dedupe record {n} stored twice"
+            )));
+        }
+        self.dedupe_index
+            .insert((rec.client_id.clone(), rec.request_id.clone()), n);
+        let session = self.sessions.entry(rec.client_id.clone()).or_default();
+        session.records.insert(n);
+        session.queued += usize::from(matches!(rec.outcome, Outcome::Queued { .. }));
+        self.dedupe.insert(n, rec);
+        Ok(())
+    }
+
     /// The whole state as one deterministic blob: byte-identical for identical state.
     pub fn snapshot(&self) -> Vec<u8> {
         super::command::encode_versioned(SNAPSHOT_VERSION, &self.to_kv())
@@ -1297,9 +1388,51 @@ impl LockStateMachine {
     }
 }
 
+/// Key-value pairs of the state.
+pub type StatePairs = Vec<(Vec<u8>, Vec<u8>)>;
+
+/// Stored state pairs (as `take_changes` wrote them, any order) as a snapshot carries them: the
+/// dedupe blocks opened into one key per record, in key order. Snapshots keep the one layout
+/// every RaftLock version reads, so nodes of different versions can send each other snapshots.
+pub fn stored_to_snapshot_pairs(pairs: StatePairs) -> Result<StatePairs, DecodeError> {
+    let mut out = Vec::with_capacity(pairs.len());
+    let mut opened = false;
+    for (key, value) in pairs {
+        let Some(b) = key.strip_prefix(META_DEDUPE_BLOCK_PREFIX.as_bytes()) else {
+            out.push((key, value));
+            continue;
+        };
+        let b: u64 = std::str::from_utf8(b)
+            .ok()
+            .and_then(|b| b.parse().ok())
+            .ok_or_else(|| DecodeError::InvalidState("bad dedupe block key".into()))?;
+        let records: Vec<(u64, DedupeRecord)> = decode_plain(&value)?;
+        for (n, rec) in records {
+            if n / DEDUPE_BLOCK != b {
+                return Err(DecodeError::InvalidState(format!(
+                    "dedupe record {n} stored in block {b}"
+                )));
+            }
+            out.push((dedupe_key(n).into_bytes(), encode_plain(&rec)));
+        }
+        opened = true;
+    }
+    if opened {
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+    }
+    Ok(out)
+}
+
+/// The key of one dedupe record as snapshots carry it (and as storage held it before blocks).
 fn dedupe_key(n: u64) -> String {
     // Zero-padded so key order is insertion order.
     format!("{META_DEDUPE_PREFIX}{n:020}")
+}
+
+/// The key of the block holding records `b * DEDUPE_BLOCK ..` (zero-padded: key order is
+/// insertion order).
+fn dedupe_block_key(b: u64) -> String {
+    format!("{META_DEDUPE_BLOCK_PREFIX}{b:020}")
 }
 
 fn check_ttl(ttl_ms: u64, l: &Limits) -> Result<(), Outcome> {
@@ -1329,5 +1462,239 @@ fn check_guard(guard: Option<&FencingToken>, l: &Limits) -> Result<(), Outcome> 
             "the guard token's key is empty or too long",
         )),
         _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod dedupe_storage_tests {
+    use super::*;
+
+    /// A state machine that answered `n` acquires (one key each, one client) and released
+    /// every other one, with the store its `take_changes` wrote.
+    fn busy(n: usize) -> (LockStateMachine, BTreeMap<Vec<u8>, Vec<u8>>, usize) {
+        let mut sm = LockStateMachine::new(Limits::default());
+        let mut store = BTreeMap::new();
+        let mut index = 0;
+        let mut keys_written = 0;
+        for i in 0..n {
+            index += 1;
+            let applied = sm.apply(
+                index,
+                &Command::Acquire {
+                    key: format!("k{i}"),
+                    client_id: "c".into(),
+                    request_id: format!("a{i}"),
+                    ttl_ms: 10_000,
+                    wait_timeout_ms: None,
+                },
+            );
+            let Outcome::Granted { token, .. } = applied.outcome else {
+                panic!("acquire {i}: {:?}", applied.outcome);
+            };
+            if i % 2 == 0 {
+                index += 1;
+                sm.apply(
+                    index,
+                    &Command::Release {
+                        key: format!("k{i}"),
+                        client_id: "c".into(),
+                        request_id: format!("r{i}"),
+                        token,
+                    },
+                );
+            }
+        }
+        for (k, v) in sm.take_changes() {
+            keys_written += 1;
+            match v {
+                Some(v) => store.insert(k, v),
+                None => store.remove(&k),
+            };
+        }
+        (sm, store, keys_written)
+    }
+
+    fn write(store: &mut BTreeMap<Vec<u8>, Vec<u8>>, changes: Vec<(Vec<u8>, Option<Vec<u8>>)>) {
+        for (k, v) in changes {
+            match v {
+                Some(v) => store.insert(k, v),
+                None => store.remove(&k),
+            };
+        }
+    }
+
+    #[test]
+    fn answers_are_written_a_block_of_records_to_a_key() {
+        let (sm, store, keys_written) = busy(300);
+        // 450 answers (300 acquires, 150 releases): 15 blocks, not 450 keys.
+        assert_eq!(sm.dedupe.len(), 450);
+        let blocks = store
+            .keys()
+            .filter(|k| k.starts_with(META_DEDUPE_BLOCK_PREFIX.as_bytes()))
+            .count();
+        assert_eq!(blocks, 450_usize.div_ceil(DEDUPE_BLOCK as usize));
+        assert!(!store
+            .keys()
+            .any(|k| k.starts_with(META_DEDUPE_PREFIX.as_bytes())));
+        // 300 lock keys (150 held, 150 released: deleted), the blocks and a few meta keys;
+        // one key per answer would have been 450 more.
+        assert!(
+            keys_written < 300 + blocks + 8,
+            "{keys_written} keys written"
+        );
+        // What was written reads back as the same state, and a retry is answered from it.
+        let mut back = LockStateMachine::from_kv(store.clone()).expect("reads back");
+        assert!(back == sm);
+        let retry = back.apply(
+            10_000,
+            &Command::Acquire {
+                key: "k7".into(),
+                client_id: "c".into(),
+                request_id: "a7".into(),
+                ttl_ms: 10_000,
+                wait_timeout_ms: None,
+            },
+        );
+        assert!(retry.replayed, "a retry is answered from the table");
+    }
+
+    #[test]
+    fn forgetting_answers_rewrites_or_deletes_their_blocks() {
+        let (mut sm, mut store, _) = busy(100);
+        let before = sm.dedupe.len();
+        // Forget the oldest 40 records: the first block goes, the second is rewritten.
+        let oldest: Vec<u64> = sm.dedupe.keys().copied().take(40).collect();
+        for n in oldest {
+            sm.remove_record(n);
+        }
+        let changes = sm.take_changes();
+        assert!(changes.contains(&(dedupe_block_key(0).into_bytes(), None)));
+        assert!(changes
+            .iter()
+            .any(|(k, v)| k == dedupe_block_key(1).as_bytes() && v.is_some()));
+        write(&mut store, changes);
+        let back = LockStateMachine::from_kv(store).expect("reads back");
+        assert_eq!(back.dedupe.len(), before - 40);
+        assert!(back == sm);
+    }
+
+    /// The store as an older RaftLock (or a snapshot install) leaves it: one key per record.
+    fn one_key_per_record(store: &BTreeMap<Vec<u8>, Vec<u8>>) -> BTreeMap<Vec<u8>, Vec<u8>> {
+        let pairs: Vec<(Vec<u8>, Vec<u8>)> =
+            store.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        stored_to_snapshot_pairs(pairs)
+            .expect("opens")
+            .into_iter()
+            .collect()
+    }
+
+    #[test]
+    fn snapshots_carry_one_key_per_record() {
+        let (sm, store, _) = busy(100);
+        let pairs: Vec<(Vec<u8>, Vec<u8>)> = store.into_iter().collect();
+        let opened = stored_to_snapshot_pairs(pairs).expect("opens");
+        assert_eq!(opened, sm.to_kv(), "the snapshot layout, in key order");
+        assert!(opened
+            .iter()
+            .all(|(k, _)| !k.starts_with(META_DEDUPE_BLOCK_PREFIX.as_bytes())));
+    }
+
+    #[test]
+    fn one_key_per_record_state_reads_back_and_moves_to_blocks() {
+        let (sm, store, _) = busy(100);
+        let mut old = one_key_per_record(&store);
+        let mut migrated = LockStateMachine::from_kv(old.clone()).expect("old layout reads");
+        assert!(migrated == sm);
+        assert_eq!(
+            migrated.snapshot(),
+            sm.snapshot(),
+            "snapshots stay byte-identical"
+        );
+        // 150 records are 5 blocks, within one write's share: the next write moves them all.
+        let changes = migrated.take_changes();
+        let deleted = changes
+            .iter()
+            .filter(|(k, v)| k.starts_with(META_DEDUPE_PREFIX.as_bytes()) && v.is_none())
+            .count();
+        assert_eq!(deleted, sm.dedupe.len());
+        write(&mut old, changes);
+        assert_eq!(old, store, "after one write the store is the new layout");
+        assert!(migrated.take_changes().is_empty());
+    }
+
+    #[test]
+    fn a_large_old_table_moves_a_few_blocks_per_write_and_always_reads_back() {
+        let (sm, store, _) = busy(600);
+        let blocks = sm.dedupe.len().div_ceil(DEDUPE_BLOCK as usize);
+        assert!(blocks > 3 * LEGACY_BLOCKS_PER_WRITE);
+        let mut stored = one_key_per_record(&store);
+        let mut node = LockStateMachine::from_kv(stored.clone()).expect("reads");
+        let mut writes = 0;
+        let mut index = 100_000;
+        loop {
+            // Work goes on meanwhile: a new answer, and an old one forgotten from a block that
+            // has not moved yet (its block is written, and its old keys deleted, at once).
+            index += 1;
+            node.apply(
+                index,
+                &Command::Acquire {
+                    key: format!("new{writes}"),
+                    client_id: "d".into(),
+                    request_id: format!("n{writes}"),
+                    ttl_ms: 10_000,
+                    wait_timeout_ms: None,
+                },
+            );
+            if let Some(&last_old) = node.legacy_dedupe_keys.last() {
+                node.remove_record(last_old);
+            }
+            let changes = node.take_changes();
+            if changes.is_empty() {
+                break;
+            }
+            assert!(changes.len() < 2 * LEGACY_BLOCKS_PER_WRITE * DEDUPE_BLOCK as usize + 20);
+            write(&mut stored, changes);
+            writes += 1;
+            // Every intermediate store holds each record exactly once and reads back.
+            let back = LockStateMachine::from_kv(stored.clone())
+                .unwrap_or_else(|e| panic!("after write {writes}: {e}"));
+            assert!(back == node, "after write {writes}");
+            if node.legacy_dedupe_keys.is_empty() {
+                break;
+            }
+            assert!(writes < 100, "the move does not end");
+        }
+        assert!(node.legacy_dedupe_keys.is_empty());
+        assert!(writes > 1, "moved in several writes, not one");
+        assert!(!stored
+            .keys()
+            .any(|k| k.starts_with(META_DEDUPE_PREFIX.as_bytes())));
+    }
+
+    #[test]
+    fn damaged_blocks_are_errors() {
+        let (sm, store, _) = busy(40);
+        // A record in the wrong block.
+        let mut wrong = store.clone();
+        let block0 = wrong
+            .remove(dedupe_block_key(0).as_bytes())
+            .expect("block 0");
+        wrong.insert(dedupe_block_key(5).into_bytes(), block0);
+        assert!(LockStateMachine::from_kv(wrong).is_err());
+        // A record both in a block and under its old key.
+        let mut twice = store.clone();
+        let (&n, rec) = sm.dedupe.iter().next().expect("a record");
+        twice.insert(dedupe_key(n).into_bytes(), encode_plain(rec));
+        assert!(LockStateMachine::from_kv(twice).is_err());
+        // An empty block and garbage.
+        let mut empty = store.clone();
+        empty.insert(
+            dedupe_block_key(9).into_bytes(),
+            encode_plain(&Vec::<(u64, DedupeRecord)>::new()),
+        );
+        assert!(LockStateMachine::from_kv(empty).is_err());
+        let mut garbage = store;
+        garbage.insert(dedupe_block_key(0).into_bytes(), vec![0xff; 7]);
+        assert!(LockStateMachine::from_kv(garbage).is_err());
     }
 }

@@ -39,7 +39,9 @@ use crate::raft::{
     EntryPayload, Index, MembershipChange, Message, NodeId, ProposeError, Raft, Ready, Role,
     Snapshot,
 };
-use crate::storage::{decode_snapshot_data, SnapshotJob, Storage, StorageError};
+use crate::storage::{
+    decode_snapshot_data, encode_snapshot_data, SnapshotJob, Storage, StorageError,
+};
 
 /// Monotonic time in microseconds, as the caller measures it.
 pub type Micros = u64;
@@ -1784,9 +1786,29 @@ impl<S: Storage, R> NodeCore<S, R> {
             return Ok(());
         }
         self.write_all_applied()?;
-        let job = self.storage.snapshot_job()?;
+        let read = self.storage.snapshot_job()?;
+        let job: SnapshotJob = Box::new(move || read().and_then(snapshot_for_peers));
         self.snapshot_in_progress = true;
         self.effects.push(Effect::BuildSnapshot(job));
         Ok(())
     }
+}
+
+/// A snapshot built from this node's stored state, in the layout snapshots carry between nodes
+/// (`crate::lock::stored_to_snapshot_pairs`: the lock state machine stores its dedupe records in
+/// blocks, snapshots carry one key per record, which every RaftLock version reads).
+pub fn snapshot_for_peers(snapshot: Snapshot) -> Result<Snapshot, StorageError> {
+    let pairs = decode_snapshot_data(&snapshot.data)?;
+    let pairs =
+        crate::lock::stored_to_snapshot_pairs(pairs).map_err(|err| StorageError::SnapshotData {
+            problem: format!(
+                "stored state at index {} does not decode: {err}",
+                snapshot.meta.index
+            ),
+        })?;
+    let data = encode_snapshot_data(pairs.iter().map(|(k, v)| (k.as_slice(), v.as_slice())));
+    Ok(Snapshot {
+        meta: snapshot.meta,
+        data,
+    })
 }

@@ -437,7 +437,12 @@ impl Cluster {
             let recovered = storage.recover().map_err(|e| e.to_string())?;
             let fresh = recovered.last_index() == 0 && recovered.hard_state.term == 0;
             let snapshot = if recovered.snapshot_meta.index > 0 {
-                Some(storage.build_snapshot().map_err(|e| e.to_string())?)
+                Some(
+                    storage
+                        .build_snapshot()
+                        .and_then(crate::node::snapshot_for_peers)
+                        .map_err(|e| e.to_string())?,
+                )
             } else {
                 None
             };
