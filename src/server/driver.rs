@@ -190,7 +190,11 @@ impl<S: Storage> Storage for TimedStorage<S> {
     ) -> Result<(), StorageError> {
         let started = std::time::Instant::now();
         let result = self.inner.apply(applied_index, changes);
-        self.spent.apply += started.elapsed();
+        let took = started.elapsed();
+        self.spent.apply += took;
+        self.metrics
+            .state_write_duration_seconds
+            .observe(took.as_secs_f64());
         result
     }
     fn install_snapshot(

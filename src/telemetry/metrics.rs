@@ -27,6 +27,7 @@ pub struct NodeMetrics {
     pub proposals_pending: IntGauge,
     pub fsync_duration_seconds: Histogram,
     pub commit_duration_seconds: Histogram,
+    pub state_write_duration_seconds: Histogram,
     pub snapshot_duration_seconds: Histogram,
     pub request_duration_seconds: HistogramVec,
     pub snapshots_total: IntCounterVec,
@@ -147,6 +148,11 @@ impl NodeMetrics {
             commit_duration_seconds: reg!(hist(
                 "raftlock_commit_duration_seconds",
                 "Leader only: from appending entries to its log to knowing them on a majority's disks.",
+                LATENCY_BUCKETS
+            )),
+            state_write_duration_seconds: reg!(hist(
+                "raftlock_state_write_duration_seconds",
+                "Writing the applied lock state to storage (the changes since the last write, at most every 100 ms), on the driver thread.",
                 LATENCY_BUCKETS
             )),
             snapshot_duration_seconds: reg!(hist(

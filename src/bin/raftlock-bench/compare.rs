@@ -198,6 +198,7 @@ pub async fn wait_ready(target: Target, endpoints: &[String]) -> Result<(), Stri
             clients: 1,
             duration: Duration::from_millis(300),
             run_id: "warmup".into(),
+            timeline: false,
         };
         match load::run(&spec).await {
             Ok(r) if r.grants > 0 && r.errors == 0 => return Ok(()),
@@ -332,6 +333,7 @@ pub async fn compare(args: CompareArgs) -> Result<(), String> {
                         clients,
                         duration: Duration::from_secs(args.seconds),
                         run_id: format!("r{run}"),
+                        timeline: false,
                     };
                     let r = load::run(&spec).await?;
                     print!("round {} ", round + 1);
@@ -392,6 +394,7 @@ async fn etcd_endpoints(
                     clients: 32,
                     duration: Duration::from_secs(args.seconds),
                     run_id: format!("probe-{name}"),
+                    timeline: false,
                 };
                 let r = load::run(&spec).await?;
                 print!("etcd probe, clients {name}: ");

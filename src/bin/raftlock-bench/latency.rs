@@ -57,6 +57,43 @@ fn thread_cpu(pid: u32) -> BTreeMap<String, (u64, u64)> {
     groups
 }
 
+/// Context switches (voluntary: the thread waited for something; involuntary: it was
+/// preempted) of a process's live threads, by thread group. Linux keeps these per thread only,
+/// so what ended threads did is not counted.
+fn thread_switches(pid: u32) -> BTreeMap<String, (u64, u64)> {
+    let mut groups: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    if let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) {
+        for task in tasks.flatten() {
+            let dir = task.path();
+            let Some(counts) = std::fs::read_to_string(dir.join("status"))
+                .ok()
+                .and_then(|s| switch_counts(&s))
+            else {
+                continue;
+            };
+            let name = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+            let g = groups.entry(thread_group(&name)).or_default();
+            g.0 += counts.0;
+            g.1 += counts.1;
+        }
+    }
+    groups
+}
+
+/// (voluntary, involuntary) context switches from a `/proc/…/status` text.
+fn switch_counts(status: &str) -> Option<(u64, u64)> {
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim_start_matches(':').trim().parse::<u64>().ok())
+    };
+    Some((
+        field("voluntary_ctxt_switches")?,
+        field("nonvoluntary_ctxt_switches")?,
+    ))
+}
+
 /// A thread's group: its name without a trailing number (`sled-io-3` → `sled-io`).
 fn thread_group(name: &str) -> String {
     name.trim()
@@ -165,6 +202,7 @@ pub async fn latency(args: LatencyArgs) -> Result<(), String> {
     let pids: Vec<u32> = procs.0.iter().map(|c| c.id()).collect();
     let before = scrape(&endpoints).await?;
     let cpu_before: Vec<_> = pids.iter().map(|&p| thread_cpu(p)).collect();
+    let switches_before: Vec<_> = pids.iter().map(|&p| thread_switches(p)).collect();
     let self_before = thread_cpu(std::process::id());
     let spec = LoadSpec {
         target: Target::Raftlock,
@@ -173,12 +211,18 @@ pub async fn latency(args: LatencyArgs) -> Result<(), String> {
         clients: args.clients.max(1),
         duration: Duration::from_secs(args.seconds),
         run_id: "latency".into(),
+        timeline: false,
     };
     let r = load::run(&spec).await?;
     let cpu: Vec<_> = pids
         .iter()
         .zip(&cpu_before)
         .map(|(&p, b)| cpu_delta(b, &thread_cpu(p)))
+        .collect();
+    let switches: Vec<_> = pids
+        .iter()
+        .zip(&switches_before)
+        .map(|(&p, b)| cpu_delta(b, &thread_switches(p)))
         .collect();
     let client_cpu = cpu_delta(&self_before, &thread_cpu(std::process::id()));
     let after = scrape(&endpoints).await?;
@@ -236,6 +280,16 @@ pub async fn latency(args: LatencyArgs) -> Result<(), String> {
             mean_ms(b, a, "raftlock_fsync_duration_seconds"),
         );
     }
+    for (i, (b, a)) in before.iter().zip(&after).enumerate() {
+        let role = if i == leader { "leader" } else { "follower" };
+        row(
+            &format!(
+                "node {} ({role}): one applied-state write (driver thread)",
+                i + 1
+            ),
+            mean_ms(b, a, "raftlock_state_write_duration_seconds"),
+        );
+    }
     for series in a
         .keys()
         .filter(|k| k.starts_with("raftlock_peer_rtt_seconds{"))
@@ -255,7 +309,63 @@ pub async fn latency(args: LatencyArgs) -> Result<(), String> {
         );
     }
     print_cpu_table(&cpu, leader, &client_cpu, r.grants);
+    print_switch_table(&switches, leader, r.grants);
     Ok(())
+}
+
+/// Context switches per cycle by thread group: the leader and the mean of the followers. Each
+/// one is a thread going to sleep and being woken (voluntary) or being preempted (involuntary);
+/// on a machine with fewer CPUs than busy threads, both cost CPU time and wait in the run queue.
+fn print_switch_table(nodes: &[BTreeMap<String, (u64, u64)>], leader: usize, cycles: u64) {
+    let per = |n: f64| n / cycles.max(1) as f64;
+    let followers: Vec<_> = nodes
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| i != leader)
+        .map(|(_, m)| m)
+        .collect();
+    let mut groups: Vec<&String> = nodes.iter().flat_map(|m| m.keys()).collect();
+    groups.sort();
+    groups.dedup();
+    println!(
+        "\nContext switches per cycle, by thread group (from /proc; live threads only; voluntary: the thread waited and was woken, involuntary: it was preempted):\n"
+    );
+    println!("| thread group | leader voluntary | leader involuntary | follower voluntary | follower involuntary |");
+    println!("|---|---:|---:|---:|---:|");
+    let mut totals = [0.0f64; 4];
+    for g in groups {
+        let (lv, li) = nodes
+            .get(leader)
+            .and_then(|m| m.get(g))
+            .copied()
+            .unwrap_or((0, 0));
+        let n = followers.len().max(1) as f64;
+        let (fv, fi) = followers
+            .iter()
+            .filter_map(|m| m.get(g))
+            .fold((0.0, 0.0), |(v, i), c| {
+                (v + c.0 as f64 / n, i + c.1 as f64 / n)
+            });
+        let row = [per(lv as f64), per(li as f64), per(fv), per(fi)];
+        if row.iter().all(|&v| v < 0.05) {
+            continue;
+        }
+        for (t, v) in totals.iter_mut().zip(row) {
+            *t += v;
+        }
+        println!(
+            "| {} | {:.1} | {:.1} | {:.1} | {:.1} |",
+            thread_group_label(g),
+            row[0],
+            row[1],
+            row[2],
+            row[3]
+        );
+    }
+    println!(
+        "| **total** | **{:.1}** | **{:.1}** | **{:.1}** | **{:.1}** |",
+        totals[0], totals[1], totals[2], totals[3]
+    );
 }
 
 /// CPU time per cycle (µs), user and kernel, by thread group: the leader, the mean of the
@@ -336,6 +446,19 @@ mod tests {
         assert_eq!(stat_ticks(line), Some((123, 45)));
         assert_eq!(stat_ticks("4242 (short) S 1 2"), None);
         assert_eq!(stat_ticks("no parenthesis"), None);
+    }
+
+    #[test]
+    fn switch_counts_come_from_the_status_text() {
+        let status = "Name:\tsled-io-3\nState:\tS (sleeping)\nvoluntary_ctxt_switches:\t5123\nnonvoluntary_ctxt_switches:\t17\n";
+        assert_eq!(switch_counts(status), Some((5123, 17)));
+        assert_eq!(
+            switch_counts("Name:\tx\nvoluntary_ctxt_switches:\t1\n"),
+            None
+        );
+        // The real file of this thread parses.
+        let own = std::fs::read_to_string("/proc/thread-self/status").expect("status");
+        assert!(switch_counts(&own).is_some());
     }
 
     #[test]

@@ -55,7 +55,12 @@ pub struct LoadSpec {
     pub duration: Duration,
     /// Distinguishes the keys of one run from another's on the same cluster.
     pub run_id: String,
+    /// Keep every acquire as (sent, latency) for a timeline (at most `TIMELINE_MAX` of them).
+    pub timeline: bool,
 }
+
+/// Acquires kept for a timeline, in all clients together.
+pub const TIMELINE_MAX: usize = 2_000_000;
 
 /// Latencies in microseconds.
 pub struct LoadResult {
@@ -66,6 +71,9 @@ pub struct LoadResult {
     pub acquire: Histogram<u64>,
     /// Contended only: release sent by one holder → grant received by the next.
     pub handoff: Histogram<u64>,
+    /// With `LoadSpec::timeline`: (client, µs from the start to the acquire being sent,
+    /// acquire latency in µs), in send order per client.
+    pub timeline: Vec<(u32, u64, u64)>,
 }
 
 pub fn new_hist() -> Histogram<u64> {
@@ -79,6 +87,7 @@ impl LoadResult {
         self.seconds += other.seconds;
         let _ = self.acquire.add(&other.acquire);
         let _ = self.handoff.add(&other.handoff);
+        self.timeline.extend_from_slice(&other.timeline);
     }
 
     pub fn throughput(&self) -> f64 {
@@ -235,7 +244,13 @@ pub async fn run(spec: &LoadSpec) -> Result<LoadResult, String> {
     for (i, mut locker) in lockers.into_iter().enumerate() {
         let (stop, zipf, last_release) = (stop.clone(), zipf.clone(), last_release.clone());
         let (workload, run_id) = (spec.workload, spec.run_id.clone());
+        let keep = if spec.timeline {
+            TIMELINE_MAX / spec.clients.max(1)
+        } else {
+            0
+        };
         tasks.push(tokio::spawn(async move {
+            let mut timeline = Vec::new();
             let mut acquire = new_hist();
             let mut handoff = new_hist();
             let (mut grants, mut errors) = (0u64, 0u64);
@@ -262,7 +277,11 @@ pub async fn run(spec: &LoadSpec) -> Result<LoadResult, String> {
                 // Samples from after the deadline would measure the shutdown, not the workload.
                 if granted <= deadline {
                     grants += 1;
-                    let _ = acquire.record(granted.duration_since(sent).as_micros().max(1) as u64);
+                    let took = granted.duration_since(sent).as_micros().max(1) as u64;
+                    let _ = acquire.record(took);
+                    if timeline.len() < keep {
+                        timeline.push((i as u32, sent_us, took));
+                    }
                     if workload == Workload::Contended {
                         let rel = last_release.load(Ordering::SeqCst);
                         let now_us = granted.duration_since(epoch).as_micros() as u64;
@@ -279,7 +298,7 @@ pub async fn run(spec: &LoadSpec) -> Result<LoadResult, String> {
                     errors += 1;
                 }
             }
-            (grants, errors, acquire, handoff)
+            (grants, errors, acquire, handoff, timeline)
         }));
     }
     tokio::time::sleep_until(deadline.into()).await;
@@ -291,6 +310,7 @@ pub async fn run(spec: &LoadSpec) -> Result<LoadResult, String> {
         seconds,
         acquire: new_hist(),
         handoff: new_hist(),
+        timeline: Vec::new(),
     };
     // A contended client may be waiting in the queue: every client gets until one shared
     // deadline to finish (a wait per client, one after the other, could add up to hours when a
@@ -298,7 +318,8 @@ pub async fn run(spec: &LoadSpec) -> Result<LoadResult, String> {
     let finish_by = tokio::time::Instant::now() + Duration::from_secs(30);
     for mut t in tasks {
         match tokio::time::timeout_at(finish_by, &mut t).await {
-            Ok(Ok((g, e, a, h))) => {
+            Ok(Ok((g, e, a, h, t))) => {
+                result.timeline.extend(t);
                 result.grants += g;
                 result.errors += e;
                 let _ = result.acquire.add(&a);
@@ -312,6 +333,19 @@ pub async fn run(spec: &LoadSpec) -> Result<LoadResult, String> {
         }
     }
     Ok(result)
+}
+
+/// Writes the kept acquires as CSV, in the order they were sent.
+pub fn write_timeline(path: &std::path::Path, r: &LoadResult) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut rows = r.timeline.clone();
+    rows.sort_by_key(|&(_, sent, _)| sent);
+    let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
+    writeln!(out, "client,sent_ms,acquire_ms")?;
+    for (client, sent, took) in rows {
+        writeln!(out, "{client},{:.3},{:.3}", ms(sent), ms(took))?;
+    }
+    out.flush()
 }
 
 pub fn ms(us: u64) -> f64 {
@@ -338,6 +372,43 @@ pub fn print_result(spec: &LoadSpec, r: &LoadResult) {
             ms(r.handoff.value_at_quantile(0.5)),
             ms(r.handoff.value_at_quantile(0.99)),
             ms(r.handoff.value_at_quantile(0.999)),
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timeline_is_written_in_send_order() {
+        let mut r = LoadResult {
+            grants: 3,
+            errors: 0,
+            seconds: 1.0,
+            acquire: new_hist(),
+            handoff: new_hist(),
+            timeline: vec![(1, 2_500, 700), (0, 1_000, 1_250), (1, 4_000, 900)],
+        };
+        let other = LoadResult {
+            timeline: vec![(2, 3_000, 15_000)],
+            ..LoadResult {
+                grants: 1,
+                errors: 0,
+                seconds: 1.0,
+                acquire: new_hist(),
+                handoff: new_hist(),
+                timeline: Vec::new(),
+            }
+        };
+        r.merge(&other);
+        let path = std::env::temp_dir().join(format!("timeline-{}.csv", std::process::id()));
+        write_timeline(&path, &r).expect("written");
+        let text = std::fs::read_to_string(&path).expect("read back");
+        let _ = std::fs::remove_file(&path);
+        assert_eq!(
+            text,
+            "client,sent_ms,acquire_ms\n0,1.000,1.250\n1,2.500,0.700\n2,3.000,15.000\n1,4.000,0.900\n"
         );
     }
 }

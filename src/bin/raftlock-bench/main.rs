@@ -74,6 +74,10 @@ enum Command {
         clients: usize,
         #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
         duration: std::time::Duration,
+        /// Write every acquire to this CSV file (client, sent_ms since the start, acquire_ms),
+        /// to see when slow acquires happen.
+        #[arg(long)]
+        timeline: Option<std::path::PathBuf>,
     },
     /// Start etcd and RaftLock clusters of the same size on loopback and compare them (A B A B).
     Compare {
@@ -427,6 +431,7 @@ fn main() {
             workload,
             clients,
             duration,
+            timeline,
         } => {
             let spec = load::LoadSpec {
                 target,
@@ -435,9 +440,18 @@ fn main() {
                 clients: clients.clamp(1, 10_000),
                 duration,
                 run_id: format!("{:x}", std::process::id()),
+                timeline: timeline.is_some(),
             };
             match runtime().block_on(load::run(&spec)) {
-                Ok(r) => load::print_result(&spec, &r),
+                Ok(r) => {
+                    load::print_result(&spec, &r);
+                    if let Some(path) = timeline {
+                        if let Err(e) = load::write_timeline(&path, &r) {
+                            eprintln!("raftlock-bench: cannot write {}: {e}", path.display());
+                            std::process::exit(1);
+                        }
+                    }
+                }
                 Err(e) => {
                     eprintln!("raftlock-bench: {e}");
                     std::process::exit(1);
