@@ -35,8 +35,12 @@ start() { # name binary -> prints the client endpoints
 }
 A=$(start old "$OLD"); B=$(start new "$NEW")
 sleep 5
+# Each round alternates which build goes first, so that neither always runs right after the
+# other's load. Which cluster is started first also matters (by up to half, either way, on the
+# 2-CPU VM): run the script a second time with OLD and NEW swapped and compare both.
 for r in $(seq "$ROUNDS"); do
-  for side in old new; do
+  if [ $((r % 2)) -eq 1 ]; then order="old new"; else order="new old"; fi
+  for side in $order; do
     if [ $side = old ]; then E=$A; else E=$B; fi
     printf '%s round %s: ' "$side" "$r"
     "$BENCH" load --endpoints "$E" --clients "$CLIENTS" --workload "$WORKLOAD" --duration 5s 2>&1 \
