@@ -221,8 +221,6 @@ pub struct LockStateMachine {
     /// Records (present or since forgotten) whose storage is still one key each
     /// (`meta/dedupe/<n>`, read by `from_kv`): a write of their block deletes those keys.
     legacy_dedupe_keys: BTreeSet<u64>,
-    /// Scratch for `take_changes` (empty between calls).
-    legacy_in_flight: BTreeSet<u64>,
 }
 
 impl PartialEq for LockStateMachine {
@@ -1180,19 +1178,15 @@ impl LockStateMachine {
     /// `LEGACY_BLOCKS_PER_WRITE` blocks still stored one key per record move each time.
     pub fn take_changes(&mut self) -> Vec<(Vec<u8>, Option<Vec<u8>>)> {
         let mut blocks = std::mem::take(&mut self.dirty_blocks);
-        let mut moved = 0;
+        // The blocks of the lowest one-record keys, besides those that changed.
+        let (mut moved, mut from) = (0, 0);
         while moved < LEGACY_BLOCKS_PER_WRITE {
-            let Some(&n) = self.legacy_dedupe_keys.first() else {
+            let Some(&n) = self.legacy_dedupe_keys.range(from..).next() else {
                 break;
             };
             let b = n / DEDUPE_BLOCK;
             moved += usize::from(blocks.insert(b));
-            // Its one-record keys are taken below; skip past them here.
-            let past = self
-                .legacy_dedupe_keys
-                .split_off(&(b.saturating_add(1).saturating_mul(DEDUPE_BLOCK)));
-            let in_block = std::mem::replace(&mut self.legacy_dedupe_keys, past);
-            self.legacy_in_flight.extend(in_block);
+            from = b.saturating_add(1).saturating_mul(DEDUPE_BLOCK);
         }
         let mut changes: Vec<(Vec<u8>, Option<Vec<u8>>)> = Vec::new();
         for b in blocks {
@@ -1201,12 +1195,10 @@ impl LockStateMachine {
             let old: Vec<u64> = self
                 .legacy_dedupe_keys
                 .range(range.clone())
-                .chain(self.legacy_in_flight.range(range.clone()))
                 .copied()
                 .collect();
             for n in old {
                 self.legacy_dedupe_keys.remove(&n);
-                self.legacy_in_flight.remove(&n);
                 changes.push((dedupe_key(n).into_bytes(), None));
             }
             let records: Vec<(u64, &DedupeRecord)> =
@@ -1469,25 +1461,25 @@ fn check_guard(guard: Option<&FencingToken>, l: &Limits) -> Result<(), Outcome> 
 mod dedupe_storage_tests {
     use super::*;
 
+    fn acquire(key: String, client: &str, request: String) -> Command {
+        Command::Acquire {
+            key,
+            client_id: client.into(),
+            request_id: request,
+            ttl_ms: 10_000,
+            wait_timeout_ms: None,
+        }
+    }
+
     /// A state machine that answered `n` acquires (one key each, one client) and released
     /// every other one, with the store its `take_changes` wrote.
     fn busy(n: usize) -> (LockStateMachine, BTreeMap<Vec<u8>, Vec<u8>>, usize) {
         let mut sm = LockStateMachine::new(Limits::default());
         let mut store = BTreeMap::new();
         let mut index = 0;
-        let mut keys_written = 0;
         for i in 0..n {
             index += 1;
-            let applied = sm.apply(
-                index,
-                &Command::Acquire {
-                    key: format!("k{i}"),
-                    client_id: "c".into(),
-                    request_id: format!("a{i}"),
-                    ttl_ms: 10_000,
-                    wait_timeout_ms: None,
-                },
-            );
+            let applied = sm.apply(index, &acquire(format!("k{i}"), "c", format!("a{i}")));
             let Outcome::Granted { token, .. } = applied.outcome else {
                 panic!("acquire {i}: {:?}", applied.outcome);
             };
@@ -1504,13 +1496,9 @@ mod dedupe_storage_tests {
                 );
             }
         }
-        for (k, v) in sm.take_changes() {
-            keys_written += 1;
-            match v {
-                Some(v) => store.insert(k, v),
-                None => store.remove(&k),
-            };
-        }
+        let changes = sm.take_changes();
+        let keys_written = changes.len();
+        write(&mut store, changes);
         (sm, store, keys_written)
     }
 
@@ -1545,16 +1533,7 @@ mod dedupe_storage_tests {
         // What was written reads back as the same state, and a retry is answered from it.
         let mut back = LockStateMachine::from_kv(store.clone()).expect("reads back");
         assert!(back == sm);
-        let retry = back.apply(
-            10_000,
-            &Command::Acquire {
-                key: "k7".into(),
-                client_id: "c".into(),
-                request_id: "a7".into(),
-                ttl_ms: 10_000,
-                wait_timeout_ms: None,
-            },
-        );
+        let retry = back.apply(10_000, &acquire("k7".into(), "c", "a7".into()));
         assert!(retry.replayed, "a retry is answered from the table");
     }
 
@@ -1637,13 +1616,7 @@ mod dedupe_storage_tests {
             index += 1;
             node.apply(
                 index,
-                &Command::Acquire {
-                    key: format!("new{writes}"),
-                    client_id: "d".into(),
-                    request_id: format!("n{writes}"),
-                    ttl_ms: 10_000,
-                    wait_timeout_ms: None,
-                },
+                &acquire(format!("new{writes}"), "d", format!("n{writes}")),
             );
             if let Some(&last_old) = node.legacy_dedupe_keys.last() {
                 node.remove_record(last_old);

@@ -27,26 +27,18 @@ pub struct LatencyArgs {
 /// (`sled-io-0`, `sled-io-1`, …) are one group, and what threads that have already ended used
 /// is the group `ended threads` (the process's totals include them, its live threads do not).
 fn thread_cpu(pid: u32) -> BTreeMap<String, (u64, u64)> {
-    let ticks = |path: &str| stat_ticks(&std::fs::read_to_string(path).ok()?);
-    let mut groups: BTreeMap<String, (u64, u64)> = BTreeMap::new();
-    let Some(total) = ticks(&format!("/proc/{pid}/stat")) else {
-        return groups;
+    let Some(total) = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| stat_ticks(&s))
+    else {
+        return BTreeMap::new();
     };
-    let mut live = (0, 0);
-    if let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) {
-        for task in tasks.flatten() {
-            let dir = task.path();
-            let Some(t) = ticks(&format!("{}/stat", dir.display())) else {
-                continue;
-            };
-            let name = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
-            let g = groups.entry(thread_group(&name)).or_default();
-            g.0 += t.0;
-            g.1 += t.1;
-            live.0 += t.0;
-            live.1 += t.1;
-        }
-    }
+    let mut groups = by_thread_group(pid, |dir| {
+        stat_ticks(&std::fs::read_to_string(dir.join("stat")).ok()?)
+    });
+    let live = groups
+        .values()
+        .fold((0, 0), |acc, v| (acc.0 + v.0, acc.1 + v.1));
     groups.insert(
         "ended threads".into(),
         (
@@ -57,18 +49,17 @@ fn thread_cpu(pid: u32) -> BTreeMap<String, (u64, u64)> {
     groups
 }
 
-/// Context switches (voluntary: the thread waited for something; involuntary: it was
-/// preempted) of a process's live threads, by thread group. Linux keeps these per thread only,
-/// so what ended threads did is not counted.
-fn thread_switches(pid: u32) -> BTreeMap<String, (u64, u64)> {
+/// A pair of counters read from each live thread of `pid` (by `read`, given the thread's
+/// `/proc` directory), summed by thread group.
+fn by_thread_group(
+    pid: u32,
+    read: impl Fn(&std::path::Path) -> Option<(u64, u64)>,
+) -> BTreeMap<String, (u64, u64)> {
     let mut groups: BTreeMap<String, (u64, u64)> = BTreeMap::new();
     if let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) {
         for task in tasks.flatten() {
             let dir = task.path();
-            let Some(counts) = std::fs::read_to_string(dir.join("status"))
-                .ok()
-                .and_then(|s| switch_counts(&s))
-            else {
+            let Some(counts) = read(&dir) else {
                 continue;
             };
             let name = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
@@ -78,6 +69,15 @@ fn thread_switches(pid: u32) -> BTreeMap<String, (u64, u64)> {
         }
     }
     groups
+}
+
+/// Context switches (voluntary: the thread waited for something; involuntary: it was
+/// preempted) of a process's live threads, by thread group. Linux keeps these per thread only,
+/// so what ended threads did is not counted.
+fn thread_switches(pid: u32) -> BTreeMap<String, (u64, u64)> {
+    by_thread_group(pid, |dir| {
+        switch_counts(&std::fs::read_to_string(dir.join("status")).ok()?)
+    })
 }
 
 /// (voluntary, involuntary) context switches from a `/proc/…/status` text.
@@ -317,55 +317,11 @@ pub async fn latency(args: LatencyArgs) -> Result<(), String> {
 /// one is a thread going to sleep and being woken (voluntary) or being preempted (involuntary);
 /// on a machine with fewer CPUs than busy threads, both cost CPU time and wait in the run queue.
 fn print_switch_table(nodes: &[BTreeMap<String, (u64, u64)>], leader: usize, cycles: u64) {
-    let per = |n: f64| n / cycles.max(1) as f64;
-    let followers: Vec<_> = nodes
-        .iter()
-        .enumerate()
-        .filter(|&(i, _)| i != leader)
-        .map(|(_, m)| m)
-        .collect();
-    let mut groups: Vec<&String> = nodes.iter().flat_map(|m| m.keys()).collect();
-    groups.sort();
-    groups.dedup();
     println!(
         "\nContext switches per cycle, by thread group (from /proc; live threads only; voluntary: the thread waited and was woken, involuntary: it was preempted):\n"
     );
-    println!("| thread group | leader voluntary | leader involuntary | follower voluntary | follower involuntary |");
-    println!("|---|---:|---:|---:|---:|");
-    let mut totals = [0.0f64; 4];
-    for g in groups {
-        let (lv, li) = nodes
-            .get(leader)
-            .and_then(|m| m.get(g))
-            .copied()
-            .unwrap_or((0, 0));
-        let n = followers.len().max(1) as f64;
-        let (fv, fi) = followers
-            .iter()
-            .filter_map(|m| m.get(g))
-            .fold((0.0, 0.0), |(v, i), c| {
-                (v + c.0 as f64 / n, i + c.1 as f64 / n)
-            });
-        let row = [per(lv as f64), per(li as f64), per(fv), per(fi)];
-        if row.iter().all(|&v| v < 0.05) {
-            continue;
-        }
-        for (t, v) in totals.iter_mut().zip(row) {
-            *t += v;
-        }
-        println!(
-            "| {} | {:.1} | {:.1} | {:.1} | {:.1} |",
-            thread_group_label(g),
-            row[0],
-            row[1],
-            row[2],
-            row[3]
-        );
-    }
-    println!(
-        "| **total** | **{:.1}** | **{:.1}** | **{:.1}** | **{:.1}** |",
-        totals[0], totals[1], totals[2], totals[3]
-    );
+    let per = |n: u64| n as f64 / cycles.max(1) as f64;
+    print_group_table(nodes, leader, ["voluntary", "involuntary"], per, 1, 0.05);
 }
 
 /// CPU time per cycle (µs), user and kernel, by thread group: the leader, the mean of the
@@ -380,6 +336,31 @@ fn print_cpu_table(
 ) {
     // /proc counts in USER_HZ ticks, 100 per second on Linux.
     let us = |ticks: u64| ticks as f64 * 10_000.0 / cycles.max(1) as f64;
+    println!(
+        "\nCPU time per cycle in µs, user + kernel, by thread group (from /proc; 10 ms resolution per thread group over the whole run):\n"
+    );
+    print_group_table(nodes, leader, ["user", "kernel"], us, 0, 0.5);
+    let (cu, cs) = client
+        .values()
+        .fold((0, 0), |acc, v| (acc.0 + v.0, acc.1 + v.1));
+    println!(
+        "\nThe load generator (this process: the SDK clients, their runtime): user {:.0} µs, kernel {:.0} µs per cycle.",
+        us(cu),
+        us(cs)
+    );
+}
+
+/// A table of a pair of per-thread-group counters, each scaled by `scale`: the leader's and
+/// the mean of the followers', one row per group (groups whose four values are all below
+/// `min` left out) and a total, with `decimals` places.
+fn print_group_table(
+    nodes: &[BTreeMap<String, (u64, u64)>],
+    leader: usize,
+    [a, b]: [&str; 2],
+    scale: impl Fn(u64) -> f64,
+    decimals: usize,
+    min: f64,
+) {
     let followers: Vec<&BTreeMap<String, (u64, u64)>> = nodes
         .iter()
         .enumerate()
@@ -389,50 +370,46 @@ fn print_cpu_table(
     let mut groups: Vec<&String> = nodes.iter().flat_map(|m| m.keys()).collect();
     groups.sort();
     groups.dedup();
-    println!(
-        "\nCPU time per cycle in µs, user + kernel, by thread group (from /proc; 10 ms resolution per thread group over the whole run):\n"
-    );
-    println!("| thread group | leader user | leader kernel | follower user | follower kernel |");
+    println!("| thread group | leader {a} | leader {b} | follower {a} | follower {b} |");
     println!("|---|---:|---:|---:|---:|");
     let mut totals = [0.0f64; 4];
     for g in groups {
-        let (lu, ls) = nodes
+        let (la, lb) = nodes
             .get(leader)
             .and_then(|m| m.get(g))
             .copied()
             .unwrap_or((0, 0));
         let n = followers.len().max(1) as f64;
-        let (fu, fs) = followers
+        let (fa, fb) = followers
             .iter()
             .filter_map(|m| m.get(g))
-            .fold((0.0, 0.0), |(u, s), v| (u + us(v.0) / n, s + us(v.1) / n));
-        let row = [us(lu), us(ls), fu, fs];
-        if row.iter().all(|&v| v < 0.5) {
+            .fold((0.0, 0.0), |(x, y), v| {
+                (x + scale(v.0) / n, y + scale(v.1) / n)
+            });
+        let row = [scale(la), scale(lb), fa, fb];
+        if row.iter().all(|&v| v < min) {
             continue;
         }
         for (t, v) in totals.iter_mut().zip(row) {
             *t += v;
         }
         println!(
-            "| {} | {:.0} | {:.0} | {:.0} | {:.0} |",
+            "| {} | {:.d$} | {:.d$} | {:.d$} | {:.d$} |",
             thread_group_label(g),
             row[0],
             row[1],
             row[2],
-            row[3]
+            row[3],
+            d = decimals
         );
     }
     println!(
-        "| **total** | **{:.0}** | **{:.0}** | **{:.0}** | **{:.0}** |",
-        totals[0], totals[1], totals[2], totals[3]
-    );
-    let (cu, cs) = client
-        .values()
-        .fold((0, 0), |acc, v| (acc.0 + v.0, acc.1 + v.1));
-    println!(
-        "\nThe load generator (this process: the SDK clients, their runtime): user {:.0} µs, kernel {:.0} µs per cycle.",
-        us(cu),
-        us(cs)
+        "| **total** | **{:.d$}** | **{:.d$}** | **{:.d$}** | **{:.d$}** |",
+        totals[0],
+        totals[1],
+        totals[2],
+        totals[3],
+        d = decimals
     );
 }
 
