@@ -8,8 +8,10 @@
 //! each carry a CRC-32 (see `codec`), so a damaged value is an error naming its tree and key.
 //! Applying state with its index runs as one sled transaction; a snapshot install is staged,
 //! marked in `meta`, written in batches and finished by one small transaction, and redone from
-//! `staging` by an open that finds the mark (see [`SledStorage::install`]); an append is one
-//! batch on the log tree; a compaction records the new snapshot point and leaves the deletion of
+//! `staging` by an open that finds the mark (see [`SledStorage::install`]); an append of one run
+//! after the last entry (the common case) is one plain insert, any other append one batch on the
+//! log tree (sled writes its buffer out before and after every batch or transaction, so the hot
+//! path avoids them); a compaction records the new snapshot point and leaves the deletion of
 //! the entries behind it to a background thread. Nothing is durable before [`Storage::flush`].
 
 use std::path::Path;
@@ -611,7 +613,7 @@ fn log_key(key: &[u8]) -> Result<Index, StorageError> {
     decode_index_key(key).map_err(|e| e.at("log", format!("{key:?}")))
 }
 
-/// Groups consecutive entries into runs of about [`RUN_MAX_BYTES`], each inserted into a batch
+/// Groups consecutive entries into runs of about [`RUN_MAX_BYTES`], each kept as (key, value)
 /// under its first index; a gap in the indexes also starts a new run.
 struct RunBuilder {
     run: Vec<u8>,
@@ -619,8 +621,8 @@ struct RunBuilder {
     next: Index,
     /// Capacity of each new run.
     capacity: usize,
-    /// Runs inserted into a batch so far.
-    closed: usize,
+    /// Runs closed and not yet taken.
+    closed: Vec<(Vec<u8>, Vec<u8>)>,
 }
 
 impl RunBuilder {
@@ -630,15 +632,15 @@ impl RunBuilder {
             first: 0,
             next: 0,
             capacity: capacity.min(RUN_MAX_BYTES),
-            closed: 0,
+            closed: Vec::new(),
         }
     }
 
-    /// The run that entry `index` goes into, closing the current one into `batch` if it is
-    /// full or `index` does not follow it.
-    fn run_for(&mut self, index: Index, batch: &mut sled::Batch) -> &mut Vec<u8> {
+    /// The run that entry `index` goes into, closing the current one if it is full or `index`
+    /// does not follow it.
+    fn run_for(&mut self, index: Index) -> &mut Vec<u8> {
         if !self.run.is_empty() && (index != self.next || self.run.len() >= RUN_MAX_BYTES) {
-            self.close(batch);
+            self.close();
         }
         if self.run.is_empty() {
             self.run = begin_run(self.capacity);
@@ -648,11 +650,20 @@ impl RunBuilder {
         &mut self.run
     }
 
-    /// Inserts the current run, if any, into `batch`.
-    fn close(&mut self, batch: &mut sled::Batch) {
+    /// Closes the current run, if any.
+    fn close(&mut self) {
         if !self.run.is_empty() {
-            batch.insert(&index_key(self.first), std::mem::take(&mut self.run));
-            self.closed += 1;
+            self.closed.push((
+                index_key(self.first).to_vec(),
+                std::mem::take(&mut self.run),
+            ));
+        }
+    }
+
+    /// Inserts the closed runs into `batch`.
+    fn move_into(&mut self, batch: &mut sled::Batch) {
+        for (k, v) in self.closed.drain(..) {
+            batch.insert(k, v);
         }
     }
 }
@@ -693,14 +704,15 @@ fn migrate_old_log(db: &sled::Db, log: &sled::Tree) -> Result<(), StorageError> 
         }
         let index = log_key(&k)?;
         decode_entry(index, &v)?;
-        push_run_record(runs.run_for(index, &mut batch), &v);
-        if runs.closed >= LogTrimmer::BATCH_KEYS {
+        push_run_record(runs.run_for(index), &v);
+        if runs.closed.len() >= LogTrimmer::BATCH_KEYS {
+            runs.move_into(&mut batch);
             log.apply_batch(std::mem::take(&mut batch))
                 .map_err(|e| StorageError::sled("migrating the log", e))?;
-            runs.closed = 0;
         }
     }
-    runs.close(&mut batch);
+    runs.close();
+    runs.move_into(&mut batch);
     log.apply_batch(batch)
         .map_err(|e| StorageError::sled("migrating the log", e))?;
     db.flush()
@@ -759,36 +771,49 @@ impl Storage for SledStorage {
         let Some(first) = entries.first() else {
             return Ok(());
         };
-        let mut batch = sled::Batch::default();
-        if first.index <= self.last_index {
-            // A conflicting suffix goes: every run from `first` on, and the tail of the run
-            // that holds `first` (a run is its entries' records in order, so the entries before
-            // `first` are a prefix of its bytes).
-            if let Some((k, v)) = self.run_holding(first.index)? {
-                let start = log_key(&k)?;
-                if start < first.index {
-                    let mut kept = begin_run(v.len());
-                    for (_, record) in run_records(start, &v)?
-                        .into_iter()
-                        .take_while(|(index, _)| *index < first.index)
-                    {
-                        push_run_record(&mut kept, record);
-                    }
-                    batch.insert(k, kept);
-                }
-            }
-            for key in self.log.range(index_key(first.index)..).keys() {
-                batch.remove(key.map_err(|e| StorageError::sled("reading the log", e))?);
-            }
-        }
         let mut runs = RunBuilder::new(entries.len() * (first.size_bytes() + 40));
         for entry in entries {
-            push_run_entry(runs.run_for(entry.index, &mut batch), entry);
+            push_run_entry(runs.run_for(entry.index), entry);
         }
-        runs.close(&mut batch);
-        self.log
-            .apply_batch(batch)
-            .map_err(|e| StorageError::sled("appending entries", e))?;
+        runs.close();
+        if first.index > self.last_index && runs.closed.len() == 1 {
+            // The common case: new entries after the last, one run. One insert is one sled log
+            // record, atomic by itself. A sled batch (or transaction) would also be atomic, but
+            // sled writes its log buffer out before and after each batch (`pin_log`): two more
+            // writes and syncs on its I/O pool, each waking the pool, for every append.
+            let (k, v) = runs.closed.pop().expect("one run");
+            self.log
+                .insert(k, v)
+                .map_err(|e| StorageError::sled("appending entries", e))?;
+        } else {
+            let mut batch = sled::Batch::default();
+            if first.index <= self.last_index {
+                // A conflicting suffix goes: every run from `first` on, and the tail of the run
+                // that holds `first` (a run is its entries' records in order, so the entries
+                // before `first` are a prefix of its bytes).
+                if let Some((k, v)) = self.run_holding(first.index)? {
+                    let start = log_key(&k)?;
+                    if start < first.index {
+                        let mut kept = begin_run(v.len());
+                        for (_, record) in run_records(start, &v)?
+                            .into_iter()
+                            .take_while(|(index, _)| *index < first.index)
+                        {
+                            push_run_record(&mut kept, record);
+                        }
+                        batch.insert(k, kept);
+                    }
+                }
+                for key in self.log.range(index_key(first.index)..).keys() {
+                    batch.remove(key.map_err(|e| StorageError::sled("reading the log", e))?);
+                }
+            }
+            // After the removals: a run that starts at `first` replaces the one removed there.
+            runs.move_into(&mut batch);
+            self.log
+                .apply_batch(batch)
+                .map_err(|e| StorageError::sled("appending entries", e))?;
+        }
         self.last_index = entries.last().map_or(self.last_index, |e| e.index);
         if let Some(cached) = self.config_entries.get_mut() {
             cached.split_off(&first.index);
