@@ -176,6 +176,8 @@ async fn keepalive_notices_a_silent_connection_and_moves_on() {
     let client = RaftLockClient::builder()
         .endpoints([proxy.addr.clone(), cluster.nodes[1].client_addr()])
         .client_id("keepalive")
+        // Stay on the proxied connection even when node 1 is a follower.
+        .prefer_leader(false)
         .request_timeout(Duration::from_secs(120))
         .keepalive(Duration::from_millis(200), Duration::from_millis(1000))
         .retry_policy(RetryPolicy {
@@ -195,6 +197,66 @@ async fn keepalive_notices_a_silent_connection_and_moves_on() {
         "the silent connection was not given up: {second:?}"
     );
     assert_eq!(client.get("ka/k").await.unwrap().as_deref(), Some("2"));
+}
+
+/// `forwarded` requests a node counted (`raftlock_requests_total{result="forwarded"}`).
+async fn forwarded_count(addr: &str) -> f64 {
+    let (_, text) = http_get(addr, "/metrics").await.expect("metrics");
+    text.lines()
+        .filter(|l| l.starts_with("raftlock_requests_total{") && l.contains("result=\"forwarded\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_prefer_leader_a_follower_forwards() {
+    let cluster = Cluster::start(3);
+    let leader = cluster.wait_for_leader(Duration::from_secs(20)).await;
+    let (_, follower) = follower_knowing(&cluster, leader).await;
+    let c = RaftLockClient::builder()
+        .endpoint(follower.clone())
+        .client_id("sdk-forwarded")
+        .prefer_leader(false)
+        .build()
+        .expect("client");
+    let before = forwarded_count(&follower).await;
+    let lock = c
+        .acquire("fwd")
+        .await
+        .expect("acquire through the follower");
+    lock.release().await.expect("release");
+    assert_eq!(c.connected_to().await, Some(follower.clone()));
+    assert!(
+        forwarded_count(&follower).await >= before + 2.0,
+        "the follower did not forward the acquire and the release"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_leader_address_falls_back_to_forwarding() {
+    // Every node advertises a client address nobody listens on, as for a client outside
+    // Kubernetes that reaches the cluster through one Service address: the redirect leads
+    // nowhere, so the client goes on through the follower, which forwards.
+    let cluster = Cluster::start_with(3, |_| {
+        vec![
+            "--advertise-client".into(),
+            format!("127.0.0.1:{}", free_port()),
+        ]
+    });
+    let leader = cluster.wait_for_leader(Duration::from_secs(20)).await;
+    let (_, follower) = follower_knowing(&cluster, leader).await;
+    let c = client(std::slice::from_ref(&follower), "sdk-fallback");
+    let before = forwarded_count(&follower).await;
+    let lock = tokio::time::timeout(Duration::from_secs(30), c.acquire("fallback"))
+        .await
+        .expect("acquire answered within 30 s")
+        .expect("acquire through the follower after the redirect failed");
+    lock.release().await.expect("release");
+    assert_eq!(c.connected_to().await, Some(follower.clone()));
+    assert!(
+        forwarded_count(&follower).await >= before + 2.0,
+        "the follower did not forward the acquire and the release"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -228,6 +290,15 @@ async fn acquire_through_a_follower_then_release_and_kv() {
     let lock = c.acquire("orders").await.expect("acquire");
     assert!(lock.fencing_token() > 0);
     assert!(lock.is_valid());
+    // The follower redirected the client (it asks for redirects by default): it now talks to
+    // the leader itself, one hop less per request than through the follower.
+    let leader_client = cluster
+        .nodes
+        .iter()
+        .find(|n| n.id == leader)
+        .expect("leader")
+        .client_addr();
+    assert_eq!(c.connected_to().await, Some(leader_client));
     let other = client(&endpoints(&cluster), "sdk-other");
     let none = other
         .try_acquire("orders", Duration::from_secs(5), Duration::ZERO)

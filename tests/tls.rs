@@ -197,6 +197,8 @@ async fn peers_need_a_certificate_from_the_cluster_ca_naming_their_node_id() {
         .endpoints([follower.client_addr()])
         .client_id("tls-client")
         .tls_ca_file(dir.join("ca.pem"))
+        // Through the follower, which forwards over the peers' mutual TLS.
+        .prefer_leader(false)
         .build()
         .unwrap();
     let handle = client

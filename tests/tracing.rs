@@ -228,6 +228,8 @@ async fn spans_arrive_over_otlp_and_one_trace_crosses_the_forward() {
     let sdk = raftlock::client::RaftLockClient::builder()
         .endpoint(follower.clone())
         .client_id("sdk")
+        // Through the follower, which forwards: one trace across both nodes.
+        .prefer_leader(false)
         .trace_context(|| Some(format!("00-{SDK_TRACE_ID}-{SDK_PARENT_ID}-01")))
         .build()
         .expect("client");

@@ -313,6 +313,9 @@ pub(crate) struct SessionConfig {
     pub auth_token: Option<String>,
     /// TLS for every connection (`wss://`), when the nodes' client port uses it.
     pub tls: Option<TlsConfig>,
+    /// Ask followers for a redirect to the leader instead of having them forward (see
+    /// [`crate::client::ClientBuilder::prefer_leader`]).
+    pub prefer_leader: bool,
 }
 
 /// Where the SDK gets the W3C `traceparent` of the caller's current span, asked once per
@@ -353,6 +356,9 @@ struct SessionState {
     leader_hint: Option<String>,
     conn: Option<Arc<Conn>>,
     next_endpoint: usize,
+    /// When a leader address a follower redirected to could not be connected to: until
+    /// [`DIRECT_RETRY_AFTER`] later, requests let followers forward instead.
+    direct_failed_at: Option<Instant>,
 }
 
 /// Leader discovery, redirects and retries over one shared connection.
@@ -365,6 +371,10 @@ pub(crate) struct Session {
 /// bounce a client between two nodes that each believe the other leads).
 const MAX_REDIRECTS_IN_A_ROW: u32 = 3;
 
+/// After the leader's address could not be reached, how long requests go through followers
+/// (which forward them) before the client tries the leader directly again.
+const DIRECT_RETRY_AFTER: Duration = Duration::from_secs(30);
+
 impl Session {
     pub fn new(cfg: SessionConfig) -> Session {
         Session {
@@ -373,6 +383,7 @@ impl Session {
                 leader_hint: None,
                 conn: None,
                 next_endpoint: 0,
+                direct_failed_at: None,
             }),
         }
     }
@@ -388,8 +399,9 @@ impl Session {
         }
         st.conn = None;
         let mut candidates = Vec::new();
-        if let Some(hint) = st.leader_hint.take() {
-            candidates.push(hint);
+        let hinted = st.leader_hint.take();
+        if let Some(hint) = &hinted {
+            candidates.push(hint.clone());
         }
         let n = self.cfg.endpoints.len();
         for i in 0..n {
@@ -397,7 +409,12 @@ impl Session {
         }
         st.next_endpoint = (st.next_endpoint + 1) % n.max(1);
         let mut last = String::from("no endpoints");
-        for addr in candidates {
+        for (i, addr) in candidates.into_iter().enumerate() {
+            if i == 1 && hinted.is_some() {
+                // The leader's address did not answer (not reachable from here, say: a client
+                // outside Kubernetes that reaches the cluster through one Service address).
+                st.direct_failed_at = Some(Instant::now());
+            }
             match Conn::connect(
                 &addr,
                 self.cfg.connect_timeout,
@@ -426,6 +443,16 @@ impl Session {
             st.conn = None;
         }
         st.leader_hint = leader_addr;
+    }
+
+    /// Whether requests should ask a follower for a redirect (`"redirect": true`) now.
+    async fn wants_redirect(&self) -> bool {
+        if !self.cfg.prefer_leader {
+            return false;
+        }
+        let st = self.state.lock().await;
+        st.direct_failed_at
+            .is_none_or(|at| at.elapsed() >= DIRECT_RETRY_AFTER)
     }
 
     /// The address of the node the session currently talks to, if connected.
@@ -460,6 +487,12 @@ impl Session {
             }
             _ => body,
         };
+        // The same request asking followers for a redirect to the leader instead of a forward.
+        let direct = self.cfg.prefer_leader.then(|| {
+            let mut b = body.clone();
+            b["redirect"] = Value::Bool(true);
+            b
+        });
         let started = Instant::now();
         let mut backoff = policy.builder().build();
         let mut attempts = 0u32;
@@ -472,9 +505,13 @@ impl Session {
         };
         loop {
             attempts += 1;
+            let sent = match &direct {
+                Some(direct) if self.wants_redirect().await => direct,
+                _ => body,
+            };
             let failure = match self.connection().await {
                 Err(e) => e,
-                Ok(conn) => match conn.call(request_id, kind, body, timeout).await {
+                Ok(conn) => match conn.call(request_id, kind, sent, timeout).await {
                     Ok(reply) => {
                         if reply["success"] == true {
                             return Ok(reply);

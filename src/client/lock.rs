@@ -63,6 +63,7 @@ pub struct ClientBuilder {
     trace_context: Option<TraceContext>,
     auth_token: Option<String>,
     tls: Option<TlsSetting>,
+    prefer_leader: bool,
 }
 
 /// Where the builder's TLS settings come from.
@@ -93,6 +94,7 @@ impl Default for ClientBuilder {
             trace_context: None,
             auth_token: None,
             tls: None,
+            prefer_leader: true,
         }
     }
 }
@@ -107,6 +109,18 @@ impl ClientBuilder {
 
     pub fn endpoints<I: IntoIterator<Item = S>, S: Into<String>>(mut self, addrs: I) -> Self {
         self.endpoints.extend(addrs.into_iter().map(Into::into));
+        self
+    }
+
+    /// Whether the client talks to the leader itself (default) or lets the node it is
+    /// connected to forward its requests. With `true` every request asks a follower for a
+    /// redirect (`"redirect": true`): the follower answers `NOT_LEADER` with the leader's client
+    /// address and the client connects there, so each request takes one hop less than a
+    /// forwarded one. When that address cannot be connected to (a client outside Kubernetes that
+    /// reaches the cluster through one Service address, say) the client lets followers forward
+    /// for 30 s and then tries the leader again. With `false` followers always forward.
+    pub fn prefer_leader(mut self, prefer: bool) -> Self {
+        self.prefer_leader = prefer;
         self
     }
 
@@ -288,6 +302,7 @@ impl ClientBuilder {
                         .map_err(|e| ClientError::Config(e.to_string()))?,
                 ),
             },
+            prefer_leader: self.prefer_leader,
         });
         Ok(RaftLockClient {
             inner: Arc::new(Inner {
