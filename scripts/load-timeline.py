@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""When do slow acquires happen? Reads the CSV of `raftlock-bench load --timeline FILE`.
+"""When do slow acquires happen? Reads the CSV of `raftlock-bench load --timeline FILE`
+(in a contended run: hand-offs, timed from the previous holder's release).
 
     raftlock-bench load --clients 32 --duration 10s --timeline /tmp/t.csv
     scripts/load-timeline.py /tmp/t.csv [--slow-ms X] [--periods 100,500]
@@ -23,31 +24,36 @@ def main() -> int:
     ap.add_argument("--periods", default="20,50,100,250,500,1000")
     a = ap.parse_args()
     rows = []
+    what = "acquires"
     with open(a.csv, newline="") as f:
-        for r in csv.DictReader(f):
-            rows.append((float(r["sent_ms"]), float(r["acquire_ms"])))
+        reader = csv.DictReader(f)
+        if "handoff_ms" in (reader.fieldnames or []):
+            what = "hand-offs"
+        for r in reader:
+            # A contended run's timeline holds hand-offs (release sent, next grant) instead.
+            rows.append((float(r["sent_ms"]), float(r.get("acquire_ms") or r["handoff_ms"])))
     if not rows:
-        print("no acquires in", a.csv, file=sys.stderr)
+        print(f"no {what} in", a.csv, file=sys.stderr)
         return 1
     lat = sorted(l for _, l in rows)
     q = lambda p: lat[min(len(lat) - 1, int(len(lat) * p))]
     slow_ms = a.slow_ms if a.slow_ms is not None else 0.7 * q(0.99)
     span = max(s for s, _ in rows) - min(s for s, _ in rows)
-    print(f"{len(rows)} acquires over {span / 1000:.1f} s: p50 {q(0.5):.2f} ms, p99 {q(0.99):.2f} ms, "
+    print(f"{len(rows)} {what} over {span / 1000:.1f} s: p50 {q(0.5):.2f} ms, p99 {q(0.99):.2f} ms, "
           f"p99.9 {q(0.999):.2f} ms; slow: above {slow_ms:.2f} ms "
-          f"({sum(l > slow_ms for l in lat)} acquires)")
+          f"({sum(l > slow_ms for l in lat)} {what})")
 
     ends = sorted(s + l for s, l in rows)
     gaps = [(ends[i - 1], ends[i] - ends[i - 1]) for i in range(1, len(ends))
             if ends[i] - ends[i - 1] > a.gap_ms]
     stalled = sum(g for _, g in gaps)
-    print(f"\nno acquire completed for more than {a.gap_ms:g} ms: {len(gaps)} times, "
+    print(f"\nno {what[:-1]} completed for more than {a.gap_ms:g} ms: {len(gaps)} times, "
           f"{stalled:.0f} ms in all ({100 * stalled / max(span, 1):.1f}% of the run); longest:")
     for at, g in sorted(gaps, key=lambda x: -x[1])[:8]:
         print(f"  at {at / 1000:8.3f} s: {g:.1f} ms")
 
     slots = 20
-    print(f"\nshare of acquires that were slow, by phase of the sending time (20 slots per period):")
+    print(f"\nshare of {what} that were slow, by phase of the sending time (20 slots per period):")
     for period in [float(p) for p in a.periods.split(",") if p]:
         total, slow = [0] * slots, [0] * slots
         for s, l in rows:

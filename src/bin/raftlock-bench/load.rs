@@ -72,7 +72,8 @@ pub struct LoadResult {
     /// Contended only: release sent by one holder → grant received by the next.
     pub handoff: Histogram<u64>,
     /// With `LoadSpec::timeline`: (client, µs from the start to the acquire being sent,
-    /// acquire latency in µs), in send order per client.
+    /// acquire latency in µs), in send order per client; in a contended run (client, µs from
+    /// the start to the previous holder's release being sent, hand-off latency in µs).
     pub timeline: Vec<(u32, u64, u64)>,
 }
 
@@ -279,15 +280,18 @@ pub async fn run(spec: &LoadSpec) -> Result<LoadResult, String> {
                     grants += 1;
                     let took = granted.duration_since(sent).as_micros().max(1) as u64;
                     let _ = acquire.record(took);
-                    if timeline.len() < keep {
-                        timeline.push((i as u32, sent_us, took));
-                    }
                     if workload == Workload::Contended {
                         let rel = last_release.load(Ordering::SeqCst);
                         let now_us = granted.duration_since(epoch).as_micros() as u64;
                         if rel > sent_us && now_us > rel {
                             let _ = handoff.record(now_us - rel);
+                            // Contended: the timeline holds hand-offs (release sent, latency).
+                            if timeline.len() < keep {
+                                timeline.push((i as u32, rel, now_us - rel));
+                            }
                         }
+                    } else if timeline.len() < keep {
+                        timeline.push((i as u32, sent_us, took));
                     }
                 }
                 last_release.store(
@@ -336,12 +340,23 @@ pub async fn run(spec: &LoadSpec) -> Result<LoadResult, String> {
 }
 
 /// Writes the kept acquires as CSV, in the order they were sent.
-pub fn write_timeline(path: &std::path::Path, r: &LoadResult) -> std::io::Result<()> {
+///
+/// In a contended run each row is a hand-off instead: when the previous holder's release was
+/// sent, and how long until this client's grant arrived (column `handoff_ms`).
+pub fn write_timeline(
+    path: &std::path::Path,
+    workload: Workload,
+    r: &LoadResult,
+) -> std::io::Result<()> {
     use std::io::Write;
     let mut rows = r.timeline.clone();
     rows.sort_by_key(|&(_, sent, _)| sent);
     let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
-    writeln!(out, "client,sent_ms,acquire_ms")?;
+    if workload == Workload::Contended {
+        writeln!(out, "client,sent_ms,handoff_ms")?;
+    } else {
+        writeln!(out, "client,sent_ms,acquire_ms")?;
+    }
     for (client, sent, took) in rows {
         writeln!(out, "{client},{:.3},{:.3}", ms(sent), ms(took))?;
     }
@@ -403,7 +418,7 @@ mod tests {
         };
         r.merge(&other);
         let path = std::env::temp_dir().join(format!("timeline-{}.csv", std::process::id()));
-        write_timeline(&path, &r).expect("written");
+        write_timeline(&path, Workload::Uncontended, &r).expect("written");
         let text = std::fs::read_to_string(&path).expect("read back");
         let _ = std::fs::remove_file(&path);
         assert_eq!(

@@ -75,7 +75,8 @@ enum Command {
         #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
         duration: std::time::Duration,
         /// Write every acquire to this CSV file (client, sent_ms since the start, acquire_ms),
-        /// to see when slow acquires happen.
+        /// to see when slow acquires happen; with `--workload contended`, every hand-off
+        /// (client, sent_ms of the previous holder's release, handoff_ms).
         #[arg(long)]
         timeline: Option<std::path::PathBuf>,
     },
@@ -446,7 +447,7 @@ fn main() {
                 Ok(r) => {
                     load::print_result(&spec, &r);
                     if let Some(path) = timeline {
-                        if let Err(e) = load::write_timeline(&path, &r) {
+                        if let Err(e) = load::write_timeline(&path, spec.workload, &r) {
                             eprintln!("raftlock-bench: cannot write {}: {e}", path.display());
                             std::process::exit(1);
                         }
