@@ -230,6 +230,133 @@ pub fn fsync_floor(dir: &Path, n: usize) -> Result<(f64, f64), String> {
     Ok((samples[n / 2], samples[n * 99 / 100]))
 }
 
+/// How often a thread that wants the CPU all the time does not get it, with and without
+/// another thread writing and syncing a file meanwhile.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Stalls {
+    /// Share of the time (0..1) spent in stalls of at least [`STALL_MIN`].
+    pub share: f64,
+    pub count: usize,
+    pub median_ms: f64,
+    /// Share of the stalls that began in the busiest tenth of a 100 ms period (0.1 when they
+    /// fall evenly): the period of CFS bandwidth control, which throttles a cgroup — or a
+    /// virtual machine's host threads — that used up its CPU quota for the period.
+    pub in_one_phase: f64,
+}
+
+/// A gap at least this long in a spinning thread's clock readings counts as a stall.
+pub const STALL_MIN: Duration = Duration::from_millis(2);
+
+/// Spins on one thread for `seconds` and records the gaps (stalls) between its clock readings;
+/// with `sync`, another thread meanwhile appends 200 bytes to a file in `dir` and calls
+/// `fdatasync`, over and over, as a node's log does. On a machine whose CPUs are its own the
+/// two agree; on a throttled one (a container with a CPU limit, a VM whose host caps it) the
+/// syncing run shows stalls of several milliseconds every 100 ms, which every latency measured
+/// on that machine shares.
+pub fn cpu_stalls(dir: &Path, seconds: f64, sync: bool) -> Result<Stalls, String> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let syncer = if sync {
+        let path = dir.join("stall-probe");
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .truncate(true)
+            .open(&path)
+            .map_err(|e| format!("stall probe: {e}"))?;
+        let stop = stop.clone();
+        Some(std::thread::spawn(move || {
+            let mut written = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                // Bounded: the file is rewritten from the start every 4 MiB.
+                if written >= 4 << 20 {
+                    let _ = f.set_len(0);
+                    written = 0;
+                }
+                if f.write_all(&[b'x'; 200]).is_err() || f.sync_data().is_err() {
+                    break;
+                }
+                written += 200;
+            }
+            drop(f);
+            let _ = std::fs::remove_file(&path);
+        }))
+    } else {
+        None
+    };
+    let started = Instant::now();
+    let end = started + Duration::from_secs_f64(seconds);
+    let mut gaps: Vec<(Duration, Duration)> = Vec::new();
+    let mut last = Instant::now();
+    loop {
+        let now = Instant::now();
+        let gap = now - last;
+        if gap >= STALL_MIN && gaps.len() < 100_000 {
+            gaps.push((last - started, gap));
+        }
+        last = now;
+        if now >= end {
+            break;
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    if let Some(t) = syncer {
+        let _ = t.join();
+    }
+    Ok(summarize_stalls(&gaps, started.elapsed()))
+}
+
+/// [`Stalls`] from (start, length) of each stall over a run of `total`.
+pub fn summarize_stalls(gaps: &[(Duration, Duration)], total: Duration) -> Stalls {
+    if gaps.is_empty() {
+        return Stalls::default();
+    }
+    let stalled: Duration = gaps.iter().map(|&(_, g)| g).sum();
+    let mut lengths: Vec<f64> = gaps.iter().map(|&(_, g)| g.as_secs_f64() * 1e3).collect();
+    lengths.sort_by(f64::total_cmp);
+    let mut phases = [0usize; 10];
+    for &(at, _) in gaps {
+        phases[((at.as_micros() % 100_000) / 10_000) as usize] += 1;
+    }
+    Stalls {
+        share: stalled.as_secs_f64() / total.as_secs_f64().max(1e-9),
+        count: gaps.len(),
+        median_ms: lengths[lengths.len() / 2],
+        in_one_phase: *phases.iter().max().unwrap_or(&0) as f64 / gaps.len() as f64,
+    }
+}
+
+impl Stalls {
+    pub fn describe(&self) -> String {
+        if self.count == 0 {
+            return "none".into();
+        }
+        format!(
+            "{:.1}% of the time ({} stalls, median {:.1} ms, {:.0}% of them in one tenth of a 100 ms period)",
+            self.share * 100.0,
+            self.count,
+            self.median_ms,
+            self.in_one_phase * 100.0
+        )
+    }
+
+    pub fn to_json(self) -> serde_json::Value {
+        serde_json::json!({
+            "share": self.share, "count": self.count, "median_ms": self.median_ms,
+            "in_one_phase": self.in_one_phase,
+        })
+    }
+
+    pub fn from_json(v: &serde_json::Value) -> Option<Stalls> {
+        Some(Stalls {
+            share: v["share"].as_f64()?,
+            count: v["count"].as_u64()? as usize,
+            median_ms: v["median_ms"].as_f64()?,
+            in_one_phase: v["in_one_phase"].as_f64()?,
+        })
+    }
+}
+
 /// Median TCP round trip of one byte over 127.0.0.1, in microseconds.
 pub fn loopback_floor(n: usize) -> Result<f64, String> {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
@@ -306,6 +433,13 @@ pub async fn compare(args: CompareArgs) -> Result<(), String> {
     println!(
         "floor: fsync p50 {fsync_p50:.0} µs (p99 {fsync_p99:.0} µs), loopback RTT p50 {rtt:.0} µs"
     );
+    let stalls_idle = cpu_stalls(&args.dir, 3.0, false)?;
+    let stalls_sync = cpu_stalls(&args.dir, 3.0, true)?;
+    println!(
+        "CPU stalls >= 2 ms of a spinning thread: alone {}; while another thread syncs {}",
+        stalls_idle.describe(),
+        stalls_sync.describe()
+    );
     let mut procs = Procs(Vec::new());
     let etcd_all = start_etcd(&args.dir, &mut procs, args.nodes)?;
     let raftlock = start_raftlock_nodes(&args.dir, &mut procs, &[], args.nodes)?;
@@ -363,7 +497,8 @@ pub async fn compare(args: CompareArgs) -> Result<(), String> {
         "date": today(), "machine": machine(), "etcd": etcd_version(),
         "etcd_flags": ETCD_TUNING.join(" "), "etcd_clients": etcd_clients, "nodes": args.nodes,
         "command": args.command_line, "seconds_per_run": args.seconds, "rounds": args.rounds,
-        "floor": {"fsync_p50_us": fsync_p50, "fsync_p99_us": fsync_p99, "loopback_rtt_p50_us": rtt},
+        "floor": {"fsync_p50_us": fsync_p50, "fsync_p99_us": fsync_p99, "loopback_rtt_p50_us": rtt,
+                  "stalls_alone": stalls_idle.to_json(), "stalls_syncing": stalls_sync.to_json()},
         "rows": rows,
     });
     write_report(&args.out, "results", &report, &markdown(&report))
@@ -492,6 +627,16 @@ fn markdown(report: &serde_json::Value) -> String {
         rtt / 1000.0,
         2.0 * (fsync + rtt) / 1000.0
     ));
+    if let (Some(alone), Some(syncing)) = (
+        Stalls::from_json(&fl["stalls_alone"]),
+        Stalls::from_json(&fl["stalls_syncing"]),
+    ) {
+        s.push_str(&format!(
+            "The machine's own stalls: a thread that spins for 3 s is kept off the CPU for 2 ms or more {} when alone, and {} while another thread writes and syncs a file. Stalls that recur every 100 ms while the disk is busy are the host throttling this VM (CFS bandwidth control has a 100 ms period); every system measured here shares them, and they, not the systems, set much of the p99 at higher loads.\n\n",
+            alone.describe(),
+            syncing.describe()
+        ));
+    }
     s.push_str("Latency is acquire sent → grant received, except *contended*, where it is the hand-off: release sent by one holder → grant received by the next.\n\n");
     s.push_str("| workload | clients | target | locks/s | p50 ms | p99 ms | p99.9 ms | throughput ratio | p99 ratio |\n|---|---:|---|---:|---:|---:|---:|---:|---:|\n");
     let rows = report["rows"].as_array().cloned().unwrap_or_default();
@@ -569,4 +714,38 @@ fn goals(rows: &[serde_json::Value], floor_ms: f64) -> String {
         ));
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(v: u64) -> Duration {
+        Duration::from_millis(v)
+    }
+
+    #[test]
+    fn stalls_every_100_ms_fall_in_one_phase() {
+        // 10 stalls of 15 ms, each 100 ms apart, in a run of 1 s.
+        let gaps: Vec<_> = (0..10).map(|i| (ms(i * 100 + 42), ms(15))).collect();
+        let s = summarize_stalls(&gaps, Duration::from_secs(1));
+        assert_eq!(s.count, 10);
+        assert!((s.share - 0.15).abs() < 1e-9, "{s:?}");
+        assert!((s.median_ms - 15.0).abs() < 1e-9, "{s:?}");
+        assert!((s.in_one_phase - 1.0).abs() < 1e-9, "{s:?}");
+    }
+
+    #[test]
+    fn stalls_spread_over_the_period_do_not() {
+        // One stall in each tenth of the 100 ms period.
+        let gaps: Vec<_> = (0..10).map(|i| (ms(i * 110 + 3), ms(2 + i))).collect();
+        let s = summarize_stalls(&gaps, Duration::from_secs(2));
+        assert!((s.in_one_phase - 0.1).abs() < 1e-9, "{s:?}");
+        assert!((s.median_ms - 7.0).abs() < 1e-9, "{s:?}");
+        assert_eq!(
+            summarize_stalls(&[], Duration::from_secs(1)),
+            Stalls::default()
+        );
+        assert_eq!(Stalls::from_json(&s.to_json()), Some(s));
+    }
 }
