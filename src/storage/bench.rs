@@ -11,11 +11,10 @@
 //! own sync, and the raw cases are what a log kept in a plain append-only file would cost.
 //! Measures only; prints nothing (the binary prints the table).
 //!
-//! sled 0.34's `flush` ends in `sync_file_range` on Linux (its log writes), not `fsync`: that
-//! survives a process crash but neither flushes the drive's write cache nor file metadata;
-//! sled's background thread calls `fsync` only every `flush_every_ms` (500 ms). The
-//! `sled append+flush+fsync` cases add an `fsync` of sled's `db` file after each flush to show
-//! what power-loss durability would cost.
+//! sled 0.34's own `flush` ends in `sync_file_range` on Linux (its log writes), not `fsync`:
+//! that survives a process crash but neither flushes the drive's write cache nor file metadata.
+//! [`SledStorage`]'s flush therefore also `fdatasync`s sled's log file, and the sled cases here
+//! measure that whole flush, as a node runs it.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -135,26 +134,13 @@ fn finish(
 
 /// Appends batches of `batch` entries to a fresh store in `dir`, flushing once per batch, for
 /// `duration`.
-/// With `fsync_db_file`, also `fsync`s sled's `db` file after each flush.
 pub fn bench_sled_appends(
     dir: &Path,
     batch: usize,
-    fsync_db_file: bool,
     duration: Duration,
 ) -> Result<CaseResult, BenchError> {
     let batch = batch.max(1);
     let mut store = SledStorage::open(dir)?;
-    let db_path = dir.join("db");
-    let db_file = if fsync_db_file {
-        Some(
-            std::fs::File::open(&db_path).map_err(|source| BenchError::Io {
-                path: db_path.clone(),
-                source,
-            })?,
-        )
-    } else {
-        None
-    };
     // Payload sized so that the encoded entry (crc, version, term, index, kind) is ENTRY_BYTES.
     let payload = Bytes::from(vec![b'x'; ENTRY_BYTES - 22]);
     let mut next_index = store.last_index() + 1;
@@ -172,20 +158,10 @@ pub fn bench_sled_appends(
         let batch_started = Instant::now();
         store.append(&entries)?;
         store.flush()?;
-        if let Some(file) = &db_file {
-            file.sync_all().map_err(|source| BenchError::Io {
-                path: db_path.clone(),
-                source,
-            })?;
-        }
         samples.push(batch_started.elapsed());
         next_index += batch as u64;
     }
-    let what = if fsync_db_file {
-        "sled append+flush+fsync"
-    } else {
-        "sled append+flush"
-    };
+    let what = "sled append+flush";
     let elapsed = started.elapsed();
     Ok(finish(what, batch, elapsed, samples, cpu_since(cpu_start)))
 }
@@ -229,8 +205,7 @@ pub fn bench_raw_fsync(
     ))
 }
 
-/// Runs every case in its own subdirectory of `dir`: sled with each batch size, the same with
-/// an extra fsync per flush, then raw writes of the same batches with `sync_data`. Subdirectories
+/// Runs every case in its own subdirectory of `dir`: sled with each batch size, then raw writes of the same batches with `sync_data`. Subdirectories
 /// are removed afterwards.
 pub fn run(
     dir: &Path,
@@ -242,15 +217,13 @@ pub fn run(
         let path = path.to_path_buf();
         move |source| BenchError::Io { path, source }
     };
-    for fsync_db_file in [false, true] {
-        for &batch in batches {
-            let case_dir = dir.join(format!("sled-batch-{batch}-fsync-{fsync_db_file}"));
-            let _ = std::fs::remove_dir_all(&case_dir);
-            std::fs::create_dir_all(&case_dir).map_err(io_error(&case_dir))?;
-            let result = bench_sled_appends(&case_dir, batch, fsync_db_file, duration);
-            let _ = std::fs::remove_dir_all(&case_dir);
-            results.push(result?);
-        }
+    for &batch in batches {
+        let case_dir = dir.join(format!("sled-batch-{batch}"));
+        let _ = std::fs::remove_dir_all(&case_dir);
+        std::fs::create_dir_all(&case_dir).map_err(io_error(&case_dir))?;
+        let result = bench_sled_appends(&case_dir, batch, duration);
+        let _ = std::fs::remove_dir_all(&case_dir);
+        results.push(result?);
     }
     for &batch in batches {
         let raw_dir = dir.join(format!("raw-batch-{batch}"));
