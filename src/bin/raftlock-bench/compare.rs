@@ -647,6 +647,10 @@ fn markdown(report: &serde_json::Value) -> String {
                 && o["target"] != r["target"]
         });
         let (tr, pr) = match (r["target"].as_str(), peer) {
+            // A peer that granted nothing has no rate or latency to compare with.
+            (Some("raftlock"), Some(e)) if f(&e["throughput"]) <= 0.0 => {
+                ("—".to_string(), "—".to_string())
+            }
             (Some("raftlock"), Some(e)) => (
                 format!(
                     "{:.1}×",
@@ -670,7 +674,7 @@ fn markdown(report: &serde_json::Value) -> String {
         ));
     }
     s.push_str(
-        "\nRatios are RaftLock / etcd (throughput: higher is better; p99: lower is better).\n",
+        "\nRatios are RaftLock / etcd (throughput: higher is better; p99: lower is better); — where the other granted no lock in the run.\n",
     );
     s.push_str(&goals(&rows, 2.0 * (fsync + rtt) / 1000.0));
     s
