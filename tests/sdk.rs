@@ -208,6 +208,16 @@ async fn forwarded_count(addr: &str) -> f64 {
         .sum()
 }
 
+/// The client `c` still talks to `follower`, which forwarded at least an acquire and a release
+/// since its count was `before`.
+async fn assert_forwarded_by(c: &RaftLockClient, follower: &str, before: f64) {
+    assert_eq!(c.connected_to().await.as_deref(), Some(follower));
+    assert!(
+        forwarded_count(follower).await >= before + 2.0,
+        "the follower did not forward the acquire and the release"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_prefer_leader_a_follower_forwards() {
     let cluster = Cluster::start(3);
@@ -225,11 +235,7 @@ async fn without_prefer_leader_a_follower_forwards() {
         .await
         .expect("acquire through the follower");
     lock.release().await.expect("release");
-    assert_eq!(c.connected_to().await, Some(follower.clone()));
-    assert!(
-        forwarded_count(&follower).await >= before + 2.0,
-        "the follower did not forward the acquire and the release"
-    );
+    assert_forwarded_by(&c, &follower, before).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -252,11 +258,7 @@ async fn an_unreachable_leader_address_falls_back_to_forwarding() {
         .expect("acquire answered within 30 s")
         .expect("acquire through the follower after the redirect failed");
     lock.release().await.expect("release");
-    assert_eq!(c.connected_to().await, Some(follower.clone()));
-    assert!(
-        forwarded_count(&follower).await >= before + 2.0,
-        "the follower did not forward the acquire and the release"
-    );
+    assert_forwarded_by(&c, &follower, before).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
