@@ -13,5 +13,18 @@ use std::process::ExitCode;
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
+    disable_transparent_huge_pages();
     raftlock::server::cli::lock_node_main(std::env::args_os())
+}
+
+/// Turns transparent huge pages off for this process. mimalloc asks the kernel for huge pages
+/// (`MADV_HUGEPAGE`), and sled allocates a fresh 8 MiB log buffer every time a flush seals one:
+/// with huge pages, the first byte written to each buffer made the kernel zero a whole 2 MiB
+/// page, on the thread that flushes. That was 7% of the machine's CPU time at 32 clients, and
+/// with 4 KiB pages it is gone (docs/bench/cpu-budget.md, "Later steps"). A kernel that does not
+/// know the setting leaves things as they were.
+fn disable_transparent_huge_pages() {
+    if let Err(err) = nix::sys::prctl::set_thp_disable(true) {
+        eprintln!("lock-node: cannot turn transparent huge pages off ({err}); running with them");
+    }
 }
