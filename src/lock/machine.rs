@@ -29,7 +29,7 @@
 //! `dedupe_retain_ms` of its answer, or from a client whose session is open and within bounds, is
 //! always answered with the original outcome.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
@@ -119,6 +119,11 @@ struct LockEntry {
 #[derive(Clone, Debug, Default)]
 struct Session {
     records: BTreeSet<u64>,
+    /// Request id -> record number: the exactly-once lookup. Kept per client in ordered maps
+    /// rather than in one hash table of every record, whose resize (rehashing hundreds of
+    /// thousands of keys at once, on every node at the same applied index) stalled all clients
+    /// for tens of milliseconds each time the table doubled.
+    by_request: BTreeMap<String, u64>,
     /// How many of them answer an acquire that is still queued.
     queued: usize,
 }
@@ -205,8 +210,6 @@ pub struct LockStateMachine {
     data: BTreeMap<String, Vec<u8>>,
     /// Dedupe records by insertion number (oldest first, evicted first).
     dedupe: BTreeMap<u64, DedupeRecord>,
-    /// (client, request) -> insertion number.
-    dedupe_index: HashMap<(String, String), u64>,
     dedupe_next: u64,
     /// Open client sessions by client id (derived from `dedupe`, not stored on its own).
     sessions: BTreeMap<String, Session>,
@@ -451,10 +454,7 @@ impl LockStateMachine {
         }
         // Exactly-once: a retried request gets its original outcome back (dissertation §6.3).
         if let Some((client, request)) = command.dedupe_id() {
-            if let Some(&n) = self
-                .dedupe_index
-                .get(&(client.to_string(), request.to_string()))
-            {
+            if let Some(n) = self.record_number(client, request) {
                 let record = &self.dedupe[&n];
                 if record.op.as_ref().is_some_and(|op| *op != op_of(command)) {
                     return Outcome::rejected(
@@ -983,15 +983,22 @@ impl LockStateMachine {
         });
     }
 
+    /// The number of the record that answers `request_id` of `client_id`, if one is kept.
+    fn record_number(&self, client_id: &str, request_id: &str) -> Option<u64> {
+        self.sessions
+            .get(client_id)
+            .and_then(|s| s.by_request.get(request_id))
+            .copied()
+    }
+
     /// Stores `rec` as the newest record (highest insertion number) of the table and its session.
     fn insert_record(&mut self, rec: DedupeRecord) {
         let n = self.dedupe_next;
         self.dedupe_next += 1;
         let session = self.sessions.entry(rec.client_id.clone()).or_default();
         session.records.insert(n);
+        session.by_request.insert(rec.request_id.clone(), n);
         session.queued += usize::from(matches!(rec.outcome, Outcome::Queued { .. }));
-        self.dedupe_index
-            .insert((rec.client_id.clone(), rec.request_id.clone()), n);
         self.dedupe.insert(n, rec);
         self.dirty_blocks.insert(n / DEDUPE_BLOCK);
         self.dirty.insert(META_DEDUPE_NEXT.to_string());
@@ -1001,10 +1008,9 @@ impl LockStateMachine {
     fn remove_record(&mut self, n: u64) -> Option<DedupeRecord> {
         let rec = self.dedupe.remove(&n)?;
         self.dirty_blocks.insert(n / DEDUPE_BLOCK);
-        self.dedupe_index
-            .remove(&(rec.client_id.clone(), rec.request_id.clone()));
         if let Some(session) = self.sessions.get_mut(&rec.client_id) {
             session.records.remove(&n);
+            session.by_request.remove(&rec.request_id);
             if matches!(rec.outcome, Outcome::Queued { .. }) {
                 session.queued = session.queued.saturating_sub(1);
             }
@@ -1018,8 +1024,7 @@ impl LockStateMachine {
     /// A queued acquire's answer changed (granted or cancelled): a retry must now see that. The
     /// record moves to the newest position, so that its retention counts from this answer.
     fn update_record(&mut self, client_id: &str, request_id: &str, outcome: Outcome) {
-        let id = (client_id.to_string(), request_id.to_string());
-        let Some(&n) = self.dedupe_index.get(&id) else {
+        let Some(n) = self.record_number(client_id, request_id) else {
             return;
         };
         if let Some(mut rec) = self.remove_record(n) {
@@ -1359,10 +1364,9 @@ impl LockStateMachine {
                 "dedupe record {n} stored twice"
             )));
         }
-        self.dedupe_index
-            .insert((rec.client_id.clone(), rec.request_id.clone()), n);
         let session = self.sessions.entry(rec.client_id.clone()).or_default();
         session.records.insert(n);
+        session.by_request.insert(rec.request_id.clone(), n);
         session.queued += usize::from(matches!(rec.outcome, Outcome::Queued { .. }));
         self.dedupe.insert(n, rec);
         Ok(())
