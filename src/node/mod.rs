@@ -1772,6 +1772,14 @@ impl<S: Storage, R> NodeCore<S, R> {
         Ok(())
     }
 
+    /// This node's snapshot threshold: `threshold` plus an eighth of it for each step of
+    /// `id % 4`. Nodes that all apply the same entries would otherwise all snapshot at the
+    /// same index, and with both followers of three busy building at once, commits wait for
+    /// the slower of them; staggered, one of them at a time builds.
+    fn staggered(&self, threshold: u64) -> u64 {
+        staggered_threshold(threshold, self.raft.id())
+    }
+
     /// Hands out a snapshot job once the log has grown past `snapshot_entries` entries or
     /// `snapshot_bytes` bytes.
     fn maybe_snapshot(&mut self) -> Result<(), StorageError> {
@@ -1779,8 +1787,9 @@ impl<S: Storage, R> NodeCore<S, R> {
             return Ok(());
         }
         let applied = self.raft.applied_index();
-        let by_count = applied >= self.raft.snapshot_index() + self.cfg.snapshot_entries;
-        let by_bytes = self.log_bytes_since_snapshot >= self.cfg.snapshot_bytes
+        let by_count =
+            applied >= self.raft.snapshot_index() + self.staggered(self.cfg.snapshot_entries);
+        let by_bytes = self.log_bytes_since_snapshot >= self.staggered(self.cfg.snapshot_bytes)
             && applied > self.raft.snapshot_index();
         if !by_count && !by_bytes {
             return Ok(());
@@ -1792,6 +1801,11 @@ impl<S: Storage, R> NodeCore<S, R> {
         self.effects.push(Effect::BuildSnapshot(job));
         Ok(())
     }
+}
+
+/// `threshold` plus an eighth of it for each step of `id % 4` (see `NodeCore::staggered`).
+fn staggered_threshold(threshold: u64, id: NodeId) -> u64 {
+    threshold.saturating_add(threshold / 8 * (id % 4))
 }
 
 /// A snapshot built from this node's stored state, in the layout snapshots carry between nodes
@@ -1811,4 +1825,25 @@ pub fn snapshot_for_peers(snapshot: Snapshot) -> Result<Snapshot, StorageError> 
         meta: snapshot.meta,
         data,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::staggered_threshold;
+
+    #[test]
+    fn the_members_of_a_cluster_snapshot_at_different_points() {
+        let points: Vec<u64> = (1..=5).map(|id| staggered_threshold(100_000, id)).collect();
+        assert_eq!(points, [112_500, 125_000, 137_500, 100_000, 112_500]);
+        // Three voters never share a point; nor do any four consecutive ids.
+        for first in 1..=8 {
+            let mut four: Vec<u64> = (first..first + 4)
+                .map(|id| staggered_threshold(48, id))
+                .collect();
+            four.sort_unstable();
+            four.dedup();
+            assert_eq!(four.len(), 4, "ids {first}..{}", first + 4);
+        }
+        assert_eq!(staggered_threshold(u64::MAX, 3), u64::MAX);
+    }
 }
