@@ -1803,8 +1803,10 @@ impl<S: Storage, R> NodeCore<S, R> {
     }
 }
 
-/// `threshold` plus an eighth of it for each step of `id % 4` (see `NodeCore::staggered`).
-fn staggered_threshold(threshold: u64, id: NodeId) -> u64 {
+/// `threshold` plus an eighth of it for each step of `id % 4`: the entry (or byte) count at
+/// which node `id` takes its snapshot when configured with `threshold` (see
+/// `NodeCore::staggered`).
+pub fn staggered_threshold(threshold: u64, id: NodeId) -> u64 {
     threshold.saturating_add(threshold / 8 * (id % 4))
 }
 

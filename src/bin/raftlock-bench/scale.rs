@@ -935,6 +935,9 @@ async fn locks_part(n: u64, base: &Path, run: &str) -> Result<Value, String> {
     let leader_pid = procs.0[leader].id();
     let addr = endpoints[leader].clone();
     let followers: Vec<usize> = (0..3).filter(|&i| i != leader).collect();
+    // Each node adds its own share to the configured threshold (so members do not snapshot at
+    // the same index); the leader's is the one measured.
+    let threshold = raftlock::node::staggered_threshold(threshold, leader as u64 + 1);
     println!(
         "locks: cluster ready, leader node {} at {addr}; snapshot threshold {threshold} entries",
         leader + 1
