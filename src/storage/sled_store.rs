@@ -124,10 +124,9 @@ impl LogTrimmer {
     ///
     /// Each run is its own `remove`, oldest first, not a sled batch: sled 0.34 applies a batch
     /// under a process-wide exclusive lock that every other write waits for, so a batch of a
-    /// thousand deletes held the driver's log appends for milliseconds at a time, and a
-    /// compaction's trim stalled every client for up to ~50 ms at 32 clients (`raftlock-bench
-    /// load --timeline`). Nothing needs the deletes to be atomic together: a crash part way
-    /// leaves runs below the snapshot point, which are never read and go at the next trim.
+    /// thousand deletes held the driver's log appends (and every client behind them) for the
+    /// whole batch. Nothing needs the deletes to be atomic together: a crash part way leaves
+    /// runs below the snapshot point, which are never read and go at the next trim.
     fn trim(log: &sled::Tree, upto: Index) -> sled::Result<()> {
         loop {
             let mut done = Vec::new();
