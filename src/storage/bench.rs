@@ -161,9 +161,14 @@ pub fn bench_sled_appends(
         samples.push(batch_started.elapsed());
         next_index += batch as u64;
     }
-    let what = "sled append+flush";
     let elapsed = started.elapsed();
-    Ok(finish(what, batch, elapsed, samples, cpu_since(cpu_start)))
+    Ok(finish(
+        "sled append+flush",
+        batch,
+        elapsed,
+        samples,
+        cpu_since(cpu_start),
+    ))
 }
 
 /// Appends `batch` records of `RAW_WRITE_BYTES` to a file in `dir` with one `write` and calls
@@ -205,8 +210,8 @@ pub fn bench_raw_fsync(
     ))
 }
 
-/// Runs every case in its own subdirectory of `dir`: sled with each batch size, then raw writes of the same batches with `sync_data`. Subdirectories
-/// are removed afterwards.
+/// Runs every case in its own subdirectory of `dir`: sled with each batch size, then raw
+/// writes of the same batches with `sync_data`. Subdirectories are removed afterwards.
 pub fn run(
     dir: &Path,
     batches: &[usize],
