@@ -80,6 +80,86 @@ pub struct SledStorage {
     staged_bytes: Option<u64>,
     /// The index of the snapshot whose install this open finished after a crash, if any.
     resumed_install: Option<Index>,
+    /// Makes the files sled moves large values into durable; see [`BlobSync`].
+    blobs: BlobSync,
+}
+
+/// sled 0.34 writes a value (or a tree node) larger than a quarter of its 512 KiB segment to a
+/// file of its own under `blobs/`, and only its log records the pointer to that file. It never
+/// syncs those files, so after a power cut the log could point at a file that never reached
+/// the disk and the store would not open. Such values are not rare here: a lock with a long
+/// wait queue, a data entry near its 64 KiB limit (sixteen share a node) or a snapshot chunk.
+///
+/// Each [`Storage::flush`] therefore first syncs every blob file it has not synced yet (and the
+/// directory, so their names survive), before sled's log, which points at them, is flushed.
+/// Finding new files costs one `stat` of the directory per flush: the directory is only listed
+/// when its modification time moved, or is recent enough that a file created within the same
+/// clock tick as the last listing could share it.
+struct BlobSync {
+    dir: std::path::PathBuf,
+    /// The directory's modification time at the last listing.
+    listed_mtime: Option<std::time::SystemTime>,
+    /// Names of the blob files synced so far that were still there at the last listing.
+    synced: std::collections::HashSet<std::ffi::OsString>,
+    /// Blob files synced since the store was opened.
+    synced_total: u64,
+}
+
+impl BlobSync {
+    /// A directory modified less than this long ago is listed at every flush.
+    const RECENT: std::time::Duration = std::time::Duration::from_secs(2);
+
+    fn new(store_dir: &Path) -> Self {
+        BlobSync {
+            dir: store_dir.join("blobs"),
+            listed_mtime: None,
+            synced: Default::default(),
+            synced_total: 0,
+        }
+    }
+
+    /// Syncs the blob files not synced yet, and then the directory if there were any.
+    fn sync_new(&mut self) -> Result<(), StorageError> {
+        let io = |action: &'static str| move |source| StorageError::Io { action, source };
+        let mtime = match std::fs::metadata(&self.dir) {
+            Ok(meta) => meta
+                .modified()
+                .map_err(io("reading the blob directory's time"))?,
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(err) => return Err(io("reading the blob directory's time")(err)),
+        };
+        let recent = std::time::SystemTime::now()
+            .duration_since(mtime)
+            .map_or(true, |age| age < Self::RECENT);
+        if self.listed_mtime == Some(mtime) && !recent {
+            return Ok(());
+        }
+        let mut present = std::collections::HashSet::with_capacity(self.synced.len());
+        let mut new_files = false;
+        for item in std::fs::read_dir(&self.dir).map_err(io("listing sled's blob files"))? {
+            let item = item.map_err(io("listing sled's blob files"))?;
+            let name = item.file_name();
+            if !self.synced.contains(&name) {
+                match std::fs::File::open(item.path()) {
+                    Ok(file) => file.sync_data().map_err(io("syncing a sled blob file"))?,
+                    // sled removed it since the listing: nothing left to make durable.
+                    Err(err) if err.kind() == std::io::ErrorKind::NotFound => continue,
+                    Err(err) => return Err(io("opening a sled blob file to sync it")(err)),
+                }
+                new_files = true;
+                self.synced_total += 1;
+            }
+            present.insert(name);
+        }
+        if new_files {
+            std::fs::File::open(&self.dir)
+                .and_then(|dir| dir.sync_all())
+                .map_err(io("syncing the blob directory"))?;
+        }
+        self.synced = present;
+        self.listed_mtime = Some(mtime);
+        Ok(())
+    }
 }
 
 /// A thread that deletes log entries at or below the snapshot point after a compaction.
@@ -251,6 +331,7 @@ impl SledStorage {
         let dir = dir.as_ref().to_path_buf();
         remove_unfinished_sled_snapshots(&dir)?;
         let db_path = dir.join(SLED_LOG_FILE);
+        let blobs = BlobSync::new(&dir);
         let opened = std::panic::catch_unwind(move || sled::Config::new().path(dir).open());
         let db = match opened {
             Ok(Ok(db)) => db,
@@ -291,7 +372,10 @@ impl SledStorage {
             config_entries: std::sync::OnceLock::new(),
             staged_bytes: None,
             resumed_install: None,
+            blobs,
         };
+        // Blob files an earlier process wrote may not have been synced when it stopped.
+        storage.blobs.sync_new()?;
         storage.load_cache()?;
         storage.resume_install()?;
         if storage.last_index == storage.snapshot_meta.index {
@@ -621,6 +705,11 @@ impl SledStorage {
     /// The index of the snapshot whose install, interrupted by a crash, this open finished.
     pub fn resumed_install(&self) -> Option<Index> {
         self.resumed_install
+    }
+
+    /// How many of sled's blob files (see [`BlobSync`]) this open has synced.
+    pub fn synced_blob_files(&self) -> u64 {
+        self.blobs.synced_total
     }
 }
 
@@ -1058,8 +1147,10 @@ impl Storage for SledStorage {
     /// drive, which survives the process dying, but neither the drive's write cache nor a grown
     /// file's size is flushed, so a power cut or a kernel crash could lose what was acknowledged.
     /// (sled calls `fsync` only from its background thread, every 500 ms.) So after sled's
-    /// flush the log file is `fdatasync`ed as well, as etcd does with its log.
+    /// flush the log file is `fdatasync`ed as well, as etcd does with its log. Blob files that
+    /// sled wrote since the last flush are synced first (see [`BlobSync`]).
     fn flush(&mut self) -> Result<(), StorageError> {
+        self.blobs.sync_new()?;
         self.db
             .flush()
             .map_err(|e| StorageError::sled("flushing", e))?;
