@@ -1201,3 +1201,41 @@ fn sled_syncs_the_files_it_moves_large_values_into() {
         "a reopen syncs the blob files it finds"
     );
 }
+
+/// An append after the last entry that spans several runs is one insert per run, not one
+/// batch: a crash may keep any prefix of them. A log holding only the first runs of such an
+/// append recovers as the log with a prefix of its entries, and takes the rest again.
+#[test]
+fn sled_recovers_a_prefix_of_a_multi_run_append() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = reopen_sled(dir.path());
+    store.append(&commands(1, 3, 1)).unwrap();
+    store.flush().unwrap();
+    let runs_before = store.log_tree().len();
+    let big = commands(4, 600, 1);
+    store.append(&big).unwrap();
+    store.flush().unwrap();
+    let runs = store.log_tree().len() - runs_before;
+    assert!(
+        runs >= 3,
+        "600 entries should take several runs, took {runs}"
+    );
+    let last_run = store.log_tree().last().unwrap().unwrap().0;
+    let last_run_start = super::codec::decode_index_key(&last_run).unwrap();
+    drop(store);
+    {
+        // What a crash after all but the last run reached sled's log leaves.
+        let db = ::sled::Config::new().path(dir.path()).open().unwrap();
+        db.open_tree("log_runs").unwrap().remove(&last_run).unwrap();
+        db.flush().unwrap();
+    }
+    let mut store = reopen_sled(dir.path());
+    let recovered = store.recover().unwrap();
+    assert_eq!(recovered.entries, commands(1, last_run_start - 1, 1));
+    assert_eq!(store.last_index(), last_run_start - 1);
+    store.append(&commands(last_run_start, 600, 1)).unwrap();
+    store.flush().unwrap();
+    drop(store);
+    let store = reopen_sled(dir.path());
+    assert_eq!(store.recover().unwrap().entries, commands(1, 600, 1));
+}

@@ -8,10 +8,10 @@
 //! each carry a CRC-32 (see `codec`), so a damaged value is an error naming its tree and key.
 //! Applying state with its index runs as one sled transaction; a snapshot install is staged,
 //! marked in `meta`, written in batches and finished by one small transaction, and redone from
-//! `staging` by an open that finds the mark (see [`SledStorage::install`]); an append of one run
-//! after the last entry (the common case) is one plain insert, any other append one batch on the
-//! log tree (sled writes its buffer out before and after every batch or transaction, so the hot
-//! path avoids them); a compaction records the new snapshot point and leaves the deletion of
+//! `staging` by an open that finds the mark (see [`SledStorage::install`]); an append after the
+//! last entry (the common case) is one plain insert per run, in index order, and an append that
+//! replaces a suffix one batch on the log tree (sled writes its buffer out before and after every
+//! batch or transaction, so the hot path avoids them); a compaction records the new snapshot point and leaves the deletion of
 //! the entries behind it to a background thread. Nothing is durable before [`Storage::flush`].
 
 use std::path::Path;
@@ -881,15 +881,19 @@ impl Storage for SledStorage {
             push_run_entry(runs.run_for(entry.index), entry);
         }
         runs.close();
-        if first.index > self.last_index && runs.closed.len() == 1 {
-            // The common case: new entries after the last, one run. One insert is one sled log
-            // record, atomic by itself. A sled batch (or transaction) would also be atomic, but
-            // sled writes its log buffer out before and after each batch (`pin_log`): two more
-            // writes and syncs on its I/O pool, each waking the pool, for every append.
-            let (k, v) = runs.closed.pop().expect("one run");
-            self.log
-                .insert(k, v)
-                .map_err(|e| StorageError::sled("appending entries", e))?;
+        if first.index > self.last_index {
+            // The common case: new entries after the last. Each run is one insert, one sled log
+            // record, in index order. They need not be atomic together: sled recovers a prefix
+            // of its writes, and any prefix of these runs is the log with a prefix of the new
+            // entries, which nothing has acknowledged before the flush. A sled batch (or
+            // transaction) would cost more: sled writes its log buffer out before and after each
+            // one (`pin_log`), two more writes and syncs on its I/O pool, and applies it under a
+            // process-wide exclusive lock.
+            for (k, v) in runs.closed.drain(..) {
+                self.log
+                    .insert(k, v)
+                    .map_err(|e| StorageError::sled("appending entries", e))?;
+            }
         } else {
             let mut batch = sled::Batch::default();
             if first.index <= self.last_index {
