@@ -1795,8 +1795,10 @@ impl<S: Storage, R> NodeCore<S, R> {
             return Ok(());
         }
         self.write_all_applied()?;
-        let read = self.storage.snapshot_job()?;
-        let job: SnapshotJob = Box::new(move || read().and_then(snapshot_for_peers));
+        let index = self.storage.applied_index();
+        let job: SnapshotJob = self
+            .storage
+            .snapshot_job_with(Box::new(move |pairs| pairs_for_peers(index, pairs)))?;
         self.snapshot_in_progress = true;
         self.effects.push(Effect::BuildSnapshot(job));
         Ok(())
@@ -1814,18 +1816,22 @@ pub fn staggered_threshold(threshold: u64, id: NodeId) -> u64 {
 /// (`crate::lock::stored_to_snapshot_pairs`: the lock state machine stores its dedupe records in
 /// blocks, snapshots carry one key per record, which every RaftLock version reads).
 pub fn snapshot_for_peers(snapshot: Snapshot) -> Result<Snapshot, StorageError> {
-    let pairs = decode_snapshot_data(&snapshot.data)?;
-    let pairs =
-        crate::lock::stored_to_snapshot_pairs(pairs).map_err(|err| StorageError::SnapshotData {
-            problem: format!(
-                "stored state at index {} does not decode: {err}",
-                snapshot.meta.index
-            ),
-        })?;
+    let pairs = pairs_for_peers(snapshot.meta.index, decode_snapshot_data(&snapshot.data)?)?;
     let data = encode_snapshot_data(pairs.iter().map(|(k, v)| (k.as_slice(), v.as_slice())));
     Ok(Snapshot {
         meta: snapshot.meta,
         data,
+    })
+}
+
+/// The stored state's pairs at `index` as a snapshot carries them (see [`snapshot_for_peers`]).
+/// Snapshot jobs convert with this as they read, so the state is encoded once.
+fn pairs_for_peers(
+    index: Index,
+    pairs: Vec<crate::storage::KvPair>,
+) -> Result<Vec<crate::storage::KvPair>, StorageError> {
+    crate::lock::stored_to_snapshot_pairs(pairs).map_err(|err| StorageError::SnapshotData {
+        problem: format!("stored state at index {index} does not decode: {err}"),
     })
 }
 

@@ -219,6 +219,12 @@ impl<S: Storage> Storage for TimedStorage<S> {
     fn snapshot_job(&self) -> Result<crate::storage::SnapshotJob, StorageError> {
         self.inner.snapshot_job()
     }
+    fn snapshot_job_with(
+        &self,
+        convert: crate::storage::PairsConvert,
+    ) -> Result<crate::storage::SnapshotJob, StorageError> {
+        self.inner.snapshot_job_with(convert)
+    }
     fn compact(&mut self, upto: crate::raft::Index) -> Result<(), StorageError> {
         self.inner.compact(upto)
     }

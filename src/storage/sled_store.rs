@@ -27,7 +27,7 @@ use super::codec::{
 };
 use super::{
     check_append, check_recovered, decode_snapshot_data, encode_snapshot_data, membership_after,
-    KvChange, KvPair, RecoveredState, SnapshotJob, Storage, StorageError,
+    KvChange, KvPair, PairsConvert, RecoveredState, SnapshotJob, Storage, StorageError,
 };
 use crate::raft::{
     Entry, EntryPayload, HardState, Index, Membership, Snapshot, SnapshotMeta, Term,
@@ -1045,6 +1045,11 @@ impl Storage for SledStorage {
     }
 
     fn snapshot_job(&self) -> Result<SnapshotJob, StorageError> {
+        self.snapshot_job_with(Box::new(Ok))
+    }
+
+    /// Reads the state tree, converts and encodes, on the job's thread: one pass.
+    fn snapshot_job_with(&self, convert: PairsConvert) -> Result<SnapshotJob, StorageError> {
         let index = self.applied_index;
         let meta = SnapshotMeta {
             index,
@@ -1053,7 +1058,7 @@ impl Storage for SledStorage {
         };
         let state = self.state.clone();
         Ok(Box::new(move || {
-            let pairs = read_state(&state)?;
+            let pairs = convert(read_state(&state)?)?;
             let data =
                 encode_snapshot_data(pairs.iter().map(|(k, v)| (k.as_slice(), v.as_slice())));
             Ok(Snapshot { meta, data })
