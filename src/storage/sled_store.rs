@@ -11,8 +11,10 @@
 //! `staging` by an open that finds the mark (see [`SledStorage::install`]); an append after the
 //! last entry (the common case) is one plain insert per run, in index order, and an append that
 //! replaces a suffix one batch on the log tree (sled writes its buffer out before and after every
-//! batch or transaction, so the hot path avoids them); a compaction records the new snapshot point and leaves the deletion of
-//! the entries behind it to a background thread. Nothing is durable before [`Storage::flush`].
+//! batch or transaction, so the hot path avoids them); a compaction records the new snapshot
+//! point and leaves the deletion of the entries behind it to a background thread. Nothing is
+//! durable before [`Storage::flush`], which also syncs the files sled keeps large values in
+//! (see [`BlobSync`]).
 
 use std::path::Path;
 
