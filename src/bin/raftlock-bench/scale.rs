@@ -85,11 +85,21 @@ fn raise_nofile() -> Result<(u64, u64), String> {
 
 /// VmRSS of a process, in bytes (0 if unreadable).
 fn rss_of(pid: u32) -> u64 {
+    proc_status_bytes(pid, "VmRSS:")
+}
+
+/// The most memory the process has held at once (its resident set's high-water mark).
+fn peak_rss_of(pid: u32) -> u64 {
+    proc_status_bytes(pid, "VmHWM:")
+}
+
+/// A `kB` line of /proc/<pid>/status, in bytes; 0 if it cannot be read.
+fn proc_status_bytes(pid: u32, field: &str) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|s| {
             s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
+                .find(|l| l.starts_with(field))
                 .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
         })
         .map_or(0, |kb| kb * 1024)
@@ -1204,6 +1214,7 @@ async fn locks_part(n: u64, base: &Path, run: &str) -> Result<Value, String> {
             "locks_held": field(&s, "locksHeld"),
             "snapshots_installed": installs,
             "rss_bytes": rss_of(procs.0[f2].id()),
+            "peak_rss_bytes": peak_rss_of(procs.0[f2].id()),
             "data_dir_bytes": dir_size(&data)}))
     }
     .await;
@@ -1414,7 +1425,7 @@ fn markdown(r: &Value) -> String {
                 ("leader data directory", format!("{} / {}", mib(&l["leader_data_dir_after_fill_bytes"]), mib(&l["leader_data_dir_after_snapshot_bytes"])), "on disk (allocated blocks) after the fill / 5 s after the snapshot".into()),
                 ("follower restart", format!("{} s", num(&rs["caught_up_s"], 2)), format!("SIGKILL, start again → its /status shows a leader and applied index ≥ the leader's commit index at the kill ({}); first /status answer after {} s. {}", rs["commit_index_at_kill"], num(&rs["first_status_answer_s"], 2), rs["error"].as_str().unwrap_or(""))),
                 ("wiped follower, same flags", if wf["same_id_without_removal"]["refused_to_start"] == true { format!("refused to start ({} s)", num(&wf["same_id_without_removal"]["after_s"], 2)) } else if wf["same_id_without_removal"]["caught_up"] == true { format!("{} s", num(&wf["same_id_without_removal"]["caught_up_s"], 2)) } else { "never caught up".into() }, format!("SIGKILL, data directory deleted, started again with its old flags (same id, --initial-cluster): a voter that forgot the entries it acknowledged must not vote, so the node refuses to start and says why: {}", wf["same_id_without_removal"])),
-                ("follower catch-up from empty", format!("{} s", num(&wf["caught_up_s"], 2)), format!("the documented way: wiped node removed from the members through the leader's peer port, started again with `--join` → caught up to {} (snapshots installed: {}; locks held there: {}; its data directory then {}). {}", wf["commit_index_at_join"], wf["snapshots_installed"], wf["locks_held"], mib(&wf["data_dir_bytes"]), wf["error"].as_str().unwrap_or(""))),
+                ("follower catch-up from empty", format!("{} s", num(&wf["caught_up_s"], 2)), format!("the documented way: wiped node removed from the members through the leader's peer port, started again with `--join` → caught up to {} (snapshots installed: {}; locks held there: {}; its data directory then {}; its RSS then {}, at most {} since it started, the snapshot install included). {}", wf["commit_index_at_join"], wf["snapshots_installed"], wf["locks_held"], mib(&wf["data_dir_bytes"]), mib(&wf["rss_bytes"]), mib(&wf["peak_rss_bytes"]), wf["error"].as_str().unwrap_or(""))),
             ];
             s.push_str("| measure | value | what it means |\n|---|---:|---|\n");
             for (what, value, means) in rows {
