@@ -39,9 +39,7 @@ use crate::raft::{
     EntryPayload, Index, MembershipChange, Message, NodeId, ProposeError, Raft, Ready, Role,
     Snapshot,
 };
-use crate::storage::{
-    decode_snapshot_data, encode_snapshot_data, SnapshotJob, Storage, StorageError,
-};
+use crate::storage::{decode_snapshot_data, SnapshotJob, Storage, StorageError};
 
 /// Monotonic time in microseconds, as the caller measures it.
 pub type Micros = u64;
@@ -1795,10 +1793,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             return Ok(());
         }
         self.write_all_applied()?;
-        let index = self.storage.applied_index();
-        let job: SnapshotJob = self
-            .storage
-            .snapshot_job_with(Box::new(move |pairs| pairs_for_peers(index, pairs)))?;
+        let job = snapshot_job_for_peers(&self.storage)?;
         self.snapshot_in_progress = true;
         self.effects.push(Effect::BuildSnapshot(job));
         Ok(())
@@ -1812,20 +1807,18 @@ pub fn staggered_threshold(threshold: u64, id: NodeId) -> u64 {
     threshold.saturating_add(threshold / 8 * (id % 4))
 }
 
-/// A snapshot built from this node's stored state, in the layout snapshots carry between nodes
-/// (`crate::lock::stored_to_snapshot_pairs`: the lock state machine stores its dedupe records in
-/// blocks, snapshots carry one key per record, which every RaftLock version reads).
-pub fn snapshot_for_peers(snapshot: Snapshot) -> Result<Snapshot, StorageError> {
-    let pairs = pairs_for_peers(snapshot.meta.index, decode_snapshot_data(&snapshot.data)?)?;
-    let data = encode_snapshot_data(pairs.iter().map(|(k, v)| (k.as_slice(), v.as_slice())));
-    Ok(Snapshot {
-        meta: snapshot.meta,
-        data,
-    })
+/// A job that builds a snapshot of `storage`'s applied state in the layout snapshots carry
+/// between nodes (`crate::lock::stored_to_snapshot_pairs`: the lock state machine stores its
+/// dedupe records in blocks, snapshots carry one key per record, which every RaftLock version
+/// reads). The blocks are opened as the state is read, so the state is encoded once.
+pub fn snapshot_job_for_peers<S: Storage + ?Sized>(
+    storage: &S,
+) -> Result<SnapshotJob, StorageError> {
+    let index = storage.applied_index();
+    storage.snapshot_job_with(Box::new(move |pairs| pairs_for_peers(index, pairs)))
 }
 
-/// The stored state's pairs at `index` as a snapshot carries them (see [`snapshot_for_peers`]).
-/// Snapshot jobs convert with this as they read, so the state is encoded once.
+/// The stored state's pairs at `index` as a snapshot carries them.
 fn pairs_for_peers(
     index: Index,
     pairs: Vec<crate::storage::KvPair>,

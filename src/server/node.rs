@@ -175,7 +175,7 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
     };
 
     let snapshot = if recovered.snapshot_meta.index > 0 {
-        Some(crate::node::snapshot_for_peers(storage.build_snapshot()?)?)
+        Some(crate::node::snapshot_job_for_peers(&storage)?()?)
     } else {
         None
     };

@@ -438,9 +438,8 @@ impl Cluster {
             let fresh = recovered.last_index() == 0 && recovered.hard_state.term == 0;
             let snapshot = if recovered.snapshot_meta.index > 0 {
                 Some(
-                    storage
-                        .build_snapshot()
-                        .and_then(crate::node::snapshot_for_peers)
+                    crate::node::snapshot_job_for_peers(&storage)
+                        .and_then(|job| job())
                         .map_err(|e| e.to_string())?,
                 )
             } else {

@@ -1032,18 +1032,10 @@ impl Storage for SledStorage {
         Ok(meta)
     }
 
+    /// The snapshot job, run right away: the driver calls this between applies, so the state
+    /// read is exactly the state at the applied index.
     fn build_snapshot(&self) -> Result<Snapshot, StorageError> {
-        let index = self.applied_index;
-        let meta = SnapshotMeta {
-            index,
-            term: self.term(index)?,
-            membership: self.membership_at(index)?,
-        };
-        // sled iterators see a consistent view of each key; the driver calls this between applies,
-        // so the state is exactly the state at `index`.
-        let pairs = self.read_state()?;
-        let data = encode_snapshot_data(pairs.iter().map(|(k, v)| (k.as_slice(), v.as_slice())));
-        Ok(Snapshot { meta, data })
+        self.snapshot_job()?()
     }
 
     fn snapshot_job(&self) -> Result<SnapshotJob, StorageError> {
