@@ -6,7 +6,8 @@
 # results.json and chart.png; the same with five nodes in each cluster (docs/bench/five-nodes/);
 # then the CPU budget per lock cycle beside its baseline
 # (docs/bench/cpu-budget.md, scripts/cpu-budget.py), one client's request step by step
-# (docs/bench/latency.md, scripts/latency-timeline.sh) and the scale runs (docs/bench/scale.md,
+# (docs/bench/latency.md, scripts/latency-timeline.sh), a snapshot install's memory
+# (docs/bench/snapshot-install.md) and the scale runs (docs/bench/scale.md,
 # `raftlock-bench scale`).
 #
 #   scripts/bench-vs-etcd.sh            # full run: 1, 8, 32, 128, 512 clients, 5 s per run, 2 rounds
@@ -110,6 +111,17 @@ echo "== the log's storage: sled against a plain append-only file, latency and C
   ./target/release/raftlock-bench storage --seconds 3
 } > docs/bench/storage.md
 
+echo "== installing a million-lock snapshot into a new store: memory and time by sled batch size"
+{
+  echo "# Installing a snapshot: memory and time"
+  echo
+  echo "$(date +%F) · \`raftlock-bench snapshot-install\` (a member joining a loaded cluster installs such a snapshot; see also scale.md, \"follower catch-up from empty\")"
+  echo
+  ./target/release/raftlock-bench snapshot-install
+  echo
+  echo "RaftLock writes 512 keys per batch. Larger sled batches leave far more memory behind in sled; the rows with other sizes show how much."
+} > docs/bench/snapshot-install.md
+
 echo "== scale"
 ./target/release/raftlock-bench scale "${SCALE[@]}" --out docs/bench
-echo "== done: docs/bench/results.md, chart.png, five-nodes/results.md, cpu-budget.md, latency.md, storage.md, scale.md"
+echo "== done: docs/bench/results.md, chart.png, five-nodes/results.md, cpu-budget.md, latency.md, storage.md, snapshot-install.md, scale.md"

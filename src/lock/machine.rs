@@ -1243,14 +1243,16 @@ impl LockStateMachine {
     }
 
     /// Rebuilds the state from the full set of persisted pairs (any order).
-    pub fn from_kv(
-        pairs: impl IntoIterator<Item = (Vec<u8>, Vec<u8>)>,
+    pub fn from_kv<K: AsRef<[u8]>, V: AsRef<[u8]>>(
+        pairs: impl IntoIterator<Item = (K, V)>,
     ) -> Result<Self, DecodeError> {
         Self::from_kv_with_limits(pairs, Limits::default())
     }
 
-    pub fn from_kv_with_limits(
-        pairs: impl IntoIterator<Item = (Vec<u8>, Vec<u8>)>,
+    /// [`LockStateMachine::from_kv`] with these limits. The pairs may be borrowed (a snapshot
+    /// read in place): only what the state keeps is copied.
+    pub fn from_kv_with_limits<K: AsRef<[u8]>, V: AsRef<[u8]>>(
+        pairs: impl IntoIterator<Item = (K, V)>,
         limits: Limits,
     ) -> Result<Self, DecodeError> {
         let mut sm = LockStateMachine::new(limits);
@@ -1261,13 +1263,14 @@ impl LockStateMachine {
             Ok(u64::from_be_bytes(bytes))
         };
         for (key, value) in pairs {
-            let key = String::from_utf8(key)
+            let key = std::str::from_utf8(key.as_ref())
                 .map_err(|_| DecodeError::InvalidState("state key is not UTF-8".into()))?;
+            let value = value.as_ref();
             if let Some(k) = key.strip_prefix(LOCK_PREFIX) {
-                let entry: LockEntry = match decode_plain(&value) {
+                let entry: LockEntry = match decode_plain(value) {
                     Ok(entry) => entry,
                     // Written before holders recorded their lease index.
-                    Err(err) => decode_plain::<LockEntryV1>(&value)
+                    Err(err) => decode_plain::<LockEntryV1>(value)
                         .map(LockEntry::from)
                         .map_err(|_| err)?,
                 };
@@ -1275,12 +1278,12 @@ impl LockStateMachine {
                 sm.waiters += entry.waiters.len();
                 sm.locks.insert(k.to_string(), entry);
             } else if let Some(k) = key.strip_prefix(DATA_PREFIX) {
-                sm.data.insert(k.to_string(), value);
+                sm.data.insert(k.to_string(), value.to_vec());
             } else if let Some(b) = key.strip_prefix(META_DEDUPE_BLOCK_PREFIX) {
                 let b: u64 = b
                     .parse()
                     .map_err(|_| DecodeError::InvalidState(format!("bad dedupe key {key}")))?;
-                let records: Vec<(u64, DedupeRecord)> = decode_plain(&value)?;
+                let records: Vec<(u64, DedupeRecord)> = decode_plain(value)?;
                 if records.is_empty() {
                     return Err(DecodeError::InvalidState(format!("empty block {key}")));
                 }
@@ -1296,9 +1299,9 @@ impl LockStateMachine {
                 let n: u64 = n
                     .parse()
                     .map_err(|_| DecodeError::InvalidState(format!("bad dedupe key {key}")))?;
-                let rec: DedupeRecord = match decode_plain(&value) {
+                let rec: DedupeRecord = match decode_plain(value) {
                     Ok(rec) => rec,
-                    Err(err) => decode_plain::<DedupeRecordV2>(&value)
+                    Err(err) => decode_plain::<DedupeRecordV2>(value)
                         .map(|old| DedupeRecord {
                             client_id: old.client_id,
                             request_id: old.request_id,
@@ -1307,7 +1310,7 @@ impl LockStateMachine {
                             at_ms: 0,
                         })
                         .or_else(|_| {
-                            decode_plain::<DedupeRecordV1>(&value).map(|old| DedupeRecord {
+                            decode_plain::<DedupeRecordV1>(value).map(|old| DedupeRecord {
                                 client_id: old.client_id,
                                 request_id: old.request_id,
                                 outcome: old.outcome,
@@ -1320,16 +1323,16 @@ impl LockStateMachine {
                 sm.add_loaded_record(n, rec)?;
                 sm.legacy_dedupe_keys.insert(n);
             } else {
-                match key.as_str() {
-                    META_SEQ => sm.fencing_seq = u64_of(&value, "meta/seq")?,
-                    META_APPLIED => sm.applied_index = u64_of(&value, "meta/applied")?,
-                    META_DEDUPE_NEXT => sm.dedupe_next = u64_of(&value, "meta/dedupe_next")?,
-                    META_CLOCK => sm.clock_ms = u64_of(&value, "meta/clock")?,
+                match key {
+                    META_SEQ => sm.fencing_seq = u64_of(value, "meta/seq")?,
+                    META_APPLIED => sm.applied_index = u64_of(value, "meta/applied")?,
+                    META_DEDUPE_NEXT => sm.dedupe_next = u64_of(value, "meta/dedupe_next")?,
+                    META_CLOCK => sm.clock_ms = u64_of(value, "meta/clock")?,
                     META_LIMITS => {
-                        sm.limits = match decode_plain(&value) {
+                        sm.limits = match decode_plain(value) {
                             Ok(limits) => limits,
                             // Written before client sessions existed.
-                            Err(err) => decode_plain::<crate::lock::limits::LimitsV1>(&value)
+                            Err(err) => decode_plain::<crate::lock::limits::LimitsV1>(value)
                                 .map(Limits::from)
                                 .map_err(|_| err)?,
                         };

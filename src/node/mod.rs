@@ -39,7 +39,7 @@ use crate::raft::{
     EntryPayload, Index, MembershipChange, Message, NodeId, ProposeError, Raft, Ready, Role,
     Snapshot,
 };
-use crate::storage::{decode_snapshot_data, SnapshotJob, Storage, StorageError};
+use crate::storage::{snapshot_pairs, SnapshotJob, Storage, StorageError};
 
 /// Monotonic time in microseconds, as the caller measures it.
 pub type Micros = u64;
@@ -955,7 +955,7 @@ impl<S: Storage, R> NodeCore<S, R> {
         self.held_keys = 0;
         self.storage
             .install_snapshot(&snapshot.meta, &snapshot.data)?;
-        let pairs = decode_snapshot_data(&snapshot.data)?;
+        let pairs = snapshot_pairs(&snapshot.data)?;
         self.sm = LockStateMachine::from_kv_with_limits(pairs, self.sm.limits().clone()).map_err(
             |err| StorageError::SnapshotData {
                 problem: format!(

@@ -142,7 +142,7 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
     std::fs::create_dir_all(&cfg.data_dir)
         .map_err(|e| NodeError::Config(format!("cannot create {}: {e}", cfg.data_dir.display())))?;
     let storage = SledStorage::open(cfg.data_dir.join("raft"))?;
-    let recovered = storage.recover()?;
+    let mut recovered = storage.recover()?;
     let fresh = recovered.last_index() == 0 && recovered.hard_state.term == 0;
     let initial_members = cfg
         .initial_members()
@@ -182,7 +182,7 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
     let sm =
         // Apply uses the limits replicated through the log (`SetLimits`, proposed from these
         // flags by the cluster's first leader); until then every replica uses the defaults.
-        LockStateMachine::from_kv_with_limits(recovered.applied_state.clone(), Limits::default())
+        LockStateMachine::from_kv_with_limits(std::mem::take(&mut recovered.applied_state), Limits::default())
             .map_err(|e| NodeError::State(e.to_string()))?;
     let mut raft_cfg = Config::new(cfg.node_id, seed_from_clock(cfg.node_id));
     raft_cfg.election_ticks = cfg.election_ticks;

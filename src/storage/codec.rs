@@ -82,6 +82,7 @@ impl DecodeError {
 }
 
 /// A cursor over bytes that fails instead of panicking when input runs out.
+#[derive(Debug, Clone)]
 struct Reader<'a> {
     bytes: &'a [u8],
 }
@@ -438,9 +439,19 @@ fn push_chunk(data: &mut Vec<u8>, bytes: &[u8]) {
 }
 
 /// Decodes [`crate::raft::Snapshot::data`] into key-value pairs, checking magic, checksum and
-/// that keys are strictly increasing.
+/// that keys are strictly increasing. Copies every pair: [`snapshot_pairs`] reads them in place.
 pub fn decode_snapshot_data(data: &[u8]) -> Result<Vec<KvPair>, StorageError> {
-    decode_snapshot_inner(data).map_err(|error| StorageError::SnapshotData {
+    Ok(snapshot_pairs(data)?
+        .map(|(key, value)| (key.to_vec(), value.to_vec()))
+        .collect())
+}
+
+/// The key-value pairs of [`crate::raft::Snapshot::data`], borrowed from it in key order. The
+/// whole snapshot is checked first (magic, checksum, lengths, keys strictly increasing), so a
+/// caller that writes pairs as they come never stops halfway on bad data; checking allocates
+/// nothing.
+pub fn snapshot_pairs(data: &[u8]) -> Result<SnapshotPairs<'_>, StorageError> {
+    check_snapshot(data).map_err(|error| StorageError::SnapshotData {
         problem: match error {
             DecodeError::Checksum {
                 stored_crc,
@@ -453,7 +464,44 @@ pub fn decode_snapshot_data(data: &[u8]) -> Result<Vec<KvPair>, StorageError> {
     })
 }
 
-fn decode_snapshot_inner(data: &[u8]) -> Result<Vec<KvPair>, DecodeError> {
+/// Iterator over a checked snapshot's pairs; see [`snapshot_pairs`].
+#[derive(Debug, Clone)]
+pub struct SnapshotPairs<'a> {
+    reader: Reader<'a>,
+    left: u64,
+}
+
+impl<'a> SnapshotPairs<'a> {
+    fn read_pair(&mut self) -> Result<(&'a [u8], &'a [u8]), DecodeError> {
+        let key_len = self.reader.u32("key length")? as usize;
+        let key = self.reader.take(key_len, "key")?;
+        let value_len = self.reader.u32("value length")? as usize;
+        let value = self.reader.take(value_len, "value")?;
+        Ok((key, value))
+    }
+}
+
+impl<'a> Iterator for SnapshotPairs<'a> {
+    type Item = (&'a [u8], &'a [u8]);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.left == 0 {
+            return None;
+        }
+        self.left -= 1;
+        // Checked by `check_snapshot`: an error cannot happen here, and would end the pairs.
+        self.read_pair().ok()
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let left = usize::try_from(self.left).unwrap_or(usize::MAX);
+        (left, Some(left))
+    }
+}
+
+impl ExactSizeIterator for SnapshotPairs<'_> {}
+
+fn check_snapshot(data: &[u8]) -> Result<SnapshotPairs<'_>, DecodeError> {
     if data.len() < SNAPSHOT_MAGIC.len() + 12 {
         return Err(DecodeError::Malformed(format!("only {} bytes", data.len())));
     }
@@ -474,28 +522,28 @@ fn decode_snapshot_inner(data: &[u8]) -> Result<Vec<KvPair>, DecodeError> {
         ));
     }
     let count = reader.u64("pair count")?;
-    // Each pair takes at least 8 bytes, which bounds the loop and the allocation.
+    // Each pair takes at least 8 bytes, which bounds the loop.
     if count > (reader.bytes.len() / 8) as u64 {
         return Err(DecodeError::Malformed(format!(
             "pair count {count} exceeds the data"
         )));
     }
-    let mut pairs: Vec<KvPair> = Vec::with_capacity(count as usize);
+    let pairs = SnapshotPairs {
+        reader,
+        left: count,
+    };
+    let mut check = pairs.clone();
+    let mut previous: Option<&[u8]> = None;
     for _ in 0..count {
-        let key_len = reader.u32("key length")? as usize;
-        let key = reader.take(key_len, "key")?.to_vec();
-        let value_len = reader.u32("value length")? as usize;
-        let value = reader.take(value_len, "value")?.to_vec();
-        if let Some((previous, _)) = pairs.last() {
-            if *previous >= key {
-                return Err(DecodeError::Malformed(
-                    "keys are not strictly increasing".to_string(),
-                ));
-            }
+        let (key, _) = check.read_pair()?;
+        if previous.is_some_and(|previous| previous >= key) {
+            return Err(DecodeError::Malformed(
+                "keys are not strictly increasing".to_string(),
+            ));
         }
-        pairs.push((key, value));
+        previous = Some(key);
     }
-    reader.finish("snapshot pairs")?;
+    check.reader.finish("snapshot pairs")?;
     Ok(pairs)
 }
 
@@ -658,5 +706,41 @@ mod tests {
         ));
         assert!(decode_snapshot_data(&data[..data.len() - 1]).is_err());
         assert!(decode_snapshot_data(b"").is_err());
+    }
+
+    /// Pairs read in place are the decoded pairs; a snapshot that is bad anywhere, even in its
+    /// last pair, is refused before the first pair is handed out.
+    #[test]
+    fn snapshot_pairs_are_checked_whole_before_the_first() {
+        let pairs: Vec<KvPair> = (0..1000)
+            .map(|i| (format!("lock/{i:04}").into_bytes(), vec![i as u8; i % 7]))
+            .collect();
+        let data = encode_snapshot_data(pairs.iter().map(|(k, v)| (k.as_slice(), v.as_slice())));
+        let read = snapshot_pairs(&data).unwrap();
+        assert_eq!(read.len(), 1000);
+        assert!(read
+            .map(|(k, v)| (k.to_vec(), v.to_vec()))
+            .eq(pairs.iter().cloned()));
+        // The last two keys swapped: the checksum is right, the order is not.
+        let mut unordered = pairs.clone();
+        unordered.swap(998, 999);
+        let data =
+            encode_snapshot_data(unordered.iter().map(|(k, v)| (k.as_slice(), v.as_slice())));
+        match snapshot_pairs(&data) {
+            Err(StorageError::SnapshotData { problem }) => {
+                assert!(problem.contains("strictly increasing"), "{problem}")
+            }
+            other => panic!("unordered keys accepted: {other:?}"),
+        }
+        // A last value that claims more bytes than there are, under a recomputed checksum.
+        let mut long = pairs.clone();
+        long.truncate(1);
+        let mut data =
+            encode_snapshot_data(long.iter().map(|(k, v)| (k.as_slice(), v.as_slice()))).to_vec();
+        let body = data.len() - 4;
+        data[body - 4..body].copy_from_slice(&u32::MAX.to_be_bytes());
+        let crc = crc32fast::hash(&data[..body]);
+        data[body..].copy_from_slice(&crc.to_be_bytes());
+        assert!(snapshot_pairs(&data).is_err());
     }
 }

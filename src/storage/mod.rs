@@ -30,7 +30,7 @@ mod sled_store;
 
 #[doc(hidden)]
 pub use codec::fuzzing as codec_fuzzing;
-pub use codec::{decode_snapshot_data, encode_snapshot_data};
+pub use codec::{decode_snapshot_data, encode_snapshot_data, snapshot_pairs, SnapshotPairs};
 pub use error::StorageError;
 pub use memory::MemStorage;
 #[cfg(feature = "server")]

@@ -14,6 +14,7 @@
 //!   locks (memory, snapshot, restart and catch-up), on clusters it starts itself.
 
 mod compare;
+mod install;
 mod latency;
 mod load;
 mod scale;
@@ -164,6 +165,28 @@ enum Command {
         /// Keep the clusters' data directories and node logs (`raftlock-N.log`) after the run.
         #[arg(long)]
         keep_data: bool,
+    },
+    /// Resident memory and time of installing a snapshot of N held locks into a new sled
+    /// store, as a joining member does, for each number of keys per sled batch.
+    SnapshotInstall {
+        #[arg(long, default_value_t = 1_000_000)]
+        locks: u64,
+        /// Keys per sled batch to compare (comma-separated).
+        #[arg(long, value_delimiter = ',', default_value = "512,2048,16384")]
+        batch_keys: Vec<usize>,
+        /// Where the snapshot file and the stores are written (the stores are removed after).
+        #[arg(long, default_value = "target/bench-data/snapshot-install")]
+        dir: std::path::PathBuf,
+    },
+    /// One row of `snapshot-install`, in a process of its own.
+    #[command(hide = true)]
+    SnapshotInstallChild {
+        #[arg(long)]
+        snapshot: std::path::PathBuf,
+        #[arg(long)]
+        batch_keys: usize,
+        #[arg(long)]
+        store: std::path::PathBuf,
     },
     /// Resident memory per held lock and per waiter of the lock state machine (process RSS
     /// before and after, so allocator overhead is included; key bytes are subtracted).
@@ -420,6 +443,26 @@ fn main() {
             }
         }
         Command::LockMemory { locks, waiters } => bench_lock_memory(locks, waiters),
+        Command::SnapshotInstall {
+            locks,
+            batch_keys,
+            dir,
+        } => {
+            if let Err(message) = install::run(locks, &batch_keys, &dir) {
+                eprintln!("raftlock-bench snapshot-install: {message}");
+                std::process::exit(1);
+            }
+        }
+        Command::SnapshotInstallChild {
+            snapshot,
+            batch_keys,
+            store,
+        } => {
+            if let Err(message) = install::child(&snapshot, batch_keys, &store) {
+                eprintln!("raftlock-bench snapshot-install: {message}");
+                std::process::exit(1);
+            }
+        }
         Command::Storage { dir, seconds } => {
             if let Err(message) = run_storage_bench(dir, seconds) {
                 eprintln!("raftlock-bench storage: {message}");
