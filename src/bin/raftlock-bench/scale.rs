@@ -189,6 +189,36 @@ async fn metric(addr: &str, series: &str) -> Result<f64, String> {
         .unwrap_or(0.0))
 }
 
+/// Observations of one Prometheus histogram series above `bound` seconds (a bucket bound) and in
+/// all, from the `/metrics` text: `series` is the bucket name with its labels before `le`, e.g.
+/// `raftlock_request_duration_seconds_bucket{op="renew",` or `raftlock_fsync_duration_seconds_bucket{`.
+fn over_bound(metrics: &str, series: &str, bound: &str) -> (f64, f64) {
+    let count = |le: &str| {
+        let prefix = format!("{series}le=\"{le}\"}}");
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(prefix.as_str()))
+            .and_then(|r| r.trim().parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let total = count("+Inf");
+    (total - count(bound), total)
+}
+
+/// The leader's own count of slow renewals, commits and flushes between two `/metrics` texts:
+/// (renewals over 25 ms, renewals, commits over 25 ms, flushes over 25 ms).
+fn leader_slow_counts(start: &str, end: &str) -> [f64; 4] {
+    let delta = |series: &str| {
+        let (a_over, a_all) = over_bound(start, series, "0.025");
+        let (b_over, b_all) = over_bound(end, series, "0.025");
+        (b_over - a_over, b_all - a_all)
+    };
+    let (renew_over, renews) = delta("raftlock_request_duration_seconds_bucket{op=\"renew\",");
+    let (commit_over, _) = delta("raftlock_commit_duration_seconds_bucket{");
+    let (fsync_over, _) = delta("raftlock_fsync_duration_seconds_bucket{");
+    [renew_over, renews, commit_over, fsync_over]
+}
+
 fn field(v: &Value, name: &str) -> u64 {
     v[name].as_u64().unwrap_or(0)
 }
@@ -544,8 +574,18 @@ async fn connections_part(n: usize, base: &Path, run: &str) -> Result<Value, Str
     let cpu_start = cpu_of(pid, ticks);
     let node_connections = metric(&addr, "raftlock_client_connections").await.ok();
     let locks_held = status(&addr).await.ok().map(|s| field(&s, "locksHeld"));
+    let metrics_start = http_get(&addr, "/metrics")
+        .await
+        .map(|(_, b)| b)
+        .unwrap_or_default();
     tokio::time::sleep_until(window_end.into()).await;
     let cpu_window = cpu_of(pid, ticks) - cpu_start;
+    let metrics_end = http_get(&addr, "/metrics")
+        .await
+        .map(|(_, b)| b)
+        .unwrap_or_default();
+    let [leader_renew_over, leader_renews, leader_commit_over, leader_fsync_over] =
+        leader_slow_counts(&metrics_start, &metrics_end);
     let window_seconds = window_start.elapsed().as_secs_f64();
     let rss_end = rss_of(pid);
     let still_leader = status(&addr)
@@ -604,6 +644,11 @@ async fn connections_part(n: usize, base: &Path, run: &str) -> Result<Value, Str
         "renew_p99_ms": q(0.99),
         "renew_p999_ms": q(0.999),
         "renew_max_ms": hist.max() as f64 / 1000.0,
+        "renew_over_25ms_client": hist.count_between(25_001, u64::MAX),
+        "renew_over_25ms_leader": leader_renew_over,
+        "renewals_seen_by_leader": leader_renews,
+        "commits_over_25ms_leader": leader_commit_over,
+        "flushes_over_25ms_leader": leader_fsync_over,
         "renewals_ok_total": shared.renew_ok_total.load(Ordering::SeqCst),
         "renewals_failed_total": shared.renew_failed_total.load(Ordering::SeqCst),
         "failed_operations_total": shared.errors.total(),
@@ -1377,6 +1422,8 @@ fn markdown(r: &Value) -> String {
                 ("leader CPU in the window", format!("{} s", num(&c["leader_cpu_s_in_window"], 2)), format!("{}% of one core; idle it used {}% of a core", num(&c["leader_cpu_percent_of_core"], 1), num(&json!(c["leader_idle_cpu_s_per_s"].as_f64().unwrap_or(0.0) * 100.0), 1))),
                 ("CPU per renewal", format!("{} µs", num(&c["cpu_us_per_renewal"], 0)), format!("leader CPU in the window / renewals ({} µs after subtracting the idle rate); includes the replication of each renewal to two followers and its fsync", num(&c["cpu_us_per_renewal_net_of_idle"], 0))),
                 ("renewal latency p50 / p99", format!("{} / {} ms", num(&c["renew_p50_ms"], 2), num(&c["renew_p99_ms"], 2)), format!("renew sent → answer received (p99.9 {} ms, max {} ms)", num(&c["renew_p999_ms"], 2), num(&c["renew_max_ms"], 2))),
+                ("renewals over 25 ms", format!("{} / {}", num(&c["renew_over_25ms_client"], 0), num(&c["renew_over_25ms_leader"], 0)),
+                 format!("as the client saw them / as the leader saw them (`raftlock_request_duration_seconds{{op=\"renew\"}}`: from the driver's queue to the answer, the WebSocket read and write left out; {} renewals counted there in the window, which starts a little after the client's); the leader's commits over 25 ms: {}, its flushes: {}", num(&c["renewals_seen_by_leader"], 0), num(&c["commits_over_25ms_leader"], 0), num(&c["flushes_over_25ms_leader"], 0))),
                 ("failed operations", format!("{}", c["failed_operations_total"]), format!("connects, acquires and renewals that failed, whole run ({} renewals failed in the window; {} succeeded in total): {}", c["renewals_failed_in_window"], c["renewals_ok_total"], c["errors"])),
             ];
             for (what, value, means) in rows {
