@@ -1175,6 +1175,13 @@ impl LockStateMachine {
         }
     }
 
+    /// State keys changed since the last [`LockStateMachine::take_changes`]: what it would
+    /// return, besides the few legacy exactly-once keys it moves into blocks per call. Applying
+    /// only marks keys; their values are read and encoded by `take_changes`.
+    pub fn pending_changes(&self) -> usize {
+        self.dirty.len() + self.dirty_blocks.len()
+    }
+
     /// State writes since the last call: `(key, Some(value))` puts, `(key, None)` deletes.
     ///
     /// Dedupe records come as blocks (`meta/dedupe_block/<b>`, deleted when empty). Writing a

@@ -487,7 +487,8 @@ impl<S: Storage, R> NodeCore<S, R> {
     /// for the job and hand its result back.
     pub fn needs_snapshot_result(&self) -> bool {
         self.snapshot_in_progress
-            && self.held_keys + self.unwritten_changes.len() >= self.cfg.snapshot_hold_max_keys
+            && self.held_keys + self.unwritten_changes.len() + self.sm.pending_changes()
+                >= self.cfg.snapshot_hold_max_keys
     }
 
     fn observe(&mut self, o: Observation) {
@@ -1179,11 +1180,14 @@ impl<S: Storage, R> NodeCore<S, R> {
                 }
             }
         }
-        for (key, value) in self.sm.take_changes() {
-            self.unwritten_changes.insert(key, value);
-        }
+        // The state machine marks the keys this batch changed; their values are read and
+        // encoded when they are written (`collect_changes`), once per write and not once per
+        // batch: with one client that was an exactly-once block of up to 32 answers encoded
+        // twice per lock cycle.
         self.unwritten_applied = Some(last);
-        if self.unwritten_changes.len() >= self.cfg.applied_write_max_keys {
+        if self.unwritten_changes.len() + self.sm.pending_changes()
+            >= self.cfg.applied_write_max_keys
+        {
             if self.snapshot_in_progress || !self.held.is_empty() {
                 self.seal_unwritten();
             }
@@ -1192,8 +1196,17 @@ impl<S: Storage, R> NodeCore<S, R> {
         Ok(())
     }
 
+    /// Moves the state machine's changes since the last call into `unwritten_changes`, read
+    /// from the state as it is now: as of `unwritten_applied`.
+    fn collect_changes(&mut self) {
+        for (key, value) in self.sm.take_changes() {
+            self.unwritten_changes.insert(key, value);
+        }
+    }
+
     /// Moves the unwritten changes to the end of `held`, as one write of their own.
     fn seal_unwritten(&mut self) {
+        self.collect_changes();
         let Some(applied) = self.unwritten_applied.take() else {
             return;
         };
@@ -1751,6 +1764,7 @@ impl<S: Storage, R> NodeCore<S, R> {
         if !force && self.now < self.applied_written_at + self.cfg.applied_write_interval_us {
             return Ok(());
         }
+        self.collect_changes();
         let changes: Vec<_> = std::mem::take(&mut self.unwritten_changes)
             .into_iter()
             .collect();
