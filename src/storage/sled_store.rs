@@ -29,7 +29,8 @@ use super::codec::{
 };
 use super::{
     check_append, check_recovered, encode_snapshot_data, membership_after, snapshot_pairs,
-    KvChange, KvPair, PairsConvert, RecoveredState, SnapshotJob, Storage, StorageError,
+    KvChange, KvPair, PairsConvert, RecoveredState, SnapshotJob, SnapshotPairs, Storage,
+    StorageError,
 };
 use crate::raft::{
     Entry, EntryPayload, HardState, Index, Membership, Snapshot, SnapshotMeta, Term,
@@ -493,11 +494,11 @@ impl SledStorage {
         data: &[u8],
         keys_written: usize,
     ) -> Result<(), StorageError> {
-        self.begin_install(meta, data, false)?;
+        let pairs = self.begin_install(meta, data, false)?;
         self.state
             .clear()
             .map_err(|e| StorageError::sled("clearing the state", e))?;
-        for (k, v) in snapshot_pairs(data)?.take(keys_written) {
+        for (k, v) in pairs.take(keys_written) {
             self.state
                 .insert(k, encode_state_value(v))
                 .map_err(|e| StorageError::sled("writing the state", e))?;
@@ -552,26 +553,26 @@ impl SledStorage {
         data: &[u8],
         staged: bool,
     ) -> Result<(), StorageError> {
-        self.begin_install(meta, data, staged)?;
-        self.complete_install(meta, data)
+        let pairs = self.begin_install(meta, data, staged)?;
+        self.complete_install(meta, pairs)
     }
 
     /// Step 1 of [`SledStorage::install`]: checks the data, stages it unless `staged`, and
-    /// writes the mark.
-    fn begin_install(
+    /// writes the mark. Returns the checked pairs, read in place from `data`.
+    fn begin_install<'a>(
         &mut self,
         meta: &SnapshotMeta,
-        data: &[u8],
+        data: &'a [u8],
         staged: bool,
-    ) -> Result<(), StorageError> {
-        snapshot_pairs(data)?;
+    ) -> Result<SnapshotPairs<'a>, StorageError> {
+        let pairs = snapshot_pairs(data)?;
         if !staged {
             self.stage_whole(meta, data)?;
         }
         self.meta
             .insert(INSTALLING, encode_index_term(meta.index, meta.term))
             .map_err(|e| StorageError::sled("marking a snapshot install", e))?;
-        Ok(())
+        Ok(pairs)
     }
 
     /// Keeps `data` in `staging` as the chunks a transfer would have left there.
@@ -586,10 +587,13 @@ impl SledStorage {
     }
 
     /// Steps 2–4 of [`SledStorage::install`]; run again by `open` after a crash inside them.
-    /// The pairs are read in place from `data`, a batch at a time: no decoded copy of the
-    /// whole state is held.
-    fn complete_install(&mut self, meta: &SnapshotMeta, data: &[u8]) -> Result<(), StorageError> {
-        let mut pairs = snapshot_pairs(data)?;
+    /// The pairs are read in place from the snapshot's bytes, a batch at a time: no decoded
+    /// copy of the whole state is held.
+    fn complete_install(
+        &mut self,
+        meta: &SnapshotMeta,
+        mut pairs: SnapshotPairs<'_>,
+    ) -> Result<(), StorageError> {
         self.state
             .clear()
             .map_err(|e| StorageError::sled("clearing the state for a snapshot", e))?;
@@ -708,7 +712,7 @@ impl SledStorage {
             term,
             "finishing a snapshot install interrupted by a crash"
         );
-        self.complete_install(&meta, &data)?;
+        self.complete_install(&meta, snapshot_pairs(&data)?)?;
         self.resumed_install = Some(index);
         Ok(())
     }

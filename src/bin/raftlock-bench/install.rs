@@ -12,15 +12,8 @@ use raftlock::storage::{encode_snapshot_data, snapshot_pairs, SledStorage, Stora
 
 /// (VmRSS, VmHWM) of this process in bytes.
 fn memory() -> (u64, u64) {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let field = |name: &str| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|rest| rest.split_whitespace().next()?.parse::<u64>().ok())
-            .map_or(0, |kib| kib * 1024)
-    };
-    (field("VmRSS:"), field("VmHWM:"))
+    let pid = std::process::id();
+    (crate::scale::rss_of(pid), crate::scale::peak_rss_of(pid))
 }
 
 fn mib(bytes: u64) -> f64 {

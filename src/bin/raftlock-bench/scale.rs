@@ -84,12 +84,12 @@ fn raise_nofile() -> Result<(u64, u64), String> {
 }
 
 /// VmRSS of a process, in bytes (0 if unreadable).
-fn rss_of(pid: u32) -> u64 {
+pub(crate) fn rss_of(pid: u32) -> u64 {
     proc_status_bytes(pid, "VmRSS:")
 }
 
 /// The most memory the process has held at once (its resident set's high-water mark).
-fn peak_rss_of(pid: u32) -> u64 {
+pub(crate) fn peak_rss_of(pid: u32) -> u64 {
     proc_status_bytes(pid, "VmHWM:")
 }
 
