@@ -49,6 +49,10 @@ const REQUIRED: &[&str] = &[
     "raftlock_commit_duration_seconds_bucket",
     "raftlock_locks_held",
     "raftlock_lock_waiters",
+    "raftlock_answers_remembered",
+    "raftlock_answers_max",
+    "raftlock_answers_recent",
+    "raftlock_client_sessions",
     "raftlock_lock_grants_total",
     "raftlock_client_connections",
 ];

@@ -149,7 +149,39 @@ pub enum ClientOp {
     Get { key: String },
 }
 
+/// What a client operation does to the exactly-once table (see `node::pacing`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AnswerKind {
+    /// Leaves no answer (reads, cancels, requests without a request id).
+    None,
+    /// New work that leaves an answer: acquire, put, delete.
+    Starts,
+    /// Work that ends or keeps what is held, and leaves an answer: release, renew.
+    Ends,
+}
+
 impl ClientOp {
+    /// Whether the operation leaves an answer in the exactly-once table, and of which kind.
+    pub fn answer_kind(&self) -> AnswerKind {
+        match self {
+            ClientOp::Acquire { request_id, .. }
+            | ClientOp::Put { request_id, .. }
+            | ClientOp::Delete { request_id, .. }
+                if !request_id.is_empty() =>
+            {
+                AnswerKind::Starts
+            }
+            ClientOp::Release { request_id, .. }
+            | ClientOp::ReleaseHeld { request_id, .. }
+            | ClientOp::Renew { request_id, .. }
+                if !request_id.is_empty() =>
+            {
+                AnswerKind::Ends
+            }
+            _ => AnswerKind::None,
+        }
+    }
+
     pub fn name(&self) -> &'static str {
         match self {
             ClientOp::Acquire { .. } => "acquire",

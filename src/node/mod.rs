@@ -26,13 +26,14 @@
 
 pub mod api;
 pub mod events;
+pub mod pacing;
 mod timed;
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use bytes::Bytes;
 
-use self::api::{ApiError, ClientOp, ClientReply, ErrorCode, QueuedInfo};
+use self::api::{AnswerKind, ApiError, ClientOp, ClientReply, ErrorCode, QueuedInfo};
 use self::timed::{Deadline, TimedMap};
 use crate::lock::{Command, Event, FencingToken, LockStateMachine, Outcome, RejectCode};
 use crate::raft::{
@@ -357,6 +358,9 @@ pub struct NodeCore<S: Storage, R> {
     /// Set by a shell that can send a Ready's answers as soon as its flush is done (see
     /// [`NodeCore::send_after_flush_with`]).
     flushed_sender: Option<EarlySender>,
+    /// Leader only: the requests it proposed that leave an answer, per second, to pace new work
+    /// below the exactly-once table's bound (see [`pacing`]).
+    pacer: pacing::AnswerPacer,
 }
 
 /// Sends one of the leader's own replication messages at once, before the flush of the Ready
@@ -410,6 +414,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             clock_ticked_at: None,
             early_sender: None,
             flushed_sender: None,
+            pacer: pacing::AnswerPacer::default(),
         }
     }
 
@@ -421,6 +426,12 @@ impl<S: Storage, R> NodeCore<S, R> {
 
     pub fn state_machine(&self) -> &LockStateMachine {
         &self.sm
+    }
+
+    /// The answer-leaving requests this node proposed as leader within the retention (see
+    /// [`pacing`]).
+    pub fn paced_recent(&self) -> u64 {
+        self.pacer.recent()
     }
 
     pub fn storage(&self) -> &S {
@@ -544,6 +555,18 @@ impl<S: Storage, R> NodeCore<S, R> {
             return;
         }
         let op_name = op.name();
+        match op.answer_kind() {
+            AnswerKind::None => {}
+            AnswerKind::Ends => self.pacer.record(self.now, self.sm.limits()),
+            AnswerKind::Starts => match self.pacer.admit(self.now, self.sm.limits()) {
+                Ok(()) => self.pacer.record(self.now, self.sm.limits()),
+                Err(paced) => {
+                    let err = ApiError::new(ErrorCode::Busy, paced.to_string());
+                    self.reply(reply, ClientReply::Error(err));
+                    return;
+                }
+            },
+        }
         let pending = |reply| Pending {
             op: op_name,
             reply: Some(reply),

@@ -878,6 +878,10 @@ impl Driver {
         }
         m.locks_held.set(locks_held as i64);
         m.lock_waiters.set(waiters as i64);
+        m.answers_remembered.set(sm.dedupe_len() as i64);
+        m.answers_max.set(sm.limits().dedupe_entries_max as i64);
+        m.answers_recent.set(self.core.paced_recent() as i64);
+        m.client_sessions.set(sm.session_count() as i64);
         m.proposals_pending.set(self.core.pending_requests() as i64);
         // Runs after every batch of inputs, several times per lock cycle: the replication view
         // is kept in a reused buffer and each peer's lag gauges are looked up once, when the

@@ -33,6 +33,10 @@ pub struct NodeMetrics {
     pub snapshots_total: IntCounterVec,
     pub locks_held: IntGauge,
     pub lock_waiters: IntGauge,
+    pub answers_remembered: IntGauge,
+    pub answers_max: IntGauge,
+    pub answers_recent: IntGauge,
+    pub client_sessions: IntGauge,
     pub lock_wait_seconds: Histogram,
     pub lock_hold_seconds: Histogram,
     pub lock_grants_total: IntCounter,
@@ -176,6 +180,23 @@ impl NodeMetrics {
                 &["kind"]
             )),
             locks_held: reg!(gauge("raftlock_locks_held", "Locks currently held.")),
+            answers_remembered: reg!(gauge(
+                "raftlock_answers_remembered",
+                "Answers the exactly-once table keeps for retries (all client sessions)."
+            )),
+            answers_max: reg!(gauge(
+                "raftlock_answers_max",
+                "The exactly-once table's bound (--max-answers, as the cluster replicated it)."
+            )),
+            answers_recent: reg!(gauge(
+                "raftlock_answers_recent",
+                "Leader: answer-leaving requests it proposed within the retention; it paces new \
+                 requests (BUSY) to keep this below raftlock_answers_max."
+            )),
+            client_sessions: reg!(gauge(
+                "raftlock_client_sessions",
+                "Open client sessions of the exactly-once table."
+            )),
             lock_waiters: reg!(gauge(
                 "raftlock_lock_waiters",
                 "Waiters queued on all keys."
