@@ -169,6 +169,15 @@ def dashboard():
                [(f"sum by (instance) (raftlock_client_connections{{{SEL}}})", "{{instance}}")]),
         series("Unknown request fields ignored",
                [(f"sum(rate(raftlock_ignored_fields_total{{{SEL}}}[$__rate_interval]))", "fields")]),
+        series("Exactly-once table",
+               [(f"max(raftlock_answers_remembered{{{SEL}}} and on(instance) "
+                 f"raftlock_is_leader{{{SEL}}} == 1)", "answers kept"),
+                (f"max(raftlock_answers_recent{{{SEL}}} and on(instance) "
+                 f"raftlock_is_leader{{{SEL}}} == 1)", "recent (within the retention)"),
+                (f"max(raftlock_answers_max{{{SEL}}})", "bound")],
+               description="Answers kept for retries, as the leader reports them. The leader "
+                           "paces new acquires, puts and deletes (BUSY) to keep the recent "
+                           "ones below the bound (alert RaftLockRequestsPaced)."),
     )
     L.row("Data store")
     L.line(
