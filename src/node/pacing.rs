@@ -102,8 +102,8 @@ impl AnswerPacer {
         let window = Self::window_s(limits);
         // A floor that a full window of it keeps below the bound, and the rest of the bound
         // spent in bursts, paid back over `horizon` seconds.
-        let floor = max * FLOOR_PERCENT / 100 / window;
-        let burst_budget = max.saturating_sub(floor * window);
+        let floor = max.saturating_mul(FLOOR_PERCENT) / 100 / window;
+        let burst_budget = max.saturating_sub(floor.saturating_mul(window));
         let horizon_s = (window / 20).max(1);
         let allowed = if self.recent >= max {
             0

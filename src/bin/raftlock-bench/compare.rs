@@ -125,6 +125,10 @@ fn start_etcd(dir: &Path, procs: &mut Procs, nodes: usize) -> Result<Vec<String>
 
 /// Starts a three-node RaftLock cluster with its data under `dir`, each node with `env` added
 /// to its environment; returns the client addresses.
+/// `--max-answers` of the compared RaftLock nodes (as `RAFTLOCK_MAX_ANSWERS`): room for a
+/// minute of answers at the rates these runs reach.
+pub const COMPARE_MAX_ANSWERS: &str = "2000000";
+
 pub fn start_raftlock(
     dir: &Path,
     procs: &mut Procs,
@@ -442,7 +446,12 @@ pub async fn compare(args: CompareArgs) -> Result<(), String> {
     );
     let mut procs = Procs(Vec::new());
     let etcd_all = start_etcd(&args.dir, &mut procs, args.nodes)?;
-    let raftlock = start_raftlock_nodes(&args.dir, &mut procs, &[], args.nodes)?;
+    let raftlock = start_raftlock_nodes(
+        &args.dir,
+        &mut procs,
+        &[("RAFTLOCK_MAX_ANSWERS", COMPARE_MAX_ANSWERS)],
+        args.nodes,
+    )?;
     wait_ready(Target::Etcd, &etcd_all).await?;
     wait_ready(Target::Raftlock, &raftlock).await?;
     println!("both clusters ready: etcd {etcd_all:?}, raftlock {raftlock:?}");
@@ -613,7 +622,7 @@ fn markdown(report: &serde_json::Value) -> String {
         None => String::new(),
     };
     s.push_str(&format!(
-        "etcd as a fair peer: its own advice for a local cluster (heartbeat 100 ms, election timeout 1000 ms, snapshot count 100,000: its defaults) plus `{}` (etcd's recommended freelist for performance, the default from 3.5 on, and warnings-only logging as the RaftLock nodes get). Each load client has its own connection and one lease. Its clients connect to: **{}**.{probe} RaftLock's clients use the SDK, which finds the leader and talks to it.\n\n",
+        "etcd as a fair peer: its own advice for a local cluster (heartbeat 100 ms, election timeout 1000 ms, snapshot count 100,000: its defaults) plus `{}` (etcd's recommended freelist for performance, the default from 3.5 on, and warnings-only logging as the RaftLock nodes get). Each load client has its own connection and one lease. Its clients connect to: **{}**.{probe} RaftLock's clients use the SDK, which finds the leader and talks to it. RaftLock's nodes run with `--max-answers {COMPARE_MAX_ANSWERS}`: every answered request is kept a minute for retries, and the default bound of 500,000 sustains about 8,300 requests a second (beyond that the leader paces new acquires, see the README's *Client sessions*); the runs here follow each other on one cluster and ask for more, and this bound lets them measure the nodes rather than the table.\n\n",
         report["etcd_flags"].as_str().unwrap_or(""),
         ec["chosen"].as_str().unwrap_or("all members"),
     ));
