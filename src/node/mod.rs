@@ -557,9 +557,9 @@ impl<S: Storage, R> NodeCore<S, R> {
         let op_name = op.name();
         match op.answer_kind() {
             AnswerKind::None => {}
-            AnswerKind::Ends => self.pacer.record(self.now, self.sm.limits()),
+            AnswerKind::Ends => self.pacer.record(self.now, self.sm.limits(), false),
             AnswerKind::Starts => match self.pacer.admit(self.now, self.sm.limits()) {
-                Ok(()) => self.pacer.record(self.now, self.sm.limits()),
+                Ok(()) => self.pacer.record(self.now, self.sm.limits(), true),
                 Err(paced) => {
                     let err = ApiError::new(ErrorCode::Busy, paced.to_string());
                     self.reply(reply, ClientReply::Error(err));

@@ -10,16 +10,24 @@
 //!
 //! The leader paces instead. It counts the answer-leaving requests it proposed in each second
 //! of the last window — the retention plus a margin for the log clock, which trails the
-//! leader's clock — as `recent`. New work (acquires, puts and deletes) is admitted in the
-//! current second while fewer than `floor + (burst − recent) / horizon` were admitted in it:
-//! `floor` is 75% of the sustainable rate (`max / window`), `burst` the part of the bound a full
-//! window of `floor` leaves (a quarter), `horizon` a twentieth of the window. A quiet table lets
-//! bursts through untouched (four seconds at 20,000 requests a second with the defaults); a
+//! leader's clock — as `recent`. New work (acquires, puts and deletes) is admitted while fewer
+//! than `floor + (burst − recent) / horizon` were admitted in the current second: `floor` is 75%
+//! of the sustainable rate (`max / window`, at least one a second), `burst` the part of the
+//! bound a full window of `floor` leaves (a quarter), `horizon` a twentieth of the window. The
+//! second's allowance is handed out as the second passes (a tenth of it at once), so that the
+//! clients that retry fastest do not take all of it at the top of every second. A quiet table
+//! lets bursts through untouched (four seconds at 20,000 requests a second with the defaults); a
 //! sustained overload settles at `floor` (about 6,000 requests a second with the defaults),
 //! every second, and `recent` stays below `max`, so the table never reaches its bound and
 //! nobody waits for answers to age out. Refused requests get `BUSY`, change nothing and are
-//! retried by clients. Releases and renewals are never held back (they end work and keep leases
-//! alive); they are counted.
+//! retried by clients.
+//!
+//! Releases and renewals are never held back (they end work and keep leases alive); they count
+//! in `recent` and in the second's allowance. A tenth of the floor is kept for new work every
+//! second whatever they took, so that a load of renewals cannot shut acquires out for good, and
+//! the floor is admitted whatever `recent` says (it counts proposals, retries of answered
+//! requests included, so it can overstate the table): the state machine's own bound judges what
+//! does not fit.
 //!
 //! Only counts and the node's clock are involved: nothing here is replicated, and a new leader
 //! starts with an empty count (the state machine's bound still holds).
@@ -40,8 +48,8 @@ const FLOOR_PERCENT: u64 = 75;
 /// Answer-leaving requests this leader proposed, per second of its clock.
 #[derive(Debug, Default)]
 pub struct AnswerPacer {
-    /// `(second, requests)`, oldest first, covering at most the window.
-    seconds: VecDeque<(u64, u64)>,
+    /// `(second, requests, of which new work)`, oldest first, covering at most the window.
+    seconds: VecDeque<(u64, u64, u64)>,
     /// The sum over `seconds`.
     recent: u64,
 }
@@ -78,7 +86,7 @@ impl AnswerPacer {
     fn roll(&mut self, now: Micros, limits: &Limits) -> u64 {
         let second = now / 1_000_000;
         let window = Self::window_s(limits);
-        while let Some(&(s, n)) = self.seconds.front() {
+        while let Some(&(s, n, _)) = self.seconds.front() {
             if s + window > second {
                 break;
             }
@@ -95,22 +103,30 @@ impl AnswerPacer {
             return Ok(());
         }
         let second = self.roll(now, limits);
-        let this_second = match self.seconds.back() {
-            Some(&(s, n)) if s == second => n,
-            _ => 0,
+        let (this_second, new_this_second) = match self.seconds.back() {
+            Some(&(s, n, nw)) if s == second => (n, nw),
+            _ => (0, 0),
         };
         let window = Self::window_s(limits);
         // A floor that a full window of it keeps below the bound, and the rest of the bound
         // spent in bursts, paid back over `horizon` seconds.
-        let floor = max.saturating_mul(FLOOR_PERCENT) / 100 / window;
+        // The floor is admitted whatever `recent` says: `recent` counts every proposal,
+        // retries of answered requests included, so it can overstate the table, and the state
+        // machine's own bound still refuses what does not fit. At least one a second, so that a
+        // table too small for a floor still sees its requests.
+        let floor = (max.saturating_mul(FLOOR_PERCENT) / 100 / window).max(1);
         let burst_budget = max.saturating_sub(floor.saturating_mul(window));
         let horizon_s = (window / 20).max(1);
-        let allowed = if self.recent >= max {
-            0
-        } else {
-            floor + burst_budget.saturating_sub(self.recent) / horizon_s
-        };
-        if this_second < allowed {
+        let allowed = floor + burst_budget.saturating_sub(self.recent) / horizon_s;
+        // The second's allowance is handed out as it passes (a tenth of it at once), not all
+        // at its start: otherwise the clients that retry fastest take it every second, and a
+        // client that backs off longer may never get in.
+        let into_second = now % 1_000_000;
+        let so_far = (u128::from(allowed) * u128::from(into_second + 100_000) / 1_000_000) as u64;
+        // Releases and renewals count against the allowance but are never refused; a tenth of
+        // the floor is kept for new work whatever they took, so that a load of renewals cannot
+        // shut acquires out for good (the state machine's own bound judges those).
+        if this_second < so_far.clamp(1, allowed) || new_this_second < (floor / 10).max(1) {
             Ok(())
         } else {
             Err(Paced {
@@ -121,12 +137,16 @@ impl AnswerPacer {
         }
     }
 
-    /// Counts one proposed request that leaves an answer.
-    pub fn record(&mut self, now: Micros, limits: &Limits) {
+    /// Counts one proposed request that leaves an answer: new work (`admit`ted) or not.
+    pub fn record(&mut self, now: Micros, limits: &Limits, new_work: bool) {
         let second = self.roll(now, limits);
+        let w = u64::from(new_work);
         match self.seconds.back_mut() {
-            Some((s, n)) if *s == second => *n += 1,
-            _ => self.seconds.push_back((second, 1)),
+            Some((s, n, nw)) if *s == second => {
+                *n += 1;
+                *nw += w;
+            }
+            _ => self.seconds.push_back((second, 1, w)),
         }
         self.recent += 1;
     }
@@ -156,7 +176,7 @@ mod tests {
             for i in 0..demand {
                 let now = sec * S + i * (S / demand);
                 if p.admit(now, l).is_ok() {
-                    p.record(now, l);
+                    p.record(now, l, true);
                     admitted += 1;
                 }
                 peak = peak.max(p.recent());
@@ -208,7 +228,7 @@ mod tests {
         let l = limits(100, 10);
         let mut p = AnswerPacer::default();
         for i in 0..90 {
-            p.record(i * 1_000, &l);
+            p.record(i * 1_000, &l, true);
         }
         // 90 of 100 in the window, all in this second: (100 - 90) per second are allowed, and
         // this second is past that.
@@ -222,12 +242,51 @@ mod tests {
     }
 
     #[test]
+    fn renewals_fill_the_window_but_not_the_seconds_allowance() {
+        // 2,000 renewals a second against a table that sustains 1,000: acquires are still
+        // admitted every second, at the floor (the state machine's own bound judges the rest).
+        let l = limits(62_000, 60);
+        let mut p = AnswerPacer::default();
+        for sec in 0..120u64 {
+            for i in 0..2_000 {
+                p.record(sec * S + i * 500, &l, false);
+            }
+            let mut admitted = 0;
+            for i in 0..100 {
+                let now = sec * S + i * 10_000;
+                if p.admit(now, &l).is_ok() {
+                    p.record(now, &l, true);
+                    admitted += 1;
+                }
+            }
+            assert!(admitted >= 1, "second {sec}: no acquire admitted");
+        }
+    }
+
+    #[test]
+    fn a_seconds_allowance_is_handed_out_as_it_passes() {
+        let l = limits(500_000, 60);
+        let mut p = AnswerPacer::default();
+        // A quiet table allows 6,048 + (125,024 - recent) / 3 this second (47,722 when empty);
+        // at its start a tenth of that, which shrinks as `recent` grows: x = (6,048 +
+        // (125,024 - x) / 3) / 10 at x = 4,618.
+        let mut at_start = 0;
+        while p.admit(0, &l).is_ok() {
+            p.record(0, &l, true);
+            at_start += 1;
+        }
+        assert_eq!(at_start, 4_618);
+        // Half a second on, more.
+        assert!(p.admit(S / 2, &l).is_ok());
+    }
+
+    #[test]
     fn no_table_no_pacing() {
         let l = limits(0, 60);
         let mut p = AnswerPacer::default();
         for _ in 0..10_000 {
             assert!(p.admit(0, &l).is_ok());
-            p.record(0, &l);
+            p.record(0, &l, true);
         }
     }
 
@@ -236,7 +295,7 @@ mod tests {
         let l = limits(10, 60);
         let mut p = AnswerPacer::default();
         for _ in 0..10 {
-            p.record(0, &l);
+            p.record(0, &l, true);
         }
         let paced = p.admit(0, &l).unwrap_err();
         assert_eq!(
