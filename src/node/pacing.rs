@@ -108,12 +108,11 @@ impl AnswerPacer {
             _ => (0, 0),
         };
         let window = Self::window_s(limits);
-        // A floor that a full window of it keeps below the bound, and the rest of the bound
-        // spent in bursts, paid back over `horizon` seconds.
-        // The floor is admitted whatever `recent` says: `recent` counts every proposal,
-        // retries of answered requests included, so it can overstate the table, and the state
-        // machine's own bound still refuses what does not fit. At least one a second, so that a
-        // table too small for a floor still sees its requests.
+        // A floor that a full window of it keeps below the bound (at least one a second, so that
+        // a table too small for a floor still sees requests), and the rest of the bound spent in
+        // bursts, paid back over `horizon` seconds. The floor does not shrink with `recent`,
+        // which counts retries of answered requests too and can overstate the table; the state
+        // machine's own bound refuses what does not fit.
         let floor = (max.saturating_mul(FLOOR_PERCENT) / 100 / window).max(1);
         let burst_budget = max.saturating_sub(floor.saturating_mul(window));
         let horizon_s = (window / 20).max(1);

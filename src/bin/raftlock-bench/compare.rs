@@ -123,12 +123,12 @@ fn start_etcd(dir: &Path, procs: &mut Procs, nodes: usize) -> Result<Vec<String>
         .collect())
 }
 
-/// Starts a three-node RaftLock cluster with its data under `dir`, each node with `env` added
-/// to its environment; returns the client addresses.
 /// `--max-answers` of the compared RaftLock nodes (as `RAFTLOCK_MAX_ANSWERS`): room for a
 /// minute of answers at the rates these runs reach.
 pub const COMPARE_MAX_ANSWERS: &str = "2000000";
 
+/// Starts a three-node RaftLock cluster with its data under `dir`, each node with `env` added
+/// to its environment; returns the client addresses.
 pub fn start_raftlock(
     dir: &Path,
     procs: &mut Procs,
