@@ -54,7 +54,7 @@ impl Default for Limits {
             waiters_per_key_max: 1024,
             locks_held_max: 1_000_000,
             data_entries_max: 1_000_000,
-            dedupe_entries_max: 500_000,
+            dedupe_entries_max: 1_000_000,
             sessions_max: 10_000,
             session_entries_max: 100_000,
             session_idle_ms: 5 * 60 * 1000,

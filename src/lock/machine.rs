@@ -30,6 +30,8 @@
 //! always answered with the original outcome.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -119,26 +121,86 @@ struct LockEntry {
 #[derive(Clone, Debug, Default)]
 struct Session {
     records: BTreeSet<u64>,
-    /// Request id -> record number: the exactly-once lookup. Kept per client in ordered maps
-    /// rather than in one hash table of every record, whose resize (rehashing hundreds of
-    /// thousands of keys at once, on every node at the same applied index) stalled all clients
-    /// for tens of milliseconds each time the table doubled.
-    by_request: BTreeMap<String, u64>,
+    /// (hash of the request id, record number): the exactly-once lookup, which compares the
+    /// request ids of the records under a hash. Kept per client in ordered sets rather than in
+    /// one hash table of every record, whose resize (rehashing hundreds of thousands of keys at
+    /// once, on every node at the same applied index) stalled all clients for tens of
+    /// milliseconds each time the table doubled; and hashes rather than the ids themselves,
+    /// which made each remembered answer hold its request id twice (16 bytes a slot here
+    /// against 32 and a heap copy).
+    by_request: BTreeSet<(u64, u64)>,
     /// How many of them answer an acquire that is still queued.
     queued: usize,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// The lookup hash of a request id (in memory only, never stored or sent: any hash would do).
+fn request_hash(request_id: &str) -> u64 {
+    let mut hasher = std::hash::DefaultHasher::new();
+    request_id.hash(&mut hasher);
+    hasher.finish()
+}
+
+/// A remembered answer as the table holds it in memory: the client id shared with its session,
+/// the request id and key in boxed strings, the record itself boxed in the table's map (a map
+/// node of 11 slots is about half full when numbers only grow, so a slot holds a pointer, not
+/// the record). `raftlock-bench lock-memory` measures what one costs. Encoded as
+/// [`RecordOut`] and decoded as [`RecordIn`]: the layout every RaftLock version reads.
+#[derive(Clone, Debug, PartialEq, Eq)]
 struct DedupeRecord {
-    client_id: String,
-    request_id: String,
+    client_id: Arc<str>,
+    request_id: Box<str>,
     outcome: Outcome,
     /// What the request was: its command kind and key. A request id reused for another kind or
     /// key is refused instead of answered with this record. `None` in records written before
     /// this was kept.
-    op: Option<(u8, String)>,
+    op: Option<(u8, Box<str>)>,
     /// Log clock when the outcome was recorded or last changed (queued → granted / cancelled).
     at_ms: u64,
+}
+
+/// A record as stored and as snapshots carry it (borrowed, for encoding).
+#[derive(Serialize)]
+struct RecordOut<'a> {
+    client_id: &'a str,
+    request_id: &'a str,
+    outcome: &'a Outcome,
+    op: Option<(u8, &'a str)>,
+    at_ms: u64,
+}
+
+/// A record as stored and as snapshots carry it (owned, for decoding).
+#[derive(Deserialize)]
+struct RecordIn {
+    client_id: String,
+    request_id: String,
+    outcome: Outcome,
+    op: Option<(u8, String)>,
+    at_ms: u64,
+}
+
+impl Serialize for DedupeRecord {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        RecordOut {
+            client_id: &self.client_id,
+            request_id: &self.request_id,
+            outcome: &self.outcome,
+            op: self.op.as_ref().map(|(kind, key)| (*kind, &**key)),
+            at_ms: self.at_ms,
+        }
+        .serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for DedupeRecord {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        RecordIn::deserialize(deserializer).map(|r| DedupeRecord {
+            client_id: r.client_id.into(),
+            request_id: r.request_id.into(),
+            outcome: r.outcome,
+            op: r.op.map(|(kind, key)| (kind, key.into())),
+            at_ms: r.at_ms,
+        })
+    }
 }
 
 /// A dedupe record as written before records kept their time (read back only).
@@ -159,7 +221,7 @@ struct DedupeRecordV1 {
 }
 
 /// Kind and key of a command, for [`DedupeRecord::op`].
-fn op_of(command: &Command) -> (u8, String) {
+fn op_of(command: &Command) -> (u8, &str) {
     let kind = match command {
         Command::Acquire { .. } => 1,
         Command::Release { .. } | Command::ReleaseHeld { .. } => 2,
@@ -173,7 +235,7 @@ fn op_of(command: &Command) -> (u8, String) {
         | Command::SetLimitsV1 { .. }
         | Command::Tick { .. } => 0,
     };
-    (kind, command.key().to_string())
+    (kind, command.key())
 }
 
 /// A held lock, as the leader needs it to rebuild lease deadlines.
@@ -209,10 +271,10 @@ pub struct LockStateMachine {
     locks: BTreeMap<String, LockEntry>,
     data: BTreeMap<String, Vec<u8>>,
     /// Dedupe records by insertion number (oldest first, evicted first).
-    dedupe: BTreeMap<u64, DedupeRecord>,
+    dedupe: BTreeMap<u64, Box<DedupeRecord>>,
     dedupe_next: u64,
     /// Open client sessions by client id (derived from `dedupe`, not stored on its own).
-    sessions: BTreeMap<String, Session>,
+    sessions: BTreeMap<Arc<str>, Session>,
     /// The log clock in milliseconds: the sum of applied `Tick`s.
     clock_ms: u64,
     locks_held: usize,
@@ -456,7 +518,11 @@ impl LockStateMachine {
         if let Some((client, request)) = command.dedupe_id() {
             if let Some(n) = self.record_number(client, request) {
                 let record = &self.dedupe[&n];
-                if record.op.as_ref().is_some_and(|op| *op != op_of(command)) {
+                if record
+                    .op
+                    .as_ref()
+                    .is_some_and(|(kind, key)| (*kind, &**key) != op_of(command))
+                {
                     return Outcome::rejected(
                         RejectCode::RequestIdReused,
                         format!(
@@ -970,7 +1036,7 @@ impl LockStateMachine {
 
     // ----- exactly-once table ----------------------------------------------------------------
 
-    fn record(&mut self, client_id: &str, request_id: &str, outcome: Outcome, op: (u8, String)) {
+    fn record(&mut self, client_id: &str, request_id: &str, outcome: Outcome, op: (u8, &str)) {
         if self.limits.dedupe_entries_max == 0 {
             return;
         }
@@ -978,39 +1044,68 @@ impl LockStateMachine {
             client_id: client_id.into(),
             request_id: request_id.into(),
             outcome,
-            op: Some(op),
+            op: Some((op.0, op.1.into())),
             at_ms: self.clock_ms,
         });
     }
 
     /// The number of the record that answers `request_id` of `client_id`, if one is kept.
     fn record_number(&self, client_id: &str, request_id: &str) -> Option<u64> {
+        let hash = request_hash(request_id);
+        // The newest record of that id, should a damaged state hold two.
         self.sessions
-            .get(client_id)
-            .and_then(|s| s.by_request.get(request_id))
-            .copied()
+            .get(client_id)?
+            .by_request
+            .range((hash, 0)..=(hash, u64::MAX))
+            .rev()
+            .map(|&(_, n)| n)
+            .find(|n| {
+                self.dedupe
+                    .get(n)
+                    .is_some_and(|r| *r.request_id == *request_id)
+            })
+    }
+
+    /// Files `rec` under its client's session (opened if need be), sharing the session's copy
+    /// of the client id.
+    fn add_to_session(&mut self, n: u64, rec: &mut DedupeRecord) {
+        match self.sessions.get_key_value(&*rec.client_id) {
+            Some((client, _)) => rec.client_id = client.clone(),
+            None => {
+                self.sessions
+                    .insert(rec.client_id.clone(), Session::default());
+            }
+        }
+        let session = self
+            .sessions
+            .get_mut(&*rec.client_id)
+            .expect("the session was opened above");
+        session.records.insert(n);
+        session
+            .by_request
+            .insert((request_hash(&rec.request_id), n));
+        session.queued += usize::from(matches!(rec.outcome, Outcome::Queued { .. }));
     }
 
     /// Stores `rec` as the newest record (highest insertion number) of the table and its session.
-    fn insert_record(&mut self, rec: DedupeRecord) {
+    fn insert_record(&mut self, mut rec: DedupeRecord) {
         let n = self.dedupe_next;
         self.dedupe_next += 1;
-        let session = self.sessions.entry(rec.client_id.clone()).or_default();
-        session.records.insert(n);
-        session.by_request.insert(rec.request_id.clone(), n);
-        session.queued += usize::from(matches!(rec.outcome, Outcome::Queued { .. }));
-        self.dedupe.insert(n, rec);
+        self.add_to_session(n, &mut rec);
+        self.dedupe.insert(n, Box::new(rec));
         self.dirty_blocks.insert(n / DEDUPE_BLOCK);
         self.dirty.insert(META_DEDUPE_NEXT.to_string());
     }
 
     /// Forgets record `n` (and its session when it was the last one).
     fn remove_record(&mut self, n: u64) -> Option<DedupeRecord> {
-        let rec = self.dedupe.remove(&n)?;
+        let rec = *self.dedupe.remove(&n)?;
         self.dirty_blocks.insert(n / DEDUPE_BLOCK);
         if let Some(session) = self.sessions.get_mut(&rec.client_id) {
             session.records.remove(&n);
-            session.by_request.remove(&rec.request_id);
+            session
+                .by_request
+                .remove(&(request_hash(&rec.request_id), n));
             if matches!(rec.outcome, Outcome::Queued { .. }) {
                 session.queued = session.queued.saturating_sub(1);
             }
@@ -1127,7 +1222,7 @@ impl LockStateMachine {
         self.dirty.insert(META_CLOCK.to_string());
         let idle = self.limits.session_idle_ms;
         let clock = self.clock_ms;
-        let closing: Vec<String> = self
+        let closing: Vec<Arc<str>> = self
             .sessions
             .iter()
             .filter(|(_, s)| s.queued == 0)
@@ -1214,7 +1309,7 @@ impl LockStateMachine {
                 changes.push((dedupe_key(n).into_bytes(), None));
             }
             let records: Vec<(u64, &DedupeRecord)> =
-                self.dedupe.range(range).map(|(&n, r)| (n, r)).collect();
+                self.dedupe.range(range).map(|(&n, r)| (n, &**r)).collect();
             let value = (!records.is_empty()).then(|| encode_plain(&records));
             changes.push((dedupe_block_key(b).into_bytes(), value));
         }
@@ -1310,16 +1405,16 @@ impl LockStateMachine {
                     Ok(rec) => rec,
                     Err(err) => decode_plain::<DedupeRecordV2>(value)
                         .map(|old| DedupeRecord {
-                            client_id: old.client_id,
-                            request_id: old.request_id,
+                            client_id: old.client_id.into(),
+                            request_id: old.request_id.into(),
                             outcome: old.outcome,
-                            op: old.op,
+                            op: old.op.map(|(kind, key)| (kind, key.into())),
                             at_ms: 0,
                         })
                         .or_else(|_| {
                             decode_plain::<DedupeRecordV1>(value).map(|old| DedupeRecord {
-                                client_id: old.client_id,
-                                request_id: old.request_id,
+                                client_id: old.client_id.into(),
+                                request_id: old.request_id.into(),
                                 outcome: old.outcome,
                                 op: None,
                                 at_ms: 0,
@@ -1368,17 +1463,14 @@ impl LockStateMachine {
     }
 
     /// Adds record `n` read from stored state; a number seen twice is damaged state.
-    fn add_loaded_record(&mut self, n: u64, rec: DedupeRecord) -> Result<(), DecodeError> {
+    fn add_loaded_record(&mut self, n: u64, mut rec: DedupeRecord) -> Result<(), DecodeError> {
         if self.dedupe.contains_key(&n) {
             return Err(DecodeError::InvalidState(format!(
                 "dedupe record {n} stored twice"
             )));
         }
-        let session = self.sessions.entry(rec.client_id.clone()).or_default();
-        session.records.insert(n);
-        session.by_request.insert(rec.request_id.clone(), n);
-        session.queued += usize::from(matches!(rec.outcome, Outcome::Queued { .. }));
-        self.dedupe.insert(n, rec);
+        self.add_to_session(n, &mut rec);
+        self.dedupe.insert(n, Box::new(rec));
         Ok(())
     }
 
@@ -1549,6 +1641,74 @@ mod dedupe_storage_tests {
         assert!(back == sm);
         let retry = back.apply(10_000, &acquire("k7".into(), "c", "a7".into()));
         assert!(retry.replayed, "a retry is answered from the table");
+    }
+
+    /// The layout records had when they were a derived struct of owned strings: what every
+    /// stored block and every snapshot of earlier versions holds.
+    #[derive(Serialize, Deserialize, PartialEq, Debug)]
+    struct OwnedLayout {
+        client_id: String,
+        request_id: String,
+        outcome: Outcome,
+        op: Option<(u8, String)>,
+        at_ms: u64,
+    }
+
+    #[test]
+    fn records_encode_and_decode_in_the_layout_of_owned_strings() {
+        let (sm, _, _) = busy(40);
+        let mut checked = 0;
+        for (&n, rec) in &sm.dedupe {
+            let owned = OwnedLayout {
+                client_id: rec.client_id.to_string(),
+                request_id: rec.request_id.to_string(),
+                outcome: rec.outcome.clone(),
+                op: rec.op.as_ref().map(|(k, key)| (*k, key.to_string())),
+                at_ms: rec.at_ms,
+            };
+            let bytes = encode_plain(&**rec);
+            assert_eq!(bytes, encode_plain(&owned), "record {n}");
+            let back: DedupeRecord = decode_plain(&encode_plain(&owned)).expect("decodes");
+            assert_eq!(back, **rec, "record {n}");
+            checked += 1;
+        }
+        assert_eq!(checked, 60);
+        // A block, as a list of numbered records, too.
+        let block: Vec<(u64, &DedupeRecord)> = sm.dedupe.iter().map(|(&n, r)| (n, &**r)).collect();
+        let owned: Vec<(u64, OwnedLayout)> = decode_plain(&encode_plain(&block)).expect("decodes");
+        assert_eq!(owned.len(), 60);
+        assert_eq!(owned[0].1.client_id, "c");
+    }
+
+    #[test]
+    fn a_session_shares_one_copy_of_its_client_id_also_after_a_reload() {
+        let (sm, store, _) = busy(10);
+        let back = LockStateMachine::from_kv(store).expect("reads back");
+        for machine in [&sm, &back] {
+            let (session_key, _) = machine.sessions.get_key_value("c").expect("session c");
+            for rec in machine.dedupe.values() {
+                assert!(Arc::ptr_eq(&rec.client_id, session_key));
+            }
+        }
+    }
+
+    #[test]
+    fn request_ids_under_one_hash_are_told_apart() {
+        let (mut sm, _, _) = busy(4);
+        let a0 = sm.record_number("c", "a0").expect("a0 is remembered");
+        let a1 = sm.record_number("c", "a1").expect("a1 is remembered");
+        assert_ne!(a0, a1);
+        // File a1's record under a0's hash as well, as if the two ids hashed alike.
+        let session = sm.sessions.get_mut("c").expect("session c");
+        session.by_request.insert((request_hash("a0"), a1));
+        assert_eq!(sm.record_number("c", "a0"), Some(a0));
+        assert_eq!(sm.record_number("c", "a1"), Some(a1));
+        assert_eq!(sm.record_number("c", "a9"), None);
+        assert_eq!(sm.record_number("d", "a0"), None);
+        // Forgetting a0 leaves a1 findable under its own hash, and a0 answers no more.
+        sm.remove_record(a0);
+        assert_eq!(sm.record_number("c", "a0"), None);
+        assert_eq!(sm.record_number("c", "a1"), Some(a1));
     }
 
     #[test]

@@ -152,9 +152,14 @@ struct Args {
     dedupe_retain: Option<String>,
     /// Answers kept in all (the exactly-once table). Each answer is kept at least
     /// --dedupe-retain, so this caps the sustained request rate at max-answers / dedupe-retain.
-    /// Default 500000
+    /// Default 1000000
     #[arg(long)]
     max_answers: Option<usize>,
+    /// Memory sled's page cache may hold, in MiB. The node keeps its whole applied state in
+    /// memory and reads the store to start, to build snapshots and to send older log entries;
+    /// a larger cache keeps a second copy of the state resident. Default 64
+    #[arg(long)]
+    storage_cache_mb: Option<u64>,
     /// Log format: text or json. Default text (filter with RUST_LOG)
     #[arg(long)]
     log_format: Option<String>,
@@ -207,6 +212,7 @@ impl Args {
             max_sessions,
             dedupe_retain,
             max_answers,
+            storage_cache_mb,
             log_format
         );
         if let Some(dir) = &self.data_dir {

@@ -113,6 +113,8 @@ pub struct NodeConfig {
     pub dedupe_retain: Duration,
     /// Answers kept in all (the exactly-once table's bound).
     pub max_answers: usize,
+    /// Memory sled's page cache may hold, in MiB (the applied state is in memory anyway).
+    pub storage_cache_mb: u64,
     /// `text` or `json`.
     pub log_format: String,
 }
@@ -140,7 +142,8 @@ pub const DEFAULTS: &[(&str, &str)] = &[
     ("session_idle", "5m"),
     ("max_sessions", "10000"),
     ("dedupe_retain", "1m"),
-    ("max_answers", "500000"),
+    ("max_answers", "1000000"),
+    ("storage_cache_mb", "64"),
     ("log_format", "text"),
 ];
 
@@ -238,6 +241,12 @@ impl NodeConfig {
             return invalid(
                 "max_answers",
                 "must be positive (it bounds the answers kept for retries)",
+            );
+        }
+        if !(1..=1 << 20).contains(&self.storage_cache_mb) {
+            return invalid(
+                "storage_cache_mb",
+                "must be between 1 and 1048576 (MiB of sled's page cache)",
             );
         }
         if self.session_idle < Duration::from_secs(1) || self.max_sessions == 0 {
@@ -398,10 +407,10 @@ mod tests {
         .unwrap();
         assert_eq!(cfg.session_idle, Duration::from_secs(300));
         assert_eq!(cfg.dedupe_retain, Duration::from_secs(60));
-        assert_eq!(cfg.max_answers, 500_000);
+        assert_eq!(cfg.max_answers, 1_000_000);
         assert_eq!(
             crate::server::node::lock_limits(&cfg).dedupe_entries_max,
-            500_000
+            1_000_000
         );
     }
 
@@ -418,6 +427,27 @@ mod tests {
         assert_eq!(
             crate::server::node::lock_limits(&cfg).dedupe_entries_max,
             2_000_000
+        );
+    }
+
+    #[test]
+    fn the_storage_cache_defaults_to_64_mib_and_is_bounded() {
+        let base = || vec![("node_id", "1".to_string()), ("insecure", "true".into())];
+        assert_eq!(
+            NodeConfig::load(None, &base()).unwrap().storage_cache_mb,
+            64
+        );
+        for bad in ["0", "1048577", "lots"] {
+            let mut args = base();
+            args.push(("storage_cache_mb", bad.into()));
+            let err = NodeConfig::load(None, &args).unwrap_err();
+            assert!(err.to_string().contains("storage_cache_mb"), "{bad}: {err}");
+        }
+        let mut args = base();
+        args.push(("storage_cache_mb", "1024".into()));
+        assert_eq!(
+            NodeConfig::load(None, &args).unwrap().storage_cache_mb,
+            1024
         );
     }
 

@@ -141,7 +141,12 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
     }
     std::fs::create_dir_all(&cfg.data_dir)
         .map_err(|e| NodeError::Config(format!("cannot create {}: {e}", cfg.data_dir.display())))?;
-    let storage = SledStorage::open(cfg.data_dir.join("raft"))?;
+    let storage = SledStorage::open_with(
+        cfg.data_dir.join("raft"),
+        crate::storage::SledOptions {
+            cache_bytes: cfg.storage_cache_mb << 20,
+        },
+    )?;
     let mut recovered = storage.recover()?;
     let fresh = recovered.last_index() == 0 && recovered.hard_state.term == 0;
     let initial_members = cfg

@@ -34,7 +34,7 @@ pub use codec::{decode_snapshot_data, encode_snapshot_data, snapshot_pairs, Snap
 pub use error::StorageError;
 pub use memory::MemStorage;
 #[cfg(feature = "server")]
-pub use sled_store::SledStorage;
+pub use sled_store::{SledOptions, SledStorage};
 
 use crate::raft::{
     Entry, EntryPayload, HardState, Index, Membership, Snapshot, SnapshotMeta, Term,

@@ -335,14 +335,48 @@ fn remove_unfinished_sled_snapshots(dir: &Path) -> Result<(), StorageError> {
     Ok(())
 }
 
+/// How a [`SledStorage`] is opened.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SledOptions {
+    /// The most memory sled's page cache may hold, in bytes (`sled::Config::cache_capacity`).
+    /// The lock state machine keeps the whole applied state in memory and reads the store
+    /// only to start, to build snapshots and to send log entries that are no longer in
+    /// memory, so a large cache only keeps a second copy of the state resident.
+    pub cache_bytes: u64,
+}
+
+impl SledOptions {
+    /// The page cache a lock node gives sled unless told otherwise (`--storage-cache-mb`).
+    pub const DEFAULT_CACHE_BYTES: u64 = 64 * 1024 * 1024;
+}
+
+impl Default for SledOptions {
+    fn default() -> Self {
+        SledOptions {
+            cache_bytes: Self::DEFAULT_CACHE_BYTES,
+        }
+    }
+}
+
 impl SledStorage {
-    /// Opens (or creates) the store in `dir`. A damaged store is an error, never a panic.
+    /// Opens (or creates) the store in `dir` with the default [`SledOptions`]. A damaged
+    /// store is an error, never a panic.
     pub fn open(dir: impl AsRef<Path>) -> Result<Self, StorageError> {
+        Self::open_with(dir, SledOptions::default())
+    }
+
+    /// Opens (or creates) the store in `dir`. A damaged store is an error, never a panic.
+    pub fn open_with(dir: impl AsRef<Path>, options: SledOptions) -> Result<Self, StorageError> {
         let dir = dir.as_ref().to_path_buf();
         remove_unfinished_sled_snapshots(&dir)?;
         let db_path = dir.join(SLED_LOG_FILE);
         let blobs = BlobSync::new(&dir);
-        let opened = std::panic::catch_unwind(move || sled::Config::new().path(dir).open());
+        let opened = std::panic::catch_unwind(move || {
+            sled::Config::new()
+                .path(dir)
+                .cache_capacity(options.cache_bytes)
+                .open()
+        });
         let db = match opened {
             Ok(Ok(db)) => db,
             Ok(Err(err)) => return Err(StorageError::sled("opening the store", err)),

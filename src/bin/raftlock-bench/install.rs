@@ -1,6 +1,6 @@
 //! `raftlock-bench snapshot-install`: the resident memory and time of installing a snapshot of
 //! N held locks into a new sled store, as a member joining a loaded cluster does, for several
-//! sizes of the sled batches the install writes. Each size runs in a child process of its own,
+//! sizes of the sled batches the install writes and of sled's page cache. Each size runs in a child process of its own,
 //! so that its peak (VmHWM) is its own.
 
 use std::path::{Path, PathBuf};
@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use raftlock::lock::{Command as LockCommand, Limits, LockStateMachine};
 use raftlock::raft::{Membership, SnapshotMeta};
-use raftlock::storage::{encode_snapshot_data, snapshot_pairs, SledStorage, Storage};
+use raftlock::storage::{encode_snapshot_data, snapshot_pairs, SledOptions, SledStorage, Storage};
 
 /// (VmRSS, VmHWM) of this process in bytes.
 fn memory() -> (u64, u64) {
@@ -23,8 +23,13 @@ fn mib(bytes: u64) -> f64 {
 /// The snapshot data of a state holding `locks` locks, each acquired with a request id (so
 /// each has its remembered answer too, as after the `scale` fill).
 fn snapshot_of(locks: u64) -> Vec<u8> {
+    // Room for every acquire's answer: the log clock does not advance here, so no answer ages
+    // out, and at the table's bound the rest would be refused (before this was set, the
+    // default bound of 500,000 answers left half of a million acquires refused).
     let limits = Limits {
         locks_held_max: locks as usize + 1,
+        dedupe_entries_max: locks as usize + 1,
+        session_entries_max: locks as usize + 1,
         ..Limits::default()
     };
     let mut sm = LockStateMachine::new(limits);
@@ -43,12 +48,17 @@ fn snapshot_of(locks: u64) -> Vec<u8> {
             drop(sm.take_changes());
         }
     }
+    assert_eq!(
+        sm.locks_held() as u64,
+        locks,
+        "every acquire of the snapshot's state must be granted"
+    );
     let mut pairs = sm.to_kv();
     pairs.sort();
     encode_snapshot_data(pairs.iter().map(|(k, v)| (k.as_slice(), v.as_slice()))).to_vec()
 }
 
-pub fn run(locks: u64, batch_keys: &[usize], dir: &Path) -> Result<(), String> {
+pub fn run(locks: u64, batch_keys: &[usize], cache_mb: &[u64], dir: &Path) -> Result<(), String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
     let file = dir.join("snapshot.bin");
     let data = snapshot_of(locks);
@@ -60,11 +70,18 @@ pub fn run(locks: u64, batch_keys: &[usize], dir: &Path) -> Result<(), String> {
         mib(data.len() as u64)
     );
     drop(data);
-    println!("| keys per batch | install | RSS after install | peak during install | RSS with lock state | store on disk |");
-    println!("|---:|---:|---:|---:|---:|---:|");
+    println!("| keys per batch | sled page cache | install | RSS after install | peak during install | RSS with lock state | store on disk |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|");
     let exe = std::env::current_exe().map_err(|e| format!("finding this program: {e}"))?;
-    for &keys in batch_keys {
-        let store = dir.join(format!("store-{keys}"));
+    let default_mb = SledOptions::DEFAULT_CACHE_BYTES >> 20;
+    let rows = batch_keys.iter().map(|&keys| (keys, default_mb)).chain(
+        cache_mb
+            .iter()
+            .filter(|&&mb| mb != default_mb || !batch_keys.contains(&512))
+            .map(|&mb| (512, mb)),
+    );
+    for (keys, mb) in rows {
+        let store = dir.join(format!("store-{keys}-{mb}"));
         let _ = std::fs::remove_dir_all(&store);
         let out = std::process::Command::new(&exe)
             .arg("snapshot-install-child")
@@ -72,6 +89,8 @@ pub fn run(locks: u64, batch_keys: &[usize], dir: &Path) -> Result<(), String> {
             .arg(&file)
             .arg("--batch-keys")
             .arg(keys.to_string())
+            .arg("--cache-mb")
+            .arg(mb.to_string())
             .arg("--store")
             .arg(&store)
             .output()
@@ -92,7 +111,7 @@ pub fn run(locks: u64, batch_keys: &[usize], dir: &Path) -> Result<(), String> {
         };
         let on_disk = disk_bytes(&store);
         println!(
-            "| {keys} | {secs:.2} s | {:.0} MiB | {:.0} MiB | {:.0} MiB | {:.0} MiB |",
+            "| {keys} | {mb} MiB | {secs:.2} s | {:.0} MiB | {:.0} MiB | {:.0} MiB | {:.0} MiB |",
             mib(rss_installed as u64),
             mib(hwm_installed as u64),
             mib(rss_built as u64),
@@ -120,9 +139,17 @@ fn disk_bytes(dir: &Path) -> u64 {
 }
 
 /// The child: installs `snapshot` into a new store at `store` and prints one `RESULT` line.
-pub fn child(snapshot: &Path, batch_keys: usize, store: &PathBuf) -> Result<(), String> {
+pub fn child(
+    snapshot: &Path,
+    batch_keys: usize,
+    cache_mb: u64,
+    store: &PathBuf,
+) -> Result<(), String> {
     let data = std::fs::read(snapshot).map_err(|e| format!("reading the snapshot: {e}"))?;
-    let mut storage = SledStorage::open(store).map_err(|e| e.to_string())?;
+    let options = SledOptions {
+        cache_bytes: cache_mb << 20,
+    };
+    let mut storage = SledStorage::open_with(store, options).map_err(|e| e.to_string())?;
     storage.set_install_batch_keys(batch_keys);
     let meta = SnapshotMeta {
         index: 2_000_000,

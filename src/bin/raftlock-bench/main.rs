@@ -171,9 +171,14 @@ enum Command {
     SnapshotInstall {
         #[arg(long, default_value_t = 1_000_000)]
         locks: u64,
-        /// Keys per sled batch to compare (comma-separated).
+        /// Keys per sled batch to compare (comma-separated), each with sled's page cache at
+        /// the lock node's default.
         #[arg(long, value_delimiter = ',', default_value = "512,2048,16384")]
         batch_keys: Vec<usize>,
+        /// Sizes of sled's page cache to compare (MiB, comma-separated), each with 512 keys
+        /// per batch as the lock node writes.
+        #[arg(long, value_delimiter = ',', default_value = "1024")]
+        cache_mb: Vec<u64>,
         /// Where the snapshot file and the stores are written (the stores are removed after).
         #[arg(long, default_value = "target/bench-data/snapshot-install")]
         dir: std::path::PathBuf,
@@ -186,6 +191,8 @@ enum Command {
         #[arg(long)]
         batch_keys: usize,
         #[arg(long)]
+        cache_mb: u64,
+        #[arg(long)]
         store: std::path::PathBuf,
     },
     /// Resident memory per held lock and per waiter of the lock state machine (process RSS
@@ -196,6 +203,10 @@ enum Command {
         /// Waiters, queued 100 per key on the first locks.
         #[arg(long, default_value_t = 1_000_000)]
         waiters: u64,
+        /// Remembered answers, left by acquire + release cycles of SDK-like clients (in a
+        /// state machine of their own, measured apart from the locks).
+        #[arg(long, default_value_t = 1_000_000)]
+        answers: u64,
     },
 }
 
@@ -214,7 +225,7 @@ fn rss_bytes() -> u64 {
         .map_or(0, |pages| pages * 4096)
 }
 
-fn bench_lock_memory(locks: u64, waiters: u64) {
+fn bench_lock_memory(locks: u64, waiters: u64) -> raftlock::lock::LockStateMachine {
     use raftlock::lock::{Command as LockCommand, Limits, LockStateMachine};
     let limits = Limits {
         locks_held_max: locks as usize + 1,
@@ -275,6 +286,66 @@ fn bench_lock_memory(locks: u64, waiters: u64) {
         "| waiters (8-byte client id) | {} | {} | {per_waiter:.0} |",
         sm.waiter_count(),
         after_waiters.saturating_sub(after_locks)
+    );
+    sm
+}
+
+/// Resident bytes per remembered answer: `answers / 2` acquire + release cycles, each with a
+/// request id as the SDK makes them, from 64 clients with SDK-like ids, one key per client.
+fn bench_answer_memory(answers: u64) {
+    use raftlock::lock::{Command as LockCommand, Limits, LockStateMachine, Outcome};
+    let limits = Limits {
+        dedupe_entries_max: answers as usize + 1,
+        session_entries_max: answers as usize + 1,
+        ..Limits::default()
+    };
+    let clients: Vec<String> = (0..64)
+        .map(|i| format!("worker-7f9c{i:02}-{}-{:04x}", 4000 + i, i * 977))
+        .collect();
+    let base = rss_bytes();
+    let mut sm = LockStateMachine::new(limits);
+    let mut index = 0;
+    let mut apply = |sm: &mut LockStateMachine, command: LockCommand| {
+        index += 1;
+        let applied = sm.apply(index, &command);
+        if index % 4096 == 0 {
+            drop(sm.take_changes());
+        }
+        applied.outcome
+    };
+    for cycle in 0..answers / 2 {
+        let c = (cycle % 64) as usize;
+        let key = format!("orders/shard-{c:03}");
+        let request = |n: u64| format!("{:x}-{n}", 0x19a3_5c2e_u64 + c as u64);
+        let Outcome::Granted { token, .. } = apply(
+            &mut sm,
+            LockCommand::Acquire {
+                key: key.clone(),
+                client_id: clients[c].clone(),
+                request_id: request(2 * (cycle / 64)),
+                ttl_ms: 10_000,
+                wait_timeout_ms: None,
+            },
+        ) else {
+            panic!("cycle {cycle}: the acquire was not granted");
+        };
+        apply(
+            &mut sm,
+            LockCommand::Release {
+                key,
+                client_id: clients[c].clone(),
+                request_id: request(2 * (cycle / 64) + 1),
+                token,
+            },
+        );
+    }
+    drop(sm.take_changes());
+    let kept = sm.dedupe_len() as u64;
+    assert_eq!(kept, answers / 2 * 2, "every answer must be kept");
+    let used = rss_bytes().saturating_sub(base);
+    println!(
+        "| remembered answers (acquire + release cycles of 64 clients, SDK-like ids) | {kept} | {used} | {:.0} |",
+        used as f64 / kept.max(1) as f64
     );
 }
 
@@ -442,13 +513,24 @@ fn main() {
                 println!("| {b} | {proposals} | {rate:.0} |");
             }
         }
-        Command::LockMemory { locks, waiters } => bench_lock_memory(locks, waiters),
+        Command::LockMemory {
+            locks,
+            waiters,
+            answers,
+        } => {
+            // Kept alive while the answers are measured: memory it freed would be reused
+            // without growing the resident set.
+            let locks = bench_lock_memory(locks, waiters);
+            bench_answer_memory(answers);
+            drop(locks);
+        }
         Command::SnapshotInstall {
             locks,
             batch_keys,
+            cache_mb,
             dir,
         } => {
-            if let Err(message) = install::run(locks, &batch_keys, &dir) {
+            if let Err(message) = install::run(locks, &batch_keys, &cache_mb, &dir) {
                 eprintln!("raftlock-bench snapshot-install: {message}");
                 std::process::exit(1);
             }
@@ -456,9 +538,10 @@ fn main() {
         Command::SnapshotInstallChild {
             snapshot,
             batch_keys,
+            cache_mb,
             store,
         } => {
-            if let Err(message) = install::child(&snapshot, batch_keys, &store) {
+            if let Err(message) = install::child(&snapshot, batch_keys, cache_mb, &store) {
                 eprintln!("raftlock-bench snapshot-install: {message}");
                 std::process::exit(1);
             }
