@@ -1492,13 +1492,63 @@ pub type StatePairs = Vec<(Vec<u8>, Vec<u8>)>;
 /// Stored state pairs (as `take_changes` wrote them, any order) as a snapshot carries them: the
 /// dedupe blocks opened into one key per record, in key order. Snapshots keep the one layout
 /// every RaftLock version reads, so nodes of different versions can send each other snapshots.
-pub fn stored_to_snapshot_pairs(pairs: StatePairs) -> Result<StatePairs, DecodeError> {
-    let mut out = Vec::with_capacity(pairs.len());
-    let mut opened = false;
-    for (key, value) in pairs {
+pub fn stored_to_snapshot_pairs(mut pairs: StatePairs) -> Result<StatePairs, DecodeError> {
+    pairs.sort_by(|a, b| a.0.cmp(&b.0));
+    StoredToSnapshot::new(pairs.into_iter().map(Ok), |e| e).collect()
+}
+
+/// [`stored_to_snapshot_pairs`] one pair at a time, over stored pairs read in key order (as
+/// storage reads them for a snapshot): the snapshot of a large state is encoded as it is read,
+/// without a copy of the whole state on the way. A block's records come out as they are
+/// opened; one-record keys (a store that is still moving to blocks) are held back until the
+/// records and keys that sort before them are out. A pair out of key order is an error.
+pub struct StoredToSnapshot<I, E> {
+    stored: I,
+    error: fn(DecodeError) -> E,
+    /// One-record keys read and not yet handed out, by key.
+    legacy: BTreeMap<Vec<u8>, Vec<u8>>,
+    ready: VecDeque<(Vec<u8>, Vec<u8>)>,
+    last: Option<Vec<u8>>,
+    done: bool,
+}
+
+impl<I, E> StoredToSnapshot<I, E>
+where
+    I: Iterator<Item = Result<(Vec<u8>, Vec<u8>), E>>,
+{
+    /// `error` turns a decoding problem into the stored pairs' error type.
+    pub fn new(stored: I, error: fn(DecodeError) -> E) -> Self {
+        StoredToSnapshot {
+            stored,
+            error,
+            legacy: BTreeMap::new(),
+            ready: VecDeque::new(),
+            last: None,
+            done: false,
+        }
+    }
+
+    /// Queues the held-back one-record keys that sort before `key` (all of them for `None`).
+    fn release_legacy(&mut self, key: Option<&[u8]>) {
+        while let Some(entry) = self.legacy.first_entry() {
+            if key.is_some_and(|k| entry.key().as_slice() >= k) {
+                break;
+            }
+            let (k, v) = entry.remove_entry();
+            self.ready.push_back((k, v));
+        }
+    }
+
+    /// Takes in one stored pair.
+    fn take(&mut self, key: Vec<u8>, value: Vec<u8>) -> Result<(), DecodeError> {
+        if key.starts_with(META_DEDUPE_PREFIX.as_bytes()) {
+            self.legacy.insert(key, value);
+            return Ok(());
+        }
         let Some(b) = key.strip_prefix(META_DEDUPE_BLOCK_PREFIX.as_bytes()) else {
-            out.push((key, value));
-            continue;
+            self.release_legacy(Some(&key));
+            self.ready.push_back((key, value));
+            return Ok(());
         };
         let b: u64 = std::str::from_utf8(b)
             .ok()
@@ -1511,14 +1561,56 @@ pub fn stored_to_snapshot_pairs(pairs: StatePairs) -> Result<StatePairs, DecodeE
                     "dedupe record {n} stored in block {b}"
                 )));
             }
-            out.push((dedupe_key(n).into_bytes(), encode_plain(&rec)));
+            let key = dedupe_key(n).into_bytes();
+            self.release_legacy(Some(&key));
+            self.ready.push_back((key, encode_plain(&rec)));
         }
-        opened = true;
+        Ok(())
     }
-    if opened {
-        out.sort_by(|a, b| a.0.cmp(&b.0));
+}
+
+impl<I, E> Iterator for StoredToSnapshot<I, E>
+where
+    I: Iterator<Item = Result<(Vec<u8>, Vec<u8>), E>>,
+{
+    type Item = Result<(Vec<u8>, Vec<u8>), E>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            if let Some((key, value)) = self.ready.pop_front() {
+                if self.last.as_ref().is_some_and(|last| *last >= key) {
+                    self.done = true;
+                    self.ready.clear();
+                    return Some(Err((self.error)(DecodeError::InvalidState(format!(
+                        "state key {} out of order",
+                        String::from_utf8_lossy(&key)
+                    )))));
+                }
+                self.last = Some(key.clone());
+                return Some(Ok((key, value)));
+            }
+            if self.done {
+                return None;
+            }
+            match self.stored.next() {
+                None => {
+                    self.done = true;
+                    self.release_legacy(None);
+                }
+                Some(Err(err)) => {
+                    self.done = true;
+                    return Some(Err(err));
+                }
+                Some(Ok((key, value))) => {
+                    if let Err(err) = self.take(key, value) {
+                        self.done = true;
+                        self.ready.clear();
+                        return Some(Err((self.error)(err)));
+                    }
+                }
+            }
+        }
     }
-    Ok(out)
 }
 
 /// The key of one dedupe record as snapshots carry it (and as storage held it before blocks).
@@ -1742,6 +1834,34 @@ mod dedupe_storage_tests {
     }
 
     #[test]
+    fn a_snapshot_opened_as_read_refuses_keys_out_of_order_or_twice() {
+        let (sm, store, _) = busy(100);
+        let stream = |pairs: Vec<(Vec<u8>, Vec<u8>)>| -> Result<StatePairs, DecodeError> {
+            StoredToSnapshot::new(pairs.into_iter().map(Ok), |e| e).collect()
+        };
+        let in_order: Vec<_> = store.clone().into_iter().collect();
+        assert_eq!(stream(in_order.clone()).expect("opens"), sm.to_kv());
+        let mut swapped = in_order.clone();
+        let last = swapped.len() - 1;
+        swapped.swap(0, last);
+        assert!(stream(swapped).is_err(), "stored pairs out of order");
+        // A record both in a block and under its one-record key.
+        let (&n, rec) = sm.dedupe.iter().next().expect("a record");
+        let mut twice = store;
+        twice.insert(dedupe_key(n).into_bytes(), encode_plain(rec));
+        let err = stream(twice.into_iter().collect()).expect_err("a record twice");
+        assert!(err.to_string().contains("out of order"), "{err}");
+        // A storage error ends the stream with that error.
+        let failing = in_order
+            .into_iter()
+            .map(Ok)
+            .take(3)
+            .chain(std::iter::once(Err("disk")));
+        let got: Result<Vec<_>, &str> = StoredToSnapshot::new(failing, |_| "decode").collect();
+        assert_eq!(got, Err("disk"));
+    }
+
+    #[test]
     fn snapshots_carry_one_key_per_record() {
         let (sm, store, _) = busy(100);
         let pairs: Vec<(Vec<u8>, Vec<u8>)> = store.into_iter().collect();
@@ -1806,6 +1926,15 @@ mod dedupe_storage_tests {
             let back = LockStateMachine::from_kv(stored.clone())
                 .unwrap_or_else(|e| panic!("after write {writes}: {e}"));
             assert!(back == node, "after write {writes}");
+            // ...and its snapshot, opened as it is read (one-record keys and blocks mixed),
+            // is the state's snapshot layout.
+            let streamed: Result<StatePairs, DecodeError> =
+                StoredToSnapshot::new(stored.clone().into_iter().map(Ok), |e| e).collect();
+            assert_eq!(
+                streamed.expect("opens"),
+                node.to_kv(),
+                "after write {writes}"
+            );
             if node.legacy_dedupe_keys.is_empty() {
                 break;
             }

@@ -15,5 +15,8 @@ mod tests;
 
 pub use command::{Command, DecodeError, FencingToken};
 pub use limits::{Limits, LimitsV1};
-pub use machine::{stored_to_snapshot_pairs, HeldLock, LockStateMachine, WaiterInfo, DEDUPE_BLOCK};
+pub use machine::{
+    stored_to_snapshot_pairs, HeldLock, LockStateMachine, StoredToSnapshot, WaiterInfo,
+    DEDUPE_BLOCK,
+};
 pub use outcome::{Applied, Event, Outcome, RejectCode};

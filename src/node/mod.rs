@@ -1851,18 +1851,13 @@ pub fn staggered_threshold(threshold: u64, id: NodeId) -> u64 {
 pub fn snapshot_job_for_peers<S: Storage + ?Sized>(
     storage: &S,
 ) -> Result<SnapshotJob, StorageError> {
-    let index = storage.applied_index();
-    storage.snapshot_job_with(Box::new(move |pairs| pairs_for_peers(index, pairs)))
-}
-
-/// The stored state's pairs at `index` as a snapshot carries them.
-fn pairs_for_peers(
-    index: Index,
-    pairs: Vec<crate::storage::KvPair>,
-) -> Result<Vec<crate::storage::KvPair>, StorageError> {
-    crate::lock::stored_to_snapshot_pairs(pairs).map_err(|err| StorageError::SnapshotData {
-        problem: format!("stored state at index {index} does not decode: {err}"),
-    })
+    storage.snapshot_job_with(Box::new(|pairs| {
+        Box::new(crate::lock::StoredToSnapshot::new(pairs, |err| {
+            StorageError::SnapshotData {
+                problem: format!("the stored state does not decode: {err}"),
+            }
+        }))
+    }))
 }
 
 #[cfg(test)]

@@ -416,19 +416,52 @@ pub(crate) fn decode_membership(record: &[u8]) -> Result<Membership, DecodeError
 
 /// Encodes applied state as [`crate::raft::Snapshot::data`].
 pub fn encode_snapshot_data<'a>(pairs: impl IntoIterator<Item = (&'a [u8], &'a [u8])>) -> Bytes {
-    let mut data = Vec::new();
-    data.extend_from_slice(SNAPSHOT_MAGIC);
-    data.extend_from_slice(&0u64.to_be_bytes());
-    let mut count: u64 = 0;
+    let mut encoder = SnapshotEncoder::new();
     for (key, value) in pairs {
-        push_chunk(&mut data, key);
-        push_chunk(&mut data, value);
-        count += 1;
+        encoder.push(key, value);
     }
-    data[8..16].copy_from_slice(&count.to_be_bytes());
-    let crc = crc32fast::hash(&data);
-    data.extend_from_slice(&crc.to_be_bytes());
-    Bytes::from(data)
+    encoder.finish()
+}
+
+/// [`encode_snapshot_data`] of owned pairs produced one at a time (each is dropped once
+/// encoded); the first error ends it.
+pub fn encode_snapshot_stream<E>(
+    pairs: impl IntoIterator<Item = Result<(Vec<u8>, Vec<u8>), E>>,
+) -> Result<Bytes, E> {
+    let mut encoder = SnapshotEncoder::new();
+    for pair in pairs {
+        let (key, value) = pair?;
+        encoder.push(&key, &value);
+    }
+    Ok(encoder.finish())
+}
+
+/// Builds [`crate::raft::Snapshot::data`] one pair at a time.
+struct SnapshotEncoder {
+    data: Vec<u8>,
+    count: u64,
+}
+
+impl SnapshotEncoder {
+    fn new() -> Self {
+        let mut data = Vec::new();
+        data.extend_from_slice(SNAPSHOT_MAGIC);
+        data.extend_from_slice(&0u64.to_be_bytes());
+        SnapshotEncoder { data, count: 0 }
+    }
+
+    fn push(&mut self, key: &[u8], value: &[u8]) {
+        push_chunk(&mut self.data, key);
+        push_chunk(&mut self.data, value);
+        self.count += 1;
+    }
+
+    fn finish(mut self) -> Bytes {
+        self.data[8..16].copy_from_slice(&self.count.to_be_bytes());
+        let crc = crc32fast::hash(&self.data);
+        self.data.extend_from_slice(&crc.to_be_bytes());
+        Bytes::from(self.data)
+    }
 }
 
 fn push_chunk(data: &mut Vec<u8>, bytes: &[u8]) {

@@ -849,15 +849,17 @@ pub(crate) fn check_differential<A: Harness, B: Harness>(a: &mut A, b: &mut B, s
                 // A job that converts the pairs as it reads builds what converting the
                 // snapshot's decoded pairs builds (the default, which MemStorage keeps).
                 let convert = || -> PairsConvert {
-                    Box::new(|pairs: Vec<KvPair>| {
-                        Ok(pairs
-                            .into_iter()
-                            .filter(|(k, _)| k.len() % 2 == 0)
-                            .map(|(k, mut v)| {
-                                v.push(b'!');
-                                (k, v)
-                            })
-                            .collect())
+                    Box::new(|pairs| {
+                        Box::new(
+                            pairs
+                                .filter(|p| p.as_ref().map_or(true, |(k, _)| k.len() % 2 == 0))
+                                .map(|p| {
+                                    p.map(|(k, mut v): KvPair| {
+                                        v.push(b'!');
+                                        (k, v)
+                                    })
+                                }),
+                        )
                     })
                 };
                 both!(|s: &mut dyn Storage| s.snapshot_job_with(convert()).and_then(|job| job()));

@@ -30,7 +30,10 @@ mod sled_store;
 
 #[doc(hidden)]
 pub use codec::fuzzing as codec_fuzzing;
-pub use codec::{decode_snapshot_data, encode_snapshot_data, snapshot_pairs, SnapshotPairs};
+pub use codec::{
+    decode_snapshot_data, encode_snapshot_data, encode_snapshot_stream, snapshot_pairs,
+    SnapshotPairs,
+};
 pub use error::StorageError;
 pub use memory::MemStorage;
 #[cfg(feature = "server")]
@@ -141,10 +144,10 @@ pub trait Storage {
         let read = self.snapshot_job()?;
         Ok(Box::new(move || {
             let snapshot = read()?;
-            let pairs = convert(decode_snapshot_data(&snapshot.data)?)?;
+            let pairs = decode_snapshot_data(&snapshot.data)?;
             Ok(Snapshot {
                 meta: snapshot.meta,
-                data: encode_snapshot_data(pairs.iter().map(|(k, v)| (k.as_slice(), v.as_slice()))),
+                data: encode_snapshot_stream(convert(Box::new(pairs.into_iter().map(Ok))))?,
             })
         }))
     }
@@ -177,9 +180,13 @@ pub trait Storage {
 /// A snapshot being built on another thread; see [`Storage::snapshot_job`].
 pub type SnapshotJob = Box<dyn FnOnce() -> Result<Snapshot, StorageError> + Send>;
 
-/// Turns the stored state's pairs into those a snapshot carries; see
+/// Pairs read one at a time, in key order.
+pub type PairsIter<'a> = Box<dyn Iterator<Item = Result<KvPair, StorageError>> + 'a>;
+
+/// Turns the stored state's pairs into those a snapshot carries, as they are read (so that no
+/// copy of the whole state is made on the way to the snapshot's bytes); see
 /// [`Storage::snapshot_job_with`].
-pub type PairsConvert = Box<dyn FnOnce(Vec<KvPair>) -> Result<Vec<KvPair>, StorageError> + Send>;
+pub type PairsConvert = Box<dyn for<'a> FnOnce(PairsIter<'a>) -> PairsIter<'a> + Send>;
 
 /// Folds the membership entries of `entries` into `base`. Used by recovery and compaction of
 /// both implementations so that they agree.

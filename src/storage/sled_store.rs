@@ -28,7 +28,7 @@ use super::codec::{
     run_last_index, run_records, state_key_name,
 };
 use super::{
-    check_append, check_recovered, encode_snapshot_data, membership_after, snapshot_pairs,
+    check_append, check_recovered, encode_snapshot_stream, membership_after, snapshot_pairs,
     KvChange, KvPair, PairsConvert, RecoveredState, SnapshotJob, SnapshotPairs, Storage,
     StorageError,
 };
@@ -895,13 +895,16 @@ fn changes_membership(entry: &Entry) -> bool {
 
 /// The applied state in `state` in key order, checksums verified.
 fn read_state(state: &sled::Tree) -> Result<Vec<KvPair>, StorageError> {
-    let mut pairs = Vec::new();
-    for item in state.iter() {
+    state_pairs(state).collect()
+}
+
+/// The applied state in `state` in key order, one pair at a time, checksums verified.
+fn state_pairs(state: &sled::Tree) -> impl Iterator<Item = Result<KvPair, StorageError>> + '_ {
+    state.iter().map(|item| {
         let (k, v) = item.map_err(|e| StorageError::sled("reading the state", e))?;
         let value = decode_state_value(&v).map_err(|e| e.at("state", state_key_name(&k)))?;
-        pairs.push((k.to_vec(), value.to_vec()));
-    }
-    Ok(pairs)
+        Ok((k.to_vec(), value.to_vec()))
+    })
 }
 
 impl Storage for SledStorage {
@@ -1092,7 +1095,7 @@ impl Storage for SledStorage {
     }
 
     fn snapshot_job(&self) -> Result<SnapshotJob, StorageError> {
-        self.snapshot_job_with(Box::new(Ok))
+        self.snapshot_job_with(Box::new(|pairs| pairs))
     }
 
     /// Reads the state tree, converts and encodes, on the job's thread: one pass.
@@ -1105,9 +1108,7 @@ impl Storage for SledStorage {
         };
         let state = self.state.clone();
         Ok(Box::new(move || {
-            let pairs = convert(read_state(&state)?)?;
-            let data =
-                encode_snapshot_data(pairs.iter().map(|(k, v)| (k.as_slice(), v.as_slice())));
+            let data = encode_snapshot_stream(convert(Box::new(state_pairs(&state))))?;
             Ok(Snapshot { meta, data })
         }))
     }
