@@ -1069,17 +1069,10 @@ impl LockStateMachine {
     /// Files `rec` under its client's session (opened if need be), sharing the session's copy
     /// of the client id.
     fn add_to_session(&mut self, n: u64, rec: &mut DedupeRecord) {
-        match self.sessions.get_key_value(&*rec.client_id) {
-            Some((client, _)) => rec.client_id = client.clone(),
-            None => {
-                self.sessions
-                    .insert(rec.client_id.clone(), Session::default());
-            }
+        if let Some((client, _)) = self.sessions.get_key_value(&*rec.client_id) {
+            rec.client_id = client.clone();
         }
-        let session = self
-            .sessions
-            .get_mut(&*rec.client_id)
-            .expect("the session was opened above");
+        let session = self.sessions.entry(rec.client_id.clone()).or_default();
         session.records.insert(n);
         session
             .by_request
