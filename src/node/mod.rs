@@ -542,6 +542,7 @@ impl<S: Storage, R> NodeCore<S, R> {
         self.leader_duties();
         self.write_applied(false)?;
         self.maybe_snapshot()?;
+        self.raft.release_snapshot_data();
         self.drive()
     }
 
@@ -792,7 +793,9 @@ impl<S: Storage, R> NodeCore<S, R> {
         let snapshot = result?;
         let index = snapshot.meta.index;
         let bytes = snapshot.data.len();
-        if index <= self.raft.applied_index() && self.raft.compact(index, snapshot.data) {
+        // A compaction, or the bytes of the latest snapshot built again for a follower that
+        // needs them (`Raft::snapshot_wanted`); storage compacts only past its own point.
+        if index <= self.raft.applied_index() && self.raft.provide_snapshot(index, snapshot.data) {
             self.storage.compact(index)?;
             self.log_bytes_since_snapshot = 0;
             self.observe(Observation::SnapshotTaken { index, bytes });
@@ -1819,6 +1822,15 @@ impl<S: Storage, R> NodeCore<S, R> {
     /// `snapshot_bytes` bytes.
     fn maybe_snapshot(&mut self) -> Result<(), StorageError> {
         if self.snapshot_in_progress {
+            return Ok(());
+        }
+        if self.raft.snapshot_wanted() {
+            // A follower needs the latest snapshot's bytes, which were let go: build them from
+            // the state as it is now (a newer point, which compacts the log further).
+            self.write_all_applied()?;
+            let job = snapshot_job_for_peers(&self.storage)?;
+            self.snapshot_in_progress = true;
+            self.effects.push(Effect::BuildSnapshot(job));
             return Ok(());
         }
         let applied = self.raft.applied_index();

@@ -182,6 +182,11 @@ pub struct Raft {
 
     /// The latest local snapshot, sent to followers whose next entry was compacted away.
     snapshot: Option<Snapshot>,
+    /// The latest snapshot's bytes were let go ([`Raft::release_snapshot_data`]); its meta
+    /// still holds.
+    snapshot_data_released: bool,
+    /// A follower needs the latest snapshot's bytes, which were let go.
+    snapshot_wanted: bool,
     incoming_snapshot: Option<IncomingSnapshot>,
     /// A received snapshot not yet handed to the driver.
     snapshot_to_install: Option<Snapshot>,
@@ -247,6 +252,8 @@ impl Raft {
             messages_now: Vec::new(),
             messages: Vec::new(),
             snapshot: initial.snapshot,
+            snapshot_data_released: false,
+            snapshot_wanted: false,
             incoming_snapshot: None,
             snapshot_to_install: None,
             prev_soft: SoftState {
@@ -355,9 +362,61 @@ impl Raft {
     pub fn uncommitted_entries(&self) -> u64 {
         self.log.last_index().saturating_sub(self.log.committed)
     }
-    /// The snapshot the core sends to lagging followers.
+    /// The snapshot the core sends to lagging followers (its `data` empty while released).
     pub fn latest_snapshot(&self) -> Option<&Snapshot> {
         self.snapshot.as_ref()
+    }
+
+    /// Whether a follower needs the latest snapshot's bytes, which were let go
+    /// ([`Raft::release_snapshot_data`]): the driver builds a snapshot of its state and hands it
+    /// over with [`Raft::provide_snapshot`].
+    pub fn snapshot_wanted(&self) -> bool {
+        self.snapshot_wanted
+    }
+
+    /// Lets go of the latest snapshot's bytes unless a follower is being sent them or is known
+    /// to need them (its next entry was compacted away), keeping its meta (the log stays
+    /// compacted to it). The driver's own state is the snapshot; the bytes are needed only to
+    /// send, and a large state's bytes are a large share of a node's memory. Returns whether
+    /// bytes were let go.
+    pub fn release_snapshot_data(&mut self) -> bool {
+        if self.snapshot_data_released || self.snapshot.is_none() {
+            return false;
+        }
+        let first = self.log.snapshot_index() + 1;
+        if self.role == Role::Leader
+            && self.progress.iter().any(|(&id, p)| {
+                id != self.id && (p.state == ProgressState::Snapshot || p.next_index < first)
+            })
+        {
+            return false;
+        }
+        if let Some(snapshot) = &mut self.snapshot {
+            snapshot.data = Bytes::new();
+        }
+        self.snapshot_data_released = true;
+        true
+    }
+
+    /// A snapshot the driver built of its applied state at `index` because
+    /// [`Raft::snapshot_wanted`]: compacts the log to it when it is newer than the latest
+    /// snapshot (as [`Raft::compact`]), or gives the latest snapshot its bytes back when it is at
+    /// the same point. False (nothing changes) for an older point or one not applied.
+    pub fn provide_snapshot(&mut self, index: Index, data: Bytes) -> bool {
+        if index > self.log.snapshot_index() {
+            return self.compact(index, data);
+        }
+        match &mut self.snapshot {
+            Some(snapshot)
+                if snapshot.meta.index == index && index == self.log.snapshot_index() =>
+            {
+                snapshot.data = data;
+                self.snapshot_data_released = false;
+                self.snapshot_wanted = false;
+                true
+            }
+            _ => false,
+        }
     }
 
     /// May this server start an election? Voters may. So may a server whose own removal is
@@ -597,6 +656,8 @@ impl Raft {
         // Entries up to `index` are about to go: the configuration they built becomes the base.
         self.membership_base = meta.membership.clone();
         self.snapshot = Some(Snapshot { meta, data });
+        self.snapshot_data_released = false;
+        self.snapshot_wanted = false;
         self.log.compact(index);
         true
     }
@@ -655,6 +716,8 @@ impl Raft {
         }
         if let Some(snapshot) = ready.snapshot {
             self.snapshot = Some(snapshot);
+            self.snapshot_data_released = false;
+            self.snapshot_wanted = false;
         }
         if self.role == Role::Leader {
             // The leader counts itself toward a commit only once its own entries are durable.
@@ -1379,6 +1442,11 @@ impl Raft {
         let Some(snapshot_index) = self.snapshot.as_ref().map(|s| s.meta.index) else {
             return;
         };
+        if self.snapshot_data_released {
+            // Asked again on every attempt to reach `to` until the driver provides the bytes.
+            self.snapshot_wanted = true;
+            return;
+        }
         if let Some(pr) = self.progress.get_mut(&to) {
             pr.become_snapshot(snapshot_index);
         }
@@ -1386,6 +1454,10 @@ impl Raft {
     }
 
     fn send_snapshot_chunk(&mut self, to: NodeId) {
+        if self.snapshot_data_released {
+            self.snapshot_wanted = true;
+            return;
+        }
         let Some(snapshot) = &self.snapshot else {
             return;
         };

@@ -635,6 +635,40 @@ fn snapshot_install_for_a_lagging_follower() {
     );
 }
 
+// A snapshot whose bytes were let go (to spare memory) is asked for again when a follower needs
+// it, and sent once provided; bytes a transfer is using are not let go.
+#[test]
+fn released_snapshot_bytes_are_asked_for_again_and_then_sent() {
+    let mut net = Net::new(3, true);
+    let data = Bytes::from(vec![9u8; 3 * 1024 + 5]);
+    let applied = net.lagging_follower_and_snapshot(&data);
+    // Node 3 was cut off, but the leader does not know yet that it needs the snapshot.
+    assert!(net.raft(1).release_snapshot_data());
+    assert!(!net.raft(1).release_snapshot_data(), "already let go");
+    assert_eq!(net.raft(1).latest_snapshot().map(|s| s.data.len()), Some(0));
+    assert!(!net.raft(1).snapshot_wanted());
+    net.log.clear();
+    net.tick_all(4);
+    assert!(net.raft(1).snapshot_wanted(), "node 3 needs the snapshot");
+    assert_eq!(net.chunks_delivered_to(3), 0, "nothing to send yet");
+    assert!(
+        !net.raft(1).release_snapshot_data(),
+        "nothing left to let go while wanted"
+    );
+    // An older point is refused; the same point gets its bytes back.
+    assert!(!net.raft(1).provide_snapshot(applied - 1, data.clone()));
+    assert!(net.raft(1).provide_snapshot(applied, data.clone()));
+    assert!(!net.raft(1).snapshot_wanted());
+    // While node 3 is behind the log, the bytes stay.
+    assert!(!net.raft(1).release_snapshot_data());
+    net.tick_all(4);
+    assert!(net.chunks_delivered_to(3) >= 4);
+    assert_eq!(net.installed_snapshots.get(&3), Some(&applied));
+    assert_eq!(net.raft(3).last_index(), net.raft(1).last_index());
+    // Caught up: the leader may let go again.
+    assert!(net.raft(1).release_snapshot_data());
+}
+
 // Reference: §5.7 — a snapshot of many chunks sent over a network slower than the heartbeat:
 // each chunk goes out once (plus a retry when it is lost), not again with every heartbeat answer.
 // Regression: every heartbeat answer used to send the current chunk once more, and each answer to

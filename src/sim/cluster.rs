@@ -814,12 +814,27 @@ impl Cluster {
                     Effect::BuildSnapshot(job) => {
                         // The job runs "on another thread": it reads the state now (writes are
                         // held back until its result is handed back) and finishes at once or
-                        // some steps later.
+                        // some steps later. A new job replaces the result of an older one not
+                        // yet handed back, as the driver does (it keeps the newest job's
+                        // channel): a node starts a job only when none is in progress, so an
+                        // older result belongs to a job an installed snapshot superseded, and
+                        // handed to the new job it would compact past the installed point.
+                        // Nor is a result handed into a step whose storage just lost power
+                        // (the job may have read what the power cut then took back): the node
+                        // is going down, and its process with the job.
                         let built = job();
-                        if self.rng.random_bool(0.5) {
+                        if let Some(node) = self.nodes.get_mut(&id) {
+                            node.snapshot_result = None;
+                        }
+                        if result.is_err() {
+                            rerun = None;
+                        } else if self.rng.random_bool(0.5) {
                             rerun = Some(built);
-                        } else if let Some(node) = self.nodes.get_mut(&id) {
-                            node.snapshot_result = Some(built);
+                        } else {
+                            rerun = None;
+                            if let Some(node) = self.nodes.get_mut(&id) {
+                                node.snapshot_result = Some(built);
+                            }
                         }
                     }
                     Effect::Observe(o) => self.observe(id, o),

@@ -153,6 +153,23 @@ fn healthy_core_passes_with_frequent_crashes() {
     }
 }
 
+/// Regression: with snapshot bytes let go and built again when a follower needs them, snapshot
+/// jobs became frequent, and these seeds handed a job's result into a step whose storage had just
+/// lost power (the job had read writes the power cut took back), so the node compacted past
+/// what its storage held. The simulator now drops such results, as the node's process would.
+#[test]
+fn snapshot_results_are_not_handed_into_a_crashed_step() {
+    let cfg = SimConfig::new(1168, 3);
+    if let Some((step, v)) = run_seed(cfg.clone()).violation {
+        panic!(
+            "seed 1168 step {step}: {} — {}\nreplay: {}",
+            v.invariant,
+            v.detail,
+            replay_command(&cfg)
+        );
+    }
+}
+
 /// The targeted schedules of the mutation tests pass with a healthy core.
 #[test]
 fn healthy_core_passes_targeted_schedules() {
