@@ -1819,26 +1819,20 @@ impl<S: Storage, R> NodeCore<S, R> {
     }
 
     /// Hands out a snapshot job once the log has grown past `snapshot_entries` entries or
-    /// `snapshot_bytes` bytes.
+    /// `snapshot_bytes` bytes, or when a follower needs snapshot bytes the core let go.
     fn maybe_snapshot(&mut self) -> Result<(), StorageError> {
         if self.snapshot_in_progress {
             return Ok(());
         }
-        if self.raft.snapshot_wanted() {
-            // A follower needs the latest snapshot's bytes, which were let go: build them from
-            // the state as it is now (a newer point, which compacts the log further).
-            self.write_all_applied()?;
-            let job = snapshot_job_for_peers(&self.storage)?;
-            self.snapshot_in_progress = true;
-            self.effects.push(Effect::BuildSnapshot(job));
-            return Ok(());
-        }
+        // Wanted bytes are built from the state as it is now (a newer point, which compacts
+        // the log further).
+        let wanted = self.raft.snapshot_wanted();
         let applied = self.raft.applied_index();
         let by_count =
             applied >= self.raft.snapshot_index() + self.staggered(self.cfg.snapshot_entries);
         let by_bytes = self.log_bytes_since_snapshot >= self.staggered(self.cfg.snapshot_bytes)
             && applied > self.raft.snapshot_index();
-        if !by_count && !by_bytes {
+        if !wanted && !by_count && !by_bytes {
             return Ok(());
         }
         self.write_all_applied()?;

@@ -823,18 +823,17 @@ impl Cluster {
                         // (the job may have read what the power cut then took back): the node
                         // is going down, and its process with the job.
                         let built = job();
-                        if let Some(node) = self.nodes.get_mut(&id) {
-                            node.snapshot_result = None;
-                        }
-                        if result.is_err() {
-                            rerun = None;
-                        } else if self.rng.random_bool(0.5) {
-                            rerun = Some(built);
-                        } else {
-                            rerun = None;
-                            if let Some(node) = self.nodes.get_mut(&id) {
-                                node.snapshot_result = Some(built);
+                        rerun = None;
+                        let mut stored = None;
+                        if result.is_ok() {
+                            if self.rng.random_bool(0.5) {
+                                rerun = Some(built);
+                            } else {
+                                stored = Some(built);
                             }
+                        }
+                        if let Some(node) = self.nodes.get_mut(&id) {
+                            node.snapshot_result = stored;
                         }
                     }
                     Effect::Observe(o) => self.observe(id, o),
