@@ -1853,7 +1853,8 @@ pub fn staggered_threshold(threshold: u64, id: NodeId) -> u64 {
 /// A job that builds a snapshot of `storage`'s applied state in the layout snapshots carry
 /// between nodes (`crate::lock::StoredToSnapshot`: the lock state machine stores its
 /// dedupe records in blocks, snapshots carry one key per record, which every RaftLock version
-/// reads). The blocks are opened pair by pair as the state is read, with no copy of the whole state.
+/// reads). The blocks are opened pair by pair as the state is read, with no copy of the
+/// whole state.
 pub fn snapshot_job_for_peers<S: Storage + ?Sized>(
     storage: &S,
 ) -> Result<SnapshotJob, StorageError> {
