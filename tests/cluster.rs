@@ -544,7 +544,8 @@ async fn sigterm_on_the_leader_hands_over_and_exits_cleanly() {
 }
 
 /// `--snapshot-bytes` compacts the log once that many bytes were appended, even when the entry
-/// count threshold is far away; a node that was down meanwhile catches up from the snapshot.
+/// count threshold is far away; a node that was down meanwhile catches up from a snapshot the
+/// leader encodes for it (compaction alone encodes none).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn log_is_compacted_by_bytes() {
     let mut cluster = Cluster::start_with(3, |_| {
@@ -568,13 +569,21 @@ async fn log_is_compacted_by_bytes() {
         .await;
         assert_eq!(r["success"], true, "{r}");
     }
+    let snapshots = |metrics: &str, kind: &str| {
+        metrics
+            .lines()
+            .find(|l| {
+                l.starts_with("raftlock_snapshots_total") && l.contains(&format!("\"{kind}\""))
+            })
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
     let (_, metrics) = http_get(&addr, "/metrics").await.unwrap();
-    let taken = metrics
-        .lines()
-        .find(|l| l.starts_with("raftlock_snapshots_total") && l.contains("taken"))
-        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .unwrap_or(0.0);
-    assert!(taken >= 1.0, "no snapshot taken:\n{metrics}");
+    assert!(
+        snapshots(&metrics, "taken") >= 1.0,
+        "log not compacted:\n{metrics}"
+    );
+    let encoded_before = snapshots(&metrics, "encoded");
     cluster.node(follower).start();
     let f_addr = cluster.node(follower).client_addr();
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
@@ -590,6 +599,16 @@ async fn log_is_compacted_by_bytes() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    let (_, metrics) = http_get(&addr, "/metrics").await.unwrap();
+    assert!(
+        snapshots(&metrics, "encoded") > encoded_before,
+        "no snapshot encoded for the follower:\n{metrics}"
+    );
+    let (_, metrics) = http_get(&f_addr, "/metrics").await.unwrap();
+    assert!(
+        snapshots(&metrics, "installed") >= 1.0,
+        "the follower installed no snapshot:\n{metrics}"
+    );
 }
 
 /// With a cluster token, a peer call without it (or with a wrong one) is refused and changes

@@ -202,7 +202,15 @@ pub enum Observation {
         result: &'static str,
     },
     ProposalFailed,
-    SnapshotTaken {
+    /// The log was compacted to `index`: the stored state there is the new snapshot point.
+    /// No bytes are built; a follower that needs the snapshot has it encoded then
+    /// ([`Observation::SnapshotEncoded`]).
+    LogCompacted {
+        index: Index,
+    },
+    /// A snapshot of the state at `index` was encoded (`bytes` long) for a follower that needs
+    /// it; the log is compacted to `index` if it was not already.
+    SnapshotEncoded {
         index: Index,
         bytes: usize,
     },
@@ -798,7 +806,7 @@ impl<S: Storage, R> NodeCore<S, R> {
         if index <= self.raft.applied_index() && self.raft.provide_snapshot(index, snapshot.data) {
             self.storage.compact(index)?;
             self.log_bytes_since_snapshot = 0;
-            self.observe(Observation::SnapshotTaken { index, bytes });
+            self.observe(Observation::SnapshotEncoded { index, bytes });
         }
         self.write_applied(false)
     }
@@ -1818,8 +1826,11 @@ impl<S: Storage, R> NodeCore<S, R> {
         staggered_threshold(threshold, self.raft.id())
     }
 
-    /// Hands out a snapshot job once the log has grown past `snapshot_entries` entries or
-    /// `snapshot_bytes` bytes, or when a follower needs snapshot bytes the core let go.
+    /// Compacts the log once it has grown past `snapshot_entries` entries or `snapshot_bytes`
+    /// bytes: the applied state is written, and the stored state becomes the snapshot point.
+    /// Snapshot bytes are encoded (a job on another thread) only when a follower needs them:
+    /// when the core asks for them, or when it compacts while a follower is being sent a
+    /// snapshot or is known to need one.
     fn maybe_snapshot(&mut self) -> Result<(), StorageError> {
         if self.snapshot_in_progress {
             return Ok(());
@@ -1836,6 +1847,16 @@ impl<S: Storage, R> NodeCore<S, R> {
             return Ok(());
         }
         self.write_all_applied()?;
+        if !wanted && !self.raft.peers_need_snapshot() {
+            // The point is what storage holds (all of it written just now), as for a job.
+            let point = self.storage.applied_index().min(applied);
+            if self.raft.compact_without_data(point) {
+                self.storage.compact(point)?;
+                self.log_bytes_since_snapshot = 0;
+                self.observe(Observation::LogCompacted { index: point });
+            }
+            return Ok(());
+        }
         let job = snapshot_job_for_peers(&self.storage)?;
         self.snapshot_in_progress = true;
         self.effects.push(Effect::BuildSnapshot(job));
@@ -1848,6 +1869,16 @@ impl<S: Storage, R> NodeCore<S, R> {
 /// `NodeCore::staggered`).
 pub fn staggered_threshold(threshold: u64, id: NodeId) -> u64 {
     threshold.saturating_add(threshold / 8 * (id % 4))
+}
+
+/// The snapshot a restarted node starts from (`InitialState::snapshot`): the recovered
+/// snapshot point without bytes, which are encoded only when a follower needs them. None when
+/// the log was never compacted.
+pub fn recovered_snapshot(meta: &crate::raft::SnapshotMeta) -> Option<crate::raft::Snapshot> {
+    (meta.index > 0).then(|| crate::raft::Snapshot {
+        meta: meta.clone(),
+        data: bytes::Bytes::new(),
+    })
 }
 
 /// A job that builds a snapshot of `storage`'s applied state in the layout snapshots carry

@@ -85,7 +85,8 @@ impl Ready {
 pub struct InitialState {
     pub hard_state: HardState,
     /// The latest snapshot, if the log was ever compacted; the leader sends it to lagging
-    /// followers.
+    /// followers. Its `data` may be empty: the bytes are not held, and are asked for
+    /// ([`Raft::snapshot_wanted`]) when a follower needs them.
     pub snapshot: Option<Snapshot>,
     /// Durable entries after the snapshot index, in order.
     pub entries: Vec<Entry>,
@@ -251,8 +252,10 @@ impl Raft {
             read_states: Vec::new(),
             messages_now: Vec::new(),
             messages: Vec::new(),
+            // Empty bytes (an encoded snapshot never is): only the meta was recovered, the
+            // bytes are built when a follower needs them.
+            snapshot_data_released: initial.snapshot.as_ref().is_some_and(|s| s.data.is_empty()),
             snapshot: initial.snapshot,
-            snapshot_data_released: false,
             snapshot_wanted: false,
             incoming_snapshot: None,
             snapshot_to_install: None,
@@ -380,19 +383,33 @@ impl Raft {
     /// send, and a large state's bytes are a large share of a node's memory. Returns whether
     /// bytes were let go.
     pub fn release_snapshot_data(&mut self) -> bool {
-        if self.snapshot_data_released || self.snapshot.is_none() {
-            return false;
-        }
-        let first = self.log.snapshot_index() + 1;
-        if self.role == Role::Leader
-            && self.progress.iter().any(|(&id, p)| {
-                id != self.id && (p.state == ProgressState::Snapshot || p.next_index < first)
-            })
-        {
+        if self.snapshot_data_released || self.snapshot.is_none() || self.peers_need_snapshot() {
             return false;
         }
         if let Some(snapshot) = &mut self.snapshot {
             snapshot.data = Bytes::new();
+        }
+        self.snapshot_data_released = true;
+        true
+    }
+
+    /// Leader only: whether a follower is being sent the latest snapshot or is known to need
+    /// one (its next entry was compacted away). False on followers.
+    pub fn peers_need_snapshot(&self) -> bool {
+        let first = self.log.snapshot_index() + 1;
+        self.role == Role::Leader
+            && self.progress.iter().any(|(&id, p)| {
+                id != self.id && (p.state == ProgressState::Snapshot || p.next_index < first)
+            })
+    }
+
+    /// Compacts the log to `index` as [`Raft::compact`] does, without snapshot bytes: the
+    /// driver's stored state is the snapshot, and its bytes are built only when a follower
+    /// needs them ([`Raft::snapshot_wanted`], then [`Raft::provide_snapshot`]). Returns
+    /// whether the log was compacted (as [`Raft::compact`]).
+    pub fn compact_without_data(&mut self, index: Index) -> bool {
+        if !self.compact(index, Bytes::new()) {
+            return false;
         }
         self.snapshot_data_released = true;
         true

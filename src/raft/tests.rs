@@ -669,6 +669,94 @@ fn released_snapshot_bytes_are_asked_for_again_and_then_sent() {
     assert!(net.raft(1).release_snapshot_data());
 }
 
+// Reference: §5.7 — the log compacted without snapshot bytes (the driver's stored state is the
+// snapshot): a follower whose next entry went is noticed, the bytes are asked for, and once
+// provided at a newer point (the state as it is then) they are sent and installed.
+#[test]
+fn a_log_compacted_without_bytes_asks_for_them_when_a_follower_needs_them() {
+    let mut net = Net::new(3, true);
+    net.raft(1).set_snapshot_chunk_bytes(1024);
+    net.elect(1);
+    assert!(!net.raft(1).peers_need_snapshot());
+    net.blocked.insert(3);
+    for _ in 0..30 {
+        net.propose(1, b"x");
+    }
+    let first = net.raft(1).applied_index();
+    assert!(
+        !net.raft(1).compact_without_data(first + 1),
+        "not applied yet"
+    );
+    assert!(net.raft(1).compact_without_data(first));
+    assert!(
+        !net.raft(1).compact_without_data(first),
+        "already compacted there"
+    );
+    assert_eq!(net.raft(1).snapshot_index(), first);
+    assert_eq!(net.raft(1).latest_snapshot().map(|s| s.data.len()), Some(0));
+    assert!(!net.raft(1).release_snapshot_data(), "no bytes to let go");
+    assert!(
+        !net.raft(1).snapshot_wanted(),
+        "nobody is known to need them yet"
+    );
+    net.blocked.clear();
+    net.log.clear();
+    net.tick_all(4);
+    assert!(
+        net.raft(1).peers_need_snapshot(),
+        "node 3's next entry was compacted away"
+    );
+    assert!(net.raft(1).snapshot_wanted());
+    assert_eq!(net.chunks_delivered_to(3), 0, "nothing to send yet");
+    // Meanwhile the log goes on; the bytes come built at the newer applied point.
+    net.propose(1, b"y");
+    let newer = net.raft(1).applied_index();
+    assert!(newer > first);
+    let data = Bytes::from(vec![7u8; 2 * 1024 + 3]);
+    assert!(net.raft(1).provide_snapshot(newer, data.clone()));
+    assert_eq!(net.raft(1).snapshot_index(), newer);
+    assert!(!net.raft(1).snapshot_wanted());
+    net.tick_all(6);
+    assert_eq!(net.installed_snapshots.get(&3), Some(&newer));
+    assert_eq!(net.raft(3).last_index(), net.raft(1).last_index());
+    assert!(!net.raft(1).peers_need_snapshot());
+    assert!(net.raft(1).release_snapshot_data());
+}
+
+// A restarted server recovers its snapshot point without bytes (`InitialState::snapshot` with
+// empty data): it counts as let go, and the bytes are asked for once a follower needs them.
+#[test]
+fn a_recovered_snapshot_without_bytes_counts_as_let_go() {
+    let meta = SnapshotMeta {
+        index: 5,
+        term: 2,
+        membership: Membership::with_voters([1, 2, 3]),
+    };
+    let initial = InitialState {
+        hard_state: HardState {
+            term: 2,
+            vote: 0,
+            commit: 5,
+        },
+        snapshot: Some(Snapshot {
+            meta: meta.clone(),
+            data: Bytes::new(),
+        }),
+        applied: 5,
+        ..Default::default()
+    };
+    let mut raft = Raft::new(config(1, false), initial).unwrap();
+    assert_eq!(raft.snapshot_index(), 5);
+    assert!(!raft.release_snapshot_data(), "nothing held to let go");
+    let data = Bytes::from_static(b"RLSNAP01-state");
+    assert!(
+        raft.provide_snapshot(5, data.clone()),
+        "the same point gets its bytes"
+    );
+    assert_eq!(raft.latest_snapshot().map(|s| s.data.clone()), Some(data));
+    assert!(raft.release_snapshot_data());
+}
+
 // Reference: §5.7 — a snapshot of many chunks sent over a network slower than the heartbeat:
 // each chunk goes out once (plus a retry when it is lost), not again with every heartbeat answer.
 // Regression: every heartbeat answer used to send the current chunk once more, and each answer to

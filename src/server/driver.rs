@@ -757,8 +757,13 @@ impl Driver {
                 m.requests_total.with_label_values(&[op, result]).inc();
             }
             Observation::ProposalFailed => m.proposals_failed_total.inc(),
-            Observation::SnapshotTaken { index, bytes } => {
+            Observation::LogCompacted { index } => {
                 m.snapshots_total.with_label_values(&["taken"]).inc();
+                tracing::debug_span!("raft.snapshot", kind = "taken", index = index as i64)
+                    .in_scope(|| info!(index, "log compacted to the stored state"));
+            }
+            Observation::SnapshotEncoded { index, bytes } => {
+                m.snapshots_total.with_label_values(&["encoded"]).inc();
                 let took = self.snapshot_started.take().map(|at| at.elapsed());
                 if let Some(took) = took {
                     m.snapshot_duration_seconds.observe(took.as_secs_f64());
@@ -766,11 +771,11 @@ impl Driver {
                 let took_ms = took.map_or(0, |t| t.as_millis() as u64);
                 tracing::debug_span!(
                     "raft.snapshot",
-                    kind = "taken",
+                    kind = "encoded",
                     index = index as i64,
                     bytes = bytes as i64
                 )
-                .in_scope(|| info!(index, bytes, took_ms, "snapshot taken, log compacted"));
+                .in_scope(|| info!(index, bytes, took_ms, "snapshot encoded for a follower"));
             }
             Observation::SnapshotInstalled { index } => {
                 self.cfg.watch.reset(index);

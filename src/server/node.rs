@@ -179,11 +179,7 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
         Membership::default()
     };
 
-    let snapshot = if recovered.snapshot_meta.index > 0 {
-        Some(crate::node::snapshot_job_for_peers(&storage)?()?)
-    } else {
-        None
-    };
+    let snapshot = crate::node::recovered_snapshot(&recovered.snapshot_meta);
     let sm =
         // Apply uses the limits replicated through the log (`SetLimits`, proposed from these
         // flags by the cluster's first leader); until then every replica uses the defaults.

@@ -436,15 +436,7 @@ impl Cluster {
         let started = (|| -> Result<Core, String> {
             let recovered = storage.recover().map_err(|e| e.to_string())?;
             let fresh = recovered.last_index() == 0 && recovered.hard_state.term == 0;
-            let snapshot = if recovered.snapshot_meta.index > 0 {
-                Some(
-                    crate::node::snapshot_job_for_peers(&storage)
-                        .and_then(|job| job())
-                        .map_err(|e| e.to_string())?,
-                )
-            } else {
-                None
-            };
+            let snapshot = crate::node::recovered_snapshot(&recovered.snapshot_meta);
             // Until the first leader's `SetLimits` applies, every replica uses the defaults.
             let sm = LockStateMachine::from_kv_with_limits(
                 recovered.applied_state.clone(),

@@ -400,8 +400,10 @@ fn caught_expiry_that_checks_only_the_token() {
 #[test]
 fn caught_housekeeping_never_retried() {
     assert_node_bug_caught(
+        // Caught at seed 835 on 3 nodes since compaction stopped encoding snapshots (the
+        // runs' events changed); within 600 before.
         "housekeeping_never_retried",
-        600,
+        1200,
         NodeBugs {
             housekeeping_never_retried: true,
             ..NodeBugs::default()

@@ -161,7 +161,7 @@ impl NodeMetrics {
             )),
             snapshot_duration_seconds: reg!(hist(
                 "raftlock_snapshot_duration_seconds",
-                "Taking a snapshot: reading and encoding the state, writing it, compacting the log.",
+                "Encoding a snapshot for a follower: reading and encoding the stored state (on its own thread).",
                 SNAPSHOT_BUCKETS
             )),
             request_duration_seconds: reg!(HistogramVec::new(
@@ -175,7 +175,7 @@ impl NodeMetrics {
             snapshots_total: reg!(IntCounterVec::new(
                 Opts::new(
                     "raftlock_snapshots_total",
-                    "Snapshots taken here (log compacted) and installed from the leader."
+                    "Snapshots taken here (the log compacted to the stored state), encoded here for a follower that needed one, and installed from the leader."
                 ),
                 &["kind"]
             )),
@@ -268,7 +268,7 @@ impl NodeMetrics {
         };
         // Every label value known in advance starts at 0, so a series exists (and a dashboard
         // panel has data) before the first event.
-        for kind in ["taken", "installed"] {
+        for kind in ["taken", "encoded", "installed"] {
             metrics.snapshots_total.with_label_values(&[kind]);
         }
         metrics

@@ -958,11 +958,11 @@ async fn time_catch_up(
     ))
 }
 
-/// The `bytes` of the last "snapshot taken" line in a node's JSON log.
+/// The `bytes` of the last "snapshot encoded" line in a node's JSON log.
 fn last_snapshot_bytes(log: &Path) -> Option<u64> {
     let text = std::fs::read_to_string(log).ok()?;
     text.lines()
-        .filter(|l| l.contains("snapshot taken"))
+        .filter(|l| l.contains("snapshot encoded"))
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
         .filter_map(|v| v["fields"]["bytes"].as_u64())
         .next_back()
@@ -1071,7 +1071,9 @@ async fn locks_part(n: u64, base: &Path, run: &str) -> Result<Value, String> {
     let changes = "raftlock_leader_changes_total";
     let leader_changes_fill = metric(&addr, changes).await.unwrap_or(0.0);
 
-    // Snapshot: pad the log up to the threshold, then time from the crossing to the counter.
+    // Compaction: pad the log up to the threshold, then time from the crossing to the counter.
+    // A node compacts its log to its stored state without encoding a snapshot; one is encoded
+    // when a follower needs it (timed below, when the wiped follower joins).
     let pad_errors = Errors::default();
     let pad_start = Instant::now();
     let padded = if applied_after_fill < threshold {
@@ -1079,21 +1081,11 @@ async fn locks_part(n: u64, base: &Path, run: &str) -> Result<Value, String> {
     } else {
         0
     };
-    // The crossing is seen by polling (25 ms); the snapshot is built on its own thread.
-    // If the fill itself crossed the threshold, the snapshot's start was not seen: its time is
-    // not measured (reported as such), only its size.
+    // The crossing is seen by polling (25 ms). If the fill itself crossed the threshold, the
+    // compaction's time is not measured (reported as such).
     let snapshot_during_fill = applied_after_fill >= threshold;
-    // The node times its own snapshots (raftlock_snapshot_duration_seconds); polling the
-    // counter below is only the fallback for nodes without that metric.
-    let snap_sum = "raftlock_snapshot_duration_seconds_sum";
-    let snap_count = "raftlock_snapshot_duration_seconds_count";
-    let (sum_before, count_before) = (
-        metric(&addr, snap_sum).await.unwrap_or(0.0),
-        metric(&addr, snap_count).await.unwrap_or(0.0),
-    );
     let mut crossed = None;
-    let mut snapshot_seconds =
-        (snapshot_during_fill && count_before > 0.0).then(|| sum_before / count_before);
+    let mut compaction_seconds = None;
     let snap_deadline = Instant::now() + Duration::from_secs(600);
     while !snapshot_during_fill && Instant::now() < snap_deadline {
         if crossed.is_none() {
@@ -1104,25 +1096,14 @@ async fn locks_part(n: u64, base: &Path, run: &str) -> Result<Value, String> {
             }
         }
         if metric(&addr, taken).await.unwrap_or(0.0) > taken_during_fill {
-            let polled = crossed.unwrap_or(pad_start).elapsed().as_secs_f64();
-            let sum = metric(&addr, snap_sum).await.unwrap_or(0.0);
-            let count = metric(&addr, snap_count).await.unwrap_or(0.0);
-            snapshot_seconds = Some(if count > count_before {
-                (sum - sum_before) / (count - count_before)
-            } else {
-                polled
-            });
+            compaction_seconds = Some(crossed.unwrap_or(pad_start).elapsed().as_secs_f64());
             break;
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
-    let leader_log = dir.join(format!("raftlock-{}.log", leader + 1));
-    let snapshot_bytes = last_snapshot_bytes(&leader_log);
-    println!(
-        "locks: snapshot after padding {padded} entries: {snapshot_seconds:?} s, {snapshot_bytes:?} bytes"
-    );
-    if snapshot_seconds.is_none() && !snapshot_during_fill {
-        pad_errors.add("no snapshot was taken within 10 minutes of the fill");
+    println!("locks: log compacted after padding {padded} entries: {compaction_seconds:?} s");
+    if compaction_seconds.is_none() && !snapshot_during_fill {
+        pad_errors.add("the log was not compacted within 10 minutes of the fill");
     }
     // The log trimmer deletes compacted entries in the background.
     tokio::time::sleep(Duration::from_secs(5)).await;
@@ -1152,6 +1133,15 @@ async fn locks_part(n: u64, base: &Path, run: &str) -> Result<Value, String> {
     }
     .await;
     println!("locks: restart: {restart:?}");
+
+    // The node times the snapshots it encodes (raftlock_snapshot_duration_seconds): the one the
+    // joining follower below needs is the first since the fill.
+    let snap_sum = "raftlock_snapshot_duration_seconds_sum";
+    let snap_count = "raftlock_snapshot_duration_seconds_count";
+    let (sum_before, count_before) = (
+        metric(&addr, snap_sum).await.unwrap_or(0.0),
+        metric(&addr, snap_count).await.unwrap_or(0.0),
+    );
 
     // Wipe: SIGKILL the other follower and delete its data directory. First it is started
     // again as it was (same id, `--initial-cluster`), which Raft does not allow for (a voter
@@ -1264,6 +1254,15 @@ async fn locks_part(n: u64, base: &Path, run: &str) -> Result<Value, String> {
     }
     .await;
     println!("locks: wipe: {wipe:?}");
+    let (sum_after, count_after) = (
+        metric(&addr, snap_sum).await.unwrap_or(0.0),
+        metric(&addr, snap_count).await.unwrap_or(0.0),
+    );
+    let snapshot_seconds = (count_after > count_before)
+        .then(|| (sum_after - sum_before) / (count_after - count_before));
+    let leader_log = dir.join(format!("raftlock-{}.log", leader + 1));
+    let snapshot_bytes = last_snapshot_bytes(&leader_log);
+    println!("locks: snapshot encoded for the joining follower: {snapshot_seconds:?} s, {snapshot_bytes:?} bytes");
     let leader_still = status(&addr)
         .await
         .map(|s| s["role"] == "leader")
@@ -1304,6 +1303,7 @@ async fn locks_part(n: u64, base: &Path, run: &str) -> Result<Value, String> {
         "padding_entries": padded,
         "padding_errors": pad_errors.to_json(),
         "snapshot_seconds": snapshot_seconds,
+        "compaction_seconds": compaction_seconds,
         "snapshot_bytes": snapshot_bytes,
         "leader_data_dir_after_fill_bytes": data_dir_after_fill,
         "leader_data_dir_after_snapshot_bytes": data_dir_after_snapshot,
@@ -1444,8 +1444,9 @@ fn markdown(r: &Value) -> String {
         } else {
             s.push_str(&format!(
                 "{} distinct locks acquired ({} h lease) over {} connections to the leader with \
-                 {} acquires in flight on each; snapshot threshold set to {} entries so that one \
-                 snapshot is taken right after the fill (the gap closed with {} padding writes).\n\n",
+                 {} acquires in flight on each; snapshot threshold set to {} entries so that the \
+                 log is compacted right after the fill (the gap closed with {} padding writes); \
+                 a snapshot is encoded when the wiped follower joins.\n\n",
                 l["locks"],
                 l["ttl_ms"].as_u64().unwrap_or(0) / 3_600_000,
                 l["fill_connections"],
@@ -1465,11 +1466,12 @@ fn markdown(r: &Value) -> String {
                 ("locks held", format!("{} of {}", l["granted"], l["locks"]), format!("the leader's /status said {}; {} given up", l["leader_locks_held"], l["gave_up"])),
                 ("acquire throughput", format!("{}/s", num(&l["acquires_per_s"], 0)), format!("granted / fill time ({} s); acquire latency p50 {} ms, p99 {} ms", num(&l["fill_seconds"], 1), num(&l["acquire_p50_ms"], 1), num(&l["acquire_p99_ms"], 1))),
                 ("refused answers", format!("{}", l["refusals"]), format!("answers other than a grant, by code, each retried with the same request id ({} retries)", l["retries"])),
-                ("leader RSS before / after fill", format!("{} / {}", mib(&l["leader_rss_before_bytes"]), mib(&l["leader_rss_after_fill_bytes"])), format!("after the snapshot: {}; a follower: {} / {}", mib(&l["leader_rss_after_snapshot_bytes"]), mib(&l["follower_rss_before_bytes"]), mib(&l["follower_rss_after_fill_bytes"]))),
+                ("leader RSS before / after fill", format!("{} / {}", mib(&l["leader_rss_before_bytes"]), mib(&l["leader_rss_after_fill_bytes"])), format!("after the compaction: {}; a follower: {} / {}", mib(&l["leader_rss_after_snapshot_bytes"]), mib(&l["follower_rss_before_bytes"]), mib(&l["follower_rss_after_fill_bytes"]))),
                 ("bytes per held lock", num(&l["bytes_per_lock"], 0), "(after fill − before) / locks: the lock, its lease timer, the exactly-once answer kept for the acquire, and the log entries not yet compacted".into()),
-                ("snapshot size", mib(&l["snapshot_bytes"]), "the encoded state the leader sends a follower (from its `snapshot taken` log line); the state itself lives in the sled data directory".into()),
-                ("snapshot time", if l["snapshot_seconds"].is_null() { "not measured".into() } else { format!("{} s", num(&l["snapshot_seconds"], 2)) }, "the leader's own timing (`raftlock_snapshot_duration_seconds`): reading the state, encoding it, writing it, compacting the log; the snapshot is built on its own thread while the node goes on serving".into()),
-                ("leader data directory", format!("{} / {}", mib(&l["leader_data_dir_after_fill_bytes"]), mib(&l["leader_data_dir_after_snapshot_bytes"])), "on disk (allocated blocks) after the fill / 5 s after the snapshot".into()),
+                ("snapshot size", mib(&l["snapshot_bytes"]), "the encoded state the leader sent the joining follower (from its `snapshot encoded` log line); the state itself lives in the sled data directory, and a snapshot is encoded only when a follower needs one".into()),
+                ("snapshot time", if l["snapshot_seconds"].is_null() { "not measured".into() } else { format!("{} s", num(&l["snapshot_seconds"], 2)) }, "the leader's own timing (`raftlock_snapshot_duration_seconds`) of the snapshot it encoded for the joining follower: reading the state and encoding it, on its own thread while the node goes on serving".into()),
+                ("log compaction", if l["compaction_seconds"].is_null() { "not measured".into() } else { format!("{} s", num(&l["compaction_seconds"], 2)) }, "from the applied index crossing the threshold (seen by polling every 25 ms) to `raftlock_snapshots_total{kind=\"taken\"}` counting it: the applied state written and the log compacted to it, no snapshot encoded".into()),
+                ("leader data directory", format!("{} / {}", mib(&l["leader_data_dir_after_fill_bytes"]), mib(&l["leader_data_dir_after_snapshot_bytes"])), "on disk (allocated blocks) after the fill / 5 s after the compaction".into()),
                 ("follower restart", format!("{} s", num(&rs["caught_up_s"], 2)), format!("SIGKILL, start again → its /status shows a leader and applied index ≥ the leader's commit index at the kill ({}); first /status answer after {} s. {}", rs["commit_index_at_kill"], num(&rs["first_status_answer_s"], 2), rs["error"].as_str().unwrap_or(""))),
                 ("wiped follower, same flags", if wf["same_id_without_removal"]["refused_to_start"] == true { format!("refused to start ({} s)", num(&wf["same_id_without_removal"]["after_s"], 2)) } else if wf["same_id_without_removal"]["caught_up"] == true { format!("{} s", num(&wf["same_id_without_removal"]["caught_up_s"], 2)) } else { "never caught up".into() }, format!("SIGKILL, data directory deleted, started again with its old flags (same id, --initial-cluster): a voter that forgot the entries it acknowledged must not vote, so the node refuses to start and says why: {}", wf["same_id_without_removal"])),
                 ("follower catch-up from empty", format!("{} s", num(&wf["caught_up_s"], 2)), format!("the documented way: wiped node removed from the members through the leader's peer port, started again with `--join` → caught up to {} (snapshots installed: {}; locks held there: {}; its data directory then {}; its RSS then {}, at most {} since it started, the snapshot install included). {}", wf["commit_index_at_join"], wf["snapshots_installed"], wf["locks_held"], mib(&wf["data_dir_bytes"]), mib(&wf["rss_bytes"]), mib(&wf["peak_rss_bytes"]), wf["error"].as_str().unwrap_or(""))),
