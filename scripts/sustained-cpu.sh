@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Two builds of lock-node under the same sustained load, one after the other (A B B A ...): for
+# each run, the acquires and their latency (raftlock-bench load), the CPU time the three nodes
+# used (user + kernel, from /proc) and per acquire, each node's RSS at the end and its peak,
+# and how many snapshots were encoded and log compactions done (from the nodes' logs).
+# For "does this change cost less CPU or memory under load?"; compare-builds.sh is for
+# throughput and latency in short runs.
+#
+#   scripts/sustained-cpu.sh OLD_LOCK_NODE NEW_LOCK_NODE [seconds 60] [clients 128] [rounds 2]
+#
+# Each node runs with its defaults (as `lockctl up` starts them), so the exactly-once table's
+# pacing applies as it does for users.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OLD=${1:?old lock-node}; NEW=${2:?new lock-node}
+SECS=${3:-60}; CLIENTS=${4:-128}; ROUNDS=${5:-2}
+BENCH=target/release/raftlock-bench
+[ -x "$BENCH" ] || cargo build --release --bin raftlock-bench
+WORK=$(mktemp -d)
+PIDS=()
+cleanup() {
+  if [ ${#PIDS[@]} -gt 0 ]; then kill -9 "${PIDS[@]}" 2>/dev/null || true; fi
+  wait 2>/dev/null || true
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+TICK=$(getconf CLK_TCK)
+port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
+cpu_ticks() { local t=0 p; for p in "${PIDS[@]}"; do t=$((t + $(awk '{print $14+$15}' "/proc/$p/stat"))); done; echo "$t"; }
+mib() { local out="" p; for p in "${PIDS[@]}"; do out+="$(awk -v k="$1:" '$1==k{printf "%d ", $2/1024}' "/proc/$p/status")"; done; echo "${out% }"; }
+
+run() { # name binary
+  local name=$1 bin=$2 peers=() clients=() initial="" dir="$WORK/$1"
+  mkdir -p "$dir"
+  PIDS=()
+  for i in 1 2 3; do peers+=("$(port)"); clients+=("$(port)"); done
+  for i in 1 2 3; do initial+="${initial:+,}$i=127.0.0.1:${peers[$((i-1))]}"; done
+  for i in 1 2 3; do
+    "$bin" --node-id "$i" --data-dir "$dir/n$i" --peer-listen "127.0.0.1:${peers[$((i-1))]}" \
+      --client-listen "127.0.0.1:${clients[$((i-1))]}" --initial-cluster "$initial" \
+      >"$dir/n$i.log" 2>&1 &
+    PIDS+=($!)
+  done
+  sleep 4
+  local before after load
+  before=$(cpu_ticks)
+  load=$("$BENCH" load --endpoints "127.0.0.1:${clients[0]},127.0.0.1:${clients[1]},127.0.0.1:${clients[2]}" \
+    --clients "$CLIENTS" --workload uncontended --duration "${SECS}s" 2>&1 | grep -v hand-off | tail -1)
+  after=$(cpu_ticks)
+  local rss peak
+  rss=$(mib VmRSS); peak=$(mib VmHWM)
+  { kill -9 "${PIDS[@]}"; wait; } 2>/dev/null || true
+  PIDS=()
+  local grants encoded compacted
+  grants=$(sed -n 's/.*grants=\([0-9]*\).*/\1/p' <<<"$load")
+  encoded=$(cat "$dir"/n*.log | grep -c 'snapshot taken\|snapshot encoded' || true)
+  compacted=$(cat "$dir"/n*.log | grep -c 'log compacted to' || true)
+  echo "$name: $load"
+  python3 - "$name" "$before" "$after" "$TICK" "${grants:-0}" "$rss" "$peak" "$encoded" "$compacted" <<'PY'
+import sys
+name, before, after, tick, grants, rss, peak, encoded, compacted = sys.argv[1:]
+cpu = (int(after) - int(before)) / int(tick)
+per = cpu / int(grants) * 1e6 if int(grants) else float("nan")
+print(f"{name}: cpu {cpu:.1f} s for the three nodes, {per:.0f} us per acquire; "
+      f"RSS MiB [{rss}], peak [{peak}]; snapshots encoded {encoded}, log compactions {compacted}")
+PY
+  rm -rf "$dir"
+}
+
+for r in $(seq "$ROUNDS"); do
+  if [ $((r % 2)) -eq 1 ]; then order="old new"; else order="new old"; fi
+  for side in $order; do
+    if [ "$side" = old ]; then run "old-round$r" "$OLD"; else run "new-round$r" "$NEW"; fi
+  done
+done
