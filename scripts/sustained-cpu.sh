@@ -2,7 +2,8 @@
 # Two builds of lock-node under the same sustained load, one after the other (A B B A ...): for
 # each run, the acquires and their latency (raftlock-bench load), the CPU time the three nodes
 # used (user + kernel, from /proc) and per acquire, each node's RSS at the end and its peak,
-# and how many snapshots were encoded and log compactions done (from the nodes' logs).
+# and how many snapshots were encoded and log compactions done (from the nodes' logs; builds
+# before 2026-11-27 log every snapshot as "snapshot taken", since then "snapshot encoded").
 # For "does this change cost less CPU or memory under load?"; compare-builds.sh is for
 # throughput and latency in short runs.
 #

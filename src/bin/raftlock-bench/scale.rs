@@ -6,9 +6,9 @@
 //!    30 s window: the leader's resident memory per connection, renewals per second, the leader's
 //!    CPU per renewal and the renewal latency.
 //! 2. **Held locks**: N distinct locks acquired with a 1 h lease over a few pipelined connections;
-//!    the fill rate, the leader's memory per held lock, one snapshot taken after the fill (its size
-//!    and how long it took), the restart of a killed follower, and a follower whose data directory
-//!    was wiped catching up by snapshot.
+//!    the fill rate, the leader's memory per held lock, the log compacted after the fill, the
+//!    restart of a killed follower, and a follower whose data directory was wiped catching up by
+//!    a snapshot the leader encodes for it (its size and how long the encoding took).
 //!
 //! Every loop is bounded in count and time; server errors are counted and reported, never
 //! unwrapped.
