@@ -584,6 +584,26 @@ async fn log_is_compacted_by_bytes() {
         "log not compacted:\n{metrics}"
     );
     let encoded_before = snapshots(&metrics, "encoded");
+    // The follower that stayed up compacts its log too, and encodes nothing for that: no
+    // follower of its own needs a snapshot.
+    let other = cluster
+        .nodes
+        .iter()
+        .find(|n| n.id != leader && n.id != follower)
+        .unwrap()
+        .id;
+    let (_, metrics) = http_get(&cluster.node(other).client_addr(), "/metrics")
+        .await
+        .unwrap();
+    assert!(
+        snapshots(&metrics, "taken") >= 1.0,
+        "the live follower did not compact:\n{metrics}"
+    );
+    assert_eq!(
+        snapshots(&metrics, "encoded"),
+        0.0,
+        "compaction encoded a snapshot:\n{metrics}"
+    );
     cluster.node(follower).start();
     let f_addr = cluster.node(follower).client_addr();
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
