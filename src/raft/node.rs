@@ -181,11 +181,11 @@ pub struct Raft {
     messages_now: Vec<Message>,
     messages: Vec<Message>,
 
-    /// The latest local snapshot, sent to followers whose next entry was compacted away.
+    /// The latest local snapshot, sent to followers whose next entry was compacted away. Empty
+    /// `data` (an encoded snapshot never is) means its bytes are not held: let go
+    /// ([`Raft::release_snapshot_data`]), never built ([`Raft::compact_without_data`]) or not
+    /// recovered; its meta still holds.
     snapshot: Option<Snapshot>,
-    /// The latest snapshot's bytes were let go ([`Raft::release_snapshot_data`]); its meta
-    /// still holds.
-    snapshot_data_released: bool,
     /// A follower needs the latest snapshot's bytes, which were let go.
     snapshot_wanted: bool,
     incoming_snapshot: Option<IncomingSnapshot>,
@@ -252,9 +252,6 @@ impl Raft {
             read_states: Vec::new(),
             messages_now: Vec::new(),
             messages: Vec::new(),
-            // Empty bytes (an encoded snapshot never is): only the meta was recovered, the
-            // bytes are built when a follower needs them.
-            snapshot_data_released: initial.snapshot.as_ref().is_some_and(|s| s.data.is_empty()),
             snapshot: initial.snapshot,
             snapshot_wanted: false,
             incoming_snapshot: None,
@@ -383,14 +380,16 @@ impl Raft {
     /// send, and a large state's bytes are a large share of a node's memory. Returns whether
     /// bytes were let go.
     pub fn release_snapshot_data(&mut self) -> bool {
-        if self.snapshot_data_released || self.snapshot.is_none() || self.peers_need_snapshot() {
+        if self.peers_need_snapshot() {
             return false;
         }
-        if let Some(snapshot) = &mut self.snapshot {
-            snapshot.data = Bytes::new();
+        match &mut self.snapshot {
+            Some(snapshot) if !snapshot.data.is_empty() => {
+                snapshot.data = Bytes::new();
+                true
+            }
+            _ => false,
         }
-        self.snapshot_data_released = true;
-        true
     }
 
     /// Leader only: whether a follower is being sent the latest snapshot or is known to need
@@ -408,11 +407,12 @@ impl Raft {
     /// needs them ([`Raft::snapshot_wanted`], then [`Raft::provide_snapshot`]). Returns
     /// whether the log was compacted (as [`Raft::compact`]).
     pub fn compact_without_data(&mut self, index: Index) -> bool {
-        if !self.compact(index, Bytes::new()) {
-            return false;
-        }
-        self.snapshot_data_released = true;
-        true
+        self.compact(index, Bytes::new())
+    }
+
+    /// Whether the latest snapshot's bytes are not held (see the `snapshot` field).
+    fn snapshot_data_released(&self) -> bool {
+        self.snapshot.as_ref().is_some_and(|s| s.data.is_empty())
     }
 
     /// A snapshot the driver built of its applied state at `index` because
@@ -428,7 +428,6 @@ impl Raft {
                 if snapshot.meta.index == index && index == self.log.snapshot_index() =>
             {
                 snapshot.data = data;
-                self.snapshot_data_released = false;
                 self.snapshot_wanted = false;
                 true
             }
@@ -673,7 +672,6 @@ impl Raft {
         // Entries up to `index` are about to go: the configuration they built becomes the base.
         self.membership_base = meta.membership.clone();
         self.snapshot = Some(Snapshot { meta, data });
-        self.snapshot_data_released = false;
         self.snapshot_wanted = false;
         self.log.compact(index);
         true
@@ -733,7 +731,6 @@ impl Raft {
         }
         if let Some(snapshot) = ready.snapshot {
             self.snapshot = Some(snapshot);
-            self.snapshot_data_released = false;
             self.snapshot_wanted = false;
         }
         if self.role == Role::Leader {
@@ -1459,7 +1456,7 @@ impl Raft {
         let Some(snapshot_index) = self.snapshot.as_ref().map(|s| s.meta.index) else {
             return;
         };
-        if self.snapshot_data_released {
+        if self.snapshot_data_released() {
             // Asked again on every attempt to reach `to` until the driver provides the bytes.
             self.snapshot_wanted = true;
             return;
@@ -1471,7 +1468,7 @@ impl Raft {
     }
 
     fn send_snapshot_chunk(&mut self, to: NodeId) {
-        if self.snapshot_data_released {
+        if self.snapshot_data_released() {
             self.snapshot_wanted = true;
             return;
         }
