@@ -15,25 +15,13 @@ CLIENTS=${3:-1}; WORKLOAD=${4:-uncontended}; ROUNDS=${5:-3}
 BENCH=target/release/raftlock-bench
 [ -x "$BENCH" ] || cargo build --release --bin raftlock-bench
 WORK=$(mktemp -d)
+. scripts/three-nodes.sh
 cleanup() {
-  if [ -f "$WORK/pids" ]; then kill $(cat "$WORK/pids") 2>/dev/null || true; fi
+  kill $(cat "$WORK"/*/pids 2>/dev/null) 2>/dev/null || true
   sleep 1; rm -rf "$WORK"
 }
 trap cleanup EXIT
-port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
-start() { # name binary -> prints the client endpoints
-  local name=$1 bin=$2 peers=() clients=() initial=""
-  for i in 1 2 3; do peers+=("$(port)"); clients+=("$(port)"); done
-  for i in 1 2 3; do initial+="${initial:+,}$i=127.0.0.1:${peers[$((i-1))]}"; done
-  for i in 1 2 3; do
-    "$bin" --node-id "$i" --data-dir "$WORK/$name$i" --peer-listen "127.0.0.1:${peers[$((i-1))]}" \
-      --client-listen "127.0.0.1:${clients[$((i-1))]}" --initial-cluster "$initial" \
-      >"$WORK/$name$i.log" 2>&1 &
-    echo $! >>"$WORK/pids"
-  done
-  echo "127.0.0.1:${clients[0]},127.0.0.1:${clients[1]},127.0.0.1:${clients[2]}"
-}
-A=$(start old "$OLD"); B=$(start new "$NEW")
+A=$(start_three_nodes "$OLD" "$WORK/old"); B=$(start_three_nodes "$NEW" "$WORK/new")
 sleep 5
 # Each round alternates which build goes first, so that neither always runs right after the
 # other's load. Which cluster is started first also matters (by up to half, either way, on the

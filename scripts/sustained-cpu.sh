@@ -21,36 +21,26 @@ WORK=$(mktemp -d)
 PIDS=()
 cleanup() {
   if [ ${#PIDS[@]} -gt 0 ]; then kill -9 "${PIDS[@]}" 2>/dev/null || true; fi
-  wait 2>/dev/null || true
-  rm -rf "$WORK"
+  sleep 1; rm -rf "$WORK"
 }
 trap cleanup EXIT
 TICK=$(getconf CLK_TCK)
-port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
+. scripts/three-nodes.sh
 cpu_ticks() { local t=0 p; for p in "${PIDS[@]}"; do t=$((t + $(awk '{print $14+$15}' "/proc/$p/stat"))); done; echo "$t"; }
 mib() { local out="" p; for p in "${PIDS[@]}"; do out+="$(awk -v k="$1:" '$1==k{printf "%d ", $2/1024}' "/proc/$p/status")"; done; echo "${out% }"; }
 
 run() { # name binary
-  local name=$1 bin=$2 peers=() clients=() initial="" dir="$WORK/$1"
-  mkdir -p "$dir"
-  PIDS=()
-  for i in 1 2 3; do peers+=("$(port)"); clients+=("$(port)"); done
-  for i in 1 2 3; do initial+="${initial:+,}$i=127.0.0.1:${peers[$((i-1))]}"; done
-  for i in 1 2 3; do
-    "$bin" --node-id "$i" --data-dir "$dir/n$i" --peer-listen "127.0.0.1:${peers[$((i-1))]}" \
-      --client-listen "127.0.0.1:${clients[$((i-1))]}" --initial-cluster "$initial" \
-      >"$dir/n$i.log" 2>&1 &
-    PIDS+=($!)
-  done
+  local name=$1 bin=$2 dir="$WORK/$1" endpoints before load
+  endpoints=$(start_three_nodes "$bin" "$dir")
+  mapfile -t PIDS <"$dir/pids"
   sleep 4
-  local before after load
   before=$(cpu_ticks)
-  load=$("$BENCH" load --endpoints "127.0.0.1:${clients[0]},127.0.0.1:${clients[1]},127.0.0.1:${clients[2]}" \
-    --clients "$CLIENTS" --workload uncontended --duration "${SECS}s" 2>&1 | grep -v hand-off | tail -1)
+  load=$("$BENCH" load --endpoints "$endpoints" --clients "$CLIENTS" --workload uncontended \
+    --duration "${SECS}s" 2>&1 | grep -v hand-off | tail -1)
+  local after rss peak
   after=$(cpu_ticks)
-  local rss peak
   rss=$(mib VmRSS); peak=$(mib VmHWM)
-  { kill -9 "${PIDS[@]}"; wait; } 2>/dev/null || true
+  kill -9 "${PIDS[@]}" 2>/dev/null || true
   PIDS=()
   local grants encoded compacted
   grants=$(sed -n 's/.*grants=\([0-9]*\).*/\1/p' <<<"$load")
@@ -65,7 +55,7 @@ per = cpu / int(grants) * 1e6 if int(grants) else float("nan")
 print(f"{name}: cpu {cpu:.1f} s for the three nodes, {per:.0f} us per acquire; "
       f"RSS MiB [{rss}], peak [{peak}]; snapshots encoded {encoded}, log compactions {compacted}")
 PY
-  rm -rf "$dir"
+  sleep 1; rm -rf "$dir"
 }
 
 for r in $(seq "$ROUNDS"); do
