@@ -380,16 +380,14 @@ impl Raft {
     /// send, and a large state's bytes are a large share of a node's memory. Returns whether
     /// bytes were let go.
     pub fn release_snapshot_data(&mut self) -> bool {
-        if self.peers_need_snapshot() {
+        // Called on every tick: the bytes are looked at before the followers' progress.
+        if self.snapshot.is_none() || self.snapshot_data_released() || self.peers_need_snapshot() {
             return false;
         }
-        match &mut self.snapshot {
-            Some(snapshot) if !snapshot.data.is_empty() => {
-                snapshot.data = Bytes::new();
-                true
-            }
-            _ => false,
+        if let Some(snapshot) = &mut self.snapshot {
+            snapshot.data = Bytes::new();
         }
+        true
     }
 
     /// Leader only: whether a follower is being sent the latest snapshot or is known to need

@@ -1083,11 +1083,11 @@ async fn locks_part(n: u64, base: &Path, run: &str) -> Result<Value, String> {
     };
     // The crossing is seen by polling (25 ms). If the fill itself crossed the threshold, the
     // compaction's time is not measured (reported as such).
-    let snapshot_during_fill = applied_after_fill >= threshold;
+    let compacted_during_fill = applied_after_fill >= threshold;
     let mut crossed = None;
     let mut compaction_seconds = None;
     let snap_deadline = Instant::now() + Duration::from_secs(600);
-    while !snapshot_during_fill && Instant::now() < snap_deadline {
+    while !compacted_during_fill && Instant::now() < snap_deadline {
         if crossed.is_none() {
             if let Ok(s) = status(&addr).await {
                 if field(&s, "appliedIndex") >= threshold {
@@ -1102,7 +1102,7 @@ async fn locks_part(n: u64, base: &Path, run: &str) -> Result<Value, String> {
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
     println!("locks: log compacted after padding {padded} entries: {compaction_seconds:?} s");
-    if compaction_seconds.is_none() && !snapshot_during_fill {
+    if compaction_seconds.is_none() && !compacted_during_fill {
         pad_errors.add("the log was not compacted within 10 minutes of the fill");
     }
     // The log trimmer deletes compacted entries in the background.
@@ -1299,7 +1299,7 @@ async fn locks_part(n: u64, base: &Path, run: &str) -> Result<Value, String> {
         "follower_rss_after_fill_bytes": follower_rss_after_fill,
         "snapshot_threshold_entries": threshold,
         "snapshots_taken_during_fill": taken_during_fill,
-        "snapshot_threshold_crossed_by_fill": snapshot_during_fill,
+        "snapshot_threshold_crossed_by_fill": compacted_during_fill,
         "padding_entries": padded,
         "padding_errors": pad_errors.to_json(),
         "snapshot_seconds": snapshot_seconds,
