@@ -98,7 +98,7 @@ impl From<LockEntryV1> for LockEntry {
                 ttl_ms: h.ttl_ms,
                 lease_index: 0,
             }),
-            waiters: old.waiters,
+            waiters: old.waiters.into(),
         }
     }
 }
@@ -114,7 +114,67 @@ struct Waiter {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 struct LockEntry {
     holder: Option<Holder>,
-    waiters: VecDeque<Waiter>,
+    waiters: Waiters,
+}
+
+/// A key's queue of waiters. Most held locks have none, so an empty queue is a null pointer
+/// (8 bytes in every lock) rather than an empty `VecDeque` (32). Encoded as the sequence of its
+/// waiters: the same bytes a `VecDeque` gives, so stored locks and snapshots read either way.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct Waiters(Option<Box<VecDeque<Waiter>>>);
+
+impl Waiters {
+    fn iter(&self) -> impl Iterator<Item = &Waiter> {
+        self.0.iter().flat_map(|queue| queue.iter())
+    }
+
+    fn len(&self) -> usize {
+        self.0.as_ref().map_or(0, |queue| queue.len())
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_none()
+    }
+
+    fn push_back(&mut self, waiter: Waiter) {
+        self.0.get_or_insert_with(Box::default).push_back(waiter);
+    }
+
+    fn pop_front(&mut self) -> Option<Waiter> {
+        self.remove(0)
+    }
+
+    fn remove(&mut self, position: usize) -> Option<Waiter> {
+        let queue = self.0.as_mut()?;
+        let waiter = queue.remove(position);
+        if queue.is_empty() {
+            self.0 = None;
+        }
+        waiter
+    }
+}
+
+impl From<VecDeque<Waiter>> for Waiters {
+    fn from(queue: VecDeque<Waiter>) -> Self {
+        Waiters((!queue.is_empty()).then(|| Box::new(queue)))
+    }
+}
+
+impl Serialize for Waiters {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeSeq;
+        let mut seq = serializer.serialize_seq(Some(self.len()))?;
+        for waiter in self.iter() {
+            seq.serialize_element(waiter)?;
+        }
+        seq.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for Waiters {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        VecDeque::<Waiter>::deserialize(deserializer).map(Waiters::from)
+    }
 }
 
 /// One client's session: its remembered answers by insertion number (oldest first).
@@ -268,7 +328,8 @@ pub struct LockStateMachine {
     applied_index: u64,
     /// The one cluster-wide fencing sequence: the last token handed out.
     fencing_seq: u64,
-    locks: BTreeMap<String, LockEntry>,
+    /// Boxed keys and entries: a map slot of 24 bytes instead of 112, for a million held locks.
+    locks: BTreeMap<Box<str>, Box<LockEntry>>,
     data: BTreeMap<String, Vec<u8>>,
     /// Dedupe records by insertion number (oldest first, evicted first).
     dedupe: BTreeMap<u64, Box<DedupeRecord>>,
@@ -380,7 +441,10 @@ impl LockStateMachine {
         limit: usize,
     ) -> Vec<(String, Option<HeldLock>, Vec<WaiterInfo>)> {
         self.locks
-            .range(prefix.to_string()..)
+            .range::<str, _>((
+                std::ops::Bound::Included(prefix),
+                std::ops::Bound::Unbounded,
+            ))
             .take_while(|(key, _)| key.starts_with(prefix))
             .take(limit)
             .map(|(key, entry)| self.lock_view(key, entry))
@@ -432,7 +496,7 @@ impl LockStateMachine {
             .iter()
             .flat_map(|(key, entry)| {
                 entry.waiters.iter().map(move |w| WaiterInfo {
-                    key: key.clone(),
+                    key: key.to_string(),
                     client_id: w.client_id.to_string(),
                     request_id: w.request_id.to_string(),
                     wait_timeout_ms: w.wait_timeout_ms,
@@ -580,7 +644,7 @@ impl LockStateMachine {
                 Outcome::rejected(RejectCode::InvalidRequest, "unreachable")
             }
             Command::ReleaseHeld { key, client_id, .. } => {
-                match self.locks.get(key).and_then(|e| e.holder.as_ref()) {
+                match self.locks.get(key.as_str()).and_then(|e| e.holder.as_ref()) {
                     Some(h) if *h.client_id == **client_id => {
                         self.vacate(key, events);
                         Outcome::Released
@@ -747,7 +811,7 @@ impl LockStateMachine {
             return Outcome::rejected(RejectCode::LimitReached, "too many locks in use");
         }
         let waiters_max = self.limits.waiters_per_key_max;
-        let entry = self.locks.entry(key.to_string()).or_default();
+        let entry = self.locks.entry(Box::from(key)).or_default();
         match &entry.holder {
             None => {
                 self.fencing_seq += 1;
@@ -964,7 +1028,7 @@ impl LockStateMachine {
         let Some(guard) = guard else { return Ok(()) };
         let current = self
             .locks
-            .get(&guard.key)
+            .get(guard.key.as_str())
             .and_then(|e| e.holder.as_ref())
             .map(|h| h.token);
         if current == Some(guard.value) {
@@ -1244,7 +1308,7 @@ impl LockStateMachine {
     /// The value stored under a state key now, or None if it is absent.
     fn value_of(&self, key: &str) -> Option<Vec<u8>> {
         if let Some(k) = key.strip_prefix(LOCK_PREFIX) {
-            return self.locks.get(k).map(encode_plain);
+            return self.locks.get(k).map(|entry| encode_plain(&**entry));
         }
         if let Some(k) = key.strip_prefix(DATA_PREFIX) {
             return self.data.get(k).cloned();
@@ -1371,7 +1435,7 @@ impl LockStateMachine {
                 };
                 sm.locks_held += usize::from(entry.holder.is_some());
                 sm.waiters += entry.waiters.len();
-                sm.locks.insert(k.to_string(), entry);
+                sm.locks.insert(Box::from(k), Box::new(entry));
             } else if let Some(k) = key.strip_prefix(DATA_PREFIX) {
                 sm.data.insert(k.to_string(), value.to_vec());
             } else if let Some(b) = key.strip_prefix(META_DEDUPE_BLOCK_PREFIX) {
@@ -1965,5 +2029,73 @@ mod dedupe_storage_tests {
         let mut garbage = store;
         garbage.insert(dedupe_block_key(0).into_bytes(), vec![0xff; 7]);
         assert!(LockStateMachine::from_kv(garbage).is_err());
+    }
+}
+
+#[cfg(test)]
+mod lock_entry_layout_tests {
+    use super::*;
+
+    /// The layout `LockEntry` had before its queue became [`Waiters`].
+    #[derive(Debug, PartialEq, Serialize, Deserialize)]
+    struct PlainQueueEntry {
+        holder: Option<Holder>,
+        waiters: VecDeque<Waiter>,
+    }
+
+    fn waiter(n: u32) -> Waiter {
+        Waiter {
+            client_id: format!("c{n}").into(),
+            request_id: format!("r{n}").into(),
+            ttl_ms: 1_000 + u64::from(n),
+            wait_timeout_ms: (n % 2 == 0).then_some(50),
+        }
+    }
+
+    #[test]
+    fn a_lock_entry_encodes_as_it_did_with_a_plain_queue() {
+        let holder = Holder {
+            client_id: "h".into(),
+            request_id: "a".into(),
+            token: 7,
+            ttl_ms: 500,
+            lease_index: 3,
+        };
+        for n in [0u32, 1, 3] {
+            let queue: VecDeque<Waiter> = (0..n).map(waiter).collect();
+            let plain = PlainQueueEntry {
+                holder: Some(holder.clone()),
+                waiters: queue.clone(),
+            };
+            let entry = LockEntry {
+                holder: Some(holder.clone()),
+                waiters: queue.clone().into(),
+            };
+            let bytes = encode_plain(&entry);
+            assert_eq!(bytes, encode_plain(&plain), "{n} waiters");
+            let back: LockEntry = decode_plain(&encode_plain(&plain)).expect("decodes");
+            assert_eq!(back, entry);
+            assert_eq!(back.waiters.len(), n as usize);
+            assert_eq!(back.waiters.is_empty(), n == 0);
+            let read: PlainQueueEntry = decode_plain(&bytes).expect("decodes");
+            assert_eq!(read, plain);
+        }
+    }
+
+    #[test]
+    fn an_emptied_queue_is_the_empty_queue() {
+        let mut waiters = Waiters::default();
+        waiters.push_back(waiter(1));
+        waiters.push_back(waiter(2));
+        waiters.push_back(waiter(3));
+        assert_eq!(waiters.remove(1).map(|w| w.request_id), Some("r2".into()));
+        assert_eq!(waiters.iter().count(), 2);
+        assert_eq!(waiters.pop_front().map(|w| w.request_id), Some("r1".into()));
+        assert_eq!(waiters.pop_front().map(|w| w.request_id), Some("r3".into()));
+        assert!(waiters.is_empty());
+        assert_eq!(waiters, Waiters::default());
+        assert_eq!(waiters.pop_front(), None);
+        assert_eq!(waiters.remove(4), None);
+        assert_eq!(Waiters::from(VecDeque::new()), Waiters::default());
     }
 }

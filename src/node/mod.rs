@@ -30,6 +30,7 @@ pub mod pacing;
 mod timed;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use bytes::Bytes;
 
@@ -331,7 +332,8 @@ pub struct NodeCore<S: Storage, R> {
     pending: BTreeMap<Index, Pending<R>>,
     waiting: BTreeMap<(String, String), Waiting<R>>,
     /// Leader only: the lease of every held lock, and when each falls due.
-    leases: TimedMap<String, Lease>,
+    /// Keyed by a shared string: the due-time index holds the same key, not a copy.
+    leases: TimedMap<Arc<str>, Lease>,
     /// Leader only: when queued waiters are cancelled.
     wait_deadlines: TimedMap<(String, String), WaitDeadline>,
     /// Leader only: the walk over every lock that gives each its lease and its waiters their
@@ -492,7 +494,7 @@ impl<S: Storage, R> NodeCore<S, R> {
     pub fn leases(&self) -> Vec<(String, u64, Micros)> {
         self.leases
             .iter()
-            .map(|(k, l)| (k.clone(), l.token, l.deadline.saturating_sub(self.now)))
+            .map(|(k, l)| (k.to_string(), l.token, l.deadline.saturating_sub(self.now)))
             .collect()
     }
 
@@ -827,7 +829,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             .map(|(key, held, waiters)| LockInfo {
                 expires_in_ms: held
                     .as_ref()
-                    .and_then(|_| self.leases.get(&key))
+                    .and_then(|_| self.leases.get(key.as_str()))
                     .map(|l| l.deadline.saturating_sub(self.now) / MS),
                 key,
                 holder: held.as_ref().map(|h| h.client_id.clone()),
@@ -1074,7 +1076,7 @@ impl<S: Storage, R> NodeCore<S, R> {
         let mut last = None;
         for (key, held, waiters) in locks {
             if let Some(h) = held {
-                if !self.leases.contains_key(&key) {
+                if !self.leases.contains_key(key.as_str()) {
                     let full_ttl = if no_wait { 0 } else { h.ttl_ms * MS };
                     let lease = Lease {
                         token: h.token,
@@ -1083,7 +1085,7 @@ impl<S: Storage, R> NodeCore<S, R> {
                         started: since,
                         expiry_proposed_at: None,
                     };
-                    self.leases.insert(key.clone(), lease);
+                    self.leases.insert(Arc::from(key.as_str()), lease);
                 }
             }
             for w in waiters {
@@ -1304,8 +1306,10 @@ impl<S: Storage, R> NodeCore<S, R> {
                 }
                 let new_holder = !self.leases.contains_key(key);
                 let started = self.leases.get(key).map_or(now, |l| l.started);
+                // A renewal keeps the key the lease already has.
+                let lease_key = self.leases.key_of(key).unwrap_or_else(|| Arc::from(key));
                 self.leases.insert(
-                    key.to_string(),
+                    lease_key,
                     Lease {
                         token: h.token,
                         lease_index: h.lease_index,
@@ -1475,7 +1479,7 @@ impl<S: Storage, R> NodeCore<S, R> {
         }
         let left_ms = self
             .leases
-            .get(&token.key)
+            .get(token.key.as_str())
             .filter(|l| l.token == token.value)
             .map_or(ttl_ms, |l| l.deadline.saturating_sub(self.now) / MS)
             .min(ttl_ms);
@@ -1651,12 +1655,12 @@ impl<S: Storage, R> NodeCore<S, R> {
             if lease.deadline <= now && due(lease.expiry_proposed_at) {
                 commands.push(if only_token {
                     Command::Expire {
-                        key: key.clone(),
+                        key: key.to_string(),
                         token: lease.token,
                     }
                 } else {
                     Command::ExpireLease {
-                        key: key.clone(),
+                        key: key.to_string(),
                         token: lease.token,
                         lease_index: lease.lease_index,
                     }
@@ -1681,7 +1685,7 @@ impl<S: Storage, R> NodeCore<S, R> {
                     match cmd {
                         Command::Expire { key, .. } | Command::ExpireLease { key, .. } => {
                             self.leases
-                                .update(key, |l| l.expiry_proposed_at = Some(now));
+                                .update(key.as_str(), |l| l.expiry_proposed_at = Some(now));
                         }
                         Command::CancelWait {
                             client_id,

@@ -61,6 +61,14 @@ impl<K: Ord + Clone, V: Deadline> TimedMap<K, V> {
         self.map.contains_key(k)
     }
 
+    /// The stored key equal to `k` (a cheap clone when keys are shared, as `Arc<str>` is).
+    pub fn key_of<Q: Ord + ?Sized>(&self, k: &Q) -> Option<K>
+    where
+        K: Borrow<Q>,
+    {
+        self.map.get_key_value(k).map(|(key, _)| key.clone())
+    }
+
     pub fn len(&self) -> usize {
         self.map.len()
     }

@@ -194,8 +194,18 @@ impl RaftLog {
         let Some(term) = self.term(index) else { return };
         let drop = (index - self.snapshot_index) as usize;
         self.entries.drain(..drop);
+        self.release_spare_capacity();
         self.snapshot_index = index;
         self.snapshot_term = term;
+    }
+
+    /// Gives back the room of compacted entries: a log compacted every 100,000 entries would
+    /// otherwise keep the slots of the largest log it ever held (72 bytes each) for good.
+    fn release_spare_capacity(&mut self) {
+        let len = self.entries.len();
+        if self.entries.capacity() > 2 * len + 1024 {
+            self.entries.shrink_to(len + len / 2);
+        }
     }
 
     /// Installs a snapshot received from the leader (§5.7): keep the suffix after it if our log
@@ -204,9 +214,11 @@ impl RaftLog {
         if self.matches(index, term) && index <= self.last_index() && index > self.snapshot_index {
             let drop = (index - self.snapshot_index) as usize;
             self.entries.drain(..drop);
+            self.release_spare_capacity();
             self.stable = self.stable.max(index);
         } else {
             self.entries.clear();
+            self.release_spare_capacity();
             self.unstable_from = index + 1;
             self.stable = index;
         }
@@ -215,5 +227,60 @@ impl RaftLog {
         self.unstable_from = self.unstable_from.max(index + 1);
         self.committed = self.committed.max(index);
         self.applied = self.applied.max(index);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::raft::EntryPayload;
+
+    fn log_of(n: Index) -> RaftLog {
+        let mut log = RaftLog::default();
+        for index in 1..=n {
+            log.append(Entry {
+                term: 1,
+                index,
+                payload: EntryPayload::Noop,
+            });
+        }
+        log.committed = n;
+        log.applied = n;
+        log
+    }
+
+    #[test]
+    fn compaction_gives_back_the_room_of_the_compacted_entries() {
+        let mut log = log_of(100_000);
+        assert!(log.entries.capacity() >= 100_000);
+        log.compact(99_990);
+        assert_eq!((log.first_index(), log.last_index()), (99_991, 100_000));
+        assert_eq!(log.term(100_000), Some(1));
+        assert!(
+            log.entries.capacity() <= 2 * 10 + 1024,
+            "{}",
+            log.entries.capacity()
+        );
+        // A small log keeps its room: no reallocation on every compaction.
+        let mut small = log_of(600);
+        let room = small.entries.capacity();
+        small.compact(300);
+        assert_eq!(small.entries.capacity(), room);
+    }
+
+    #[test]
+    fn an_installed_snapshot_gives_back_the_room_of_the_log_it_replaces() {
+        let mut log = log_of(50_000);
+        log.install_snapshot(80_000, 2);
+        assert_eq!(log.last_index(), 80_000);
+        assert!(log.entries.capacity() <= 1024, "{}", log.entries.capacity());
+        let mut kept = log_of(50_000);
+        kept.install_snapshot(49_000, 1);
+        assert_eq!((kept.first_index(), kept.last_index()), (49_001, 50_000));
+        assert!(
+            kept.entries.capacity() <= 2 * 1000 + 1024,
+            "{}",
+            kept.entries.capacity()
+        );
     }
 }
