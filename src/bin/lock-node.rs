@@ -9,6 +9,8 @@ use std::process::ExitCode;
 /// mimalloc instead of the system allocator: the request path allocates (messages, log entries,
 /// replies), and with mimalloc allocation costs 40% fewer instructions per lock cycle than with
 /// glibc's malloc, about 11% of the whole (`scripts/cpu-budget.py`, docs/bench/cpu-budget.md).
+/// (Left out with the `system-allocator` feature, for heap profiles: scripts/heap-profile.sh.)
+#[cfg(not(feature = "system-allocator"))]
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
