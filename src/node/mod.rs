@@ -1304,10 +1304,13 @@ impl<S: Storage, R> NodeCore<S, R> {
                     // The release's answer ends the lease the hand-off just started.
                     return;
                 }
-                let new_holder = !self.leases.contains_key(key);
-                let started = self.leases.get(key).map_or(now, |l| l.started);
-                // A renewal keeps the key the lease already has.
-                let lease_key = self.leases.key_of(key).unwrap_or_else(|| Arc::from(key));
+                // A renewal keeps the lease's key and start.
+                let existing = self
+                    .leases
+                    .get_key_value(key)
+                    .map(|(k, l)| (k.clone(), l.started));
+                let new_holder = existing.is_none();
+                let (lease_key, started) = existing.unwrap_or_else(|| (Arc::from(key), now));
                 self.leases.insert(
                     lease_key,
                     Lease {

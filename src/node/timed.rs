@@ -61,12 +61,12 @@ impl<K: Ord + Clone, V: Deadline> TimedMap<K, V> {
         self.map.contains_key(k)
     }
 
-    /// The stored key equal to `k` (a cheap clone when keys are shared, as `Arc<str>` is).
-    pub fn key_of<Q: Ord + ?Sized>(&self, k: &Q) -> Option<K>
+    /// The stored key equal to `k` and its value.
+    pub fn get_key_value<Q: Ord + ?Sized>(&self, k: &Q) -> Option<(&K, &V)>
     where
         K: Borrow<Q>,
     {
-        self.map.get_key_value(k).map(|(key, _)| key.clone())
+        self.map.get_key_value(k)
     }
 
     pub fn len(&self) -> usize {
