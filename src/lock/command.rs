@@ -195,6 +195,14 @@ impl Command {
 
 /// `version` byte followed by the postcard encoding of `value`.
 pub(crate) fn encode_versioned<T: Serialize>(version: u8, value: &T) -> Vec<u8> {
+    // Commands (every client request) are small: encode on the stack and allocate the result
+    // once, at its size, instead of growing a Vec from empty (several reallocations each).
+    let mut scratch = [0u8; 256];
+    scratch[0] = version;
+    if let Ok(body) = postcard::to_slice(value, &mut scratch[1..]) {
+        let len = 1 + body.len();
+        return scratch[..len].to_vec();
+    }
     // Serializing plain data into a growable Vec has no failure mode for our types.
     postcard::to_extend(value, vec![version]).expect("postcard encoding into a Vec cannot fail")
 }

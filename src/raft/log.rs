@@ -52,7 +52,10 @@ impl RaftLog {
         let last = log.last_index();
         log.unstable_from = last + 1;
         log.stable = last;
-        log.committed = committed.clamp(snapshot_index, last);
+        // Every applied entry was committed: a stored commit index may lag the applied one (the
+        // hard state is written when the term or vote changes, the applied index with the lock
+        // state), and must not pull it back.
+        log.committed = committed.max(applied).clamp(snapshot_index, last);
         log.applied = applied.clamp(snapshot_index, log.committed);
         log
     }
@@ -247,6 +250,26 @@ mod tests {
         log.committed = n;
         log.applied = n;
         log
+    }
+
+    #[test]
+    fn a_restart_commits_at_least_what_was_applied() {
+        let entries = log_of(10).entries;
+        // The hard state is written when the term or vote changes: its commit index may lag the
+        // applied index stored with the lock state. Every applied entry was committed, so the
+        // restored log starts with both at the applied index and applies nothing twice.
+        let log = RaftLog::restore(0, 0, entries.clone(), 3, 7);
+        assert_eq!((log.committed, log.applied), (7, 7));
+        assert!(!log.has_next_committed());
+        // A stored commit ahead of the applied index is kept (the entries between are applied).
+        let log = RaftLog::restore(0, 0, entries.clone(), 9, 7);
+        assert_eq!((log.committed, log.applied), (9, 7));
+        assert!(log.has_next_committed());
+        // Neither reaches past the stored log, nor below the snapshot.
+        let log = RaftLog::restore(0, 0, entries[..5].to_vec(), 3, 7);
+        assert_eq!((log.committed, log.applied), (5, 5));
+        let log = RaftLog::restore(4, 1, entries[4..].to_vec(), 0, 0);
+        assert_eq!((log.committed, log.applied), (4, 4));
     }
 
     #[test]

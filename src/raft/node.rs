@@ -679,7 +679,7 @@ impl Raft {
 
     pub fn has_ready(&self) -> bool {
         self.soft_state() != self.prev_soft
-            || self.hard_state() != self.prev_hard
+            || self.term_or_vote_changed()
             || self.log.has_unstable()
             || self.snapshot_to_install.is_some()
             || !self.messages_now.is_empty()
@@ -688,13 +688,16 @@ impl Raft {
             || !self.read_states.is_empty()
     }
 
+    fn term_or_vote_changed(&self) -> bool {
+        self.term != self.prev_hard.term || self.vote != self.prev_hard.vote
+    }
+
     pub fn ready(&mut self) -> Ready {
         let soft = self.soft_state();
         let hard = self.hard_state();
         let entries = self.log.take_unstable();
         self.handed_out_last = entries.last().map(|e| (e.index, e.term));
-        let term_or_vote_changed =
-            hard.term != self.prev_hard.term || hard.vote != self.prev_hard.vote;
+        let term_or_vote_changed = self.term_or_vote_changed();
         let mut messages_now = std::mem::take(&mut self.messages_now);
         let mut messages = std::mem::take(&mut self.messages);
         if term_or_vote_changed {
@@ -708,7 +711,12 @@ impl Raft {
         messages_now.append(&mut self.early_vote_replies);
         let ready = Ready {
             soft_state: (soft != self.prev_soft).then_some(soft),
-            hard_state: (hard != self.prev_hard).then_some(hard),
+            // Written when the term or vote changes (they must be durable before any message
+            // that depends on them), not for every commit: a stored commit index only spares a
+            // restarted server re-learning it, and the applied index stored with the lock state
+            // (every entry applied was committed) gives a restart the same start. One sled write
+            // fewer per commit on every node.
+            hard_state: term_or_vote_changed.then_some(hard),
             term_or_vote_changed,
             snapshot: self.snapshot_to_install.take(),
             entries,
@@ -1408,18 +1416,26 @@ impl Raft {
     /// that entry is from the current term (§5.4.2).
     fn maybe_commit(&mut self) {
         let self_match = self.log.stable_index();
-        let mut matches: Vec<Index> = self
-            .membership
-            .voters
-            .iter()
-            .map(|&v| {
-                if v == self.id {
-                    self_match
-                } else {
-                    self.progress.get(&v).map_or(0, |p| p.match_index)
-                }
-            })
-            .collect();
+        let match_of = |v: &NodeId| {
+            if *v == self.id {
+                self_match
+            } else {
+                self.progress.get(v).map_or(0, |p| p.match_index)
+            }
+        };
+        // Runs on every append answer: the usual cluster sizes sort on the stack.
+        let mut on_stack = [0; 9];
+        let mut on_heap = Vec::new();
+        let voters = self.membership.voters.len();
+        let matches: &mut [Index] = if voters <= on_stack.len() {
+            for (slot, v) in on_stack.iter_mut().zip(&self.membership.voters) {
+                *slot = match_of(v);
+            }
+            &mut on_stack[..voters]
+        } else {
+            on_heap.extend(self.membership.voters.iter().map(match_of));
+            &mut on_heap
+        };
         if matches.is_empty() {
             return;
         }

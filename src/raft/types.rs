@@ -23,8 +23,10 @@ pub struct HardState {
     pub term: Term,
     /// The candidate this server voted for in `term`, or 0 for none.
     pub vote: NodeId,
-    /// Highest log index known to be committed. Persisting it is an optimisation (a restarted
-    /// server need not wait for the leader to re-learn it); it may lag the in-memory value.
+    /// Highest log index known to be committed when the hard state was last handed out. It is
+    /// persisted only with a change of term or vote (a restarted server starts from the larger
+    /// of it and its applied index and re-learns the rest from the leader); it may lag the
+    /// in-memory value.
     pub commit: Index,
 }
 

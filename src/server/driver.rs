@@ -540,7 +540,7 @@ impl Driver {
             self.handle_effects();
         }
         self.publish_status();
-        let members = self.core.raft().membership().clone();
+        let members = self.core.raft().membership();
         self.transport.retain(|id| members.contains(id));
         Ok(())
     }

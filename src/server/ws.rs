@@ -3,10 +3,11 @@
 //! `requestId`. Bad input is answered with an error code and changes nothing; the connection
 //! stays usable.
 
+use std::borrow::Cow;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use axum::extract::ws::{Message as WsMessage, WebSocket};
+use axum::extract::ws::{Message as WsMessage, Utf8Bytes, WebSocket};
 use futures::{SinkExt, StreamExt};
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -36,15 +37,19 @@ pub const LOCK_RENEW: u64 = 5;
 pub const CANCEL_WAIT: u64 = 6;
 pub const READ: u64 = 7;
 
+/// A request's fields (the strings borrowed from the frame or the parsed JSON where they need no
+/// unescaping). Unknown fields are refused here: the general path counts them and removes them
+/// first, so only a frame of known fields parses straight into this.
 #[derive(Debug, Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct WsRequest {
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct WsRequest<'a> {
     command_type: u64,
-    key: String,
-    #[serde(default)]
-    client_id: Option<String>,
-    #[serde(default)]
-    request_id: Option<String>,
+    #[serde(borrow)]
+    key: Cow<'a, str>,
+    #[serde(default, borrow)]
+    client_id: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    request_id: Option<Cow<'a, str>>,
     #[serde(default)]
     ttl: Option<u64>,
     #[serde(default)]
@@ -52,16 +57,65 @@ struct WsRequest {
     #[serde(default)]
     fencing_token: Option<WsToken>,
     /// AppendData: the value to store (absent with `delete: true`).
-    #[serde(default)]
-    value: Option<String>,
+    #[serde(default, borrow)]
+    value: Option<Cow<'a, str>>,
     #[serde(default)]
     delete: Option<bool>,
     /// Answer `NOT_LEADER` with the leader's address instead of forwarding to the leader.
     #[serde(default)]
     redirect: Option<bool>,
     /// W3C trace context of the caller's span: this request's span becomes its child.
-    #[serde(default)]
-    traceparent: Option<String>,
+    #[serde(default, borrow)]
+    traceparent: Option<Cow<'a, str>>,
+}
+
+/// The top-level fields of a request (`WsRequest`'s); others are ignored, and counted.
+const KNOWN_FIELDS: &[&str] = &[
+    "commandType",
+    "key",
+    "clientId",
+    "requestId",
+    "ttl",
+    "waitTimeout",
+    "fencingToken",
+    "value",
+    "delete",
+    "redirect",
+    "traceparent",
+];
+
+/// What a reply repeats from its request: `key` and `requestId`, as the client sent them.
+#[derive(Clone, Debug)]
+pub struct Echo<'a> {
+    key: EchoValue<'a>,
+    request_id: EchoValue<'a>,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+#[serde(untagged)]
+enum EchoValue<'a> {
+    Json(&'a Value),
+    Text(Cow<'a, str>),
+}
+
+impl<'a> Echo<'a> {
+    /// The fields of a request parsed as JSON (`null` where absent).
+    pub fn of(raw: &'a Value) -> Self {
+        Echo {
+            key: EchoValue::Json(raw.get("key").unwrap_or(&Value::Null)),
+            request_id: EchoValue::Json(raw.get("requestId").unwrap_or(&Value::Null)),
+        }
+    }
+
+    fn of_request(request: &WsRequest<'a>) -> Self {
+        Echo {
+            key: EchoValue::Text(request.key.clone()),
+            request_id: request
+                .request_id
+                .clone()
+                .map_or(EchoValue::Json(&Value::Null), EchoValue::Text),
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -109,8 +163,8 @@ pub async fn serve_socket(socket: WebSocket, state: AppState, caller: Caller) {
         };
         let Some(Ok(frame)) = frame else { break };
         let text = match frame {
-            WsMessage::Text(t) => t.to_string(),
-            WsMessage::Binary(b) => match String::from_utf8(b.to_vec()) {
+            WsMessage::Text(t) => t,
+            WsMessage::Binary(b) => match Utf8Bytes::try_from(b) {
                 Ok(t) => t,
                 Err(_) => {
                     let reply = error_json(
@@ -168,7 +222,17 @@ pub async fn handle_text(
     closed: Option<tokio::sync::watch::Receiver<bool>>,
     watch: Option<WatchCtx>,
 ) -> Option<String> {
-    let raw: Value = match serde_json::from_str(text) {
+    // Most frames hold only known fields with string ids: they parse straight into their typed
+    // form, borrowing from the frame, without building a JSON tree first (a map, and a string
+    // for every key and value). Any other frame (unknown or repeated fields, other types, a
+    // watch, malformed JSON) takes the general path below, which answers as it always has.
+    if let Ok(request) = serde_json::from_str::<WsRequest>(text) {
+        if request.command_type != WATCH_COMMAND {
+            let echo = Echo::of_request(&request);
+            return Some(execute_request(request, echo, conn, state, caller, closed).await);
+        }
+    }
+    let mut raw: Value = match serde_json::from_str(text) {
         Ok(v) => v,
         Err(err) => {
             let e = ApiError::new(ErrorCode::InvalidRequest, format!("malformed JSON: {err}"));
@@ -176,23 +240,10 @@ pub async fn handle_text(
         }
     };
     // Fields from newer clients (or other designs) are ignored, and counted.
-    const KNOWN: &[&str] = &[
-        "commandType",
-        "key",
-        "clientId",
-        "requestId",
-        "ttl",
-        "waitTimeout",
-        "fencingToken",
-        "value",
-        "delete",
-        "redirect",
-        "traceparent",
-    ];
     if let Some(fields) = raw.as_object() {
         let unknown = fields
             .keys()
-            .filter(|k| !KNOWN.contains(&k.as_str()))
+            .filter(|k| !KNOWN_FIELDS.contains(&k.as_str()))
             .count();
         if unknown > 0 {
             state.metrics.ignored_fields_total.inc_by(unknown as u64);
@@ -215,6 +266,7 @@ pub async fn handle_text(
             )),
         };
     }
+    strip_unknown_fields(&mut raw);
     let request = match WsRequest::deserialize(&raw) {
         Ok(r) => r,
         Err(err) => {
@@ -222,14 +274,34 @@ pub async fn handle_text(
             return Some(error_json(&raw, &e));
         }
     };
+    Some(execute_request(request, Echo::of(&raw), conn, state, caller, closed).await)
+}
+
+/// Removes the fields `WsRequest` does not know (after they were counted), so that what is left
+/// parses into it.
+fn strip_unknown_fields(raw: &mut Value) {
+    if let Some(fields) = raw.as_object_mut() {
+        fields.retain(|k, _| KNOWN_FIELDS.contains(&k.as_str()));
+    }
+}
+
+/// Checks, authorizes and executes one parsed request; returns the JSON reply.
+async fn execute_request(
+    request: WsRequest<'_>,
+    echo: Echo<'_>,
+    conn: u64,
+    state: &AppState,
+    caller: &Caller,
+    closed: Option<tokio::sync::watch::Receiver<bool>>,
+) -> String {
     let forward = !request.redirect.unwrap_or(false);
-    let traceparent = request.traceparent.clone();
+    let traceparent = request.traceparent.as_deref().map(str::to_owned);
     let mut op = match to_op(request, &state.limits, conn) {
         Ok(op) => op,
-        Err(e) => return Some(error_json(&raw, &e)),
+        Err(e) => return error_reply(echo, &e),
     };
     if let Err(e) = caller.authorize(&mut op) {
-        return Some(error_json(&raw, &e));
+        return error_reply(echo, &e);
     }
     let release = matches!(op, ClientOp::Release { .. } | ClientOp::ReleaseHeld { .. });
     let span = request_span(&op, "websocket", traceparent.as_deref());
@@ -237,12 +309,7 @@ pub async fn handle_text(
         .instrument(span.clone())
         .await;
     finish_span(&span, &reply);
-    Some(reply_json(
-        &raw,
-        &reply,
-        release,
-        state.security.fencing_key.as_ref(),
-    ))
+    reply_json(echo, &reply, release, state.security.fencing_key.as_ref())
 }
 
 /// `commandType` of a watch request.
@@ -569,10 +636,23 @@ fn auto_request_id(conn: u64) -> String {
 /// the JSON error reply the frame is answered with. For the fuzz targets in `fuzz/`.
 #[doc(hidden)]
 pub fn parse_text(text: &str, limits: &ClientLimits, conn: u64) -> Result<ClientOp, String> {
-    let raw: Value = serde_json::from_str(text).map_err(|err| {
+    if let Ok(request) = serde_json::from_str::<WsRequest>(text) {
+        if request.command_type != WATCH_COMMAND {
+            let echo = Echo::of_request(&request);
+            return to_op(request, limits, conn).map_err(|e| error_reply(echo, &e));
+        }
+    }
+    parse_general(text, limits, conn)
+}
+
+/// [`parse_text`] without the typed fast path: what every frame went through before it, and what
+/// frames with unknown or repeated fields still do.
+fn parse_general(text: &str, limits: &ClientLimits, conn: u64) -> Result<ClientOp, String> {
+    let mut raw: Value = serde_json::from_str(text).map_err(|err| {
         let e = ApiError::new(ErrorCode::InvalidRequest, format!("malformed JSON: {err}"));
         error_json(&Value::Null, &e)
     })?;
+    strip_unknown_fields(&mut raw);
     let request = WsRequest::deserialize(&raw).map_err(|err| {
         let e = ApiError::new(ErrorCode::InvalidRequest, format!("invalid request: {err}"));
         error_json(&raw, &e)
@@ -580,7 +660,7 @@ pub fn parse_text(text: &str, limits: &ClientLimits, conn: u64) -> Result<Client
     to_op(request, limits, conn).map_err(|e| error_json(&raw, &e))
 }
 
-fn to_op(r: WsRequest, limits: &ClientLimits, conn: u64) -> Result<ClientOp, ApiError> {
+fn to_op(r: WsRequest<'_>, limits: &ClientLimits, conn: u64) -> Result<ClientOp, ApiError> {
     let invalid = |m: &str| ApiError::new(ErrorCode::InvalidRequest, m);
     if r.key.is_empty() {
         return Err(invalid("`key` must not be empty"));
@@ -595,19 +675,19 @@ fn to_op(r: WsRequest, limits: &ClientLimits, conn: u64) -> Result<ClientOp, Api
             ),
         ));
     }
-    let client_id = r.client_id.unwrap_or_default();
+    let client_id = r.client_id.map(Cow::into_owned).unwrap_or_default();
     let needs_client = r.command_type != READ;
     if needs_client && client_id.is_empty() {
         return Err(invalid("`clientId` is required"));
     }
     let request_id = match r.request_id {
-        Some(id) if !id.is_empty() => id,
+        Some(id) if !id.is_empty() => id.into_owned(),
         _ if r.command_type == READ => String::new(),
         _ => auto_request_id(conn),
     };
     // A guarded write names the lock whose token guards it; other commands use the key itself.
     let guard = r.fencing_token.as_ref().map(|t| FencingToken {
-        key: t.key.clone().unwrap_or_else(|| r.key.clone()),
+        key: t.key.clone().unwrap_or_else(|| r.key.to_string()),
         value: t.value,
     });
     if guard
@@ -620,6 +700,7 @@ fn to_op(r: WsRequest, limits: &ClientLimits, conn: u64) -> Result<ClientOp, Api
         ));
     }
     let token = r.fencing_token.map(|t| t.value);
+    let key = r.key.into_owned();
     Ok(match r.command_type {
         LOCK_ACQUIRE => {
             let ttl_ms = r.ttl.unwrap_or(limits.default_ttl_ms);
@@ -630,7 +711,7 @@ fn to_op(r: WsRequest, limits: &ClientLimits, conn: u64) -> Result<ClientOp, Api
                 )));
             }
             ClientOp::Acquire {
-                key: r.key,
+                key,
                 client_id,
                 request_id,
                 ttl_ms,
@@ -639,34 +720,34 @@ fn to_op(r: WsRequest, limits: &ClientLimits, conn: u64) -> Result<ClientOp, Api
         }
         LOCK_RELEASE => match token {
             Some(token) => ClientOp::Release {
-                key: r.key,
+                key,
                 client_id,
                 request_id,
                 token,
             },
             // Seed 000's release names no token: it releases if `clientId` holds the lock.
             None => ClientOp::ReleaseHeld {
-                key: r.key,
+                key,
                 client_id,
                 request_id,
             },
         },
         LOCK_RENEW => ClientOp::Renew {
-            key: r.key,
+            key,
             client_id,
             request_id,
             token: token.ok_or_else(|| invalid("`fencingToken` is required to renew"))?,
             ttl_ms: r.ttl.unwrap_or(limits.default_ttl_ms),
         },
         CANCEL_WAIT => ClientOp::CancelWait {
-            key: r.key,
+            key,
             client_id,
             request_id,
         },
         APPEND_DATA => {
             if r.delete.unwrap_or(false) {
                 ClientOp::Delete {
-                    key: r.key,
+                    key,
                     guard: guard.clone(),
                     client_id,
                     request_id,
@@ -680,15 +761,15 @@ fn to_op(r: WsRequest, limits: &ClientLimits, conn: u64) -> Result<ClientOp, Api
                     ));
                 }
                 ClientOp::Put {
-                    key: r.key,
-                    value: value.into_bytes(),
+                    key,
+                    value: value.into_owned().into_bytes(),
                     guard: guard.clone(),
                     client_id,
                     request_id,
                 }
             }
         }
-        READ => ClientOp::Get { key: r.key },
+        READ => ClientOp::Get { key },
         0 | 1 => {
             return Err(invalid(
                 "membership commands are for peers and admins, not clients",
@@ -698,15 +779,13 @@ fn to_op(r: WsRequest, limits: &ClientLimits, conn: u64) -> Result<ClientOp, Api
     })
 }
 
-fn echo_fields(raw: &Value) -> (Value, Value) {
-    (
-        raw.get("key").cloned().unwrap_or(Value::Null),
-        raw.get("requestId").cloned().unwrap_or(Value::Null),
-    )
+pub fn error_json(raw: &Value, e: &ApiError) -> String {
+    error_reply(Echo::of(raw), e)
 }
 
-pub fn error_json(raw: &Value, e: &ApiError) -> String {
-    let (key, request_id) = echo_fields(raw);
+/// The error reply to a request whose echoed fields are `echo`.
+fn error_reply(echo: Echo<'_>, e: &ApiError) -> String {
+    let Echo { key, request_id } = echo;
     let mut error = json!({"code": e.code.as_str(), "message": e.message});
     if e.leader_id != 0 {
         error["leaderId"] = json!(e.leader_id);
@@ -751,19 +830,19 @@ struct OkReply<'a> {
     expires_in_ms: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     fencing_token: Option<TokenJson<'a>>,
-    key: &'a Value,
+    key: EchoValue<'a>,
     #[serde(skip_serializing_if = "Option::is_none")]
     released: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
     renewed: Option<bool>,
-    request_id: &'a Value,
+    request_id: EchoValue<'a>,
     success: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     value: Option<Option<std::borrow::Cow<'a, str>>>,
 }
 
 fn reply_json(
-    raw: &Value,
+    echo: Echo<'_>,
     reply: &ClientReply,
     release: bool,
     fencing_key: Option<&FencingKey>,
@@ -773,10 +852,10 @@ fn reply_json(
         deleted: None,
         expires_in_ms: None,
         fencing_token: None,
-        key: raw.get("key").unwrap_or(&Value::Null),
+        key: echo.key.clone(),
         released: None,
         renewed: None,
-        request_id: raw.get("requestId").unwrap_or(&Value::Null),
+        request_id: echo.request_id.clone(),
         success: true,
         value: None,
     };
@@ -803,7 +882,8 @@ fn reply_json(
         ClientReply::Deleted { existed } => ok.deleted = Some(*existed),
         ClientReply::Value(v) => ok.value = Some(v.as_deref().map(String::from_utf8_lossy)),
         ClientReply::Error(e) => {
-            let mut text: Value = serde_json::from_str(&error_json(raw, e)).unwrap_or(Value::Null);
+            let mut text: Value =
+                serde_json::from_str(&error_reply(echo, e)).unwrap_or(Value::Null);
             if release {
                 text["released"] = json!(false);
             }
@@ -811,8 +891,8 @@ fn reply_json(
         }
     }
     serde_json::to_string(&ok).unwrap_or_else(|e| {
-        error_json(
-            raw,
+        error_reply(
+            echo,
             &ApiError::new(
                 ErrorCode::Unavailable,
                 format!("cannot write the reply: {e}"),
@@ -824,6 +904,71 @@ fn reply_json(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn typed_fast_path_parses_and_answers_as_the_general_path() {
+        let limits = ClientLimits {
+            max_connections: 10,
+            max_inflight_per_connection: 10,
+            max_message_bytes: 65536,
+            max_key_bytes: 64,
+            max_value_bytes: 1024,
+            max_ttl_ms: 60_000,
+            default_ttl_ms: 10_000,
+        };
+        let frames = [
+            r#"{"commandType":3,"key":"jobs/a","clientId":"c1","requestId":"r1","ttl":5000}"#,
+            r#"{"commandType":3,"key":"jobs/a","clientId":"c1","requestId":"r1","waitTimeout":0,"redirect":true,"traceparent":"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}"#,
+            r#"{"commandType":4,"key":"jobs/a","clientId":"c1","requestId":"r2","fencingToken":{"key":"jobs/a","value":42,"mac":"00"}}"#,
+            r#"{"commandType":4,"key":"jobs/a","clientId":"c1","requestId":"r2"}"#,
+            r#"{"commandType":5,"key":"jobs/a","clientId":"c1","requestId":"r3","fencingToken":{"value":42}}"#,
+            r#"{"commandType":6,"key":"jobs/a","clientId":"c1","requestId":"r4"}"#,
+            r#"{"commandType":2,"key":"data/x","clientId":"c1","requestId":"r5","value":"v\u00e9","fencingToken":{"key":"jobs/a","value":42}}"#,
+            r#"{"commandType":2,"key":"data/x","clientId":"c1","requestId":"r6","delete":true}"#,
+            r#"{"commandType":7,"key":"data/x"}"#,
+            r#"{"commandType":3,"key":"jobs\/\u0061","clientId":"c\n1","requestId":"r\"7"}"#,
+            // Refused, with the same error reply on both paths.
+            r#"{"commandType":3,"key":"","clientId":"c1","requestId":"r8"}"#,
+            r#"{"commandType":3,"key":"jobs/a","requestId":"r9"}"#,
+            r#"{"commandType":3,"key":"jobs/a","clientId":"c1","requestId":"r10","ttl":0}"#,
+            r#"{"commandType":5,"key":"jobs/a","clientId":"c1","requestId":"r11"}"#,
+            r#"{"commandType":2,"key":"data/x","clientId":"c1","requestId":"r12"}"#,
+            r#"{"commandType":99,"key":"jobs/a","clientId":"c1","requestId":"r13"}"#,
+            r#"{"commandType":0,"key":"jobs/a","clientId":"c1","requestId":null}"#,
+        ];
+        for frame in frames {
+            assert!(
+                serde_json::from_str::<WsRequest>(frame).is_ok(),
+                "not on the fast path: {frame}"
+            );
+            let fast = format!("{:?}", parse_text(frame, &limits, 1));
+            let general = format!("{:?}", parse_general(frame, &limits, 1));
+            assert_eq!(fast, general, "{frame}");
+        }
+        // Frames the fast path leaves to the general one: unknown fields (counted there),
+        // repeated fields (the last one wins there), other types for the echoed fields.
+        for frame in [
+            r#"{"commandType":3,"key":"jobs/a","clientId":"c1","requestId":"r1","extra":1}"#,
+            r#"{"commandType":3,"key":"jobs/a","key":"jobs/b","clientId":"c1","requestId":"r1"}"#,
+            r#"{"commandType":3,"key":"jobs/a","clientId":"c1","requestId":7}"#,
+            r#"{"commandType":3,"key":7,"clientId":"c1","requestId":"r1"}"#,
+            r#"[1,2]"#,
+            r#"{"commandType":3,"#,
+        ] {
+            assert!(serde_json::from_str::<WsRequest>(frame).is_err(), "{frame}");
+        }
+        let repeated =
+            r#"{"commandType":3,"key":"jobs/a","key":"jobs/b","clientId":"c1","requestId":"r1"}"#;
+        let op = format!("{:?}", parse_text(repeated, &limits, 1));
+        assert!(op.contains("jobs/b"), "{op}");
+        let extra =
+            r#"{"commandType":3,"key":"jobs/a","clientId":"c1","requestId":"r1","x":{"y":1}}"#;
+        let op = format!("{:?}", parse_text(extra, &limits, 1));
+        assert!(op.starts_with("Ok(Acquire"), "{op}");
+        let numeric = r#"{"commandType":3,"key":"","clientId":"c1","requestId":7}"#;
+        let err = parse_text(numeric, &limits, 1).unwrap_err();
+        assert!(err.contains(r#""requestId":7"#), "{err}");
+    }
 
     fn token() -> FencingToken {
         FencingToken {
@@ -880,18 +1025,22 @@ mod tests {
             ),
         ];
         for (reply, want) in cases {
-            assert_eq!(reply_json(&raw, &reply, false, None), want, "{reply:?}");
+            assert_eq!(
+                reply_json(Echo::of(&raw), &reply, false, None),
+                want,
+                "{reply:?}"
+            );
         }
         // No key and a numeric request id (seed clients send either).
         let raw: Value = serde_json::from_str(r#"{"commandType":2,"requestId":7}"#).unwrap();
         assert_eq!(
-            reply_json(&raw, &ClientReply::Released, true, None),
+            reply_json(Echo::of(&raw), &ClientReply::Released, true, None),
             r#"{"key":null,"released":true,"requestId":7,"success":true}"#
         );
         // With a fencing key the token carries its MAC.
         let key = FencingKey::new(&[7u8; 32]).unwrap();
         let text = reply_json(
-            &raw,
+            Echo::of(&raw),
             &ClientReply::Granted {
                 token: token(),
                 expires_in_ms: 1,
@@ -904,7 +1053,7 @@ mod tests {
         assert_eq!(v["fencingToken"]["mac"], json!(key.mac("jobs/a", 42)));
         // Errors keep their own form, with `released: false` on a failed release.
         let err = ClientReply::error(ErrorCode::NotHolder, "not yours");
-        let v: Value = serde_json::from_str(&reply_json(&raw, &err, true, None)).unwrap();
+        let v: Value = serde_json::from_str(&reply_json(Echo::of(&raw), &err, true, None)).unwrap();
         assert_eq!(v["success"], json!(false));
         assert_eq!(v["released"], json!(false));
         assert_eq!(v["error"]["code"], json!(ErrorCode::NotHolder.as_str()));
