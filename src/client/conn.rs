@@ -196,12 +196,12 @@ impl Conn {
             while let Some(Ok(msg)) = stream.next().await {
                 last_heard.store(opened.elapsed().as_millis() as u64, Ordering::SeqCst);
                 let text = match msg {
-                    Message::Text(t) => t.to_string(),
-                    Message::Binary(b) => String::from_utf8_lossy(&b).into_owned(),
+                    Message::Text(t) => t,
+                    Message::Binary(b) => String::from_utf8_lossy(&b).into_owned().into(),
                     Message::Close(_) => break,
                     _ => continue,
                 };
-                let Ok(value) = serde_json::from_str::<Value>(&text) else {
+                let Ok(value) = serde_json::from_str::<Value>(text.as_str()) else {
                     continue;
                 };
                 let Some(request_id) = value.get("requestId").and_then(Value::as_str) else {
@@ -258,7 +258,7 @@ impl Conn {
         &self,
         request_id: &str,
         kind: ReplyKind,
-        body: &Value,
+        text: &str,
         timeout: Option<Duration>,
     ) -> Result<Value, CallError> {
         let (tx, rx) = oneshot::channel();
@@ -272,7 +272,7 @@ impl Conn {
                 .or_default()
                 .push(Slot { kind, tx });
         }
-        if self.is_closed() || self.out.send(body.to_string()).await.is_err() {
+        if self.is_closed() || self.out.send(text.to_owned()).await.is_err() {
             self.forget(request_id);
             return Err(CallError::Lost(format!(
                 "connection to {} closed",
@@ -487,12 +487,11 @@ impl Session {
             }
             _ => body,
         };
-        // The same request asking followers for a redirect to the leader instead of a forward.
-        let direct = self.cfg.prefer_leader.then(|| {
-            let mut b = body.clone();
-            b["redirect"] = Value::Bool(true);
-            b
-        });
+        // The same request asking followers for a redirect to the leader instead of a forward
+        // (written from `body`, not a copy of it); and the request as it is, written when an
+        // attempt first sends it. Each is written once for all attempts.
+        let direct = self.cfg.prefer_leader.then(|| with_redirect(body));
+        let mut plain: Option<String> = None;
         let started = Instant::now();
         let mut backoff = policy.builder().build();
         let mut attempts = 0u32;
@@ -506,8 +505,8 @@ impl Session {
         loop {
             attempts += 1;
             let sent = match &direct {
-                Some(direct) if self.wants_redirect().await => direct,
-                _ => body,
+                Some(direct) if self.wants_redirect().await => direct.as_str(),
+                _ => plain.get_or_insert_with(|| body.to_string()).as_str(),
             };
             let failure = match self.connection().await {
                 Err(e) => e,
@@ -575,5 +574,49 @@ impl Session {
                 None => return Err(give_up(failure)),
             }
         }
+    }
+}
+
+/// `body` (a JSON object) with `"redirect": true`, serialized straight from it.
+fn with_redirect(body: &Value) -> String {
+    struct WithRedirect<'a>(&'a serde_json::Map<String, Value>);
+    impl serde::Serialize for WithRedirect<'_> {
+        fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+            use serde::ser::SerializeMap;
+            let mut map = serializer.serialize_map(Some(self.0.len() + 1))?;
+            for (key, value) in self.0.iter().filter(|(key, _)| *key != "redirect") {
+                map.serialize_entry(key, value)?;
+            }
+            map.serialize_entry("redirect", &true)?;
+            map.end()
+        }
+    }
+    match body.as_object() {
+        Some(fields) => serde_json::to_string(&WithRedirect(fields)).unwrap_or_default(),
+        None => body.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_redirect_request_is_the_request_with_redirect_set() {
+        let body = serde_json::json!({
+            "commandType": 3, "key": "jobs/a", "clientId": "c", "requestId": "r\"1", "ttl": 5
+        });
+        let mut want = body.clone();
+        want["redirect"] = Value::Bool(true);
+        let text = with_redirect(&body);
+        assert_eq!(serde_json::from_str::<Value>(&text).unwrap(), want);
+        // A redirect field already there is replaced, not repeated.
+        let asked = serde_json::json!({"commandType": 7, "key": "k", "redirect": false});
+        let text = with_redirect(&asked);
+        assert_eq!(text.matches("redirect").count(), 1, "{text}");
+        assert_eq!(
+            serde_json::from_str::<Value>(&text).unwrap()["redirect"],
+            Value::Bool(true)
+        );
     }
 }
