@@ -1227,8 +1227,13 @@ impl LockStateMachine {
         if self.limits.dedupe_entries_max == 0 {
             return;
         }
+        // The session's copy of the client id when it has one (no new string to drop at once).
+        let client: Arc<str> = match self.sessions.get_key_value(client_id) {
+            Some((client, _)) => client.clone(),
+            None => client_id.into(),
+        };
         self.insert_record(DedupeRecord::new(
-            client_id.into(),
+            client,
             request_id,
             outcome,
             Some(op),
