@@ -9,23 +9,19 @@
 # 127.0.0.1, each recorded by heaptrack's preload library, runs `raftlock-bench cycles` (one SDK
 # client, uncontended acquire + release cycles one after the other, on the leader), stops the
 # nodes, and prints the leader's and one follower's allocation calls per cycle by call site
-# (scripts/alloc-sites.py). The counts include the nodes' start, election and idle time, divided
+# (scripts/heap-sites.py --calls). The counts include the nodes' start, election and idle time, divided
 # over the cycles: run enough cycles that these vanish (3,000 makes them well under one per
 # cycle). Needs heaptrack (apt-get install heaptrack).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CYCLES=${1:-3000}
 OUT=${2:-target/alloc-profile}
-PRELOAD=$(dirname "$(command -v heaptrack)")/../lib/heaptrack/libheaptrack_preload.so
-INTERPRET=$(dirname "$(command -v heaptrack)")/../lib/heaptrack/libexec/heaptrack_interpret
-[ -f "$PRELOAD" ] && [ -x "$INTERPRET" ] || { echo "heaptrack not found (apt-get install heaptrack)" >&2; exit 1; }
-CARGO_TARGET_DIR=target/heap-profile-build cargo build --release --bin lock-node --features system-allocator
-cargo build --release --bin raftlock-bench
+. scripts/heaptrack-build.sh
 rm -rf "$OUT" && mkdir -p "$OUT/recordings"
 OUT=$(cd "$OUT" && pwd)
 cat > "$OUT/lock-node" <<WRAP
 #!/bin/sh
-exec env LD_PRELOAD="$PRELOAD" DUMP_HEAPTRACK_OUTPUT="$OUT/recordings/node.\$\$.raw" "$(pwd)/target/heap-profile-build/release/lock-node" "\$@"
+exec env LD_PRELOAD="$PRELOAD" DUMP_HEAPTRACK_OUTPUT="$OUT/recordings/node.\$\$.raw" "$(pwd)/$BUILD/release/lock-node" "\$@"
 WRAP
 chmod +x "$OUT/lock-node"
 . scripts/three-nodes.sh
@@ -47,7 +43,7 @@ for raw in $(ls -S "$OUT"/recordings/*.raw | head -2); do
   "$INTERPRET" < "$raw" | gzip > "$OUT/$role.gz"
   echo "## $role"
   heaptrack_print -f "$OUT/$role.gz" -p 0 -a 1 -T 0 -l 0 -n 100000 -s 100000 2>/dev/null \
-    | scripts/alloc-sites.py --cycles "$CYCLES" --top 30 | tee "$OUT/$role-sites.md"
+    | scripts/heap-sites.py --calls "$CYCLES" --top 30 | tee "$OUT/$role-sites.md"
   echo
 done
 echo "recordings: $OUT/leader.gz, $OUT/follower.gz (heaptrack_gui or heaptrack_print read them)"

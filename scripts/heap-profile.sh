@@ -14,12 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 LOCKS=${1:-100000}
 OUT=${2:-target/heap-profile}
-PRELOAD=$(dirname "$(command -v heaptrack)")/../lib/heaptrack/libheaptrack_preload.so
-INTERPRET=$(dirname "$(command -v heaptrack)")/../lib/heaptrack/libexec/heaptrack_interpret
-[ -f "$PRELOAD" ] && [ -x "$INTERPRET" ] || { echo "heaptrack not found (apt-get install heaptrack)" >&2; exit 1; }
-BUILD=target/heap-profile-build
-CARGO_TARGET_DIR=$BUILD cargo build --release --bin lock-node --features system-allocator
-cargo build --release --bin raftlock-bench
+. scripts/heaptrack-build.sh
 rm -rf "$OUT" && mkdir -p "$OUT/bin" "$OUT/recordings"
 OUT=$(cd "$OUT" && pwd)
 cp "$BUILD/release/lock-node" "$OUT/bin/lock-node.real"
