@@ -28,12 +28,18 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use raftlock::raft::{Entry, EntryPayload, HardState, Index, Membership, SnapshotMeta, Term};
-use raftlock::storage::{encode_snapshot_data, RecoveredState, SledStorage, Storage, StorageError};
+use raftlock::storage::{
+    encode_snapshot_data, LogEngine, RecoveredState, SledOptions, SledStorage, Storage,
+    StorageError,
+};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 const CHILD_DIR_ENV: &str = "RAFTLOCK_CRASH_CHILD_DIR";
 const CHILD_SEED_ENV: &str = "RAFTLOCK_CRASH_CHILD_SEED";
+const CHILD_ENGINE_ENV: &str = "RAFTLOCK_CRASH_CHILD_ENGINE";
+/// Segment files this small roll over and are deleted many times in one run.
+const CRASH_SEGMENT_BYTES: u64 = 64 * 1024;
 const SEED_ENV: &str = "RAFTLOCK_CRASH_SEED";
 const KILLS_MIN: u32 = 50;
 const KILLS_MAX: u32 = 80;
@@ -183,11 +189,19 @@ fn verify(state: &RecoveredState, acked: Option<Ack>) -> Result<(), String> {
     Ok(())
 }
 
+fn options(engine: LogEngine) -> SledOptions {
+    SledOptions {
+        log_engine: engine,
+        segment_bytes: CRASH_SEGMENT_BYTES,
+        ..SledOptions::default()
+    }
+}
+
 /// Opens the store once the dead child's file lock is gone.
-fn open_after_child(dir: &Path) -> Result<SledStorage, StorageError> {
+fn open_after_child(dir: &Path, engine: LogEngine) -> Result<SledStorage, StorageError> {
     let mut attempts_left = 200;
     loop {
-        match SledStorage::open(dir) {
+        match SledStorage::open_with(dir, options(engine)) {
             Err(StorageError::Io { source, .. })
                 if attempts_left > 0 && source.to_string().contains("could not acquire lock") =>
             {
@@ -200,9 +214,9 @@ fn open_after_child(dir: &Path) -> Result<SledStorage, StorageError> {
 }
 
 /// The child's workload. Runs until killed.
-fn run_child(dir: &Path, seed: u64) -> ! {
+fn run_child(dir: &Path, seed: u64, engine: LogEngine) -> ! {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let mut store = SledStorage::open(dir).expect("child: open");
+    let mut store = SledStorage::open_with(dir, options(engine)).expect("child: open");
     let state = store.recover().expect("child: recover");
     if let Err(problem) = verify(&state, None) {
         panic!("child: recovered state is inconsistent: {problem}");
@@ -289,11 +303,25 @@ fn crash_child() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(0);
-    run_child(Path::new(&dir), seed);
+    let engine = std::env::var(CHILD_ENGINE_ENV)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_default();
+    run_child(Path::new(&dir), seed, engine);
 }
 
 #[test]
 fn sled_keeps_everything_acknowledged_across_sigkill() {
+    keeps_everything_acknowledged_across_sigkill(LogEngine::Sled);
+}
+
+/// The same with the Raft log in segment files (`--raft-log-engine segments`).
+#[test]
+fn segments_keep_everything_acknowledged_across_sigkill() {
+    keeps_everything_acknowledged_across_sigkill(LogEngine::Segments);
+}
+
+fn keeps_everything_acknowledged_across_sigkill(engine: LogEngine) {
     let seed: u64 = std::env::var(SEED_ENV)
         .ok()
         .and_then(|s| s.parse().ok())
@@ -303,8 +331,8 @@ fn sled_keeps_everything_acknowledged_across_sigkill() {
                 .map_or(1, |d| d.as_nanos() as u64)
         });
     println!(
-        "storage crash test seed = {seed}; replay the kill schedule with \
-         {SEED_ENV}={seed} cargo test --release --test storage_crash"
+        "storage crash test ({engine} log) seed = {seed}; replay the kill schedule with \
+         {SEED_ENV}={seed} cargo test --release --test storage_crash {engine}_keep"
     );
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let dir = tempfile::tempdir().expect("temporary directory");
@@ -321,6 +349,7 @@ fn sled_keeps_everything_acknowledged_across_sigkill() {
             .args(["crash_child", "--exact", "--nocapture", "--test-threads=1"])
             .env(CHILD_DIR_ENV, dir.path())
             .env(CHILD_SEED_ENV, rng.random::<u64>().to_string())
+            .env(CHILD_ENGINE_ENV, engine.name())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -371,7 +400,7 @@ fn sled_keeps_everything_acknowledged_across_sigkill() {
             acked = Some(*last);
         }
 
-        let store = open_after_child(dir.path())
+        let store = open_after_child(dir.path(), engine)
             .unwrap_or_else(|e| panic!("seed {seed} kill {kills}: reopen failed: {e}"));
         if store.resumed_install().is_some() {
             installs_resumed += 1;
@@ -393,7 +422,7 @@ fn sled_keeps_everything_acknowledged_across_sigkill() {
 
     let elapsed = started.elapsed();
     println!(
-        "storage crash test: seed {seed}, {kills} kills ({kills_before_first_ack} before the \
+        "storage crash test ({engine} log): seed {seed}, {kills} kills ({kills_before_first_ack} before the \
          child acknowledged anything), {installs_resumed} reopens finishing an interrupted \
          snapshot install, {acks_total} acknowledged flushes, last ack {acked:?}, {:.1} s",
         elapsed.as_secs_f64()

@@ -160,6 +160,12 @@ struct Args {
     /// a larger cache keeps a second copy of the state resident. Default 64
     #[arg(long)]
     storage_cache_mb: Option<u64>,
+    /// Where the Raft log is kept: sled (in the sled store with everything else) or segments
+    /// (files of its own under the store's directory: an append is one write and a flush one
+    /// fdatasync, without sled's I/O threads). A store keeps the engine it was written with.
+    /// Default sled
+    #[arg(long)]
+    raft_log_engine: Option<String>,
     /// Log format: text or json. Default text (filter with RUST_LOG)
     #[arg(long)]
     log_format: Option<String>,
@@ -213,6 +219,7 @@ impl Args {
             dedupe_retain,
             max_answers,
             storage_cache_mb,
+            raft_log_engine,
             log_format
         );
         if let Some(dir) = &self.data_dir {

@@ -115,6 +115,9 @@ pub struct NodeConfig {
     pub max_answers: usize,
     /// Memory sled's page cache may hold, in MiB (the applied state is in memory anyway).
     pub storage_cache_mb: u64,
+    /// Where the Raft log is kept: `sled` (with the rest of the store) or `segments` (files
+    /// of its own beside it).
+    pub raft_log_engine: String,
     /// `text` or `json`.
     pub log_format: String,
 }
@@ -144,6 +147,7 @@ pub const DEFAULTS: &[(&str, &str)] = &[
     ("dedupe_retain", "1m"),
     ("max_answers", "1000000"),
     ("storage_cache_mb", "64"),
+    ("raft_log_engine", "sled"),
     ("log_format", "text"),
 ];
 
@@ -248,6 +252,9 @@ impl NodeConfig {
                 "storage_cache_mb",
                 "must be between 1 and 1048576 (MiB of sled's page cache)",
             );
+        }
+        if let Err(problem) = self.raft_log_engine.parse::<crate::storage::LogEngine>() {
+            return invalid("raft_log_engine", &problem);
         }
         if self.session_idle < Duration::from_secs(1) || self.max_sessions == 0 {
             return invalid(
@@ -427,6 +434,28 @@ mod tests {
         assert_eq!(
             crate::server::node::lock_limits(&cfg).dedupe_entries_max,
             2_000_000
+        );
+    }
+
+    #[test]
+    fn the_raft_log_engine_defaults_to_sled_and_takes_segments() {
+        let base = || vec![("node_id", "1".to_string()), ("insecure", "true".into())];
+        assert_eq!(
+            NodeConfig::load(None, &base()).unwrap().raft_log_engine,
+            "sled"
+        );
+        let mut args = base();
+        args.push(("raft_log_engine", "segments".into()));
+        assert_eq!(
+            NodeConfig::load(None, &args).unwrap().raft_log_engine,
+            "segments"
+        );
+        let mut args = base();
+        args.push(("raft_log_engine", "rocksdb".into()));
+        let err = NodeConfig::load(None, &args).unwrap_err().to_string();
+        assert!(
+            err.contains("raft_log_engine") && err.contains("rocksdb"),
+            "{err}"
         );
     }
 

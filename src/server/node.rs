@@ -145,6 +145,8 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
         cfg.data_dir.join("raft"),
         crate::storage::SledOptions {
             cache_bytes: cfg.storage_cache_mb << 20,
+            log_engine: cfg.raft_log_engine.parse().map_err(NodeError::Config)?,
+            ..Default::default()
         },
     )?;
     let mut recovered = storage.recover()?;

@@ -26,7 +26,7 @@ use super::{KvPair, StorageError};
 use crate::raft::{Entry, EntryPayload, HardState, Index, Membership, MembershipChange, Term};
 
 const ENTRY_VERSION: u8 = 1;
-const RUN_VERSION: u8 = 1;
+pub(crate) const RUN_VERSION: u8 = 1;
 const KIND_NOOP: u8 = 0;
 const KIND_COMMAND: u8 = 1;
 const KIND_MEMBERSHIP: u8 = 2;

@@ -38,6 +38,16 @@ pub enum StorageError {
         message: String,
     },
 
+    /// The store keeps its Raft log with one engine and was opened with the other.
+    #[error(
+        "this store keeps its Raft log in {found}, but it was opened with the log engine \
+         {asked}; open it with --raft-log-engine {found}"
+    )]
+    LogEngineMismatch {
+        found: &'static str,
+        asked: &'static str,
+    },
+
     /// A stored record does not decode or breaks an invariant.
     #[error("corrupt record in tree `{tree}` at key {key}: {problem}")]
     Corrupt {

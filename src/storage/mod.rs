@@ -26,6 +26,8 @@ mod conformance;
 mod error;
 mod memory;
 #[cfg(feature = "server")]
+mod segment_log;
+#[cfg(feature = "server")]
 mod sled_store;
 
 #[doc(hidden)]
@@ -37,7 +39,7 @@ pub use codec::{
 pub use error::StorageError;
 pub use memory::MemStorage;
 #[cfg(feature = "server")]
-pub use sled_store::{SledOptions, SledStorage};
+pub use sled_store::{LogEngine, SledOptions, SledStorage};
 
 use crate::raft::{
     Entry, EntryPayload, HardState, Index, Membership, Snapshot, SnapshotMeta, Term,

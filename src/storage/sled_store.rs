@@ -27,6 +27,7 @@ use super::codec::{
     encode_membership, encode_state_value, encode_u64, index_key, push_run_entry, push_run_record,
     run_last_index, run_records, state_key_name,
 };
+use super::segment_log::SegmentLog;
 use super::{
     check_append, check_recovered, encode_snapshot_stream, membership_after, snapshot_pairs,
     KvChange, KvPair, PairsConvert, RecoveredState, SnapshotJob, SnapshotPairs, Storage,
@@ -46,6 +47,9 @@ const OLD_LOG_TREE: &str = "log";
 const RUN_MAX_BYTES: usize = 4096;
 /// The file sled 0.34 keeps its log (and so every tree) in, inside the store's directory.
 const SLED_LOG_FILE: &str = "db";
+/// The directory, inside the store's, of the Raft log's segment files under
+/// [`LogEngine::Segments`].
+const SEGMENT_DIR: &str = "log";
 const HARD_STATE: &[u8] = b"hard_state";
 const SNAPSHOT_POINT: &[u8] = b"snapshot_point";
 const SNAPSHOT_MEMBERSHIP: &[u8] = b"snapshot_membership";
@@ -92,6 +96,17 @@ pub struct SledStorage {
     blobs: BlobSync,
     /// State keys per sled batch in a snapshot install ([`INSTALL_BATCH_KEYS`]).
     install_batch_keys: usize,
+    /// The Raft log's segment files under [`LogEngine::Segments`]; `None` keeps it in `log`.
+    segments: Option<SegmentLog>,
+    /// sled was written since its last flush (tracked under [`LogEngine::Segments`], where a
+    /// flush of the log alone does not flush sled).
+    sled_unsynced: bool,
+    /// The hard state was written since sled's last flush: sled is flushed before the next
+    /// log append, so that a crash never keeps an append without the hard state written
+    /// before it.
+    hard_state_unsynced: bool,
+    /// The snapshot point as of sled's last flush: log segments at or below it may go.
+    durable_point: Index,
 }
 
 /// sled 0.34 writes a value (or a tree node) larger than a quarter of its 512 KiB segment to a
@@ -335,6 +350,45 @@ fn remove_unfinished_sled_snapshots(dir: &Path) -> Result<(), StorageError> {
     Ok(())
 }
 
+/// Where a [`SledStorage`] keeps the Raft log; everything else is always in sled.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LogEngine {
+    /// In sled's `log_runs` tree, with the rest of the store (the default).
+    #[default]
+    Sled,
+    /// In segment files of its own under `log/` in the store's directory: an append is one
+    /// `write` and a flush one `fdatasync`, without sled's I/O thread pool in between (see
+    /// `docs/bench/storage.md` for what that is worth). Hard state, membership, snapshot point
+    /// and applied state stay in sled.
+    Segments,
+}
+
+impl LogEngine {
+    pub fn name(self) -> &'static str {
+        match self {
+            LogEngine::Sled => "sled",
+            LogEngine::Segments => "segments",
+        }
+    }
+}
+
+impl std::fmt::Display for LogEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for LogEngine {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "sled" => Ok(LogEngine::Sled),
+            "segments" => Ok(LogEngine::Segments),
+            other => Err(format!("unknown log engine `{other}` (sled or segments)")),
+        }
+    }
+}
+
 /// How a [`SledStorage`] is opened.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SledOptions {
@@ -343,17 +397,26 @@ pub struct SledOptions {
     /// only to start, to build snapshots and to send log entries that are no longer in
     /// memory, so a large cache only keeps a second copy of the state resident.
     pub cache_bytes: u64,
+    /// Where the Raft log is kept. A store keeps the engine it was written with: opening it
+    /// with the other is an error while the log holds entries.
+    pub log_engine: LogEngine,
+    /// Size of one log segment file under [`LogEngine::Segments`] (preallocated).
+    pub segment_bytes: u64,
 }
 
 impl SledOptions {
     /// The page cache a lock node gives sled unless told otherwise (`--storage-cache-mb`).
     pub const DEFAULT_CACHE_BYTES: u64 = 64 * 1024 * 1024;
+    /// The size of a log segment file unless told otherwise.
+    pub const DEFAULT_SEGMENT_BYTES: u64 = 64 * 1024 * 1024;
 }
 
 impl Default for SledOptions {
     fn default() -> Self {
         SledOptions {
             cache_bytes: Self::DEFAULT_CACHE_BYTES,
+            log_engine: LogEngine::Sled,
+            segment_bytes: Self::DEFAULT_SEGMENT_BYTES,
         }
     }
 }
@@ -370,6 +433,7 @@ impl SledStorage {
         let dir = dir.as_ref().to_path_buf();
         remove_unfinished_sled_snapshots(&dir)?;
         let db_path = dir.join(SLED_LOG_FILE);
+        let segment_dir = dir.join(SEGMENT_DIR);
         let blobs = BlobSync::new(&dir);
         let opened = std::panic::catch_unwind(move || {
             sled::Config::new()
@@ -398,6 +462,26 @@ impl SledStorage {
         };
         let log = tree(LOG_TREE)?;
         migrate_old_log(&db, &log)?;
+        let segments = match options.log_engine {
+            LogEngine::Sled => {
+                if SegmentLog::exists_in(&segment_dir)? {
+                    return Err(StorageError::LogEngineMismatch {
+                        found: LogEngine::Segments.name(),
+                        asked: LogEngine::Sled.name(),
+                    });
+                }
+                None
+            }
+            LogEngine::Segments => {
+                if !log.is_empty() {
+                    return Err(StorageError::LogEngineMismatch {
+                        found: LogEngine::Sled.name(),
+                        asked: LogEngine::Segments.name(),
+                    });
+                }
+                Some(SegmentLog::open(&segment_dir, options.segment_bytes)?)
+            }
+        };
         let db_file = std::fs::File::open(&db_path).map_err(|source| StorageError::Io {
             action: "opening sled's log file to sync it",
             source,
@@ -418,6 +502,10 @@ impl SledStorage {
             resumed_install: None,
             blobs,
             install_batch_keys: INSTALL_BATCH_KEYS,
+            segments,
+            sled_unsynced: false,
+            hard_state_unsynced: false,
+            durable_point: 0,
         };
         // Blob files an earlier process wrote may not have been synced when it stopped.
         storage.blobs.sync_new()?;
@@ -449,6 +537,29 @@ impl SledStorage {
             Some(v) => decode_u64(&v).map_err(|e| e.at("meta", "applied_index".into()))?,
             None => 0,
         };
+        self.durable_point = index;
+        if let Some(segments) = self.segments.as_mut() {
+            // The snapshot point is in sled and the log in its files, flushed one after the
+            // other: a crash after an install reached sled can leave the log it replaced.
+            // Entries after the point belong only if the entry at the point is the snapshot's
+            // (as `install` decides); otherwise the log starts over after the point, recorded
+            // at once so that later appends replay after it.
+            if segments.term(index).is_some_and(|t| t != term) {
+                segments.reset(index, term)?;
+                segments.sync()?;
+            }
+            segments.forget_through(index);
+            if let Some(first) = segments.first_index() {
+                if first > index + 1 {
+                    return Err(StorageError::LogGap {
+                        expected_index: index + 1,
+                        found_index: first,
+                    });
+                }
+            }
+            self.last_index = segments.last_index().unwrap_or(index).max(index);
+            return Ok(());
+        }
         self.last_index = match self
             .log
             .last()
@@ -462,6 +573,29 @@ impl SledStorage {
             None => index,
         };
         Ok(())
+    }
+
+    /// Makes every sled write so far durable (see [`Storage::flush`]).
+    fn flush_sled(&mut self) -> Result<(), StorageError> {
+        self.blobs.sync_new()?;
+        self.db
+            .flush()
+            .map_err(|e| StorageError::sled("flushing", e))?;
+        self.db_file
+            .sync_data()
+            .map_err(|source| StorageError::Io {
+                action: "syncing sled's log file",
+                source,
+            })?;
+        self.sled_unsynced = false;
+        self.hard_state_unsynced = false;
+        self.durable_point = self.snapshot_meta.index;
+        Ok(())
+    }
+
+    /// Number of log segment files under [`LogEngine::Segments`].
+    pub fn log_segments(&self) -> Option<usize> {
+        self.segments.as_ref().map(SegmentLog::segment_count)
     }
 
     fn get_meta(&self, key: &[u8]) -> Result<Option<sled::IVec>, StorageError> {
@@ -479,6 +613,9 @@ impl SledStorage {
         let mut out = Vec::new();
         if lo >= hi {
             return Ok(out);
+        }
+        if let Some(segments) = &self.segments {
+            return segments.read(lo, hi);
         }
         // From the run that holds `lo` (it may begin before it).
         let start = match self.run_holding(lo)? {
@@ -676,6 +813,21 @@ impl SledStorage {
             .map_err(|e| tx_err("installing a snapshot", e))?;
         self.snapshot_meta = meta.clone();
         self.applied_index = meta.index;
+        self.sled_unsynced = true;
+        if self.segments.is_some() {
+            if !keep {
+                // The new point must be durable before the log's reset can be: a reset on disk
+                // beside the old point would lose entries the old state still needs.
+                self.flush_sled()?;
+            }
+            if let Some(segments) = self.segments.as_mut() {
+                if keep {
+                    segments.forget_through(meta.index);
+                } else {
+                    segments.reset(meta.index, meta.term)?;
+                }
+            }
+        }
         if let Some(cached) = self.config_entries.get_mut() {
             *cached = if keep {
                 cached.split_off(&(meta.index + 1))
@@ -934,6 +1086,22 @@ impl Storage for SledStorage {
         let Some(first) = entries.first() else {
             return Ok(());
         };
+        if self.segments.is_some() {
+            if self.hard_state_unsynced {
+                self.flush_sled()?;
+            }
+            if let Some(segments) = self.segments.as_mut() {
+                segments.append(entries)?;
+            }
+            self.last_index = entries.last().map_or(self.last_index, |e| e.index);
+            if let Some(cached) = self.config_entries.get_mut() {
+                cached.split_off(&first.index);
+                for entry in entries.iter().filter(|e| changes_membership(e)) {
+                    cached.insert(entry.index, entry.clone());
+                }
+            }
+            return Ok(());
+        }
         let mut runs = RunBuilder::new(entries.len() * (first.size_bytes() + 40));
         for entry in entries {
             push_run_entry(runs.run_for(entry.index), entry);
@@ -995,6 +1163,8 @@ impl Storage for SledStorage {
         self.meta
             .insert(HARD_STATE, encode_hard_state(&hard_state))
             .map_err(|e| StorageError::sled("writing the hard state", e))?;
+        self.sled_unsynced = true;
+        self.hard_state_unsynced = true;
         Ok(())
     }
 
@@ -1027,6 +1197,7 @@ impl Storage for SledStorage {
             })
             .map_err(|e| tx_err("applying state", e))?;
         self.applied_index = applied_index;
+        self.sled_unsynced = true;
         Ok(())
     }
 
@@ -1036,6 +1207,7 @@ impl Storage for SledStorage {
 
     fn begin_snapshot(&mut self, meta: &SnapshotMeta) -> Result<(), StorageError> {
         self.staged_bytes = None;
+        self.sled_unsynced = true;
         self.staging
             .clear()
             .map_err(|e| StorageError::sled("clearing staging", e))?;
@@ -1073,6 +1245,7 @@ impl Storage for SledStorage {
         let mut key = b"chunk/".to_vec();
         key.extend_from_slice(&offset.to_be_bytes());
         self.staged_bytes = None;
+        self.sled_unsynced = true;
         self.staging
             .insert(key, chunk)
             .map_err(|e| StorageError::sled("staging a chunk", e))?;
@@ -1133,7 +1306,10 @@ impl Storage for SledStorage {
         self.meta
             .apply_batch(batch)
             .map_err(|e| StorageError::sled("compacting the log", e))?;
-        if !self.trimmer.request(upto) {
+        self.sled_unsynced = true;
+        if let Some(segments) = self.segments.as_mut() {
+            segments.forget_through(upto);
+        } else if !self.trimmer.request(upto) {
             LogTrimmer::trim(&self.log, upto)
                 .map_err(|e| StorageError::sled("deleting compacted log entries", e))?;
         }
@@ -1175,6 +1351,12 @@ impl Storage for SledStorage {
                 snapshot_index: self.snapshot_meta.index,
             });
         }
+        if let Some(segments) = &self.segments {
+            return segments.term(index).ok_or(StorageError::Unavailable {
+                index,
+                last_index: self.last_index,
+            });
+        }
         if let Some((k, v)) = self.run_holding(index)? {
             let first = log_key(&k)?;
             let records = run_records(first, &v)?;
@@ -1206,17 +1388,22 @@ impl Storage for SledStorage {
     /// (sled calls `fsync` only from its background thread, every 500 ms.) So after sled's
     /// flush the log file is `fdatasync`ed as well, as etcd does with its log. Blob files that
     /// sled wrote since the last flush are synced first (see [`BlobSync`]).
+    ///
+    /// Under [`LogEngine::Segments`] sled is flushed only when it was written since its last
+    /// flush, then the log's segment is `fdatasync`ed, and segments wholly at or below the
+    /// durable snapshot point are deleted.
     fn flush(&mut self) -> Result<(), StorageError> {
-        self.blobs.sync_new()?;
-        self.db
-            .flush()
-            .map_err(|e| StorageError::sled("flushing", e))?;
-        self.db_file
-            .sync_data()
-            .map_err(|source| StorageError::Io {
-                action: "syncing sled's log file",
-                source,
-            })?;
+        if self.segments.is_none() {
+            return self.flush_sled();
+        }
+        if self.sled_unsynced {
+            self.flush_sled()?;
+        }
+        let point = self.durable_point;
+        if let Some(segments) = self.segments.as_mut() {
+            segments.sync()?;
+            segments.remove_segments_through(point)?;
+        }
         Ok(())
     }
 }

@@ -148,6 +148,7 @@ pub fn child(
     let data = std::fs::read(snapshot).map_err(|e| format!("reading the snapshot: {e}"))?;
     let options = SledOptions {
         cache_bytes: cache_mb << 20,
+        ..Default::default()
     };
     let mut storage = SledStorage::open_with(store, options).map_err(|e| e.to_string())?;
     storage.set_install_batch_keys(batch_keys);

@@ -1,0 +1,558 @@
+//! The Raft log in segment files of its own, beside the sled store that keeps everything else
+//! (`--log-engine segments`; see [`super::LogEngine`]).
+//!
+//! sled 0.34 hands every flush to its I/O thread pool and back (about sixteen thread
+//! switches per flush on this project's benchmarks) and syncs with `sync_file_range`, which
+//! is why a flush of the log through sled takes about twice a plain `write` + `fdatasync` of
+//! the same bytes (`docs/bench/storage.md`). Here an append is one positional `write` into a
+//! preallocated file, made by the caller's thread, and a flush one `fdatasync` of that file.
+//!
+//! ```text
+//!   segment = "RLSEG001" ‖ sequence u64 ‖ record* ‖ zeros (preallocated, not yet written)
+//!   record  = body length u32 ‖ crc32 u32 (over body) ‖ body
+//!   body    = 1 ‖ first index u64 ‖ run      a run of entries (`codec`): every stored entry
+//!                                             with index >= first index goes, then these follow
+//!           | 2 ‖ index u64 ‖ term u64      a reset: the log is empty and starts after index
+//! ```
+//! All integers are big-endian. Segment files are `<sequence>.seg` (20 digits), written one
+//! after the other; reading them in order and replaying their records gives the log. A run
+//! that replaces a conflicting suffix is therefore one record, atomic like every record: its
+//! checksum covers it whole, and a record cut short by a crash fails it.
+//!
+//! A crash can leave the end of the newest segment with a record cut off, or with records
+//! whose bytes reached the disk out of order. None of them was flushed, so none was
+//! acknowledged: opening keeps the records up to the first one that fails its checksum and
+//! clears the rest of the file. In any older segment such a record is corruption, and an error.
+//!
+//! A segment is deleted once every entry it holds is at or below the durable snapshot point
+//! (the caller says which point is durable), oldest first.
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use super::codec::{decode_entry, push_run_entry, run_records, RUN_VERSION};
+use super::StorageError;
+use crate::raft::{Entry, Index, Term};
+
+const MAGIC: &[u8; 8] = b"RLSEG001";
+const SEGMENT_HEADER: u64 = 16;
+const FRAME: usize = 8;
+const KIND_RUN: u8 = 1;
+const KIND_RESET: u8 = 2;
+const EXTENSION: &str = "seg";
+
+/// Where one entry's record lies: its segment, offset and length (the record `decode_entry`
+/// reads), and its term, so that `term` needs no read.
+#[derive(Clone, Copy, Debug)]
+struct Loc {
+    seq: u64,
+    offset: u64,
+    len: u32,
+    term: Term,
+}
+
+struct Segment {
+    seq: u64,
+    file: File,
+    /// The highest index of any entry (or reset point) written to this segment.
+    max_index: Index,
+}
+
+/// The log's segment files; see the module documentation.
+pub(crate) struct SegmentLog {
+    dir: PathBuf,
+    segment_bytes: u64,
+    /// Oldest first; the last one is written to.
+    segments: VecDeque<Segment>,
+    /// Where the next record goes in the last segment.
+    write_offset: u64,
+    /// Locations of the entries `base..base + locs.len()`.
+    locs: VecDeque<Loc>,
+    base: Index,
+    /// A segment was created since the directory was last synced.
+    dir_unsynced: bool,
+    /// Bytes written since the last sync.
+    unsynced: bool,
+    /// Reused for encoding records.
+    buf: Vec<u8>,
+}
+
+impl std::fmt::Debug for SegmentLog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SegmentLog")
+            .field("dir", &self.dir)
+            .field("segments", &self.segments.len())
+            .field("base", &self.base)
+            .field("entries", &self.locs.len())
+            .finish()
+    }
+}
+
+fn io(action: &'static str) -> impl FnOnce(std::io::Error) -> StorageError {
+    move |source| StorageError::Io { action, source }
+}
+
+fn corrupt(path: &Path, offset: u64, problem: impl Into<String>) -> StorageError {
+    StorageError::Corrupt {
+        tree: "log segment",
+        key: format!("{} offset {offset}", path.display()),
+        problem: problem.into(),
+    }
+}
+
+fn segment_name(seq: u64) -> String {
+    format!("{seq:020}.{EXTENSION}")
+}
+
+/// The sequence numbers of the segment files in `dir`, in order.
+fn list_segments(dir: &Path) -> Result<Vec<u64>, StorageError> {
+    let mut seqs = Vec::new();
+    let read = match std::fs::read_dir(dir) {
+        Ok(read) => read,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(seqs),
+        Err(e) => return Err(io("listing the log's segment files")(e)),
+    };
+    for item in read {
+        let item = item.map_err(io("listing the log's segment files"))?;
+        let name = item.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let Some(stem) = name.strip_suffix(&format!(".{EXTENSION}")) else {
+            continue;
+        };
+        match stem.parse::<u64>() {
+            Ok(seq) if stem.len() == 20 => seqs.push(seq),
+            _ => {
+                return Err(StorageError::Corrupt {
+                    tree: "log segment",
+                    key: name.to_string(),
+                    problem: "a segment file name is 20 digits and .seg".into(),
+                })
+            }
+        }
+    }
+    seqs.sort_unstable();
+    Ok(seqs)
+}
+
+fn sync_dir(dir: &Path) -> Result<(), StorageError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io("syncing the log's directory"))
+}
+
+/// Reserves the segment's blocks up front, so that an `fdatasync` after a write has no file
+/// size or block allocation to record (about a third faster here). A filesystem that cannot
+/// preallocate just grows the file.
+fn preallocate(file: &File, from: u64, to: u64) {
+    if to > from {
+        let _ = nix::fcntl::posix_fallocate(file, from as i64, (to - from) as i64);
+    }
+}
+
+impl SegmentLog {
+    /// Whether `dir` holds any segment file.
+    pub(crate) fn exists_in(dir: &Path) -> Result<bool, StorageError> {
+        Ok(!list_segments(dir)?.is_empty())
+    }
+
+    /// Opens the segments in `dir` (creating the directory and a first segment if there are
+    /// none) and replays them.
+    pub(crate) fn open(dir: &Path, segment_bytes: u64) -> Result<Self, StorageError> {
+        std::fs::create_dir_all(dir).map_err(io("creating the log's directory"))?;
+        let mut log = SegmentLog {
+            dir: dir.to_path_buf(),
+            segment_bytes: segment_bytes.max(SEGMENT_HEADER + 64),
+            segments: VecDeque::new(),
+            write_offset: SEGMENT_HEADER,
+            locs: VecDeque::new(),
+            base: 1,
+            dir_unsynced: false,
+            unsynced: false,
+            buf: Vec::new(),
+        };
+        let seqs = list_segments(dir)?;
+        if seqs.is_empty() {
+            log.create_segment(1)?;
+            log.sync()?;
+            return Ok(log);
+        }
+        for (i, &seq) in seqs.iter().enumerate() {
+            let last = i + 1 == seqs.len();
+            log.replay_segment(seq, last)?;
+        }
+        Ok(log)
+    }
+
+    fn path(&self, seq: u64) -> PathBuf {
+        self.dir.join(segment_name(seq))
+    }
+
+    fn create_segment(&mut self, seq: u64) -> Result<(), StorageError> {
+        let path = self.path(seq);
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .map_err(io("creating a log segment"))?;
+        let mut header = MAGIC.to_vec();
+        header.extend_from_slice(&seq.to_be_bytes());
+        file.write_all_at(&header, 0)
+            .map_err(io("writing a log segment's header"))?;
+        preallocate(&file, SEGMENT_HEADER, self.segment_bytes);
+        self.segments.push_back(Segment {
+            seq,
+            file,
+            max_index: 0,
+        });
+        self.write_offset = SEGMENT_HEADER;
+        self.dir_unsynced = true;
+        self.unsynced = true;
+        Ok(())
+    }
+
+    /// Reads one segment and replays its records. In the newest segment (`last`) the first
+    /// record that is cut off or fails its checksum ends the log, and what follows it is
+    /// cleared; in any other it is an error.
+    fn replay_segment(&mut self, seq: u64, last: bool) -> Result<(), StorageError> {
+        let path = self.path(seq);
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(io("opening a log segment"))?;
+        let bytes = std::fs::read(&path).map_err(io("reading a log segment"))?;
+        if bytes.len() < SEGMENT_HEADER as usize
+            || &bytes[..8] != MAGIC
+            || bytes[8..16] != seq.to_be_bytes()
+        {
+            if last && bytes.iter().all(|b| *b == 0) {
+                // Created, but its header never reached the disk: nothing was written to it.
+                drop(file);
+                std::fs::remove_file(&path).map_err(io("removing an empty log segment"))?;
+                let next = self.segments.back().map_or(1, |s| s.seq + 1);
+                return self.create_segment(next.max(seq));
+            }
+            return Err(corrupt(&path, 0, "not a log segment (bad header)"));
+        }
+        let mut segment = Segment {
+            seq,
+            file,
+            max_index: 0,
+        };
+        let mut offset = SEGMENT_HEADER as usize;
+        let end = loop {
+            let rest = &bytes[offset..];
+            if rest.len() < FRAME {
+                break offset;
+            }
+            let len = u32::from_be_bytes(rest[..4].try_into().unwrap_or_default()) as usize;
+            let crc = u32::from_be_bytes(rest[4..8].try_into().unwrap_or_default());
+            if len == 0 && crc == 0 {
+                break offset;
+            }
+            let whole = rest.len() >= FRAME + len
+                && crc32fast::hash(&rest[FRAME..FRAME + len]) == crc
+                && len > 0;
+            if !whole {
+                if last {
+                    break offset;
+                }
+                return Err(corrupt(
+                    &path,
+                    offset as u64,
+                    "a record is cut off or fails its checksum in a segment that is not the newest",
+                ));
+            }
+            let body = &rest[FRAME..FRAME + len];
+            self.replay_record(&mut segment, offset as u64 + FRAME as u64, body)
+                .map_err(|problem| corrupt(&path, offset as u64, problem))?;
+            offset += FRAME + len;
+        };
+        if last {
+            let discarded = bytes[end..].iter().filter(|b| **b != 0).count();
+            if discarded > 0 {
+                tracing::warn!(
+                    segment = %path.display(),
+                    offset = end,
+                    "the log's newest segment ends with bytes that are not whole records (writes \
+                     cut off by a crash, never acknowledged); they are cleared"
+                );
+            }
+            // Whatever follows the last whole record goes, so that no stale record can line
+            // up behind a later one.
+            segment
+                .file
+                .set_len(end as u64)
+                .map_err(io("clearing the end of a log segment"))?;
+            preallocate(&segment.file, end as u64, self.segment_bytes);
+            segment
+                .file
+                .sync_all()
+                .map_err(io("syncing a log segment"))?;
+            self.write_offset = end as u64;
+        }
+        self.segments.push_back(segment);
+        Ok(())
+    }
+
+    /// Replays one record whose body starts at `body_offset` in `segment`.
+    fn replay_record(
+        &mut self,
+        segment: &mut Segment,
+        body_offset: u64,
+        body: &[u8],
+    ) -> Result<(), String> {
+        match body.first() {
+            Some(&KIND_RUN) if body.len() > 9 => {
+                let first = u64::from_be_bytes(body[1..9].try_into().unwrap_or_default());
+                let run = &body[9..];
+                let records = run_records(first, run).map_err(|e| e.to_string())?;
+                self.truncate_from(first);
+                let run_offset = body_offset + 9;
+                for (index, record) in records {
+                    let at = record.as_ptr() as usize - run.as_ptr() as usize;
+                    let entry = decode_entry(index, record).map_err(|e| e.to_string())?;
+                    self.locs.push_back(Loc {
+                        seq: segment.seq,
+                        offset: run_offset + at as u64,
+                        len: record.len() as u32,
+                        term: entry.term,
+                    });
+                    segment.max_index = segment.max_index.max(index);
+                }
+                Ok(())
+            }
+            Some(&KIND_RESET) if body.len() == 17 => {
+                let index = u64::from_be_bytes(body[1..9].try_into().unwrap_or_default());
+                self.locs.clear();
+                self.base = index + 1;
+                segment.max_index = segment.max_index.max(index);
+                Ok(())
+            }
+            Some(kind) => Err(format!("unknown record kind {kind} or bad length")),
+            None => Err("empty record".into()),
+        }
+    }
+
+    /// Drops every entry with index >= `first` from memory. A `first` past the end after a gap
+    /// starts the log over at `first` (what came before is at or below a snapshot point, or the
+    /// caller's recovery finds the gap).
+    fn truncate_from(&mut self, first: Index) {
+        let next = self.base + self.locs.len() as u64;
+        if first <= self.base || first > next {
+            self.locs.clear();
+            self.base = first;
+        } else {
+            self.locs.truncate((first - self.base) as usize);
+        }
+    }
+
+    /// Index of the first entry held, if any.
+    pub(crate) fn first_index(&self) -> Option<Index> {
+        (!self.locs.is_empty()).then_some(self.base)
+    }
+
+    /// Index of the last entry held, if any.
+    pub(crate) fn last_index(&self) -> Option<Index> {
+        (!self.locs.is_empty()).then(|| self.base + self.locs.len() as u64 - 1)
+    }
+
+    pub(crate) fn term(&self, index: Index) -> Option<Term> {
+        let at = index.checked_sub(self.base)?;
+        self.locs.get(at as usize).map(|loc| loc.term)
+    }
+
+    /// Forgets, in memory only, every entry at or below `upto` (the files keep them until
+    /// [`SegmentLog::remove_segments_through`]).
+    pub(crate) fn forget_through(&mut self, upto: Index) {
+        if upto < self.base {
+            return;
+        }
+        let drop = ((upto - self.base + 1) as usize).min(self.locs.len());
+        self.locs.drain(..drop);
+        self.base = upto + 1;
+    }
+
+    /// Writes a run record: every entry from `entries[0].index` on is replaced by `entries`.
+    /// The caller has checked that they are contiguous and where they may start.
+    pub(crate) fn append(&mut self, entries: &[Entry]) -> Result<(), StorageError> {
+        let Some(first) = entries.first() else {
+            return Ok(());
+        };
+        let mut buf = std::mem::take(&mut self.buf);
+        buf.clear();
+        buf.extend_from_slice(&[0; FRAME]);
+        buf.push(KIND_RUN);
+        buf.extend_from_slice(&first.index.to_be_bytes());
+        buf.push(RUN_VERSION);
+        let mut spans = Vec::with_capacity(entries.len());
+        for entry in entries {
+            let at = buf.len();
+            push_run_entry(&mut buf, entry);
+            spans.push((at + 4, buf.len() - at - 4, entry.term));
+        }
+        let result = self.write_record(&mut buf, first.index, entries.len(), &spans);
+        self.buf = buf;
+        result?;
+        let last = entries.last().map_or(first.index, |e| e.index);
+        if let Some(segment) = self.segments.back_mut() {
+            segment.max_index = segment.max_index.max(last);
+        }
+        Ok(())
+    }
+
+    /// Frames `buf` (whose first [`FRAME`] bytes are reserved), rolls to a new segment if it
+    /// does not fit, writes it, and records the entries' locations (`spans`: offset in `buf`,
+    /// length, term).
+    fn write_record(
+        &mut self,
+        buf: &mut [u8],
+        first: Index,
+        count: usize,
+        spans: &[(usize, usize, Term)],
+    ) -> Result<(), StorageError> {
+        let len = (buf.len() - FRAME) as u32;
+        let crc = crc32fast::hash(&buf[FRAME..]);
+        buf[..4].copy_from_slice(&len.to_be_bytes());
+        buf[4..FRAME].copy_from_slice(&crc.to_be_bytes());
+        if self.write_offset > SEGMENT_HEADER
+            && self.write_offset + buf.len() as u64 > self.segment_bytes
+        {
+            self.roll()?;
+        }
+        let segment = self.segments.back().ok_or_else(|| StorageError::Io {
+            action: "writing the log",
+            source: std::io::Error::other("no open segment"),
+        })?;
+        segment
+            .file
+            .write_all_at(buf, self.write_offset)
+            .map_err(io("appending to the log"))?;
+        let seq = segment.seq;
+        if count > 0 {
+            self.truncate_from(first);
+            for &(at, len, term) in spans {
+                self.locs.push_back(Loc {
+                    seq,
+                    offset: self.write_offset + at as u64,
+                    len: len as u32,
+                    term,
+                });
+            }
+        }
+        self.write_offset += buf.len() as u64;
+        self.unsynced = true;
+        Ok(())
+    }
+
+    /// Writes a reset record: the log is empty and its next entry is `index + 1`.
+    pub(crate) fn reset(&mut self, index: Index, term: Term) -> Result<(), StorageError> {
+        let mut buf = vec![0; FRAME];
+        buf.push(KIND_RESET);
+        buf.extend_from_slice(&index.to_be_bytes());
+        buf.extend_from_slice(&term.to_be_bytes());
+        self.write_record(&mut buf, index + 1, 0, &[])?;
+        self.locs.clear();
+        self.base = index + 1;
+        if let Some(segment) = self.segments.back_mut() {
+            segment.max_index = segment.max_index.max(index);
+        }
+        Ok(())
+    }
+
+    /// Seals the current segment (synced, so that only the newest can end in a torn write)
+    /// and starts the next.
+    fn roll(&mut self) -> Result<(), StorageError> {
+        let Some(current) = self.segments.back() else {
+            return Err(StorageError::Io {
+                action: "writing the log",
+                source: std::io::Error::other("no open segment"),
+            });
+        };
+        current
+            .file
+            .sync_data()
+            .map_err(io("syncing a full log segment"))?;
+        let next = current.seq + 1;
+        self.create_segment(next)
+    }
+
+    /// Entries in `[lo, hi)` that the log holds, checksums verified.
+    pub(crate) fn read(&self, lo: Index, hi: Index) -> Result<Vec<Entry>, StorageError> {
+        let mut out = Vec::new();
+        let lo = lo.max(self.base);
+        let Some(first_seq) = self.segments.front().map(|s| s.seq) else {
+            return Ok(out);
+        };
+        let mut record = Vec::new();
+        for index in lo..hi {
+            let Some(loc) = self.locs.get((index - self.base) as usize) else {
+                break;
+            };
+            let segment = self
+                .segments
+                .get((loc.seq - first_seq) as usize)
+                .filter(|s| s.seq == loc.seq)
+                .ok_or_else(|| StorageError::Unavailable {
+                    index,
+                    last_index: self.last_index().unwrap_or(0),
+                })?;
+            record.resize(loc.len as usize, 0);
+            segment
+                .file
+                .read_exact_at(&mut record, loc.offset)
+                .map_err(io("reading the log"))?;
+            out.push(decode_entry(index, &record)?);
+        }
+        Ok(out)
+    }
+
+    /// Makes everything written durable: the newest segment's data, and the directory when a
+    /// segment was created.
+    pub(crate) fn sync(&mut self) -> Result<(), StorageError> {
+        if self.unsynced {
+            if let Some(segment) = self.segments.back() {
+                segment.file.sync_data().map_err(io("syncing the log"))?;
+            }
+            self.unsynced = false;
+        }
+        if self.dir_unsynced {
+            sync_dir(&self.dir)?;
+            self.dir_unsynced = false;
+        }
+        Ok(())
+    }
+
+    /// Deletes the oldest segments, except the newest, while every entry in them is at or
+    /// below `durable_point`, a snapshot point that is already durable.
+    pub(crate) fn remove_segments_through(
+        &mut self,
+        durable_point: Index,
+    ) -> Result<usize, StorageError> {
+        let mut removed = 0;
+        while self.segments.len() > 1 {
+            let Some(oldest) = self.segments.front() else {
+                break;
+            };
+            if oldest.max_index > durable_point {
+                break;
+            }
+            let path = self.path(oldest.seq);
+            std::fs::remove_file(&path).map_err(io("removing a compacted log segment"))?;
+            self.segments.pop_front();
+            removed += 1;
+        }
+        if removed > 0 {
+            self.dir_unsynced = true;
+        }
+        Ok(removed)
+    }
+
+    /// Number of segment files.
+    pub(crate) fn segment_count(&self) -> usize {
+        self.segments.len()
+    }
+}
