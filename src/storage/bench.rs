@@ -4,6 +4,7 @@
 //!
 //! ```text
 //!   for each batch size:  append(batch of ~100-byte entries) ─► flush ─► (acknowledge)   repeat
+//!                         (the log in sled, then the log in segment files)
 //!   raw disk:             write(batch × 100 bytes) ─► sync_data                          repeat
 //! ```
 //!
@@ -22,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
-use super::{SledStorage, Storage, StorageError};
+use super::{LogEngine, SledOptions, SledStorage, Storage, StorageError};
 use crate::raft::{Entry, EntryPayload};
 
 /// Approximate stored size of one benchmark entry, header included.
@@ -132,15 +133,22 @@ fn finish(
     }
 }
 
-/// Appends batches of `batch` entries to a fresh store in `dir`, flushing once per batch, for
-/// `duration`.
+/// Appends batches of `batch` entries to a fresh store in `dir` whose log is kept by `engine`,
+/// flushing once per batch, for `duration`.
 pub fn bench_sled_appends(
     dir: &Path,
+    engine: LogEngine,
     batch: usize,
     duration: Duration,
 ) -> Result<CaseResult, BenchError> {
     let batch = batch.max(1);
-    let mut store = SledStorage::open(dir)?;
+    let mut store = SledStorage::open_with(
+        dir,
+        SledOptions {
+            log_engine: engine,
+            ..SledOptions::default()
+        },
+    )?;
     // Payload sized so that the encoded entry (crc, version, term, index, kind) is ENTRY_BYTES.
     let payload = Bytes::from(vec![b'x'; ENTRY_BYTES - 22]);
     let mut next_index = store.last_index() + 1;
@@ -163,7 +171,10 @@ pub fn bench_sled_appends(
     }
     let elapsed = started.elapsed();
     Ok(finish(
-        "sled append+flush",
+        match engine {
+            LogEngine::Sled => "sled append+flush",
+            LogEngine::Segments => "segments append+flush",
+        },
         batch,
         elapsed,
         samples,
@@ -210,8 +221,9 @@ pub fn bench_raw_fsync(
     ))
 }
 
-/// Runs every case in its own subdirectory of `dir`: sled with each batch size, then raw
-/// writes of the same batches with `sync_data`. Subdirectories are removed afterwards.
+/// Runs every case in its own subdirectory of `dir`: the log in sled with each batch size, the
+/// log in segment files ([`LogEngine::Segments`]) with each, then raw writes of the same
+/// batches with `sync_data`. Subdirectories are removed afterwards.
 pub fn run(
     dir: &Path,
     batches: &[usize],
@@ -222,13 +234,15 @@ pub fn run(
         let path = path.to_path_buf();
         move |source| BenchError::Io { path, source }
     };
-    for &batch in batches {
-        let case_dir = dir.join(format!("sled-batch-{batch}"));
-        let _ = std::fs::remove_dir_all(&case_dir);
-        std::fs::create_dir_all(&case_dir).map_err(io_error(&case_dir))?;
-        let result = bench_sled_appends(&case_dir, batch, duration);
-        let _ = std::fs::remove_dir_all(&case_dir);
-        results.push(result?);
+    for engine in [LogEngine::Sled, LogEngine::Segments] {
+        for &batch in batches {
+            let case_dir = dir.join(format!("{engine}-batch-{batch}"));
+            let _ = std::fs::remove_dir_all(&case_dir);
+            std::fs::create_dir_all(&case_dir).map_err(io_error(&case_dir))?;
+            let result = bench_sled_appends(&case_dir, engine, batch, duration);
+            let _ = std::fs::remove_dir_all(&case_dir);
+            results.push(result?);
+        }
     }
     for &batch in batches {
         let raw_dir = dir.join(format!("raw-batch-{batch}"));

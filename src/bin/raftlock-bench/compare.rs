@@ -50,6 +50,8 @@ pub struct CompareArgs {
     pub dir: PathBuf,
     pub out: PathBuf,
     pub command_line: String,
+    /// `sled` or `segments`: where the RaftLock nodes keep their Raft log.
+    pub raft_log_engine: String,
 }
 
 /// Child processes killed when dropped, even on error.
@@ -449,7 +451,10 @@ pub async fn compare(args: CompareArgs) -> Result<(), String> {
     let raftlock = start_raftlock_nodes(
         &args.dir,
         &mut procs,
-        &[("RAFTLOCK_MAX_ANSWERS", COMPARE_MAX_ANSWERS)],
+        &[
+            ("RAFTLOCK_MAX_ANSWERS", COMPARE_MAX_ANSWERS),
+            ("RAFTLOCK_RAFT_LOG_ENGINE", &args.raft_log_engine),
+        ],
         args.nodes,
     )?;
     wait_ready(Target::Etcd, &etcd_all).await?;
@@ -505,6 +510,7 @@ pub async fn compare(args: CompareArgs) -> Result<(), String> {
     let report = json!({
         "date": today(), "machine": machine(), "etcd": etcd_version(),
         "etcd_flags": ETCD_TUNING.join(" "), "etcd_clients": etcd_clients, "nodes": args.nodes,
+        "raft_log_engine": args.raft_log_engine,
         "command": args.command_line, "seconds_per_run": args.seconds, "rounds": args.rounds,
         "floor": {"fsync_p50_us": fsync_p50, "fsync_p99_us": fsync_p99, "loopback_rtt_p50_us": rtt,
                   "stalls_alone": stalls_idle.to_json(), "stalls_syncing": stalls_sync.to_json()},
@@ -622,9 +628,10 @@ fn markdown(report: &serde_json::Value) -> String {
         None => String::new(),
     };
     s.push_str(&format!(
-        "etcd as a fair peer: its own advice for a local cluster (heartbeat 100 ms, election timeout 1000 ms, snapshot count 100,000: its defaults) plus `{}` (etcd's recommended freelist for performance, the default from 3.5 on, and warnings-only logging as the RaftLock nodes get). Each load client has its own connection and one lease. Its clients connect to: **{}**.{probe} RaftLock's clients use the SDK, which finds the leader and talks to it. RaftLock's nodes run with `--max-answers {COMPARE_MAX_ANSWERS}`: every answered request is kept a minute for retries, and the default bound of 1,000,000 sustains about 16,700 requests a second (beyond that the leader paces new acquires, see the README's *Client sessions*); the runs here follow each other on one cluster and ask for more, and this bound lets them measure the nodes rather than the table.\n\n",
+        "etcd as a fair peer: its own advice for a local cluster (heartbeat 100 ms, election timeout 1000 ms, snapshot count 100,000: its defaults) plus `{}` (etcd's recommended freelist for performance, the default from 3.5 on, and warnings-only logging as the RaftLock nodes get). Each load client has its own connection and one lease. Its clients connect to: **{}**.{probe} RaftLock's clients use the SDK, which finds the leader and talks to it. RaftLock's nodes run with `--raft-log-engine {engine}` and `--max-answers {COMPARE_MAX_ANSWERS}`: every answered request is kept a minute for retries, and the default bound of 1,000,000 sustains about 16,700 requests a second (beyond that the leader paces new acquires, see the README's *Client sessions*); the runs here follow each other on one cluster and ask for more, and this bound lets them measure the nodes rather than the table.\n\n",
         report["etcd_flags"].as_str().unwrap_or(""),
         ec["chosen"].as_str().unwrap_or("all members"),
+        engine = report["raft_log_engine"].as_str().unwrap_or("sled"),
     ));
     let fl = &report["floor"];
     let fsync = f(&fl["fsync_p50_us"]);

@@ -21,6 +21,8 @@ pub struct LatencyArgs {
     pub dir: PathBuf,
     /// Concurrent uncontended clients (1: one client's cycle).
     pub clients: usize,
+    /// `sled` or `segments`: where the nodes keep their Raft log.
+    pub raft_log_engine: String,
 }
 
 /// CPU time in clock ticks (user, kernel) of a process, by thread group: threads named alike
@@ -187,7 +189,11 @@ pub async fn latency(args: LatencyArgs) -> Result<(), String> {
     let rtt = loopback_floor(2000)?;
     let floor_ms = 2.0 * (fsync_p50 + rtt) / 1000.0;
     let mut procs = Procs(Vec::new());
-    let endpoints = start_raftlock(&args.dir, &mut procs, &[])?;
+    let endpoints = start_raftlock(
+        &args.dir,
+        &mut procs,
+        &[("RAFTLOCK_RAFT_LOG_ENGINE", &args.raft_log_engine)],
+    )?;
     wait_ready(Target::Raftlock, &endpoints).await?;
     // The client talks to the leader itself, so that no forwarding hop is in the cycle.
     let mut leader_endpoint = None;
@@ -248,8 +254,9 @@ pub async fn latency(args: LatencyArgs) -> Result<(), String> {
         n => format!("{n} clients"),
     };
     println!(
-        "{who}, uncontended, {} s: {} cycles, errors {}. Floor: fsync p50 {:.3} ms, loopback RTT p50 {:.3} ms; a cycle (two commits) ≥ {floor_ms:.2} ms.\n",
+        "{who}, uncontended, {} s, Raft log in {}: {} cycles, errors {}. Floor: fsync p50 {:.3} ms, loopback RTT p50 {:.3} ms; a cycle (two commits) ≥ {floor_ms:.2} ms.\n",
         args.seconds,
+        args.raft_log_engine,
         r.grants,
         r.errors,
         fsync_p50 / 1000.0,

@@ -105,6 +105,10 @@ enum Command {
         /// Where results.md and results.json are written.
         #[arg(long, default_value = "docs/bench")]
         out: std::path::PathBuf,
+        /// Where the RaftLock nodes keep their Raft log: sled or segments
+        /// (`--raft-log-engine`).
+        #[arg(long, default_value = "sled", value_parser = ["sled", "segments"])]
+        raft_log_engine: String,
     },
     /// Where one client's lock cycle goes: a three-node cluster, one uncontended client, and the
     /// nodes' own timings (request in the leader, commit, flushes, round trips) from /metrics.
@@ -119,6 +123,10 @@ enum Command {
         /// cluster; the CPU table then says where a cycle's CPU goes under load).
         #[arg(long, default_value_t = 1)]
         clients: usize,
+        /// Where the RaftLock nodes keep their Raft log: sled or segments
+        /// (`--raft-log-engine`).
+        #[arg(long, default_value = "sled", value_parser = ["sled", "segments"])]
+        raft_log_engine: String,
     },
     /// Two RaftLock clusters side by side, trace export off and on (every span sent over OTLP
     /// to a receiver in this process): what tracing costs the hot path.
@@ -589,11 +597,13 @@ fn main() {
             seconds,
             dir,
             clients,
+            raft_log_engine,
         } => {
             let args = latency::LatencyArgs {
                 seconds: seconds.max(1),
                 dir: dir.clone(),
                 clients: clients.clamp(1, 4096),
+                raft_log_engine,
             };
             let result = runtime().block_on(latency::latency(args));
             let _ = std::fs::remove_dir_all(&dir);
@@ -663,6 +673,7 @@ fn main() {
             rounds,
             dir,
             out,
+            raft_log_engine,
         } => {
             let command_line = command_line();
             let _ = std::fs::remove_dir_all(&dir);
@@ -676,6 +687,7 @@ fn main() {
                 dir: dir.clone(),
                 out,
                 command_line,
+                raft_log_engine,
             };
             let result = runtime().block_on(compare::compare(args));
             let _ = std::fs::remove_dir_all(&dir);
