@@ -8,7 +8,8 @@
 # (docs/bench/cpu-budget.md, scripts/cpu-budget.py), one client's request step by step
 # (docs/bench/latency.md, scripts/latency-timeline.sh), a snapshot install's memory
 # (docs/bench/snapshot-install.md) and the scale runs (docs/bench/scale.md,
-# `raftlock-bench scale`).
+# `raftlock-bench scale`); last, the etcd comparison and one client's latency again with the
+# Raft log in segment files (`--raft-log-engine segments`, docs/bench/segments/).
 #
 #   scripts/bench-vs-etcd.sh            # full run: 1, 8, 32, 128, 512 clients, 5 s per run, 2 rounds
 #   scripts/bench-vs-etcd.sh --quick    # 1 and 32 clients, 2 s per run, 1 round
@@ -102,9 +103,9 @@ echo "== one client's cycle against the nodes' own timings"
   scripts/latency-timeline.sh 10
 } > docs/bench/latency.md
 
-echo "== the log's storage: sled against a plain append-only file, latency and CPU per flush"
+echo "== the log's storage: sled, segment files and a plain append-only file, latency and CPU per flush"
 {
-  echo "# Durable appends: sled against a plain file"
+  echo "# Durable appends: the log in sled, in segment files, and a plain file"
   echo
   echo "$(date +%F) · \`raftlock-bench storage --seconds 3\` (see docs/bench/cpu-budget.md, \"Real CPU time\")"
   echo
@@ -124,4 +125,18 @@ echo "== installing a million-lock snapshot into a new store: memory and time by
 
 echo "== scale"
 ./target/release/raftlock-bench scale "${SCALE[@]}" --out docs/bench
-echo "== done: docs/bench/results.md, chart.png, five-nodes/results.md, cpu-budget.md, latency.md, storage.md, snapshot-install.md, scale.md"
+echo "== the Raft log in segment files: the etcd comparison and one client's cycle"
+mkdir -p docs/bench/segments
+./target/release/raftlock-bench compare --raft-log-engine segments "${ARGS[@]}" "$@" --out docs/bench/segments
+{
+  echo "# Where one client's lock cycle goes, with the Raft log in segment files"
+  echo
+  echo "$(date +%F) · \`raftlock-bench latency --raft-log-engine segments --seconds 10\` (and the same with \`--clients 32\`; the default engine's are in ../latency.md)"
+  echo
+  ./target/release/raftlock-bench latency --raft-log-engine segments --seconds 10
+  echo
+  echo "## The same with 32 clients"
+  echo
+  ./target/release/raftlock-bench latency --raft-log-engine segments --seconds 10 --clients 32
+} > docs/bench/segments/latency.md
+echo "== done: docs/bench/results.md, chart.png, five-nodes/results.md, cpu-budget.md, latency.md, storage.md, snapshot-install.md, scale.md, segments/"
