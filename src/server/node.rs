@@ -150,6 +150,15 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
         },
     )?;
     let mut recovered = storage.recover()?;
+    tracing::info!(
+        raft_log_engine = %cfg.raft_log_engine,
+        log_segments = storage.log_segments().unwrap_or(0),
+        snapshot_index = recovered.snapshot_meta.index,
+        last_index = recovered.last_index(),
+        applied_index = recovered.applied_index,
+        term = recovered.hard_state.term,
+        "storage opened"
+    );
     let fresh = recovered.last_index() == 0 && recovered.hard_state.term == 0;
     let initial_members = cfg
         .initial_members()
