@@ -964,9 +964,13 @@ async fn fenced_increments_survive_kills_and_pauses() {
                 .map(|d| d.as_secs() % 10_000)
                 .unwrap_or(0)
         });
+    // The nodes inherit the environment: a run on the segment log says so in its replay line.
+    let engine = std::env::var("RAFTLOCK_RAFT_LOG_ENGINE")
+        .map(|e| format!("RAFTLOCK_RAFT_LOG_ENGINE={e} "))
+        .unwrap_or_default();
     let replay = format!(
-        "RAFTLOCK_CHAOS_SEED={seed} RAFTLOCK_CHAOS_SECONDS={seconds} cargo test --release \
-         --test chaos -- --nocapture"
+        "{engine}RAFTLOCK_CHAOS_SEED={seed} RAFTLOCK_CHAOS_SECONDS={seconds} cargo test \
+         --release --test chaos -- --nocapture"
     );
     println!("chaos: seed {seed}, {seconds} s of faults (replay the schedule: {replay})");
 

@@ -492,9 +492,10 @@ impl SegmentLog {
             let Some(loc) = self.locs.get((index - self.base) as usize) else {
                 break;
             };
-            let segment = self
-                .segments
-                .get((loc.seq - first_seq) as usize)
+            let segment = loc
+                .seq
+                .checked_sub(first_seq)
+                .and_then(|at| self.segments.get(at as usize))
                 .filter(|s| s.seq == loc.seq)
                 .ok_or_else(|| StorageError::Unavailable {
                     index,
