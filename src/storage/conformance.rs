@@ -1365,6 +1365,14 @@ fn segment_records(bytes: &[u8]) -> Vec<(usize, usize)> {
     records
 }
 
+/// Appends entries 1..=`last` of term 1, each its own append and flush (a record each).
+fn append_one_at_a_time(store: &mut SledStorage, last: Index) {
+    for i in 1..=last {
+        store.append(&commands(i, i, 1)).unwrap();
+        store.flush().unwrap();
+    }
+}
+
 fn flip_byte(path: &std::path::Path, offset: usize) {
     let mut bytes = std::fs::read(path).expect("read a segment");
     bytes[offset] ^= 0x5a;
@@ -1415,11 +1423,7 @@ fn segments_clear_a_torn_tail_and_never_replay_what_followed_it() {
 #[test]
 fn segments_report_damage_in_an_older_segment() {
     let mut harness = SegmentsHarness::default();
-    for i in 1..=40 {
-        let store = harness.store();
-        store.append(&commands(i, i, 1)).unwrap();
-        store.flush().unwrap();
-    }
+    append_one_at_a_time(harness.store(), 40);
     let segments = harness.store().log_segments().unwrap();
     assert!(
         segments >= 2,
@@ -1450,11 +1454,7 @@ fn segments_report_damage_in_an_older_segment() {
 #[test]
 fn segments_behind_a_durable_compaction_are_deleted() {
     let mut harness = SegmentsHarness::default();
-    for i in 1..=60 {
-        let store = harness.store();
-        store.append(&commands(i, i, 1)).unwrap();
-        store.flush().unwrap();
-    }
+    append_one_at_a_time(harness.store(), 60);
     let before = harness.store().log_segments().unwrap();
     assert!(before >= 3, "{before} segments");
     let store = harness.store();

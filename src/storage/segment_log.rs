@@ -29,6 +29,7 @@
 
 use std::collections::VecDeque;
 use std::fs::File;
+use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
@@ -41,7 +42,7 @@ const SEGMENT_HEADER: u64 = 16;
 const FRAME: usize = 8;
 const KIND_RUN: u8 = 1;
 const KIND_RESET: u8 = 2;
-const EXTENSION: &str = "seg";
+const SUFFIX: &str = ".seg";
 
 /// Where one entry's record lies: its segment, offset and length (the record `decode_entry`
 /// reads), and its term, so that `term` needs no read.
@@ -77,17 +78,8 @@ pub(crate) struct SegmentLog {
     unsynced: bool,
     /// Reused for encoding records.
     buf: Vec<u8>,
-}
-
-impl std::fmt::Debug for SegmentLog {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SegmentLog")
-            .field("dir", &self.dir)
-            .field("segments", &self.segments.len())
-            .field("base", &self.base)
-            .field("entries", &self.locs.len())
-            .finish()
-    }
+    /// Reused for the entries' places in `buf` while a run is encoded: offset, length, term.
+    spans: Vec<(usize, usize, Term)>,
 }
 
 fn io(action: &'static str) -> impl FnOnce(std::io::Error) -> StorageError {
@@ -103,7 +95,7 @@ fn corrupt(path: &Path, offset: u64, problem: impl Into<String>) -> StorageError
 }
 
 fn segment_name(seq: u64) -> String {
-    format!("{seq:020}.{EXTENSION}")
+    format!("{seq:020}{SUFFIX}")
 }
 
 /// The sequence numbers of the segment files in `dir`, in order.
@@ -118,7 +110,7 @@ fn list_segments(dir: &Path) -> Result<Vec<u64>, StorageError> {
         let item = item.map_err(io("listing the log's segment files"))?;
         let name = item.file_name();
         let Some(name) = name.to_str() else { continue };
-        let Some(stem) = name.strip_suffix(&format!(".{EXTENSION}")) else {
+        let Some(stem) = name.strip_suffix(SUFFIX) else {
             continue;
         };
         match stem.parse::<u64>() {
@@ -171,6 +163,7 @@ impl SegmentLog {
             dir_unsynced: false,
             unsynced: false,
             buf: Vec::new(),
+            spans: Vec::new(),
         };
         let seqs = list_segments(dir)?;
         if seqs.is_empty() {
@@ -223,7 +216,10 @@ impl SegmentLog {
             .write(true)
             .open(&path)
             .map_err(io("opening a log segment"))?;
-        let bytes = std::fs::read(&path).map_err(io("reading a log segment"))?;
+        let mut bytes = Vec::new();
+        (&file)
+            .read_to_end(&mut bytes)
+            .map_err(io("reading a log segment"))?;
         if bytes.len() < SEGMENT_HEADER as usize
             || &bytes[..8] != MAGIC
             || bytes[8..16] != seq.to_be_bytes()
@@ -327,8 +323,7 @@ impl SegmentLog {
             }
             Some(&KIND_RESET) if body.len() == 17 => {
                 let index = u64::from_be_bytes(body[1..9].try_into().unwrap_or_default());
-                self.locs.clear();
-                self.base = index + 1;
+                self.start_after(index);
                 segment.max_index = segment.max_index.max(index);
                 Ok(())
             }
@@ -348,6 +343,12 @@ impl SegmentLog {
         } else {
             self.locs.truncate((first - self.base) as usize);
         }
+    }
+
+    /// Forgets every entry: the log is empty and its next entry is `index + 1`.
+    fn start_after(&mut self, index: Index) {
+        self.locs.clear();
+        self.base = index + 1;
     }
 
     /// Index of the first entry held, if any.
@@ -379,41 +380,64 @@ impl SegmentLog {
     /// Writes a run record: every entry from `entries[0].index` on is replaced by `entries`.
     /// The caller has checked that they are contiguous and where they may start.
     pub(crate) fn append(&mut self, entries: &[Entry]) -> Result<(), StorageError> {
-        let Some(first) = entries.first() else {
+        let (Some(first), Some(last)) = (entries.first(), entries.last()) else {
             return Ok(());
         };
         let mut buf = std::mem::take(&mut self.buf);
+        let mut spans = std::mem::take(&mut self.spans);
         buf.clear();
+        spans.clear();
         buf.extend_from_slice(&[0; FRAME]);
         buf.push(KIND_RUN);
         buf.extend_from_slice(&first.index.to_be_bytes());
         buf.push(RUN_VERSION);
-        let mut spans = Vec::with_capacity(entries.len());
         for entry in entries {
             let at = buf.len();
             push_run_entry(&mut buf, entry);
             spans.push((at + 4, buf.len() - at - 4, entry.term));
         }
-        let result = self.write_record(&mut buf, first.index, entries.len(), &spans);
+        let written = self.write_record(&mut buf, last.index);
         self.buf = buf;
-        result?;
-        let last = entries.last().map_or(first.index, |e| e.index);
-        if let Some(segment) = self.segments.back_mut() {
-            segment.max_index = segment.max_index.max(last);
+        if let Ok((seq, offset)) = written {
+            self.truncate_from(first.index);
+            self.locs.extend(spans.iter().map(|&(at, len, term)| Loc {
+                seq,
+                offset: offset + at as u64,
+                len: len as u32,
+                term,
+            }));
         }
+        self.spans = spans;
+        written.map(|_| ())
+    }
+
+    /// Writes a reset record: the log is empty and its next entry is `index + 1`.
+    pub(crate) fn reset(&mut self, index: Index, term: Term) -> Result<(), StorageError> {
+        let mut buf = vec![0; FRAME];
+        buf.push(KIND_RESET);
+        buf.extend_from_slice(&index.to_be_bytes());
+        buf.extend_from_slice(&term.to_be_bytes());
+        self.write_record(&mut buf, index)?;
+        self.start_after(index);
         Ok(())
     }
 
+    /// The segment written to.
+    fn current(&self) -> Result<&Segment, StorageError> {
+        self.segments.back().ok_or_else(|| StorageError::Io {
+            action: "writing the log",
+            source: std::io::Error::other("no open segment"),
+        })
+    }
+
     /// Frames `buf` (whose first [`FRAME`] bytes are reserved), rolls to a new segment if it
-    /// does not fit, writes it, and records the entries' locations (`spans`: offset in `buf`,
-    /// length, term).
+    /// does not fit, and writes it; `max_index` is the highest index the record names. Returns
+    /// the segment and offset the record went to.
     fn write_record(
         &mut self,
         buf: &mut [u8],
-        first: Index,
-        count: usize,
-        spans: &[(usize, usize, Term)],
-    ) -> Result<(), StorageError> {
+        max_index: Index,
+    ) -> Result<(u64, u64), StorageError> {
         let len = (buf.len() - FRAME) as u32;
         let crc = crc32fast::hash(&buf[FRAME..]);
         buf[..4].copy_from_slice(&len.to_be_bytes());
@@ -423,55 +447,25 @@ impl SegmentLog {
         {
             self.roll()?;
         }
-        let segment = self.segments.back().ok_or_else(|| StorageError::Io {
-            action: "writing the log",
-            source: std::io::Error::other("no open segment"),
-        })?;
+        let offset = self.write_offset;
+        let segment = self.current()?;
         segment
             .file
-            .write_all_at(buf, self.write_offset)
+            .write_all_at(buf, offset)
             .map_err(io("appending to the log"))?;
         let seq = segment.seq;
-        if count > 0 {
-            self.truncate_from(first);
-            for &(at, len, term) in spans {
-                self.locs.push_back(Loc {
-                    seq,
-                    offset: self.write_offset + at as u64,
-                    len: len as u32,
-                    term,
-                });
-            }
+        if let Some(segment) = self.segments.back_mut() {
+            segment.max_index = segment.max_index.max(max_index);
         }
         self.write_offset += buf.len() as u64;
         self.unsynced = true;
-        Ok(())
-    }
-
-    /// Writes a reset record: the log is empty and its next entry is `index + 1`.
-    pub(crate) fn reset(&mut self, index: Index, term: Term) -> Result<(), StorageError> {
-        let mut buf = vec![0; FRAME];
-        buf.push(KIND_RESET);
-        buf.extend_from_slice(&index.to_be_bytes());
-        buf.extend_from_slice(&term.to_be_bytes());
-        self.write_record(&mut buf, index + 1, 0, &[])?;
-        self.locs.clear();
-        self.base = index + 1;
-        if let Some(segment) = self.segments.back_mut() {
-            segment.max_index = segment.max_index.max(index);
-        }
-        Ok(())
+        Ok((seq, offset))
     }
 
     /// Seals the current segment (synced, so that only the newest can end in a torn write)
     /// and starts the next.
     fn roll(&mut self) -> Result<(), StorageError> {
-        let Some(current) = self.segments.back() else {
-            return Err(StorageError::Io {
-                action: "writing the log",
-                source: std::io::Error::other("no open segment"),
-            });
-        };
+        let current = self.current()?;
         current
             .file
             .sync_data()

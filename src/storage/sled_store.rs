@@ -575,6 +575,61 @@ impl SledStorage {
         Ok(())
     }
 
+    /// [`Storage::append`] into the `log_runs` tree: `entries` (checked, not empty) as runs.
+    fn append_runs(&mut self, entries: &[Entry]) -> Result<(), StorageError> {
+        let Some(first) = entries.first() else {
+            return Ok(());
+        };
+        let mut runs = RunBuilder::new(entries.len() * (first.size_bytes() + 40));
+        for entry in entries {
+            push_run_entry(runs.run_for(entry.index), entry);
+        }
+        runs.close();
+        if first.index > self.last_index {
+            // The common case: new entries after the last. Each run is one insert, one sled log
+            // record, in index order. They need not be atomic together: sled recovers a prefix
+            // of its writes, and any prefix of these runs is the log with a prefix of the new
+            // entries, which nothing has acknowledged before the flush. A sled batch (or
+            // transaction) would cost more: sled writes its log buffer out before and after each
+            // one (`pin_log`), two more writes and syncs on its I/O pool, and applies it under a
+            // process-wide exclusive lock.
+            for (k, v) in runs.closed.drain(..) {
+                self.log
+                    .insert(k, v)
+                    .map_err(|e| StorageError::sled("appending entries", e))?;
+            }
+        } else {
+            let mut batch = sled::Batch::default();
+            if first.index <= self.last_index {
+                // A conflicting suffix goes: every run from `first` on, and the tail of the run
+                // that holds `first` (a run is its entries' records in order, so the entries
+                // before `first` are a prefix of its bytes).
+                if let Some((k, v)) = self.run_holding(first.index)? {
+                    let start = log_key(&k)?;
+                    if start < first.index {
+                        let mut kept = begin_run(v.len());
+                        for (_, record) in run_records(start, &v)?
+                            .into_iter()
+                            .take_while(|(index, _)| *index < first.index)
+                        {
+                            push_run_record(&mut kept, record);
+                        }
+                        batch.insert(k, kept);
+                    }
+                }
+                for key in self.log.range(index_key(first.index)..).keys() {
+                    batch.remove(key.map_err(|e| StorageError::sled("reading the log", e))?);
+                }
+            }
+            // After the removals: a run that starts at `first` replaces the one removed there.
+            runs.move_into(&mut batch);
+            self.log
+                .apply_batch(batch)
+                .map_err(|e| StorageError::sled("appending entries", e))?;
+        }
+        Ok(())
+    }
+
     /// Makes every sled write so far durable (see [`Storage::flush`]).
     fn flush_sled(&mut self) -> Result<(), StorageError> {
         self.blobs.sync_new()?;
@@ -814,18 +869,16 @@ impl SledStorage {
         self.snapshot_meta = meta.clone();
         self.applied_index = meta.index;
         self.sled_unsynced = true;
-        if self.segments.is_some() {
-            if !keep {
-                // The new point must be durable before the log's reset can be: a reset on disk
-                // beside the old point would lose entries the old state still needs.
-                self.flush_sled()?;
-            }
-            if let Some(segments) = self.segments.as_mut() {
-                if keep {
-                    segments.forget_through(meta.index);
-                } else {
-                    segments.reset(meta.index, meta.term)?;
-                }
+        if self.segments.is_some() && !keep {
+            // The new point must be durable before the log's reset can be: a reset on disk
+            // beside the old point would lose entries the old state still needs.
+            self.flush_sled()?;
+        }
+        if let Some(segments) = self.segments.as_mut() {
+            if keep {
+                segments.forget_through(meta.index);
+            } else {
+                segments.reset(meta.index, meta.term)?;
             }
         }
         if let Some(cached) = self.config_entries.get_mut() {
@@ -1086,68 +1139,12 @@ impl Storage for SledStorage {
         let Some(first) = entries.first() else {
             return Ok(());
         };
-        if self.segments.is_some() {
-            if self.hard_state_unsynced {
-                self.flush_sled()?;
-            }
-            if let Some(segments) = self.segments.as_mut() {
-                segments.append(entries)?;
-            }
-            self.last_index = entries.last().map_or(self.last_index, |e| e.index);
-            if let Some(cached) = self.config_entries.get_mut() {
-                cached.split_off(&first.index);
-                for entry in entries.iter().filter(|e| changes_membership(e)) {
-                    cached.insert(entry.index, entry.clone());
-                }
-            }
-            return Ok(());
+        if self.segments.is_some() && self.hard_state_unsynced {
+            self.flush_sled()?;
         }
-        let mut runs = RunBuilder::new(entries.len() * (first.size_bytes() + 40));
-        for entry in entries {
-            push_run_entry(runs.run_for(entry.index), entry);
-        }
-        runs.close();
-        if first.index > self.last_index {
-            // The common case: new entries after the last. Each run is one insert, one sled log
-            // record, in index order. They need not be atomic together: sled recovers a prefix
-            // of its writes, and any prefix of these runs is the log with a prefix of the new
-            // entries, which nothing has acknowledged before the flush. A sled batch (or
-            // transaction) would cost more: sled writes its log buffer out before and after each
-            // one (`pin_log`), two more writes and syncs on its I/O pool, and applies it under a
-            // process-wide exclusive lock.
-            for (k, v) in runs.closed.drain(..) {
-                self.log
-                    .insert(k, v)
-                    .map_err(|e| StorageError::sled("appending entries", e))?;
-            }
-        } else {
-            let mut batch = sled::Batch::default();
-            if first.index <= self.last_index {
-                // A conflicting suffix goes: every run from `first` on, and the tail of the run
-                // that holds `first` (a run is its entries' records in order, so the entries
-                // before `first` are a prefix of its bytes).
-                if let Some((k, v)) = self.run_holding(first.index)? {
-                    let start = log_key(&k)?;
-                    if start < first.index {
-                        let mut kept = begin_run(v.len());
-                        for (_, record) in run_records(start, &v)?
-                            .into_iter()
-                            .take_while(|(index, _)| *index < first.index)
-                        {
-                            push_run_record(&mut kept, record);
-                        }
-                        batch.insert(k, kept);
-                    }
-                }
-                for key in self.log.range(index_key(first.index)..).keys() {
-                    batch.remove(key.map_err(|e| StorageError::sled("reading the log", e))?);
-                }
-            }
-            // After the removals: a run that starts at `first` replaces the one removed there.
-            runs.move_into(&mut batch);
-            self.log
-                .apply_batch(batch)
-                .map_err(|e| StorageError::sled("appending entries", e))?;
+        match self.segments.as_mut() {
+            Some(segments) => segments.append(entries)?,
+            None => self.append_runs(entries)?,
         }
         self.last_index = entries.last().map_or(self.last_index, |e| e.index);
         if let Some(cached) = self.config_entries.get_mut() {
