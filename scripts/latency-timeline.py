@@ -19,6 +19,7 @@ LEADER_STEPS = [
     ("append", "leader: log append starts (after the early send to the followers)"),
     ("appended", "leader: log append done (sled)"),
     ("flush", "leader: flush starts"),
+    ("sent-io", "leader: a peer stream takes the append from its queue (I/O runtime)"),
     ("flushed", "leader: flush done (its own copy durable)"),
     ("ack-io", "leader: first follower answer covering the entry, read from the network"),
     ("ack", "leader: driver takes that answer"),

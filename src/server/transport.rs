@@ -292,6 +292,7 @@ impl PeerSender {
         // the connection fails, tonic drops the stream, and with it the lock on the queue.
         let messages = futures::stream::unfold(queue.clone(), |queue| async move {
             let next = queue.lock().await.recv().await;
+            super::probe::event("sent-io");
             next.map(|msg| (msg, queue))
         });
         let mut request = self.dialer.request(messages);
