@@ -138,5 +138,11 @@ mkdir -p docs/bench/segments
   echo "## The same with 32 clients"
   echo
   ./target/release/raftlock-bench latency --raft-log-engine segments --seconds 10 --clients 32
+  echo
+  echo "## One request step by step, from the nodes' own clocks"
+  echo
+  echo "\`scripts/latency-timeline.sh 10 --raft-log-engine segments\`: as in ../latency.md, with the log in segments."
+  echo
+  scripts/latency-timeline.sh 10 --raft-log-engine segments
 } > docs/bench/segments/latency.md
 echo "== done: docs/bench/results.md, chart.png, five-nodes/results.md, cpu-budget.md, latency.md, storage.md, snapshot-install.md, scale.md, segments/"

@@ -6,14 +6,17 @@
 # request reached the leader's connection — on the leader and on the two followers, the one
 # that answered first and the other.
 #
-#   scripts/latency-timeline.sh [seconds]      # default 10; the build takes a few minutes
+#   scripts/latency-timeline.sh [seconds] [raftlock-bench latency options]
+#   scripts/latency-timeline.sh 10 --raft-log-engine segments
+# (default 10 s; the build takes a few minutes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECONDS_RUN=${1:-10}
+shift || true
 export CARGO_TARGET_DIR=target/probe
 cargo build --release --quiet --features latency-probe --bin lock-node --bin raftlock-bench
 OUT=$(mktemp -d)
 trap 'rm -rf "$OUT"' EXIT
 RAFTLOCK_PROBE_FILE="$OUT/probe.log" target/probe/release/raftlock-bench latency \
-  --seconds "$SECONDS_RUN" --dir "$OUT/data" | grep -E "cycles, errors|one cycle|Floor" || true
+  --seconds "$SECONDS_RUN" --dir "$OUT/data" "$@" | grep -E "cycles, errors|one cycle|Floor" || true
 python3 scripts/latency-timeline.py "$OUT/probe.log"
