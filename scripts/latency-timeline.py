@@ -34,6 +34,7 @@ FOLLOWER_STEPS = [
     ("flush", "flush starts"),
     ("flushed", "flush done"),
     ("ack-sent", "answer handed to the peer stream"),
+    ("ack-taken", "the peer stream takes the answer from its queue (I/O runtime)"),
 ]
 
 

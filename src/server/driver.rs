@@ -13,6 +13,7 @@
 //! committed on a quorum.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -270,6 +271,10 @@ pub struct Driver {
     /// The zero of the core's clock.
     epoch: Instant,
     transport: PeerTransport,
+    /// A follower's answers to appends: streams on this driver's own runtime.
+    answers: PeerTransport,
+    /// Set when answers were queued on `answers` during a turn.
+    answers_sent: Arc<AtomicBool>,
     addresses: AddressBook,
     metrics: NodeMetrics,
     cfg: DriverConfig,
@@ -398,19 +403,27 @@ impl Driver {
         // A follower's acknowledgements leave as soon as its flush is done, before it applies
         // what the same append committed (the leader waits for them; it does not wait for the
         // apply).
-        let flushed = transport.clone();
+        // They go through streams of their own that run on the driver's runtime: written to the
+        // socket by this thread as soon as the turn ends (`run` yields to them), not handed to an
+        // I/O worker that has to be woken first.
+        let answers = transport.on_calling_runtime();
+        let answers_sent = Arc::new(AtomicBool::new(false));
+        let (flushed, sent) = (answers.clone(), answers_sent.clone());
         core.send_after_flush_with(Box::new(move |msg: &Message, _: &Raft| {
             if !matches!(msg.body, MessageBody::AppendResponse { .. }) {
                 return false;
             }
             super::probe::ack_sent();
             flushed.send(msg);
+            sent.store(true, Ordering::Relaxed);
             true
         }));
         Driver {
             core,
             epoch: Instant::now(),
             transport,
+            answers,
+            answers_sent,
             addresses,
             metrics,
             cfg,
@@ -522,6 +535,10 @@ impl Driver {
             }
             inputs = 0;
             handled = Duration::ZERO;
+            if self.answers_sent.swap(false, Ordering::Relaxed) {
+                // The answers' streams run on this thread: let them write before the next turn.
+                tokio::task::yield_now().await;
+            }
         }
         if let Err(err) = self
             .finish_snapshot_job()
@@ -542,6 +559,7 @@ impl Driver {
         self.publish_status();
         let members = self.core.raft().membership();
         self.transport.retain(|id| members.contains(id));
+        self.answers.retain(|id| members.contains(id));
         Ok(())
     }
 

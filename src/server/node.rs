@@ -257,15 +257,14 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
     let driver_shutdown = shutdown.clone();
     // The Raft driver runs on its own thread with a single-threaded runtime: it waits for the
     // disk on every Ready, and doing that on an I/O worker would stall clients and peers (or,
-    // with `block_in_place`, hand the worker over to a new thread on every flush). It owns no
-    // socket, so its runtime has timers only: an idle driver sleeps on a condition variable, and
-    // waking it for a request or a peer's answer takes no eventfd write and epoll round.
+    // with `block_in_place`, hand the worker over to a new thread on every flush). Its runtime
+    // also runs the streams that carry a follower's answers to appends (see `Driver::new`).
     let (driver_done_tx, driver_done) = tokio::sync::oneshot::channel::<()>();
     std::thread::Builder::new()
         .name("raftlock-driver".into())
         .spawn(move || {
             match tokio::runtime::Builder::new_current_thread()
-                .enable_time()
+                .enable_all()
                 .build()
             {
                 Ok(rt) => rt.block_on(driver.run(driver_shutdown)),

@@ -170,8 +170,22 @@ mod on {
         with(|p| {
             if p.follower.open {
                 p.follower.push("ack-sent");
-                write("F", &p.follower);
-                p.follower.open = false;
+            }
+        });
+    }
+
+    /// A peer stream took a message from its queue (on the I/O runtime): on a follower that
+    /// answered an append, its answer leaving; the follower's record ends there.
+    pub fn peer_stream_took() {
+        with(|p| {
+            if p.follower.open {
+                if p.follower.events.iter().any(|(n, _)| *n == "ack-sent") {
+                    p.follower.push("ack-taken");
+                    write("F", &p.follower);
+                    p.follower.open = false;
+                }
+            } else {
+                p.leader.push("sent-io");
             }
         });
     }
@@ -232,6 +246,8 @@ mod off {
     pub fn append_stepped(_last_index: u64) {}
     #[inline(always)]
     pub fn ack_sent() {}
+    #[inline(always)]
+    pub fn peer_stream_took() {}
 }
 
 #[cfg(not(feature = "latency-probe"))]
