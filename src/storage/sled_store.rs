@@ -599,27 +599,25 @@ impl SledStorage {
                     .map_err(|e| StorageError::sled("appending entries", e))?;
             }
         } else {
+            // A conflicting suffix goes: every run from `first` on, and the tail of the run that
+            // holds `first` (a run is its entries' records in order, so the entries before
+            // `first` are a prefix of its bytes).
             let mut batch = sled::Batch::default();
-            if first.index <= self.last_index {
-                // A conflicting suffix goes: every run from `first` on, and the tail of the run
-                // that holds `first` (a run is its entries' records in order, so the entries
-                // before `first` are a prefix of its bytes).
-                if let Some((k, v)) = self.run_holding(first.index)? {
-                    let start = log_key(&k)?;
-                    if start < first.index {
-                        let mut kept = begin_run(v.len());
-                        for (_, record) in run_records(start, &v)?
-                            .into_iter()
-                            .take_while(|(index, _)| *index < first.index)
-                        {
-                            push_run_record(&mut kept, record);
-                        }
-                        batch.insert(k, kept);
+            if let Some((k, v)) = self.run_holding(first.index)? {
+                let start = log_key(&k)?;
+                if start < first.index {
+                    let mut kept = begin_run(v.len());
+                    for (_, record) in run_records(start, &v)?
+                        .into_iter()
+                        .take_while(|(index, _)| *index < first.index)
+                    {
+                        push_run_record(&mut kept, record);
                     }
+                    batch.insert(k, kept);
                 }
-                for key in self.log.range(index_key(first.index)..).keys() {
-                    batch.remove(key.map_err(|e| StorageError::sled("reading the log", e))?);
-                }
+            }
+            for key in self.log.range(index_key(first.index)..).keys() {
+                batch.remove(key.map_err(|e| StorageError::sled("reading the log", e))?);
             }
             // After the removals: a run that starts at `first` replaces the one removed there.
             runs.move_into(&mut batch);
