@@ -186,7 +186,10 @@ STAGES = [
      [r"^axum::extract::ws::WebSocketUpgrade<F>::on_upgrade::\{\{closure\}\}$",
       r"^raftlock::server::ws::serve_socket::\{\{closure\}\}::\{\{closure\}\}$"]),
     ("driver: take inputs, propose", [r"^raftlock::server::driver::Driver::handle_inputs$"]),
-    ("driver: Raft, persistence, apply (NodeCore::drive)", [r"^raftlock::node::NodeCore<S,R>::drive$"]),
+    # The driver runs a drive in its two halves (NodeCore::drive is the two back to back).
+    ("driver: Raft, persistence, apply (NodeCore::drive)",
+     [r"^raftlock::node::NodeCore<S,R>::drive_until_flush$",
+      r"^raftlock::node::NodeCore<S,R>::finish_drive$"]),
     ("  of which log append and flush (sled)",
      [r"^<raftlock::storage::sled_store::SledStorage as raftlock::storage::Storage>::append$",
       r"^<raftlock::server::driver::TimedStorage<S> as raftlock::storage::Storage>::flush$",

@@ -19,7 +19,7 @@ LEADER_STEPS = [
     ("append", "leader: log append starts (after the early send to the followers)"),
     ("appended", "leader: log append done (sled)"),
     ("flush", "leader: flush starts"),
-    ("sent-io", "leader: a peer stream takes the append from its queue (I/O runtime)"),
+    ("sent-io", "leader: a peer stream takes the append from its queue"),
     ("flushed", "leader: flush done (its own copy durable)"),
     ("ack-io", "leader: first follower answer covering the entry, read from the network"),
     ("ack", "leader: driver takes that answer"),
@@ -34,7 +34,7 @@ FOLLOWER_STEPS = [
     ("flush", "flush starts"),
     ("flushed", "flush done"),
     ("ack-sent", "answer handed to the peer stream"),
-    ("ack-taken", "the peer stream takes the answer from its queue (I/O runtime)"),
+    ("ack-taken", "the peer stream takes the answer from its queue"),
 ]
 
 

@@ -368,6 +368,9 @@ pub struct NodeCore<S: Storage, R> {
     /// Set by a shell that can send a Ready's answers as soon as its flush is done (see
     /// [`NodeCore::send_after_flush_with`]).
     flushed_sender: Option<EarlySender>,
+    /// A Ready carried up to its flush by [`NodeCore::drive_until_flush`], waiting for
+    /// [`NodeCore::finish_drive`].
+    unflushed: Option<Ready>,
     /// Leader only: the requests it proposed that leave an answer, per second, to pace new work
     /// below the exactly-once table's bound (see [`pacing`]).
     pacer: pacing::AnswerPacer,
@@ -424,6 +427,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             clock_ticked_at: None,
             early_sender: None,
             flushed_sender: None,
+            unflushed: None,
             pacer: pacing::AnswerPacer::default(),
         }
     }
@@ -872,20 +876,52 @@ impl<S: Storage, R> NodeCore<S, R> {
     /// Proposes what the inputs gathered and processes every Ready: persist, flush, send, apply.
     /// A storage error means the node must stop (the shell exits; the simulator crashes it).
     pub fn drive(&mut self) -> Result<(), StorageError> {
+        for _ in 0..self.cfg.readies_per_drive.max(1) {
+            if !self.drive_until_flush()? {
+                break;
+            }
+            self.finish_drive()?;
+        }
+        Ok(())
+    }
+
+    /// The first half of [`NodeCore::drive`], one Ready at a time: proposes what the inputs
+    /// gathered, takes the next Ready and carries it up to its flush (the leader's early
+    /// messages handed to the sender of [`NodeCore::send_early_with`], entries and hard state
+    /// written, nothing made durable yet). Returns whether a Ready now waits for
+    /// [`NodeCore::finish_drive`], which the shell must call before anything else of the core:
+    /// in between it may only let the early messages leave (the driver yields to the streams
+    /// that write them, on its own thread). `drive` is the two halves back to back.
+    pub fn drive_until_flush(&mut self) -> Result<bool, StorageError> {
+        self.finish_drive()?;
+        self.propose_batch();
+        if !self.raft.has_ready() {
+            return Ok(false);
+        }
+        let ready = self.raft.ready();
+        match self.ready_until_flush(ready) {
+            Ok(ready) => {
+                self.unflushed = Some(ready);
+                Ok(true)
+            }
+            Err(err) => {
+                self.failed = true;
+                Err(err)
+            }
+        }
+    }
+
+    /// The second half of [`NodeCore::drive`]: flushes the Ready that
+    /// [`NodeCore::drive_until_flush`] left waiting, lets its answers leave, applies what it
+    /// committed and advances. Does nothing when no Ready waits.
+    pub fn finish_drive(&mut self) -> Result<(), StorageError> {
         if self.failed {
             return Err(StorageError::Stopped);
         }
-        self.propose_batch();
-        let result = (|| {
-            for _ in 0..self.cfg.readies_per_drive.max(1) {
-                if !self.raft.has_ready() {
-                    break;
-                }
-                let ready = self.raft.ready();
-                self.handle_ready(ready)?;
-            }
-            Ok(())
-        })();
+        let Some(ready) = self.unflushed.take() else {
+            return Ok(());
+        };
+        let result = self.ready_from_flush(ready);
         if result.is_err() {
             self.failed = true;
         }
@@ -930,7 +966,7 @@ impl<S: Storage, R> NodeCore<S, R> {
         }
     }
 
-    fn handle_ready(&mut self, ready: Ready) -> Result<(), StorageError> {
+    fn ready_until_flush(&mut self, ready: Ready) -> Result<Ready, StorageError> {
         if let Some(soft) = ready.soft_state {
             self.role_changed(soft.role, soft.leader_id);
         }
@@ -961,6 +997,10 @@ impl<S: Storage, R> NodeCore<S, R> {
                 _ => 64,
             })
             .sum::<u64>();
+        Ok(ready)
+    }
+
+    fn ready_from_flush(&mut self, ready: Ready) -> Result<(), StorageError> {
         if ready.must_sync() {
             self.storage.flush()?;
         }
@@ -1923,5 +1963,239 @@ mod tests {
             assert_eq!(four.len(), 4, "ids {first}..{}", first + 4);
         }
         assert_eq!(staggered_threshold(u64::MAX, 3), u64::MAX);
+    }
+}
+
+/// The two halves of a drive, as the driver runs them: the leader's appends leave between them,
+/// before its own flush.
+#[cfg(test)]
+mod drive_halves {
+    use std::collections::{BTreeMap, VecDeque};
+    use std::sync::{Arc, Mutex};
+
+    use super::*;
+    use crate::lock::Limits;
+    use crate::raft::{Config, InitialState, Membership, MessageBody};
+    use crate::storage::MemStorage;
+
+    type Core = NodeCore<MemStorage, u64>;
+
+    struct Cluster {
+        cores: BTreeMap<NodeId, Core>,
+        replies: Vec<(u64, ClientReply)>,
+        now: Micros,
+    }
+
+    impl Cluster {
+        fn new() -> Cluster {
+            let cores = (1..=3)
+                .map(|id| {
+                    let initial = InitialState {
+                        initial_membership: Membership::with_voters(1..=3),
+                        ..Default::default()
+                    };
+                    let raft = Raft::new(Config::new(id, 7 + id), initial).unwrap();
+                    let sm = LockStateMachine::new(Limits::default());
+                    (
+                        id,
+                        NodeCore::new(raft, MemStorage::new(), sm, NodeSettings::default(), 0),
+                    )
+                })
+                .collect();
+            Cluster {
+                cores,
+                replies: Vec::new(),
+                now: 0,
+            }
+        }
+
+        fn core(&mut self, id: NodeId) -> &mut Core {
+            self.cores.get_mut(&id).unwrap()
+        }
+
+        /// Delivers `msgs` and every message they cause until the cluster is quiet.
+        fn settle(&mut self, msgs: impl IntoIterator<Item = Message>) {
+            let mut queue: VecDeque<Message> = msgs.into_iter().collect();
+            for _ in 0..10_000 {
+                for (&_, core) in self.cores.iter_mut() {
+                    for effect in core.take_effects() {
+                        match effect {
+                            Effect::Send(msg) => queue.push_back(msg),
+                            Effect::Reply(to, reply) => self.replies.push((to, reply)),
+                            _ => {}
+                        }
+                    }
+                }
+                let Some(msg) = queue.pop_front() else {
+                    return;
+                };
+                let now = self.now;
+                let core = self.core(msg.to);
+                core.step(now, msg);
+                core.drive().unwrap();
+            }
+            panic!("the cluster did not settle");
+        }
+
+        /// Ticks node 1 until it leads and has committed an entry of its term.
+        fn elect_node_1(&mut self) {
+            for _ in 0..1_000 {
+                self.now += 10_000;
+                let now = self.now;
+                self.core(1).tick(now).unwrap();
+                self.settle([]);
+                let raft = self.core(1).raft();
+                if raft.is_leader() && raft.commit_index() == raft.last_index() {
+                    return;
+                }
+            }
+            panic!("node 1 never led");
+        }
+    }
+
+    fn acquire(key: &str) -> ClientOp {
+        ClientOp::Acquire {
+            key: key.into(),
+            client_id: "c1".into(),
+            request_id: format!("r-{key}"),
+            ttl_ms: 10_000,
+            wait_timeout_ms: Some(0),
+        }
+    }
+
+    /// The log index up to which `core`'s storage would survive a power cut now.
+    fn durable_last_index(core: &Core) -> Index {
+        let mut disk = core.storage().clone();
+        disk.crash();
+        disk.last_index()
+    }
+
+    #[test]
+    fn the_leaders_appends_leave_before_its_flush_and_the_second_half_makes_them_durable() {
+        let mut c = Cluster::new();
+        c.elect_node_1();
+        let early: Arc<Mutex<Vec<Message>>> = Arc::default();
+        let seen = early.clone();
+        c.core(1)
+            .send_early_with(Box::new(move |msg: &Message, _: &Raft| {
+                seen.lock().unwrap().push(msg.clone());
+                true
+            }));
+        let before = c.core(1).raft().last_index();
+        let now = c.now;
+        c.core(1).client_request(now, acquire("a"), 1, 41);
+
+        assert!(
+            c.core(1).drive_until_flush().unwrap(),
+            "a Ready waits for its flush"
+        );
+        let entry = c.core(1).raft().last_index();
+        assert_eq!(entry, before + 1);
+        let sent: Vec<Message> = std::mem::take(&mut *early.lock().unwrap());
+        let mut to: Vec<NodeId> = sent.iter().map(|m| m.to).collect();
+        to.sort_unstable();
+        assert_eq!(
+            to,
+            [2, 3],
+            "an append for each follower left early: {sent:?}"
+        );
+        for msg in &sent {
+            assert!(
+                matches!(&msg.body, MessageBody::Append { entries, .. }
+                    if entries.last().map(|e| e.index) == Some(entry)),
+                "{msg:?}"
+            );
+        }
+        // Between the halves nothing is durable yet, and nothing else has left.
+        assert_eq!(durable_last_index(c.core(1)), before);
+        assert!(c
+            .core(1)
+            .take_effects()
+            .iter()
+            .all(|e| !matches!(e, Effect::Send(_))));
+
+        c.core(1).finish_drive().unwrap();
+        assert_eq!(durable_last_index(c.core(1)), entry);
+        assert!(
+            c.core(1).finish_drive().is_ok(),
+            "a second finish does nothing"
+        );
+
+        c.settle(sent);
+        assert!(
+            c.replies
+                .iter()
+                .any(|(to, r)| *to == 41 && matches!(r, ClientReply::Granted { .. })),
+            "{:?}",
+            c.replies
+        );
+    }
+
+    #[test]
+    fn a_power_cut_in_the_flush_after_the_early_appends_stops_the_node_and_loses_the_entry() {
+        let mut c = Cluster::new();
+        c.elect_node_1();
+        let early: Arc<Mutex<Vec<Message>>> = Arc::default();
+        let seen = early.clone();
+        c.core(1)
+            .send_early_with(Box::new(move |msg: &Message, _: &Raft| {
+                seen.lock().unwrap().push(msg.clone());
+                true
+            }));
+        let before = c.core(1).raft().last_index();
+        let now = c.now;
+        c.core(1).client_request(now, acquire("b"), 1, 42);
+        c.core(1).storage_mut().arm_power_cut(false);
+
+        assert!(c.core(1).drive_until_flush().unwrap());
+        assert_eq!(
+            early.lock().unwrap().len(),
+            2,
+            "the appends left before the flush"
+        );
+        assert!(matches!(
+            c.core(1).finish_drive(),
+            Err(StorageError::SimulatedCrash)
+        ));
+        assert!(matches!(c.core(1).drive(), Err(StorageError::Stopped)));
+        assert!(matches!(
+            c.core(1).drive_until_flush(),
+            Err(StorageError::Stopped)
+        ));
+        assert_eq!(durable_last_index(c.core(1)), before);
+        // No answer: the client learns nothing of an entry the leader never made durable.
+        assert!(
+            !c.replies.iter().any(|(to, _)| *to == 42),
+            "{:?}",
+            c.replies
+        );
+        assert!(c
+            .core(1)
+            .take_effects()
+            .iter()
+            .all(|e| !matches!(e, Effect::Reply(..))));
+    }
+
+    #[test]
+    fn drive_is_the_two_halves_and_finishes_a_waiting_ready_first() {
+        let mut c = Cluster::new();
+        c.elect_node_1();
+        let now = c.now;
+        c.core(1).client_request(now, acquire("c"), 1, 43);
+        assert!(c.core(1).drive_until_flush().unwrap());
+        let entry = c.core(1).raft().last_index();
+        // A shell that calls `drive` instead of `finish_drive` still flushes the waiting Ready
+        // before it takes another.
+        c.core(1).drive().unwrap();
+        assert_eq!(durable_last_index(c.core(1)), entry);
+        assert!(
+            !c.core(1).drive_until_flush().unwrap(),
+            "nothing left to do"
+        );
+        c.settle([]);
+        assert!(c
+            .replies
+            .iter()
+            .any(|(to, r)| *to == 43 && matches!(r, ClientReply::Granted { .. })));
     }
 }

@@ -271,9 +271,12 @@ pub struct Driver {
     /// The zero of the core's clock.
     epoch: Instant,
     transport: PeerTransport,
-    /// A follower's answers to appends: streams on this driver's own runtime.
-    answers: PeerTransport,
-    /// Set when answers were queued on `answers` during a turn.
+    /// The leader's appends and a follower's answers to them: streams on this driver's own
+    /// runtime, written by this thread when it yields.
+    on_thread: PeerTransport,
+    /// Set when the leader's appends were queued on `on_thread` before a flush.
+    appends_sent: Arc<AtomicBool>,
+    /// Set when answers were queued on `on_thread` during a turn.
     answers_sent: Arc<AtomicBool>,
     addresses: AddressBook,
     metrics: NodeMetrics,
@@ -388,27 +391,32 @@ impl Driver {
             spent: StorageTime::default(),
         };
         let mut core = NodeCore::new(raft, storage, sm, settings, 0);
-        // The leader's appends go to the peers' queues at once, so the followers write them
-        // while the leader flushes its own copy (§10.2.1): one flush less on the commit path.
-        // Heartbeats and everything else leave after the flush, through `send_peer`.
-        let early = transport.clone();
+        // The leader's appends and a follower's answers to them go through streams of their own
+        // that run on the driver's runtime (one more connection per pair of nodes): this thread
+        // writes them to the socket when it yields, instead of handing them to an I/O worker
+        // that has to be woken first (30-100 µs on a small VM, on the commit path of every
+        // request). Heartbeats and everything else go through `transport`, after the flush.
+        let on_thread = transport.on_calling_runtime();
+        // The leader's appends leave before its own flush, so the followers write them while the
+        // leader flushes its own copy (§10.2.1): one flush less on the commit path. `drive`
+        // yields between the two halves of a turn to let them go.
+        let appends_sent = Arc::new(AtomicBool::new(false));
+        let (early, sent) = (on_thread.clone(), appends_sent.clone());
         core.send_early_with(Box::new(move |msg: &Message, raft: &Raft| {
             if !matches!(&msg.body, MessageBody::Append { entries, .. } if !entries.is_empty()) {
                 return false;
             }
             let _span = replicate_span(msg, raft.last_index());
             early.send(msg);
+            sent.store(true, Ordering::Relaxed);
             true
         }));
         // A follower's acknowledgements leave as soon as its flush is done, before it applies
         // what the same append committed (the leader waits for them; it does not wait for the
         // apply).
-        // They go through streams of their own that run on the driver's runtime: written to the
-        // socket by this thread as soon as the turn ends (`run` yields to them), not handed to an
-        // I/O worker that has to be woken first.
-        let answers = transport.on_calling_runtime();
+        // They are written when the turn ends (`run` yields to them).
         let answers_sent = Arc::new(AtomicBool::new(false));
-        let (flushed, sent) = (answers.clone(), answers_sent.clone());
+        let (flushed, sent) = (on_thread.clone(), answers_sent.clone());
         core.send_after_flush_with(Box::new(move |msg: &Message, _: &Raft| {
             if !matches!(msg.body, MessageBody::AppendResponse { .. }) {
                 return false;
@@ -422,7 +430,8 @@ impl Driver {
             core,
             epoch: Instant::now(),
             transport,
-            answers,
+            on_thread,
+            appends_sent,
             answers_sent,
             addresses,
             metrics,
@@ -461,7 +470,7 @@ impl Driver {
             let result = tokio::select! {
                 _ = std::future::ready(()), if more => {
                     self.batch_started = std::time::Instant::now();
-                    self.core.drive()
+                    self.drive().await
                 }
                 _ = ticker.tick() => {
                     self.batch_started = std::time::Instant::now();
@@ -489,7 +498,7 @@ impl Driver {
                     inputs = batch.len();
                     self.handle_inputs(batch);
                     handled = self.batch_started.elapsed();
-                    let result = self.core.drive();
+                    let result = self.drive().await;
                     if !span.is_disabled() {
                         span.record("commit_index", self.core.raft().commit_index() as i64);
                     }
@@ -508,7 +517,7 @@ impl Driver {
                 && self.core.raft().has_ready()
                 && self.batch_started.elapsed() < TURN_BUDGET
             {
-                result = self.core.drive();
+                result = self.drive().await;
             }
             let driven = self.batch_started.elapsed();
             let result = result.and_then(|()| self.after_drive());
@@ -549,6 +558,16 @@ impl Driver {
         self.handle_effects();
     }
 
+    /// One Ready: up to its flush, then (when the leader queued appends for the peers) a yield
+    /// to the streams on this thread so that they write them to their sockets, then the flush
+    /// and the rest. The followers write the entries while the leader flushes its own copy.
+    async fn drive(&mut self) -> Result<(), StorageError> {
+        if self.core.drive_until_flush()? && self.appends_sent.swap(false, Ordering::Relaxed) {
+            tokio::task::yield_now().await;
+        }
+        self.core.finish_drive()
+    }
+
     /// Carries out what the core asked for and publishes the new status.
     fn after_drive(&mut self) -> Result<(), StorageError> {
         self.handle_effects();
@@ -559,7 +578,7 @@ impl Driver {
         self.publish_status();
         let members = self.core.raft().membership();
         self.transport.retain(|id| members.contains(id));
-        self.answers.retain(|id| members.contains(id));
+        self.on_thread.retain(|id| members.contains(id));
         Ok(())
     }
 

@@ -174,7 +174,7 @@ mod on {
         });
     }
 
-    /// A peer stream took a message from its queue (on the I/O runtime): on a follower that
+    /// A peer stream took a message from its queue (on the driver's thread): on a follower that
     /// answered an append, its answer leaving; the follower's record ends there.
     pub fn peer_stream_took() {
         with(|p| {
