@@ -55,6 +55,22 @@ const LEGACY_BLOCKS_PER_WRITE: usize = 8;
 const META_DEDUPE_NEXT: &str = "meta/dedupe_next";
 const META_LIMITS: &str = "meta/limits";
 const META_CLOCK: &str = "meta/clock";
+
+/// The meta keys nearly every command changes, each marked changed by one bit of
+/// `LockStateMachine::dirty_meta` rather than by a string in `dirty` (an allocation and an
+/// ordered insert per command, on every node).
+const DIRTY_SEQ: u8 = 1;
+const DIRTY_APPLIED: u8 = 2;
+const DIRTY_DEDUPE_NEXT: u8 = 4;
+const DIRTY_LIMITS: u8 = 8;
+const DIRTY_CLOCK: u8 = 16;
+const DIRTY_META_KEYS: [(u8, &str); 5] = [
+    (DIRTY_SEQ, META_SEQ),
+    (DIRTY_APPLIED, META_APPLIED),
+    (DIRTY_DEDUPE_NEXT, META_DEDUPE_NEXT),
+    (DIRTY_LIMITS, META_LIMITS),
+    (DIRTY_CLOCK, META_CLOCK),
+];
 /// Longest step one `Tick` may advance the log clock by: a leader that was paused (and has not
 /// noticed it lost leadership) cannot age every session at once.
 pub const TICK_MAX_MS: u64 = 10_000;
@@ -467,8 +483,10 @@ pub struct LockStateMachine {
     clock_ms: u64,
     locks_held: usize,
     waiters: usize,
-    /// State keys changed since the last `take_changes`.
+    /// State keys changed since the last `take_changes`, besides the meta keys of `dirty_meta`.
     dirty: BTreeSet<String>,
+    /// The meta keys changed since the last `take_changes` (`DIRTY_META_KEYS`).
+    dirty_meta: u8,
     /// Dedupe blocks changed since the last `take_changes`.
     dirty_blocks: BTreeSet<u64>,
     /// Records (present or since forgotten) whose storage is still one key each
@@ -676,7 +694,7 @@ impl LockStateMachine {
             };
         }
         self.applied_index = index;
-        self.dirty.insert(META_APPLIED.to_string());
+        self.dirty_meta |= DIRTY_APPLIED;
         let mut events = Vec::new();
         let mut replayed = false;
         let outcome = self.apply_inner(command, &mut events, &mut replayed);
@@ -948,7 +966,7 @@ impl LockStateMachine {
                 });
                 self.locks_held += 1;
                 self.mark_lock(key);
-                self.dirty.insert(META_SEQ.to_string());
+                self.dirty_meta |= DIRTY_SEQ;
                 Outcome::Granted {
                     token: FencingToken {
                         key: key.to_string(),
@@ -1098,7 +1116,7 @@ impl LockStateMachine {
                 lease_index: self.applied_index,
             });
             self.locks_held += 1;
-            self.dirty.insert(META_SEQ.to_string());
+            self.dirty_meta |= DIRTY_SEQ;
             let token = FencingToken {
                 key: key.to_string(),
                 value: token,
@@ -1206,7 +1224,7 @@ impl LockStateMachine {
         }
         self.limits = limits.clone();
         self.limits_replicated = true;
-        self.dirty.insert(META_LIMITS.to_string());
+        self.dirty_meta |= DIRTY_LIMITS;
         Outcome::Stored
     }
 
@@ -1261,10 +1279,16 @@ impl LockStateMachine {
     /// Files `rec` under its client's session (opened if need be), sharing the session's copy
     /// of the client id.
     fn add_to_session(&mut self, n: u64, rec: &mut DedupeRecord) {
-        if let Some((client, _)) = self.sessions.get_key_value(&*rec.client_id) {
-            rec.client_id = client.clone();
-        }
-        let session = self.sessions.entry(rec.client_id.clone()).or_default();
+        // One lookup: the entry's key is the session's copy when the session is open.
+        let session = match self.sessions.entry(rec.client_id.clone()) {
+            std::collections::btree_map::Entry::Occupied(open) => {
+                if !Arc::ptr_eq(open.key(), &rec.client_id) {
+                    rec.client_id = open.key().clone();
+                }
+                open.into_mut()
+            }
+            std::collections::btree_map::Entry::Vacant(new) => new.insert(Session::default()),
+        };
         session.records.insert(n);
         session
             .by_request
@@ -1279,7 +1303,7 @@ impl LockStateMachine {
         self.add_to_session(n, &mut rec);
         self.dedupe.insert(n, Box::new(rec));
         self.dirty_blocks.insert(n / DEDUPE_BLOCK);
-        self.dirty.insert(META_DEDUPE_NEXT.to_string());
+        self.dirty_meta |= DIRTY_DEDUPE_NEXT;
     }
 
     /// Forgets record `n` (and its session when it was the last one).
@@ -1404,7 +1428,7 @@ impl LockStateMachine {
     /// stay open).
     fn tick(&mut self, elapsed_ms: u64) -> Outcome {
         self.clock_ms = self.clock_ms.saturating_add(elapsed_ms.min(TICK_MAX_MS));
-        self.dirty.insert(META_CLOCK.to_string());
+        self.dirty_meta |= DIRTY_CLOCK;
         let idle = self.limits.session_idle_ms;
         let clock = self.clock_ms;
         let closing: Vec<Arc<str>> = self
@@ -1459,7 +1483,7 @@ impl LockStateMachine {
     /// return, besides the few legacy exactly-once keys it moves into blocks per call. Applying
     /// only marks keys; their values are read and encoded by `take_changes`.
     pub fn pending_changes(&self) -> usize {
-        self.dirty.len() + self.dirty_blocks.len()
+        self.dirty.len() + self.dirty_meta.count_ones() as usize + self.dirty_blocks.len()
     }
 
     /// State writes since the last call: `(key, Some(value))` puts, `(key, None)` deletes.
@@ -1498,7 +1522,13 @@ impl LockStateMachine {
             let value = (!records.is_empty()).then(|| encode_plain(&records));
             changes.push((dedupe_block_key(b).into_bytes(), value));
         }
-        let dirty = std::mem::take(&mut self.dirty);
+        let mut dirty = std::mem::take(&mut self.dirty);
+        for (bit, key) in DIRTY_META_KEYS {
+            if self.dirty_meta & bit != 0 {
+                dirty.insert(key.to_string());
+            }
+        }
+        self.dirty_meta = 0;
         changes.extend(
             dirty
                 .into_iter()
