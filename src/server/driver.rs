@@ -544,8 +544,11 @@ impl Driver {
             }
             inputs = 0;
             handled = Duration::ZERO;
-            if self.answers_sent.swap(false, Ordering::Relaxed) {
-                // The answers' streams run on this thread: let them write before the next turn.
+            // Answers, and appends queued by a drive that did not yield (a tick's), wait in
+            // the streams that run on this thread: let them write before the next turn.
+            let answers = self.answers_sent.swap(false, Ordering::Relaxed);
+            let appends = self.appends_sent.swap(false, Ordering::Relaxed);
+            if answers || appends {
                 tokio::task::yield_now().await;
             }
         }
