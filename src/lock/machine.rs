@@ -29,6 +29,7 @@
 //! `dedupe_retain_ms` of its answer, or from a client whose session is open and within bounds, is
 //! always answered with the original outcome.
 
+use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
@@ -1281,13 +1282,13 @@ impl LockStateMachine {
     fn add_to_session(&mut self, n: u64, rec: &mut DedupeRecord) {
         // One lookup: the entry's key is the session's copy when the session is open.
         let session = match self.sessions.entry(rec.client_id.clone()) {
-            std::collections::btree_map::Entry::Occupied(open) => {
+            Entry::Occupied(open) => {
                 if !Arc::ptr_eq(open.key(), &rec.client_id) {
                     rec.client_id = open.key().clone();
                 }
                 open.into_mut()
             }
-            std::collections::btree_map::Entry::Vacant(new) => new.insert(Session::default()),
+            Entry::Vacant(new) => new.insert(Session::default()),
         };
         session.records.insert(n);
         session

@@ -2063,15 +2063,9 @@ mod drive_halves {
         }
     }
 
-    /// The log index up to which `core`'s storage would survive a power cut now.
-    fn durable_last_index(core: &Core) -> Index {
-        let mut disk = core.storage().clone();
-        disk.crash();
-        disk.last_index()
-    }
-
-    #[test]
-    fn the_leaders_appends_leave_before_its_flush_and_the_second_half_makes_them_durable() {
+    /// Node 1 elected, the appends it sends early captured, and an acquire of `key` (answered to
+    /// `reply`) handed to it, not yet driven; with node 1's last index before that acquire.
+    fn leader_with_acquire(key: &str, reply: u64) -> (Cluster, Arc<Mutex<Vec<Message>>>, Index) {
         let mut c = Cluster::new();
         c.elect_node_1();
         let early: Arc<Mutex<Vec<Message>>> = Arc::default();
@@ -2083,7 +2077,20 @@ mod drive_halves {
             }));
         let before = c.core(1).raft().last_index();
         let now = c.now;
-        c.core(1).client_request(now, acquire("a"), 1, 41);
+        c.core(1).client_request(now, acquire(key), 1, reply);
+        (c, early, before)
+    }
+
+    /// The log index up to which `core`'s storage would survive a power cut now.
+    fn durable_last_index(core: &Core) -> Index {
+        let mut disk = core.storage().clone();
+        disk.crash();
+        disk.last_index()
+    }
+
+    #[test]
+    fn the_leaders_appends_leave_before_its_flush_and_the_second_half_makes_them_durable() {
+        let (mut c, early, before) = leader_with_acquire("a", 41);
 
         assert!(
             c.core(1).drive_until_flush().unwrap(),
@@ -2133,18 +2140,7 @@ mod drive_halves {
 
     #[test]
     fn a_power_cut_in_the_flush_after_the_early_appends_stops_the_node_and_loses_the_entry() {
-        let mut c = Cluster::new();
-        c.elect_node_1();
-        let early: Arc<Mutex<Vec<Message>>> = Arc::default();
-        let seen = early.clone();
-        c.core(1)
-            .send_early_with(Box::new(move |msg: &Message, _: &Raft| {
-                seen.lock().unwrap().push(msg.clone());
-                true
-            }));
-        let before = c.core(1).raft().last_index();
-        let now = c.now;
-        c.core(1).client_request(now, acquire("b"), 1, 42);
+        let (mut c, early, before) = leader_with_acquire("b", 42);
         c.core(1).storage_mut().arm_power_cut(false);
 
         assert!(c.core(1).drive_until_flush().unwrap());

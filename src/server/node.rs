@@ -258,7 +258,8 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
     // The Raft driver runs on its own thread with a single-threaded runtime: it waits for the
     // disk on every Ready, and doing that on an I/O worker would stall clients and peers (or,
     // with `block_in_place`, hand the worker over to a new thread on every flush). Its runtime
-    // also runs the streams that carry a follower's answers to appends (see `Driver::new`).
+    // also runs the streams that carry the leader's appends and a follower's answers to them
+    // (see `Driver::new`).
     let (driver_done_tx, driver_done) = tokio::sync::oneshot::channel::<()>();
     std::thread::Builder::new()
         .name("raftlock-driver".into())
