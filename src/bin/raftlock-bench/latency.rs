@@ -107,8 +107,12 @@ fn thread_group(name: &str) -> String {
 /// What each thread group of lock-node does, for the report.
 fn thread_group_label(group: &str) -> String {
     match group {
-        "raftlock-driver" => "driver thread: Raft, apply, storage calls, flush waits".into(),
-        "tokio-rt-worker" => "I/O runtime: client connections, peer streams".into(),
+        "raftlock-driver" => {
+            "driver thread: Raft, apply, peer port, storage calls, flush waits".into()
+        }
+        "tokio-rt-worker" => {
+            "I/O runtime: client connections, heartbeats and votes to peers".into()
+        }
         "sled-io" => "sled's I/O pool: its log writes and syncs".into(),
         "lock-node" => "main thread".into(),
         "log flusher" => "sled's periodic flusher".into(),
