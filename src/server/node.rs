@@ -302,7 +302,6 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
                 Err(err) => {
                     let _ = peer_started_tx
                         .send(Err(format!("cannot start the driver runtime: {err}")));
-                    let _ = driver_done_tx.send(());
                     return;
                 }
             };
@@ -320,7 +319,6 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
                     }
                     Err(err) => {
                         let _ = peer_started_tx.send(Err(err));
-                        let _ = driver_done_tx.send(());
                         return;
                     }
                 }
@@ -708,37 +706,30 @@ fn serve_peers(
     let router = tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .add_service(service);
-    let done = |result: Result<(), tonic::transport::Error>| {
+    Ok(Box::pin(async move {
+        let result = match tls {
+            Some(tls) => {
+                router
+                    .serve_with_incoming_shutdown(tls.incoming(listener), stopped)
+                    .await
+            }
+            // `tcp_nodelay` above applies only to listeners tonic binds itself: accepted peer
+            // sockets get it here. Without it the small HTTP/2 frames this side sends (window
+            // updates, pings) waited for the other side's delayed ACK, about 40 ms, whenever
+            // one was already in flight — the ~41-44 ms tail of lock requests under load.
+            None => {
+                let accepted =
+                    tokio_stream::StreamExt::map(TcpListenerStream::new(listener), |conn| {
+                        if let Ok(tcp) = &conn {
+                            let _ = tcp.set_nodelay(true);
+                        }
+                        conn
+                    });
+                router.serve_with_incoming_shutdown(accepted, stopped).await
+            }
+        };
         if let Err(err) = result {
             error!(cause = %err, "the peer server stopped");
         }
-    };
-    Ok(match tls {
-        Some(tls) => Box::pin(async move {
-            done(
-                router
-                    .serve_with_incoming_shutdown(tls.incoming(listener), stopped)
-                    .await,
-            )
-        }),
-        // `tcp_nodelay` above applies only to listeners tonic binds itself: accepted peer
-        // sockets get it here. Without it the small HTTP/2 frames this side sends (window
-        // updates, pings) waited for the other side's delayed ACK, about 40 ms, whenever one was
-        // already in flight — the ~41-44 ms tail of lock requests under load.
-        None => Box::pin(async move {
-            done(
-                router
-                    .serve_with_incoming_shutdown(
-                        tokio_stream::StreamExt::map(TcpListenerStream::new(listener), |conn| {
-                            if let Ok(tcp) = &conn {
-                                let _ = tcp.set_nodelay(true);
-                            }
-                            conn
-                        }),
-                        stopped,
-                    )
-                    .await,
-            )
-        }),
-    })
+    }))
 }
