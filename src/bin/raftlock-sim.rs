@@ -44,6 +44,10 @@ struct Args {
     /// Multiply the crash rate (1 = default; higher values stress crash recovery).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
     crash_intensity: u32,
+    /// Flushes complete in the background, some events after they start (as lock-node's do),
+    /// instead of inside the Ready that starts them.
+    #[arg(long)]
+    background_flushes: bool,
 }
 
 fn main() -> ExitCode {
@@ -59,6 +63,7 @@ fn main() -> ExitCode {
         cfg.faults = !args.no_faults;
         cfg.membership_changes = !args.no_membership;
         cfg.crash_intensity = args.crash_intensity;
+        cfg.background_flushes = args.background_flushes;
         cfg.trace = std::env::var_os("RAFTLOCK_SIM_TRACE").is_some();
         let outcome = run_seed(cfg.clone());
         total.add(&outcome.stats);
@@ -73,7 +78,7 @@ fn main() -> ExitCode {
         }
     }
     println!(
-        "sim: seeds={} violations={} elections={} leader_changes={} partitions={} crashes={} pauses={} membership_changes={} committed={} grants={} expiries={} snapshots={} compactions={} transfers={} history_ops={} hold_intervals_checked={} reads_checked={} linearizability_checks={} lin_unchecked={} client_expiries={} redirects={} retries={} log_ticks={}",
+        "sim: seeds={} violations={} elections={} leader_changes={} partitions={} crashes={} pauses={} membership_changes={} committed={} grants={} expiries={} snapshots={} compactions={} transfers={} history_ops={} hold_intervals_checked={} reads_checked={} linearizability_checks={} lin_unchecked={} client_expiries={} redirects={} retries={} log_ticks={} overlapped_readies={}",
         args.seeds,
         violations,
         total.elections,
@@ -97,6 +102,7 @@ fn main() -> ExitCode {
         total.redirects,
         total.client_retries,
         total.ticks,
+        total.overlapped_readies,
     );
     if violations == 0 {
         ExitCode::SUCCESS

@@ -29,7 +29,7 @@ pub mod events;
 pub mod pacing;
 mod timed;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -130,6 +130,9 @@ pub struct NodeBugs {
     pub no_lease_wait_after_election: bool,
     /// An expiry or cancel proposal is never retried.
     pub housekeeping_never_retried: bool,
+    /// A Ready's answers leave, and its entries apply, as soon as its flush is started rather
+    /// than done (with flushes that complete in the background).
+    pub finish_before_flush_done: bool,
 }
 
 impl NodeBugs {
@@ -143,6 +146,7 @@ impl NodeBugs {
             "expiry_checks_only_token" => bugs.expiry_checks_only_token = true,
             "no_lease_wait_after_election" => bugs.no_lease_wait_after_election = true,
             "housekeeping_never_retried" => bugs.housekeeping_never_retried = true,
+            "finish_before_flush_done" => bugs.finish_before_flush_done = true,
             _ => return None,
         }
         Some(bugs)
@@ -371,10 +375,23 @@ pub struct NodeCore<S: Storage, R> {
     /// A Ready carried up to its flush by [`NodeCore::drive_until_flush`], waiting for
     /// [`NodeCore::finish_drive`].
     unflushed: Option<Ready>,
+    /// Readies written and handed to a flush that may complete in the background
+    /// ([`Storage::start_flush`]), in the order they were taken, each with its flush's ticket
+    /// (none when it needed no flush). Each one's answers leave, its committed entries apply and
+    /// it advances once its flush and every earlier one are done.
+    in_flight: VecDeque<(Ready, Option<u64>)>,
+    /// Readies written while an earlier one's flush was still running.
+    overlapped: u64,
     /// Leader only: the requests it proposed that leave an answer, per second, to pace new work
     /// below the exactly-once table's bound (see [`pacing`]).
     pacer: pacing::AnswerPacer,
 }
+
+/// Readies written and waiting for background flushes at most. A leader whose own disk stalls
+/// can go on committing with its followers' acknowledgements, but it applies (and answers) only
+/// what it has made durable itself: beyond this many Readies it waits for its disk instead of
+/// taking more work.
+const MAX_READIES_IN_FLIGHT: usize = 64;
 
 /// Sends one of the leader's own replication messages at once, before the flush of the Ready
 /// that holds it; returns false to leave the message to [`Effect::Send`] after the flush.
@@ -428,6 +445,8 @@ impl<S: Storage, R> NodeCore<S, R> {
             early_sender: None,
             flushed_sender: None,
             unflushed: None,
+            in_flight: VecDeque::new(),
+            overlapped: 0,
             pacer: pacing::AnswerPacer::default(),
         }
     }
@@ -820,9 +839,26 @@ impl<S: Storage, R> NodeCore<S, R> {
     /// Stopping: every request still waiting is told to retry, and the applied state written.
     /// The shell hands back any snapshot job first.
     pub fn shutdown(&mut self) -> Result<(), StorageError> {
+        let drained = if self.failed {
+            Ok(())
+        } else {
+            self.drain_flushes()
+        };
         self.fail_all(ErrorCode::Unavailable, "node is shutting down");
+        drained?;
         self.write_all_applied()?;
         self.storage.flush()
+    }
+
+    /// Whether a Ready waits for a flush still running in the background: the shell calls
+    /// [`NodeCore::finish_drive`] (or drives) when it learns that one is done.
+    pub fn flushes_in_flight(&self) -> bool {
+        !self.in_flight.is_empty()
+    }
+
+    /// How many Readies were written while an earlier one's flush was still running.
+    pub fn overlapped_readies(&self) -> u64 {
+        self.overlapped
     }
 
     /// Locks and waiters whose key starts with `prefix` (at most `limit`).
@@ -899,7 +935,19 @@ impl<S: Storage, R> NodeCore<S, R> {
             return Ok(false);
         }
         let ready = self.raft.ready();
-        match self.ready_until_flush(ready) {
+        if self.in_flight.iter().any(|(_, ticket)| ticket.is_some()) {
+            self.overlapped += 1;
+        }
+        let written = if ready.soft_state.is_some() || ready.snapshot.is_some() {
+            // A change of role fails or re-routes the requests waiting for answers, and a
+            // snapshot replaces the state that earlier Readies' entries apply to: both come
+            // after everything taken before them is done, as if each Ready were flushed in turn.
+            self.drain_flushes()
+                .and_then(|()| self.ready_until_flush(ready))
+        } else {
+            self.ready_until_flush(ready)
+        };
+        match written {
             Ok(ready) => {
                 self.unflushed = Some(ready);
                 Ok(true)
@@ -911,21 +959,67 @@ impl<S: Storage, R> NodeCore<S, R> {
         }
     }
 
-    /// The second half of [`NodeCore::drive`]: flushes the Ready that
-    /// [`NodeCore::drive_until_flush`] left waiting, lets its answers leave, applies what it
-    /// committed and advances. Does nothing when no Ready waits.
+    /// The second half of [`NodeCore::drive`]: starts the flush of the Ready that
+    /// [`NodeCore::drive_until_flush`] left waiting, then finishes every Ready whose flush is
+    /// done, in order: lets its answers leave, applies what it committed and advances. With a
+    /// storage that flushes inside [`Storage::start_flush`] that is the Ready just written;
+    /// with one that flushes in the background it may be none yet, and the shell calls this
+    /// again when a flush completes.
     pub fn finish_drive(&mut self) -> Result<(), StorageError> {
         if self.failed {
             return Err(StorageError::Stopped);
         }
-        let Some(ready) = self.unflushed.take() else {
-            return Ok(());
-        };
-        let result = self.ready_from_flush(ready);
+        let result = self.start_and_finish_flushes();
         if result.is_err() {
             self.failed = true;
         }
         result
+    }
+
+    fn start_and_finish_flushes(&mut self) -> Result<(), StorageError> {
+        if let Some(ready) = self.unflushed.take() {
+            let ticket = if ready.must_sync() {
+                Some(self.storage.start_flush()?)
+            } else {
+                None
+            };
+            self.in_flight.push_back((ready, ticket));
+        }
+        if self.in_flight.len() >= MAX_READIES_IN_FLIGHT {
+            // The disk is behind: wait for it rather than write ever further ahead of it.
+            return self.drain_flushes();
+        }
+        self.finish_flushed()
+    }
+
+    /// Finishes the Readies whose flushes are done, oldest first.
+    fn finish_flushed(&mut self) -> Result<(), StorageError> {
+        if self.in_flight.is_empty() {
+            return Ok(());
+        }
+        let done = if self.bug(|b| b.finish_before_flush_done) {
+            u64::MAX
+        } else {
+            self.storage.flushed()?
+        };
+        while self
+            .in_flight
+            .front()
+            .is_some_and(|(_, ticket)| ticket.is_none_or(|t| t <= done))
+        {
+            if let Some((ready, _)) = self.in_flight.pop_front() {
+                self.ready_from_flush(ready)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for every flush in flight and finishes the Readies behind them.
+    fn drain_flushes(&mut self) -> Result<(), StorageError> {
+        if self.in_flight.iter().any(|(_, ticket)| ticket.is_some()) {
+            self.storage.wait_flushed()?;
+        }
+        self.finish_flushed()
     }
 
     fn propose_batch(&mut self) {
@@ -966,9 +1060,16 @@ impl<S: Storage, R> NodeCore<S, R> {
         }
     }
 
-    fn ready_until_flush(&mut self, ready: Ready) -> Result<Ready, StorageError> {
+    fn ready_until_flush(&mut self, mut ready: Ready) -> Result<Ready, StorageError> {
         if let Some(soft) = ready.soft_state {
             self.role_changed(soft.role, soft.leader_id);
+        }
+        if self.in_flight.iter().any(|(r, _)| r.hard_state.is_some()) {
+            // A term or vote written by an earlier Ready is not durable yet: no message may
+            // carry it before it is, so the early ones wait for this Ready's flush too.
+            let mut held = std::mem::take(&mut ready.messages_now);
+            held.append(&mut ready.messages);
+            ready.messages = held;
         }
         for msg in &ready.messages_now {
             let sent = match self.early_sender.as_mut() {
@@ -1001,9 +1102,6 @@ impl<S: Storage, R> NodeCore<S, R> {
     }
 
     fn ready_from_flush(&mut self, ready: Ready) -> Result<(), StorageError> {
-        if ready.must_sync() {
-            self.storage.flush()?;
-        }
         for msg in &ready.messages {
             let sent = match self.flushed_sender.as_mut() {
                 Some(send) => send(msg, &self.raft),

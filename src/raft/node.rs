@@ -58,6 +58,11 @@ pub struct ReadState {
 /// 3. send `messages`;
 /// 4. apply `snapshot`, then `committed_entries` in order; serve `read_states` once applied;
 /// 5. call [`Raft::advance`] with this `Ready`.
+///
+/// Steps 3–5 may wait while the driver takes and writes later Readies (a flush that completes
+/// in the background): Readies are then advanced in the order they were taken, each only once
+/// its flush (and every earlier one) is done, and no Ready's `messages_now` leave while a
+/// `hard_state` taken before them is not yet durable.
 #[derive(Debug, Default)]
 pub struct Ready {
     pub soft_state: Option<SoftState>,
@@ -71,6 +76,10 @@ pub struct Ready {
     /// Set when term or vote changed: those must be durable before `messages` leave. A change of
     /// the persisted commit index alone need not be flushed.
     term_or_vote_changed: bool,
+    /// The last of `entries`: what [`Raft::advance`] marks durable. Kept per Ready, so that a
+    /// driver may take the next Ready while this one's flush still runs, and advance each in
+    /// order once its flush is done.
+    handed_out: Option<(Index, Term)>,
 }
 
 impl Ready {
@@ -195,7 +204,6 @@ pub struct Raft {
     prev_soft: SoftState,
     prev_hard: HardState,
     /// Set between `ready()` and `advance()` for the entries handed out.
-    handed_out_last: Option<(Index, Term)>,
     stats: CoreStats,
     /// Test-only home of vote replies sent before their flush (the `vote_before_persist` bug).
     #[cfg(test)]
@@ -261,7 +269,6 @@ impl Raft {
                 role: Role::Follower,
             },
             prev_hard: HardState { commit: 0, ..hs },
-            handed_out_last: None,
             stats: CoreStats::default(),
             #[cfg(test)]
             early_vote_replies: Vec::new(),
@@ -696,7 +703,7 @@ impl Raft {
         let soft = self.soft_state();
         let hard = self.hard_state();
         let entries = self.log.take_unstable();
-        self.handed_out_last = entries.last().map(|e| (e.index, e.term));
+        let handed_out = entries.last().map(|e| (e.index, e.term));
         let term_or_vote_changed = self.term_or_vote_changed();
         let mut messages_now = std::mem::take(&mut self.messages_now);
         let mut messages = std::mem::take(&mut self.messages);
@@ -718,6 +725,7 @@ impl Raft {
             // fewer per commit on every node.
             hard_state: term_or_vote_changed.then_some(hard),
             term_or_vote_changed,
+            handed_out,
             snapshot: self.snapshot_to_install.take(),
             entries,
             messages_now,
@@ -732,7 +740,7 @@ impl Raft {
 
     /// The driver has carried out `ready`: persisted, sent and applied it.
     pub fn advance(&mut self, ready: Ready) {
-        if let Some((index, term)) = self.handed_out_last.take() {
+        if let Some((index, term)) = ready.handed_out {
             self.log.stable_to(index, term);
         }
         if let Some(snapshot) = ready.snapshot {

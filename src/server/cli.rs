@@ -166,6 +166,11 @@ struct Args {
     /// Default sled
     #[arg(long)]
     raft_log_engine: Option<String>,
+    /// Flush storage on a thread of its own, so that the node goes on taking, writing and
+    /// replicating requests while the disk syncs (answers still wait for the sync that covers
+    /// them): true or false. Default true
+    #[arg(long)]
+    background_flush: Option<bool>,
     /// Log format: text or json. Default text (filter with RUST_LOG)
     #[arg(long)]
     log_format: Option<String>,
@@ -220,6 +225,7 @@ impl Args {
             max_answers,
             storage_cache_mb,
             raft_log_engine,
+            background_flush,
             log_format
         );
         if let Some(dir) = &self.data_dir {

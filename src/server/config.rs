@@ -118,6 +118,10 @@ pub struct NodeConfig {
     /// Where the Raft log is kept: `sled` (with the rest of the store) or `segments` (files
     /// of its own beside it).
     pub raft_log_engine: String,
+    /// Flushes run on a thread of their own while the driver goes on taking and writing
+    /// requests; answers still wait for the flush that covers them. `false` flushes on the
+    /// driver's thread, one Ready at a time.
+    pub background_flush: bool,
     /// `text` or `json`.
     pub log_format: String,
 }
@@ -148,6 +152,7 @@ pub const DEFAULTS: &[(&str, &str)] = &[
     ("max_answers", "1000000"),
     ("storage_cache_mb", "64"),
     ("raft_log_engine", "sled"),
+    ("background_flush", "true"),
     ("log_format", "text"),
 ];
 

@@ -137,6 +137,8 @@ pub struct DriverConfig {
     pub waiter_reclaim: Duration,
     /// Inputs handled per loop turn before the resulting Ready is processed.
     pub max_batch_inputs: usize,
+    /// Flush on a thread of its own ([`SledStorage::flush_in_background`]).
+    pub background_flush: bool,
     /// Limits this node proposes for a cluster whose limits were never set.
     pub limits: crate::lock::Limits,
     /// Where applied lock events go for watchers.
@@ -150,6 +152,8 @@ pub struct TimedStorage<S> {
     /// Time spent appending, applying and flushing since the driver last took it (for the
     /// slow-turn log line).
     spent: StorageTime,
+    /// Flushes run on the storage's own thread, which times them.
+    background: bool,
 }
 
 /// Where a driver turn's storage time went.
@@ -248,6 +252,26 @@ impl<S: Storage> Storage for TimedStorage<S> {
     fn applied_index(&self) -> crate::raft::Index {
         self.inner.applied_index()
     }
+    fn start_flush(&mut self) -> Result<u64, StorageError> {
+        if !self.background {
+            self.flush()?;
+            return Ok(u64::MAX);
+        }
+        super::probe::event("flush");
+        let started = std::time::Instant::now();
+        let result = self.inner.start_flush();
+        self.spent.flush += started.elapsed();
+        result
+    }
+    fn flushed(&mut self) -> Result<u64, StorageError> {
+        self.inner.flushed()
+    }
+    fn wait_flushed(&mut self) -> Result<(), StorageError> {
+        let started = std::time::Instant::now();
+        let result = self.inner.wait_flushed();
+        self.spent.flush += started.elapsed();
+        result
+    }
     fn flush(&mut self) -> Result<(), StorageError> {
         let _span = tracing::debug_span!("raft.fsync").entered();
         super::probe::event("flush");
@@ -268,6 +292,8 @@ type Core = NodeCore<TimedStorage<SledStorage>, Reply>;
 
 pub struct Driver {
     core: Core,
+    /// Woken by the storage's flush thread when flushes complete.
+    flush_done: Arc<tokio::sync::Notify>,
     /// The zero of the core's clock.
     epoch: Instant,
     transport: PeerTransport,
@@ -385,10 +411,29 @@ impl Driver {
             }
             settings
         };
+        let flush_done = Arc::new(tokio::sync::Notify::new());
+        let mut storage = storage;
+        let background = cfg.background_flush
+            && {
+                let wake = flush_done.clone();
+                let fsync = metrics.fsync_duration_seconds.clone();
+                let started = storage.flush_in_background(
+                    Box::new(move || wake.notify_one()),
+                    Box::new(move |took| {
+                        super::probe::event("flushed");
+                        fsync.observe(took.as_secs_f64());
+                    }),
+                );
+                if let Err(err) = &started {
+                    warn!(cause = %err, "cannot flush in the background; flushing on the driver's thread");
+                }
+                started.is_ok()
+            };
         let storage = TimedStorage {
             inner: storage,
             metrics: metrics.clone(),
             spent: StorageTime::default(),
+            background,
         };
         let mut core = NodeCore::new(raft, storage, sm, settings, 0);
         // The leader's appends and a follower's answers to them go through streams of their own
@@ -428,6 +473,7 @@ impl Driver {
         }));
         Driver {
             core,
+            flush_done,
             epoch: Instant::now(),
             transport,
             on_thread,
@@ -463,6 +509,7 @@ impl Driver {
         self.publish_status();
         let mut inputs = 0usize;
         let mut handled = Duration::ZERO;
+        let flush_done = self.flush_done.clone();
         loop {
             // Work left over from a turn that used up its budget; taken in turn with ticks
             // and inputs (select! picks among ready branches at random).
@@ -471,6 +518,12 @@ impl Driver {
                 _ = std::future::ready(()), if more => {
                     self.batch_started = std::time::Instant::now();
                     self.drive().await
+                }
+                // Flushes completed on the storage's thread: their Readies' answers leave,
+                // what they committed applies.
+                _ = flush_done.notified(), if self.core.flushes_in_flight() => {
+                    self.batch_started = std::time::Instant::now();
+                    self.core.finish_drive()
                 }
                 _ = ticker.tick() => {
                     self.batch_started = std::time::Instant::now();

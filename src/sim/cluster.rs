@@ -72,6 +72,11 @@ pub struct SimConfig {
     pub crash_intensity: u32,
     /// Print elections, votes and membership changes to stderr (for replaying one seed).
     pub trace: bool,
+    /// Flushes complete in the background, as lock-node's do: a node goes on taking and
+    /// writing Readies while its disk works, and its flushes complete some events later (at
+    /// random after each of its steps, and at its next tick at the latest); a crash loses
+    /// every flush not done.
+    pub background_flushes: bool,
     #[cfg(test)]
     pub bugs: crate::raft::config::Bugs,
     #[cfg(any(test, feature = "mutations"))]
@@ -94,6 +99,7 @@ impl SimConfig {
             liveness_budget_us: 5_000_000,
             crash_intensity: 1,
             trace: false,
+            background_flushes: false,
             #[cfg(test)]
             bugs: Default::default(),
             #[cfg(any(test, feature = "mutations"))]
@@ -126,6 +132,8 @@ pub struct SimStats {
     pub redirects: u64,
     pub client_retries: u64,
     pub ticks: u64,
+    /// Readies written while an earlier one's flush was still running (background flushes).
+    pub overlapped_readies: u64,
 }
 
 impl SimStats {
@@ -151,6 +159,7 @@ impl SimStats {
         self.redirects += other.redirects;
         self.client_retries += other.client_retries;
         self.ticks += other.ticks;
+        self.overlapped_readies += other.overlapped_readies;
     }
 }
 
@@ -432,7 +441,8 @@ impl Cluster {
         let settings = self.node_settings();
         let now = self.now_us;
         let node = self.nodes.get_mut(&id).expect("node exists");
-        let storage = node.disk.take().unwrap_or_default();
+        let mut storage = node.disk.take().unwrap_or_default();
+        storage.set_background_flushes(self.cfg.background_flushes);
         let started = (|| -> Result<Core, String> {
             let recovered = storage.recover().map_err(|e| e.to_string())?;
             let fresh = recovered.last_index() == 0 && recovered.hard_state.term == 0;
@@ -482,6 +492,7 @@ impl Cluster {
         };
         if let Some(core) = node.core.take() {
             self.stats.elections += core.raft().stats().elections_started;
+            self.stats.overlapped_readies += core.overlapped_readies();
             self.stats.crashes += 1;
             let mut disk = core.into_storage();
             disk.crash();
@@ -559,6 +570,7 @@ impl Cluster {
         for node in self.nodes.values() {
             if let Some(core) = &node.core {
                 self.stats.elections += core.raft().stats().elections_started;
+                self.stats.overlapped_readies += core.overlapped_readies();
             }
         }
         self.stats.committed = self.checker.max_committed();
@@ -637,6 +649,7 @@ impl Cluster {
             node.retire_at = None;
             if let Some(core) = node.core.take() {
                 self.stats.elections += core.raft().stats().elections_started;
+                self.stats.overlapped_readies += core.overlapped_readies();
             }
             return;
         }
@@ -665,6 +678,8 @@ impl Cluster {
         for (op, to) in client_inbox {
             core.client_request(local, op, to.client as u64, to);
         }
+        // The disk is done with everything the node asked of it before this tick.
+        core.storage_mut().complete_flushes();
         let result = core.tick(local);
         self.after_core(id, result);
     }
@@ -761,10 +776,20 @@ impl Cluster {
             if !self.after_one_drive(id, result) {
                 return;
             }
+            let background = self.cfg.background_flushes
+                && self
+                    .nodes
+                    .get(&id)
+                    .and_then(|n| n.core.as_ref())
+                    .is_some_and(|c| c.storage().has_pending_flushes());
+            let complete = background && self.rng.random_bool(0.3);
             let Some(core) = self.nodes.get_mut(&id).and_then(|n| n.core.as_mut()) else {
                 return;
             };
-            if !core.raft().has_ready() {
+            if complete {
+                // The disk finishes a flush between two of the node's steps.
+                core.storage_mut().complete_flushes();
+            } else if !core.raft().has_ready() {
                 return;
             }
             result = core.drive();

@@ -44,6 +44,9 @@ pub fn replay_command(cfg: &SimConfig) -> String {
     if !cfg.membership_changes {
         cmd.push_str(" --no-membership");
     }
+    if cfg.background_flushes {
+        cmd.push_str(" --background-flushes");
+    }
     if cfg.crash_intensity != 1 {
         cmd.push_str(&format!(" --crash-intensity {}", cfg.crash_intensity));
     }

@@ -21,6 +21,7 @@ fn first_violation(
         cfg.crash_intensity = schedule.crash_intensity;
         cfg.clients_first_on_resume = schedule.clients_first_on_resume;
         cfg.figure8 = schedule.figure8;
+        cfg.background_flushes = schedule.background_flushes;
         if let Some(steps) = schedule.steps {
             cfg.steps = steps;
         }
@@ -50,6 +51,8 @@ struct Schedule {
     steps: Option<u64>,
     /// Cluster sizes to try, in order.
     nodes: &'static [usize],
+    /// Flushes complete in the background ([`SimConfig::background_flushes`]).
+    background_flushes: bool,
 }
 
 impl Default for Schedule {
@@ -60,6 +63,7 @@ impl Default for Schedule {
             figure8: false,
             steps: None,
             nodes: &[3, 5],
+            background_flushes: false,
         }
     }
 }
@@ -151,6 +155,61 @@ fn healthy_core_passes_with_frequent_crashes() {
             }
         }
     }
+}
+
+/// Flushes that complete in the background, some events after the Ready that started them, as
+/// lock-node runs them: the node takes and writes further Readies meanwhile, and a crash loses
+/// every flush not done.
+#[test]
+fn healthy_core_passes_with_background_flushes() {
+    for (nodes, crash_intensity) in [(3, 1), (5, 1), (3, 3), (5, 3)] {
+        let mut overlapped = 0;
+        for seed in 0..150 {
+            let mut cfg = SimConfig::new(seed, nodes);
+            cfg.crash_intensity = crash_intensity;
+            cfg.background_flushes = true;
+            let outcome = run_seed(cfg.clone());
+            if let Some((step, v)) = outcome.violation {
+                panic!(
+                    "seed {seed} step {step}: {} — {}\nreplay: {}",
+                    v.invariant,
+                    v.detail,
+                    replay_command(&cfg)
+                );
+            }
+            overlapped += outcome.stats.overlapped_readies;
+        }
+        // The schedule must really write Readies while earlier flushes are still running.
+        assert!(
+            overlapped > 1000,
+            "{nodes} nodes: only {overlapped} Readies overlapped a flush"
+        );
+    }
+}
+
+#[test]
+fn caught_answers_before_the_background_flush_is_done() {
+    assert_caught_with(
+        "finish_before_flush_done",
+        100,
+        Schedule {
+            background_flushes: true,
+            ..Schedule::default()
+        },
+        Bugs::default(),
+        NodeBugs {
+            finish_before_flush_done: true,
+            ..NodeBugs::default()
+        },
+        &[
+            "storage",
+            "restart",
+            "committed entries stay on a majority",
+            "leader completeness",
+            "state machine safety",
+            "log matching",
+        ],
+    );
 }
 
 /// Regression: with snapshot bytes let go and built again when a follower needs them, snapshot

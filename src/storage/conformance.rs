@@ -54,6 +54,8 @@ pub(crate) struct SledHarness {
     store: Option<SledStorage>,
     dir: tempfile::TempDir,
     options: SledOptions,
+    /// Every incarnation flushes on a thread of its own ([`SledStorage::flush_in_background`]).
+    background: bool,
 }
 
 impl SledHarness {
@@ -64,6 +66,23 @@ impl SledHarness {
             store: Some(store),
             dir,
             options,
+            background: false,
+        }
+    }
+
+    /// Like [`SledHarness::with`], flushing in the background.
+    pub(crate) fn in_background(options: SledOptions) -> Self {
+        let mut harness = SledHarness::with(options);
+        harness.background = true;
+        harness.start_flusher();
+        harness
+    }
+
+    fn start_flusher(&mut self) {
+        if let (true, Some(store)) = (self.background, self.store.as_mut()) {
+            store
+                .flush_in_background(Box::new(|| {}), Box::new(|_| {}))
+                .expect("start the flush thread");
         }
     }
 
@@ -81,6 +100,7 @@ impl SledHarness {
     pub(crate) fn try_open(&mut self) -> Result<(), StorageError> {
         drop(self.store.take());
         self.store = Some(reopen_sled_with(self.dir.path(), self.options)?);
+        self.start_flusher();
         Ok(())
     }
 }
@@ -117,6 +137,69 @@ impl Default for SegmentsHarness {
             segment_bytes: TEST_SEGMENT_BYTES,
             ..SledOptions::default()
         }))
+    }
+}
+
+/// [`SledHarness`] flushing in the background.
+pub(crate) struct BackgroundSledHarness(SledHarness);
+
+impl Default for BackgroundSledHarness {
+    fn default() -> Self {
+        BackgroundSledHarness(SledHarness::in_background(SledOptions::default()))
+    }
+}
+
+impl Harness for BackgroundSledHarness {
+    type Store = SledStorage;
+    fn store(&mut self) -> &mut SledStorage {
+        self.0.store()
+    }
+    fn restart(&mut self) {
+        self.0.restart();
+    }
+}
+
+/// [`SegmentsHarness`] flushing in the background.
+pub(crate) struct BackgroundSegmentsHarness(SledHarness);
+
+impl Default for BackgroundSegmentsHarness {
+    fn default() -> Self {
+        BackgroundSegmentsHarness(SledHarness::in_background(SledOptions {
+            log_engine: super::LogEngine::Segments,
+            segment_bytes: TEST_SEGMENT_BYTES,
+            ..SledOptions::default()
+        }))
+    }
+}
+
+impl Harness for BackgroundSegmentsHarness {
+    type Store = SledStorage;
+    fn store(&mut self) -> &mut SledStorage {
+        self.0.store()
+    }
+    fn restart(&mut self) {
+        self.0.restart();
+    }
+}
+
+/// [`MemHarness`] whose flushes complete in the background.
+pub(crate) struct BackgroundMemHarness(MemHarness);
+
+impl Default for BackgroundMemHarness {
+    fn default() -> Self {
+        let mut harness = MemHarness::default();
+        harness.store.set_background_flushes(true);
+        BackgroundMemHarness(harness)
+    }
+}
+
+impl Harness for BackgroundMemHarness {
+    type Store = MemStorage;
+    fn store(&mut self) -> &mut MemStorage {
+        self.0.store()
+    }
+    fn restart(&mut self) {
+        self.0.restart();
     }
 }
 
@@ -407,7 +490,7 @@ pub(crate) fn check_invalid_membership_entry_is_an_error<H: Harness>(harness: &m
 
 pub(crate) fn check_apply<H: Harness>(harness: &mut H) {
     let store = harness.store();
-    store.append(&commands(1, 5, 1)).unwrap();
+    store.append(&commands(1, 4, 1)).unwrap();
     store
         .apply(
             2,
@@ -755,6 +838,60 @@ pub(crate) fn check_recover_returns_what_was_flushed<H: Harness>(harness: &mut H
     assert_eq!(expected.membership, Membership::with_voters([1, 2, 3]));
 }
 
+/// Flushes started with tickets: tickets do not go backwards, waiting makes every one done,
+/// and what they covered survives a restart; the segments harness rolls segments and deletes
+/// compacted ones while flushes run.
+pub(crate) fn check_flush_tickets<H: Harness>(harness: &mut H) {
+    let store = harness.store();
+    store
+        .append(&[Entry {
+            term: 0,
+            index: 1,
+            payload: EntryPayload::Config(Membership::with_voters([1, 2, 3])),
+        }])
+        .unwrap();
+    let mut last = 0;
+    for round in 0..12u64 {
+        let lo = 2 + round * 10;
+        store.append(&commands(lo, lo + 9, 1)).unwrap();
+        store
+            .apply(lo, &[put(&format!("key/{}", round % 3), &lo.to_string())])
+            .unwrap();
+        if round == 6 {
+            store.compact(lo - 5).unwrap();
+        }
+        let ticket = store.start_flush().unwrap();
+        assert!(ticket >= last, "ticket {ticket} after {last}");
+        last = ticket;
+    }
+    store.wait_flushed().unwrap();
+    assert!(store.flushed().unwrap() >= last);
+    let expected = store.recover().unwrap();
+    assert_eq!(expected.last_index(), 121);
+    assert_eq!(expected.applied_index, 112);
+    harness.restart();
+    assert_eq!(harness.store().recover().unwrap(), expected);
+}
+
+/// MemStorage in the background mode: a crash loses the flushes started and not done, keeps
+/// the ones done.
+#[test]
+fn mem_crash_loses_background_flushes_not_done() {
+    let mut store = MemStorage::new();
+    store.set_background_flushes(true);
+    store.append(&commands(1, 4, 1)).unwrap();
+    let first = store.start_flush().unwrap();
+    assert!(store.flushed().unwrap() < first);
+    store.complete_flushes();
+    assert_eq!(store.flushed().unwrap(), first);
+    store.append(&commands(5, 8, 1)).unwrap();
+    let second = store.start_flush().unwrap();
+    assert!(second > first && store.has_pending_flushes());
+    store.crash();
+    assert_eq!(store.last_index(), 4);
+    assert!(!store.has_pending_flushes());
+}
+
 /// MemStorage only: a crash loses exactly what was written since the last flush.
 pub(crate) fn check_crash_loses_unflushed_writes(harness: &mut MemHarness) {
     let store = harness.store();
@@ -972,6 +1109,7 @@ macro_rules! all_conformance_tests {
             check_compaction,
             check_build_snapshot_roundtrip,
             check_recover_returns_what_was_flushed,
+            check_flush_tickets,
         );
     };
 }
@@ -997,6 +1135,35 @@ mod segments {
     use super::SegmentsHarness;
 
     all_conformance_tests!(SegmentsHarness);
+}
+
+mod mem_background {
+    use super::BackgroundMemHarness;
+
+    all_conformance_tests!(BackgroundMemHarness);
+}
+
+mod sled_background {
+    use super::BackgroundSledHarness;
+
+    all_conformance_tests!(BackgroundSledHarness);
+}
+
+mod segments_background {
+    use super::BackgroundSegmentsHarness;
+
+    all_conformance_tests!(BackgroundSegmentsHarness);
+}
+
+#[test]
+fn mem_and_background_segments_agree_on_random_operations() {
+    for seed in 0..8 {
+        super::conformance::check_differential(
+            &mut MemHarness::default(),
+            &mut BackgroundSegmentsHarness::default(),
+            seed,
+        );
+    }
 }
 
 #[test]

@@ -4,7 +4,7 @@
 //! throws away everything written since the last flush, as a power cut would. Deterministic: no
 //! I/O, no clock, no randomness.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 
 use super::{
     check_append, check_recovered, decode_snapshot_data, encode_snapshot_data, membership_after,
@@ -30,6 +30,16 @@ pub struct MemStorage {
     /// A power cut armed for a coming flush: `Some(true)` strikes only at a flush that would
     /// make a new vote durable, `Some(false)` at the next flush.
     power_cut: Option<bool>,
+    /// Flushes complete in the background: [`Storage::start_flush`] only records what the flush
+    /// will make durable, and [`MemStorage::complete_flushes`] (the simulator's disk finishing
+    /// its work) makes it so.
+    background_flushes: bool,
+    /// Started flushes not yet done: each ticket with the image it makes durable.
+    pending: VecDeque<(u64, DiskImage)>,
+    last_ticket: u64,
+    done_ticket: u64,
+    /// A power cut that struck a background flush, reported by the next [`Storage::flushed`].
+    struck: bool,
 }
 
 impl MemStorage {
@@ -37,10 +47,40 @@ impl MemStorage {
         Self::default()
     }
 
-    /// Loses every write since the last flush.
+    /// Loses every write since the last flush, and every flush not done.
     pub fn crash(&mut self) {
         self.current = self.durable.clone();
         self.power_cut = None;
+        self.pending.clear();
+        self.struck = false;
+    }
+
+    /// Makes flushes complete in the background (see [`MemStorage::complete_flushes`]) rather
+    /// than inside [`Storage::start_flush`].
+    pub fn set_background_flushes(&mut self, on: bool) {
+        self.background_flushes = on;
+    }
+
+    /// Whether a background flush was started and is not done.
+    pub fn has_pending_flushes(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// The disk finishes the background flushes started so far, in order. An armed power cut
+    /// strikes here as it would in [`Storage::flush`]: the node learns of it from its next
+    /// [`Storage::flushed`].
+    pub fn complete_flushes(&mut self) {
+        while let Some((ticket, image)) = self.pending.pop_front() {
+            if let Some(on_vote_only) = self.power_cut {
+                if !on_vote_only || image.hard_state.vote != self.durable.hard_state.vote {
+                    self.crash();
+                    self.struck = true;
+                    return;
+                }
+            }
+            self.durable = image;
+            self.done_ticket = ticket;
+        }
     }
 
     /// Disarms a power cut armed by [`MemStorage::arm_power_cut`].
@@ -272,6 +312,35 @@ impl Storage for MemStorage {
             }
         }
         self.durable = self.current.clone();
+        self.pending.clear();
+        self.done_ticket = self.last_ticket;
         Ok(())
+    }
+
+    fn start_flush(&mut self) -> Result<u64, StorageError> {
+        if !self.background_flushes {
+            self.flush()?;
+            return self.flushed();
+        }
+        self.last_ticket += 1;
+        self.pending
+            .push_back((self.last_ticket, self.current.clone()));
+        Ok(self.last_ticket)
+    }
+
+    fn flushed(&mut self) -> Result<u64, StorageError> {
+        if self.struck {
+            return Err(StorageError::SimulatedCrash);
+        }
+        Ok(if self.background_flushes {
+            self.done_ticket
+        } else {
+            u64::MAX
+        })
+    }
+
+    fn wait_flushed(&mut self) -> Result<(), StorageError> {
+        self.complete_flushes();
+        self.flushed().map(|_| ())
     }
 }

@@ -24,6 +24,8 @@ mod codec;
 #[cfg(test)]
 mod conformance;
 mod error;
+#[cfg(feature = "server")]
+mod flusher;
 mod memory;
 #[cfg(feature = "server")]
 mod segment_log;
@@ -37,6 +39,8 @@ pub use codec::{
     SnapshotPairs,
 };
 pub use error::StorageError;
+#[cfg(feature = "server")]
+pub use flusher::{FlushObserver, FlushWaker};
 pub use memory::MemStorage;
 #[cfg(feature = "server")]
 pub use sled_store::{LogEngine, SledOptions, SledStorage};
@@ -177,6 +181,28 @@ pub trait Storage {
 
     /// Makes everything written so far durable. Nothing may be acknowledged before it returns.
     fn flush(&mut self) -> Result<(), StorageError>;
+
+    /// Starts making everything written so far durable and returns at once with a ticket: the
+    /// flush is done once [`Storage::flushed`] returns that ticket or a later one. Writes made
+    /// after the call are not covered by it. Tickets grow by one per call. A storage that cannot
+    /// flush in the background flushes here and returns a ticket that is already done (the
+    /// default).
+    fn start_flush(&mut self) -> Result<u64, StorageError> {
+        self.flush()?;
+        self.flushed()
+    }
+
+    /// The newest ticket of [`Storage::start_flush`] that is done (flushes complete in the order
+    /// they were started); never blocks. An error means a flush failed: nothing written since
+    /// the last completed one may be taken as durable, and the node must stop.
+    fn flushed(&mut self) -> Result<u64, StorageError> {
+        Ok(u64::MAX)
+    }
+
+    /// Waits until every flush started so far is done.
+    fn wait_flushed(&mut self) -> Result<(), StorageError> {
+        self.flushed().map(|_| ())
+    }
 }
 
 /// A snapshot being built on another thread; see [`Storage::snapshot_job`].

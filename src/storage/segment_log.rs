@@ -61,6 +61,36 @@ struct Segment {
     max_index: Index,
 }
 
+/// A sync of the log taken off its owner's thread ([`SegmentLog::take_sync_job`]).
+#[derive(Default)]
+pub(crate) struct SegmentSync {
+    file: Option<File>,
+    dir: Option<PathBuf>,
+}
+
+impl SegmentSync {
+    /// Adds a later job's work to this one (the newest segment's sync covers the older ones:
+    /// a segment is synced when it is sealed).
+    pub(crate) fn merge(&mut self, later: SegmentSync) {
+        if later.file.is_some() {
+            self.file = later.file;
+        }
+        if later.dir.is_some() {
+            self.dir = later.dir;
+        }
+    }
+
+    pub(crate) fn run(&self) -> Result<(), StorageError> {
+        if let Some(file) = &self.file {
+            file.sync_data().map_err(io("syncing the log"))?;
+        }
+        if let Some(dir) = &self.dir {
+            sync_dir(dir)?;
+        }
+        Ok(())
+    }
+}
+
 /// The log's segment files; see the module documentation.
 pub(crate) struct SegmentLog {
     dir: PathBuf,
@@ -519,6 +549,30 @@ impl SegmentLog {
             self.dir_unsynced = false;
         }
         Ok(())
+    }
+
+    /// What [`SegmentLog::sync`] would do, handed to another thread: a handle of the newest
+    /// segment when it holds unsynced data, and the directory when a segment was created or
+    /// removed. The log counts as synced from here on; the caller must not take what was
+    /// written as durable before the returned job has run.
+    pub(crate) fn take_sync_job(&mut self) -> Result<SegmentSync, StorageError> {
+        let mut job = SegmentSync::default();
+        if self.unsynced {
+            if let Some(segment) = self.segments.back() {
+                job.file = Some(
+                    segment
+                        .file
+                        .try_clone()
+                        .map_err(io("opening the log for a background sync"))?,
+                );
+            }
+            self.unsynced = false;
+        }
+        if self.dir_unsynced {
+            job.dir = Some(self.dir.clone());
+            self.dir_unsynced = false;
+        }
+        Ok(job)
     }
 
     /// Deletes the oldest segments, except the newest, while every entry in them is at or

@@ -27,7 +27,8 @@ use super::codec::{
     encode_membership, encode_state_value, encode_u64, index_key, push_run_entry, push_run_record,
     run_last_index, run_records, state_key_name,
 };
-use super::segment_log::SegmentLog;
+use super::flusher::{FlushJob, FlushObserver, FlushWaker, Flusher};
+use super::segment_log::{SegmentLog, SegmentSync};
 use super::{
     check_append, check_recovered, encode_snapshot_stream, membership_after, snapshot_pairs,
     KvChange, KvPair, PairsConvert, RecoveredState, SnapshotJob, SnapshotPairs, Storage,
@@ -71,7 +72,7 @@ const STAGED_CHUNK_BYTES: usize = 1 << 20;
 pub struct SledStorage {
     db: sled::Db,
     /// sled's log file, opened a second time to `fdatasync` it: see [`Storage::flush`].
-    db_file: std::fs::File,
+    db_file: std::sync::Arc<std::fs::File>,
     log: sled::Tree,
     meta: sled::Tree,
     state: sled::Tree,
@@ -107,6 +108,9 @@ pub struct SledStorage {
     hard_state_unsynced: bool,
     /// The snapshot point as of sled's last flush: log segments at or below it may go.
     durable_point: Index,
+    /// Runs flushes on a thread of its own once [`SledStorage::flush_in_background`] was
+    /// called; `None` flushes inside [`Storage::start_flush`].
+    flusher: Option<Flusher>,
 }
 
 /// sled 0.34 writes a value (or a tree node) larger than a quarter of its 512 KiB segment to a
@@ -487,7 +491,8 @@ impl SledStorage {
             source,
         })?;
         let mut storage = SledStorage {
-            db_file,
+            db_file: std::sync::Arc::new(db_file),
+            flusher: None,
             trimmer: LogTrimmer::start(log.clone()),
             log,
             meta: tree("meta")?,
@@ -643,6 +648,22 @@ impl SledStorage {
         self.sled_unsynced = false;
         self.hard_state_unsynced = false;
         self.durable_point = self.snapshot_meta.index;
+        Ok(())
+    }
+
+    /// From now on [`Storage::start_flush`] hands the flush to a thread of its own and returns
+    /// at once; `wake` is called on that thread whenever flushes complete (or one fails), and
+    /// `observe` with how long each took. Flushes queued while one runs are merged into the
+    /// next.
+    pub fn flush_in_background(
+        &mut self,
+        wake: FlushWaker,
+        observe: FlushObserver,
+    ) -> Result<(), StorageError> {
+        if self.flusher.is_none() {
+            self.flush()?;
+            self.flusher = Some(Flusher::start(wake, observe)?);
+        }
         Ok(())
     }
 
@@ -1387,7 +1408,60 @@ impl Storage for SledStorage {
     /// Under [`LogEngine::Segments`] sled is flushed only when it was written since its last
     /// flush, then the log's segment is `fdatasync`ed, and segments wholly at or below the
     /// durable snapshot point are deleted.
+    fn start_flush(&mut self) -> Result<u64, StorageError> {
+        let Some(flusher) = self.flusher.as_ref() else {
+            self.flush()?;
+            return Ok(u64::MAX);
+        };
+        if self.hard_state_unsynced {
+            // A changed term or vote must be durable before any later log append (see
+            // `append`), and it is rare: flushed here, after the flushes in flight.
+            flusher.wait()?;
+            let ticket = flusher.last_ticket();
+            self.flush()?;
+            return Ok(ticket);
+        }
+        self.blobs.sync_new()?;
+        let sled = (self.segments.is_none() || self.sled_unsynced)
+            .then(|| (self.db.clone(), std::sync::Arc::clone(&self.db_file)));
+        let point = sled.as_ref().map(|_| self.snapshot_meta.index);
+        self.sled_unsynced = false;
+        let log = match self.segments.as_mut() {
+            Some(segments) => segments.take_sync_job()?,
+            None => SegmentSync::default(),
+        };
+        let Some(flusher) = self.flusher.as_mut() else {
+            return Err(StorageError::Stopped);
+        };
+        flusher.submit(FlushJob { sled, point, log })
+    }
+
+    fn flushed(&mut self) -> Result<u64, StorageError> {
+        let Some(flusher) = self.flusher.as_ref() else {
+            return Ok(u64::MAX);
+        };
+        let (ticket, point) = flusher.done()?;
+        if let Some(point) = point.filter(|&p| p > self.durable_point) {
+            self.durable_point = point;
+            if let Some(segments) = self.segments.as_mut() {
+                segments.remove_segments_through(point)?;
+            }
+        }
+        Ok(ticket)
+    }
+
+    fn wait_flushed(&mut self) -> Result<(), StorageError> {
+        if let Some(flusher) = self.flusher.as_ref() {
+            flusher.wait()?;
+        }
+        self.flushed().map(|_| ())
+    }
+
     fn flush(&mut self) -> Result<(), StorageError> {
+        if let Some(flusher) = self.flusher.as_ref() {
+            // What flushes in flight took off the log's books is durable only once they are.
+            flusher.wait()?;
+        }
         if self.segments.is_none() {
             return self.flush_sled();
         }
