@@ -170,10 +170,14 @@ fn run(
 ) {
     while let Ok((mut ticket, mut job)) = rx.recv() {
         // Everything queued meanwhile rides on this flush.
+        let mut merged = 1u64;
         while let Ok((later_ticket, later)) = rx.try_recv() {
             ticket = later_ticket;
             job.merge(later);
+            merged += 1;
         }
+        let span = tracing::debug_span!("raft.fsync", flushes = merged);
+        let _entered = span.enter();
         let started = Instant::now();
         let result = job.run();
         observe(started.elapsed());
