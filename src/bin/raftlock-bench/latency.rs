@@ -114,6 +114,7 @@ fn thread_group_label(group: &str) -> String {
             "I/O runtime: client connections, heartbeats and votes to peers".into()
         }
         "sled-io" => "sled's I/O pool: its log writes and syncs".into(),
+        "raftlock-flush" => "flush thread: sled's flush, fdatasync (background flushes)".into(),
         "lock-node" => "main thread".into(),
         "log flusher" => "sled's periodic flusher".into(),
         // Linux keeps 15 bytes of a thread's name: `raftlock-log-trim` reads back like this.
