@@ -166,11 +166,12 @@ struct Args {
     /// Default sled
     #[arg(long)]
     raft_log_engine: Option<String>,
-    /// Flush storage on a thread of its own, so that the node goes on taking, writing and
-    /// replicating requests while the disk syncs (answers still wait for the sync that covers
-    /// them): true or false. Default true
+    /// Where storage flushes run: auto (on a thread of their own while the node is busy, so
+    /// that it goes on taking, writing and replicating requests while the disk syncs; on the
+    /// driver's thread when flushes do not follow each other closely), always, or never.
+    /// Answers wait for the sync that covers them in every mode. Default auto
     #[arg(long)]
-    background_flush: Option<bool>,
+    background_flush: Option<String>,
     /// Log format: text or json. Default text (filter with RUST_LOG)
     #[arg(long)]
     log_format: Option<String>,

@@ -118,10 +118,11 @@ pub struct NodeConfig {
     /// Where the Raft log is kept: `sled` (with the rest of the store) or `segments` (files
     /// of its own beside it).
     pub raft_log_engine: String,
-    /// Flushes run on a thread of their own while the driver goes on taking and writing
-    /// requests; answers still wait for the flush that covers them. `false` flushes on the
-    /// driver's thread, one Ready at a time.
-    pub background_flush: bool,
+    /// Where flushes run: `auto` (on a thread of their own while the node is busy, so that it
+    /// goes on taking and writing requests meanwhile; on the driver's thread otherwise),
+    /// `always` (on their own thread) or `never` (on the driver's thread). Answers wait for the
+    /// flush that covers them in every mode.
+    pub background_flush: String,
     /// `text` or `json`.
     pub log_format: String,
 }
@@ -152,7 +153,7 @@ pub const DEFAULTS: &[(&str, &str)] = &[
     ("max_answers", "1000000"),
     ("storage_cache_mb", "64"),
     ("raft_log_engine", "sled"),
-    ("background_flush", "true"),
+    ("background_flush", "auto"),
     ("log_format", "text"),
 ];
 
@@ -260,6 +261,9 @@ impl NodeConfig {
         }
         if let Err(problem) = self.raft_log_engine.parse::<crate::storage::LogEngine>() {
             return invalid("raft_log_engine", &problem);
+        }
+        if let Err(problem) = self.background_flush.parse::<super::driver::FlushMode>() {
+            return invalid("background_flush", &problem);
         }
         if self.session_idle < Duration::from_secs(1) || self.max_sessions == 0 {
             return invalid(
@@ -460,6 +464,30 @@ mod tests {
         let err = NodeConfig::load(None, &args).unwrap_err().to_string();
         assert!(
             err.contains("raft_log_engine") && err.contains("rocksdb"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn background_flush_defaults_to_auto_and_takes_always_or_never() {
+        let base = || vec![("node_id", "1".to_string()), ("insecure", "true".into())];
+        assert_eq!(
+            NodeConfig::load(None, &base()).unwrap().background_flush,
+            "auto"
+        );
+        for mode in ["always", "never"] {
+            let mut args = base();
+            args.push(("background_flush", mode.into()));
+            assert_eq!(
+                NodeConfig::load(None, &args).unwrap().background_flush,
+                mode
+            );
+        }
+        let mut args = base();
+        args.push(("background_flush", "sometimes".into()));
+        let err = NodeConfig::load(None, &args).unwrap_err().to_string();
+        assert!(
+            err.contains("background_flush") && err.contains("sometimes"),
             "{err}"
         );
     }

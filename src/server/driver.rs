@@ -137,8 +137,8 @@ pub struct DriverConfig {
     pub waiter_reclaim: Duration,
     /// Inputs handled per loop turn before the resulting Ready is processed.
     pub max_batch_inputs: usize,
-    /// Flush on a thread of its own ([`SledStorage::flush_in_background`]).
-    pub background_flush: bool,
+    /// Where flushes run ([`SledStorage::flush_in_background`]).
+    pub flush_mode: FlushMode,
     /// Limits this node proposes for a cluster whose limits were never set.
     pub limits: crate::lock::Limits,
     /// Where applied lock events go for watchers.
@@ -152,9 +152,86 @@ pub struct TimedStorage<S> {
     /// Time spent appending, applying and flushing since the driver last took it (for the
     /// slow-turn log line).
     spent: StorageTime,
-    /// Flushes run on the storage's own thread, which times them.
+    /// Flushes may run on the storage's own thread, which times them.
     background: bool,
+    /// The flush thread is used while the node is busy (`--background-flush auto`); without
+    /// it, `offload` stays as it started.
+    adaptive: bool,
+    /// Flushes go to the flush thread; otherwise the driver flushes on its own thread.
+    offload: bool,
+    /// When the last flush on the driver's thread ended.
+    last_inline_end: Option<std::time::Instant>,
+    /// Flushes since the last tick, and how many of them had work waiting: on the driver's
+    /// thread, a flush that began sooner after the previous one ended than that one took; on
+    /// the flush thread, a flush started while another was still running.
+    flushes: u32,
+    pressed: u32,
+    /// The newest flush handed to the flush thread.
+    last_ticket: u64,
 }
+
+impl<S: Storage> TimedStorage<S> {
+    /// Called every tick: where the next flushes run. A flush on the flush thread costs two
+    /// thread wake-ups (it, then the driver), which pays off only when the driver has other
+    /// work meanwhile — under load, when flushes follow each other closely — and is pure delay
+    /// for one client at a time. So flushes move to the flush thread when most of a tick's
+    /// flushes had work waiting, and back when few did.
+    fn choose_flush_thread(&mut self) {
+        if !self.background || !self.adaptive {
+            return;
+        }
+        let (flushes, pressed) = (self.flushes, self.pressed);
+        self.flushes = 0;
+        self.pressed = 0;
+        if flushes < MIN_FLUSHES_TO_OFFLOAD {
+            self.offload = false;
+        } else if self.offload {
+            self.offload = pressed * 4 >= flushes;
+        } else {
+            self.offload = pressed * 2 > flushes;
+        }
+    }
+
+    fn start_flush_inline(&mut self) -> Result<u64, StorageError> {
+        let started = std::time::Instant::now();
+        self.flush()?;
+        let ended = std::time::Instant::now();
+        if let Some(previous) = self.last_inline_end {
+            if started.duration_since(previous) < ended.duration_since(started) {
+                self.pressed += 1;
+            }
+        }
+        self.last_inline_end = Some(ended);
+        self.flushes += 1;
+        self.inner.flushed()
+    }
+}
+
+/// Where flushes run (`--background-flush`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlushMode {
+    /// On the flush thread while flushes follow each other closely, on the driver's otherwise.
+    Auto,
+    /// Always on the flush thread.
+    Always,
+    /// Always on the driver's thread.
+    Never,
+}
+
+impl std::str::FromStr for FlushMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(FlushMode::Auto),
+            "always" => Ok(FlushMode::Always),
+            "never" => Ok(FlushMode::Never),
+            other => Err(format!("is {other:?}; use auto, always or never")),
+        }
+    }
+}
+
+/// Fewer flushes than this in a tick (10 ms) never go to the flush thread.
+const MIN_FLUSHES_TO_OFFLOAD: u32 = 4;
 
 /// Where a driver turn's storage time went.
 #[derive(Clone, Copy, Debug, Default)]
@@ -257,10 +334,21 @@ impl<S: Storage> Storage for TimedStorage<S> {
             self.flush()?;
             return Ok(u64::MAX);
         }
+        if !self.offload {
+            return self.start_flush_inline();
+        }
+        self.last_inline_end = None;
+        self.flushes += 1;
+        if self.inner.flushed()? < self.last_ticket {
+            self.pressed += 1;
+        }
         super::probe::event("flush");
         let started = std::time::Instant::now();
         let result = self.inner.start_flush();
         self.spent.flush += started.elapsed();
+        if let Ok(ticket) = result {
+            self.last_ticket = ticket;
+        }
         result
     }
     fn flushed(&mut self) -> Result<u64, StorageError> {
@@ -413,7 +501,7 @@ impl Driver {
         };
         let flush_done = Arc::new(tokio::sync::Notify::new());
         let mut storage = storage;
-        let background = cfg.background_flush
+        let background = cfg.flush_mode != FlushMode::Never
             && {
                 let wake = flush_done.clone();
                 let fsync = metrics.fsync_duration_seconds.clone();
@@ -434,6 +522,12 @@ impl Driver {
             metrics: metrics.clone(),
             spent: StorageTime::default(),
             background,
+            adaptive: cfg.flush_mode == FlushMode::Auto,
+            offload: background && cfg.flush_mode == FlushMode::Always,
+            last_inline_end: None,
+            flushes: 0,
+            pressed: 0,
+            last_ticket: 0,
         };
         let mut core = NodeCore::new(raft, storage, sm, settings, 0);
         // The leader's appends and a follower's answers to them go through streams of their own
@@ -527,6 +621,7 @@ impl Driver {
                 }
                 _ = ticker.tick() => {
                     self.batch_started = std::time::Instant::now();
+                    self.core.storage_mut().choose_flush_thread();
                     let now = self.now();
                     self.poll_snapshot_job()
                         .and_then(|()| self.core.tick(now))
@@ -1105,5 +1200,62 @@ fn role_name(role: crate::raft::Role) -> &'static str {
         crate::raft::Role::PreCandidate => "precandidate",
         crate::raft::Role::Candidate => "candidate",
         crate::raft::Role::Leader => "leader",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn timed(background: bool) -> TimedStorage<crate::storage::MemStorage> {
+        TimedStorage {
+            inner: crate::storage::MemStorage::new(),
+            metrics: NodeMetrics::new(),
+            spent: StorageTime::default(),
+            background,
+            adaptive: true,
+            offload: false,
+            last_inline_end: None,
+            flushes: 0,
+            pressed: 0,
+            last_ticket: 0,
+        }
+    }
+
+    #[test]
+    fn flushes_move_to_the_flush_thread_under_pressure_and_back_when_it_ends() {
+        let mut s = timed(true);
+        // A tick with few flushes, or with flushes that had nothing waiting: the driver's thread.
+        (s.flushes, s.pressed) = (3, 3);
+        s.choose_flush_thread();
+        assert!(!s.offload);
+        (s.flushes, s.pressed) = (10, 5);
+        s.choose_flush_thread();
+        assert!(!s.offload);
+        // Most flushes of a tick had work waiting: the flush thread.
+        (s.flushes, s.pressed) = (10, 6);
+        s.choose_flush_thread();
+        assert!(s.offload);
+        assert_eq!((s.flushes, s.pressed), (0, 0));
+        // It stays there while a quarter of them overlap another, and leaves below that.
+        (s.flushes, s.pressed) = (8, 2);
+        s.choose_flush_thread();
+        assert!(s.offload);
+        (s.flushes, s.pressed) = (9, 2);
+        s.choose_flush_thread();
+        assert!(!s.offload);
+        // An idle tick brings it back at once.
+        s.offload = true;
+        s.choose_flush_thread();
+        assert!(!s.offload);
+    }
+
+    #[test]
+    fn without_background_flushes_every_flush_is_inline() {
+        let mut s = timed(false);
+        (s.flushes, s.pressed) = (100, 100);
+        s.choose_flush_thread();
+        assert!(!s.offload);
+        assert_eq!(s.start_flush().unwrap(), u64::MAX);
     }
 }

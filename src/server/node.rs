@@ -247,7 +247,7 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
             snapshot_bytes: cfg.snapshot_bytes,
             waiter_reclaim: cfg.waiter_reclaim,
             max_batch_inputs: 1024,
-            background_flush: cfg.background_flush,
+            flush_mode: cfg.background_flush.parse().map_err(NodeError::Config)?,
             limits: lock_limits(&cfg),
             watch: watch_hub.clone(),
         },
