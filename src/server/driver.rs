@@ -330,10 +330,6 @@ impl<S: Storage> Storage for TimedStorage<S> {
         self.inner.applied_index()
     }
     fn start_flush(&mut self) -> Result<u64, StorageError> {
-        if !self.background {
-            self.flush()?;
-            return Ok(u64::MAX);
-        }
         if !self.offload {
             return self.start_flush_inline();
         }

@@ -1,7 +1,7 @@
 //! Simulator tests: a healthy core passes, and each deliberately broken core is caught within a
 //! bounded number of seeds — proof that the checkers can fail.
 
-use super::{replay_command, run_seed, SimConfig};
+use super::{replay_command, run_seed, SimConfig, SimOutcome};
 use crate::raft::config::Bugs;
 
 use crate::node::NodeBugs;
@@ -117,20 +117,27 @@ fn assert_caught_with(
     }
 }
 
+/// Runs one seed that must pass; a violation fails the test with the command that replays it.
+fn run_clean(cfg: &SimConfig) -> SimOutcome {
+    let outcome = run_seed(cfg.clone());
+    if let Some((step, v)) = &outcome.violation {
+        panic!(
+            "seed {} step {step}: {} — {}\nreplay: {}",
+            cfg.seed,
+            v.invariant,
+            v.detail,
+            replay_command(cfg)
+        );
+    }
+    outcome
+}
+
 #[test]
 fn healthy_core_passes_with_every_fault() {
     for nodes in [1, 3, 5, 7] {
         for seed in 0..60 {
             let cfg = SimConfig::new(seed, nodes);
-            let outcome = run_seed(cfg.clone());
-            if let Some((step, v)) = outcome.violation {
-                panic!(
-                    "seed {seed} step {step}: {} — {}\nreplay: {}",
-                    v.invariant,
-                    v.detail,
-                    replay_command(&cfg)
-                );
-            }
+            let outcome = run_clean(&cfg);
             assert!(
                 outcome.stats.committed > 0,
                 "seed {seed}: nothing committed"
@@ -145,14 +152,7 @@ fn healthy_core_passes_with_frequent_crashes() {
         for seed in 0..200 {
             let mut cfg = SimConfig::new(seed, nodes);
             cfg.crash_intensity = 3;
-            if let Some((step, v)) = run_seed(cfg.clone()).violation {
-                panic!(
-                    "seed {seed} step {step}: {} — {}\nreplay: {}",
-                    v.invariant,
-                    v.detail,
-                    replay_command(&cfg)
-                );
-            }
+            run_clean(&cfg);
         }
     }
 }
@@ -168,15 +168,7 @@ fn healthy_core_passes_with_background_flushes() {
             let mut cfg = SimConfig::new(seed, nodes);
             cfg.crash_intensity = crash_intensity;
             cfg.background_flushes = true;
-            let outcome = run_seed(cfg.clone());
-            if let Some((step, v)) = outcome.violation {
-                panic!(
-                    "seed {seed} step {step}: {} — {}\nreplay: {}",
-                    v.invariant,
-                    v.detail,
-                    replay_command(&cfg)
-                );
-            }
+            let outcome = run_clean(&cfg);
             overlapped += outcome.stats.overlapped_readies;
         }
         // The schedule must really write Readies while earlier flushes are still running.
@@ -236,14 +228,7 @@ fn healthy_core_passes_targeted_schedules() {
         for seed in 0..100 {
             let mut cfg = SimConfig::new(seed, nodes);
             cfg.clients_first_on_resume = true;
-            if let Some((step, v)) = run_seed(cfg.clone()).violation {
-                panic!(
-                    "seed {seed} step {step}: {} — {}\nreplay: {}",
-                    v.invariant,
-                    v.detail,
-                    replay_command(&cfg)
-                );
-            }
+            run_clean(&cfg);
         }
     }
     // The Figure 8 schedule: every round's recounting leader crashes the moment it advances its
@@ -252,15 +237,7 @@ fn healthy_core_passes_targeted_schedules() {
     for seed in 0..100 {
         let mut cfg = SimConfig::new(seed, 5);
         cfg.figure8 = true;
-        let outcome = run_seed(cfg.clone());
-        if let Some((step, v)) = outcome.violation {
-            panic!(
-                "seed {seed} step {step}: {} — {}\nreplay: {}",
-                v.invariant,
-                v.detail,
-                replay_command(&cfg)
-            );
-        }
+        let outcome = run_clean(&cfg);
         if seed < 10 {
             let again = run_seed(cfg);
             assert_eq!(

@@ -123,6 +123,21 @@ impl Harness for SledHarness {
     }
 }
 
+/// A harness that is another one started differently: it only forwards.
+macro_rules! forwarding_harness {
+    ($name:ident: $store:ty) => {
+        impl Harness for $name {
+            type Store = $store;
+            fn store(&mut self) -> &mut $store {
+                self.0.store()
+            }
+            fn restart(&mut self) {
+                self.0.restart();
+            }
+        }
+    };
+}
+
 /// [`SledStorage`] with its Raft log in segment files ([`super::LogEngine::Segments`]), small
 /// ones so that the checks roll over to new segments and delete old ones.
 pub(crate) struct SegmentsHarness(pub(crate) SledHarness);
@@ -130,15 +145,22 @@ pub(crate) struct SegmentsHarness(pub(crate) SledHarness);
 /// Segment size in these tests: a few appends each.
 pub(crate) const TEST_SEGMENT_BYTES: u64 = 1024;
 
-impl Default for SegmentsHarness {
-    fn default() -> Self {
-        SegmentsHarness(SledHarness::with(SledOptions {
-            log_engine: super::LogEngine::Segments,
-            segment_bytes: TEST_SEGMENT_BYTES,
-            ..SledOptions::default()
-        }))
+/// The options of [`SegmentsHarness`].
+fn segments_options() -> SledOptions {
+    SledOptions {
+        log_engine: super::LogEngine::Segments,
+        segment_bytes: TEST_SEGMENT_BYTES,
+        ..SledOptions::default()
     }
 }
+
+impl Default for SegmentsHarness {
+    fn default() -> Self {
+        SegmentsHarness(SledHarness::with(segments_options()))
+    }
+}
+
+forwarding_harness!(SegmentsHarness: SledStorage);
 
 /// [`SledHarness`] flushing in the background.
 pub(crate) struct BackgroundSledHarness(SledHarness);
@@ -149,38 +171,18 @@ impl Default for BackgroundSledHarness {
     }
 }
 
-impl Harness for BackgroundSledHarness {
-    type Store = SledStorage;
-    fn store(&mut self) -> &mut SledStorage {
-        self.0.store()
-    }
-    fn restart(&mut self) {
-        self.0.restart();
-    }
-}
+forwarding_harness!(BackgroundSledHarness: SledStorage);
 
 /// [`SegmentsHarness`] flushing in the background.
 pub(crate) struct BackgroundSegmentsHarness(SledHarness);
 
 impl Default for BackgroundSegmentsHarness {
     fn default() -> Self {
-        BackgroundSegmentsHarness(SledHarness::in_background(SledOptions {
-            log_engine: super::LogEngine::Segments,
-            segment_bytes: TEST_SEGMENT_BYTES,
-            ..SledOptions::default()
-        }))
+        BackgroundSegmentsHarness(SledHarness::in_background(segments_options()))
     }
 }
 
-impl Harness for BackgroundSegmentsHarness {
-    type Store = SledStorage;
-    fn store(&mut self) -> &mut SledStorage {
-        self.0.store()
-    }
-    fn restart(&mut self) {
-        self.0.restart();
-    }
-}
+forwarding_harness!(BackgroundSegmentsHarness: SledStorage);
 
 /// [`MemHarness`] whose flushes complete in the background.
 pub(crate) struct BackgroundMemHarness(MemHarness);
@@ -193,25 +195,7 @@ impl Default for BackgroundMemHarness {
     }
 }
 
-impl Harness for BackgroundMemHarness {
-    type Store = MemStorage;
-    fn store(&mut self) -> &mut MemStorage {
-        self.0.store()
-    }
-    fn restart(&mut self) {
-        self.0.restart();
-    }
-}
-
-impl Harness for SegmentsHarness {
-    type Store = SledStorage;
-    fn store(&mut self) -> &mut SledStorage {
-        self.0.store()
-    }
-    fn restart(&mut self) {
-        self.0.restart();
-    }
-}
+forwarding_harness!(BackgroundMemHarness: MemStorage);
 
 /// Reopens a sled directory in this process. sled 0.34's background flusher can still hold the
 /// directory's file lock for a moment after the last handle is dropped, so "could not acquire

@@ -32,6 +32,7 @@ use std::fs::File;
 use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use super::codec::{decode_entry, push_run_entry, run_records, RUN_VERSION};
 use super::StorageError;
@@ -56,7 +57,8 @@ struct Loc {
 
 struct Segment {
     seq: u64,
-    file: File,
+    /// Shared with a sync running on another thread ([`SegmentLog::take_sync_job`]).
+    file: Arc<File>,
     /// The highest index of any entry (or reset point) written to this segment.
     max_index: Index,
 }
@@ -64,7 +66,7 @@ struct Segment {
 /// A sync of the log taken off its owner's thread ([`SegmentLog::take_sync_job`]).
 #[derive(Default)]
 pub(crate) struct SegmentSync {
-    file: Option<File>,
+    file: Option<Arc<File>>,
     dir: Option<PathBuf>,
 }
 
@@ -227,7 +229,7 @@ impl SegmentLog {
         preallocate(&file, SEGMENT_HEADER, self.segment_bytes);
         self.segments.push_back(Segment {
             seq,
-            file,
+            file: Arc::new(file),
             max_index: 0,
         });
         self.write_offset = SEGMENT_HEADER;
@@ -265,7 +267,7 @@ impl SegmentLog {
         }
         let mut segment = Segment {
             seq,
-            file,
+            file: Arc::new(file),
             max_index: 0,
         };
         let mut offset = SEGMENT_HEADER as usize;
@@ -538,41 +540,25 @@ impl SegmentLog {
     /// Makes everything written durable: the newest segment's data, and the directory when a
     /// segment was created.
     pub(crate) fn sync(&mut self) -> Result<(), StorageError> {
-        if self.unsynced {
-            if let Some(segment) = self.segments.back() {
-                segment.file.sync_data().map_err(io("syncing the log"))?;
-            }
-            self.unsynced = false;
-        }
-        if self.dir_unsynced {
-            sync_dir(&self.dir)?;
-            self.dir_unsynced = false;
-        }
-        Ok(())
+        self.take_sync_job().run()
     }
 
     /// What [`SegmentLog::sync`] would do, handed to another thread: a handle of the newest
     /// segment when it holds unsynced data, and the directory when a segment was created or
     /// removed. The log counts as synced from here on; the caller must not take what was
     /// written as durable before the returned job has run.
-    pub(crate) fn take_sync_job(&mut self) -> Result<SegmentSync, StorageError> {
+    pub(crate) fn take_sync_job(&mut self) -> SegmentSync {
         let mut job = SegmentSync::default();
-        if self.unsynced {
-            if let Some(segment) = self.segments.back() {
-                job.file = Some(
-                    segment
-                        .file
-                        .try_clone()
-                        .map_err(io("opening the log for a background sync"))?,
-                );
-            }
-            self.unsynced = false;
+        if std::mem::take(&mut self.unsynced) {
+            job.file = self
+                .segments
+                .back()
+                .map(|segment| Arc::clone(&segment.file));
         }
-        if self.dir_unsynced {
+        if std::mem::take(&mut self.dir_unsynced) {
             job.dir = Some(self.dir.clone());
-            self.dir_unsynced = false;
         }
-        Ok(job)
+        job
     }
 
     /// Deletes the oldest segments, except the newest, while every entry in them is at or

@@ -28,7 +28,7 @@ use super::codec::{
     run_last_index, run_records, state_key_name,
 };
 use super::flusher::{FlushJob, FlushObserver, FlushWaker, Flusher};
-use super::segment_log::{SegmentLog, SegmentSync};
+use super::segment_log::SegmentLog;
 use super::{
     check_append, check_recovered, encode_snapshot_stream, membership_after, snapshot_pairs,
     KvChange, KvPair, PairsConvert, RecoveredState, SnapshotJob, SnapshotPairs, Storage,
@@ -1409,31 +1409,27 @@ impl Storage for SledStorage {
     /// flush, then the log's segment is `fdatasync`ed, and segments wholly at or below the
     /// durable snapshot point are deleted.
     fn start_flush(&mut self) -> Result<u64, StorageError> {
-        let Some(flusher) = self.flusher.as_ref() else {
+        if self.flusher.is_none() || self.hard_state_unsynced {
+            // Without a flush thread, or for a changed term or vote, which must be durable
+            // before any later log append (see `append`) and is rare: flushed here, after the
+            // flushes in flight (`flush` waits for them), so every ticket handed out is done.
             self.flush()?;
-            return Ok(u64::MAX);
-        };
-        if self.hard_state_unsynced {
-            // A changed term or vote must be durable before any later log append (see
-            // `append`), and it is rare: flushed here, after the flushes in flight.
-            flusher.wait()?;
-            let ticket = flusher.last_ticket();
-            self.flush()?;
-            return Ok(ticket);
+            return Ok(self.flusher.as_ref().map_or(u64::MAX, Flusher::last_ticket));
         }
         self.blobs.sync_new()?;
         let sled = (self.segments.is_none() || self.sled_unsynced)
             .then(|| (self.db.clone(), std::sync::Arc::clone(&self.db_file)));
         let point = sled.as_ref().map(|_| self.snapshot_meta.index);
         self.sled_unsynced = false;
-        let log = match self.segments.as_mut() {
-            Some(segments) => segments.take_sync_job()?,
-            None => SegmentSync::default(),
-        };
-        let Some(flusher) = self.flusher.as_mut() else {
-            return Err(StorageError::Stopped);
-        };
-        flusher.submit(FlushJob { sled, point, log })
+        let log = self
+            .segments
+            .as_mut()
+            .map(SegmentLog::take_sync_job)
+            .unwrap_or_default();
+        self.flusher
+            .as_mut()
+            .ok_or(StorageError::Stopped)?
+            .submit(FlushJob { sled, point, log })
     }
 
     fn flushed(&mut self) -> Result<u64, StorageError> {
