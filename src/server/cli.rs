@@ -172,6 +172,9 @@ struct Args {
     /// Answers wait for the sync that covers them in every mode. Default auto
     #[arg(long)]
     background_flush: Option<String>,
+    /// Worker threads of the runtime that serves clients; 0 for one per CPU. Default 0
+    #[arg(long)]
+    io_threads: Option<usize>,
     /// Log format: text or json. Default text (filter with RUST_LOG)
     #[arg(long)]
     log_format: Option<String>,
@@ -227,6 +230,7 @@ impl Args {
             storage_cache_mb,
             raft_log_engine,
             background_flush,
+            io_threads,
             log_format
         );
         if let Some(dir) = &self.data_dir {
@@ -256,10 +260,11 @@ where
             return ExitCode::from(2);
         }
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if cfg.io_threads > 0 {
+        builder.worker_threads(cfg.io_threads);
+    }
+    let runtime = match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(err) => {
             eprintln!("lock-node: cannot start the runtime: {err}");

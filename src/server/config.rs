@@ -123,6 +123,10 @@ pub struct NodeConfig {
     /// `always` (on their own thread) or `never` (on the driver's thread). Answers wait for the
     /// flush that covers them in every mode.
     pub background_flush: String,
+    /// Worker threads of the runtime that serves clients (WebSocket, gRPC, HTTP); 0 for one
+    /// per CPU. The Raft driver, the peer streams and the flush thread have threads of their
+    /// own besides.
+    pub io_threads: usize,
     /// `text` or `json`.
     pub log_format: String,
 }
@@ -154,6 +158,7 @@ pub const DEFAULTS: &[(&str, &str)] = &[
     ("storage_cache_mb", "64"),
     ("raft_log_engine", "sled"),
     ("background_flush", "auto"),
+    ("io_threads", "0"),
     ("log_format", "text"),
 ];
 
@@ -264,6 +269,12 @@ impl NodeConfig {
         }
         if let Err(problem) = self.background_flush.parse::<super::driver::FlushMode>() {
             return invalid("background_flush", &problem);
+        }
+        if self.io_threads > 1024 {
+            return invalid(
+                "io_threads",
+                "must be at most 1024 (0 for one worker thread per CPU)",
+            );
         }
         if self.session_idle < Duration::from_secs(1) || self.max_sessions == 0 {
             return invalid(
@@ -466,6 +477,19 @@ mod tests {
             err.contains("raft_log_engine") && err.contains("rocksdb"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn io_threads_defaults_to_one_per_cpu_and_is_bounded() {
+        let base = || vec![("node_id", "1".to_string()), ("insecure", "true".into())];
+        assert_eq!(NodeConfig::load(None, &base()).unwrap().io_threads, 0);
+        let mut args = base();
+        args.push(("io_threads", "3".into()));
+        assert_eq!(NodeConfig::load(None, &args).unwrap().io_threads, 3);
+        let mut args = base();
+        args.push(("io_threads", "5000".into()));
+        let err = NodeConfig::load(None, &args).unwrap_err().to_string();
+        assert!(err.contains("io_threads"), "{err}");
     }
 
     #[test]

@@ -166,6 +166,8 @@ pub struct TimedStorage<S> {
     /// the flush thread, a flush started while another was still running.
     flushes: u32,
     pressed: u32,
+    /// The moving average of the share of flushes that had work waiting, in thousandths.
+    pressure: u32,
     /// The newest flush handed to the flush thread.
     last_ticket: u64,
 }
@@ -174,8 +176,12 @@ impl<S: Storage> TimedStorage<S> {
     /// Called every tick: where the next flushes run. A flush on the flush thread costs two
     /// thread wake-ups (it, then the driver), which pays off only when the driver has other
     /// work meanwhile — under load, when flushes follow each other closely — and is pure delay
-    /// for one client at a time. So flushes move to the flush thread when most of a tick's
-    /// flushes had work waiting, and back when few did.
+    /// for one client at a time. Each tick's share of flushes that had work waiting (none for
+    /// a tick with fewer than [`MIN_FLUSHES_TO_OFFLOAD`]) goes into a moving average over about
+    /// eight ticks; flushes move to the flush thread when it passes one half and back when it
+    /// falls below one quarter. One tick's share alone swings across both bounds from tick to
+    /// tick at every load, and switching on it moved flushes back and forth up to 50 times a
+    /// second (`raftlock_flush_thread_switches_total`).
     fn choose_flush_thread(&mut self) {
         if !self.background || !self.adaptive {
             return;
@@ -183,12 +189,21 @@ impl<S: Storage> TimedStorage<S> {
         let (flushes, pressed) = (self.flushes, self.pressed);
         self.flushes = 0;
         self.pressed = 0;
-        if flushes < MIN_FLUSHES_TO_OFFLOAD {
-            self.offload = false;
-        } else if self.offload {
-            self.offload = pressed * 4 >= flushes;
+        let share = if flushes < MIN_FLUSHES_TO_OFFLOAD {
+            0
         } else {
-            self.offload = pressed * 2 > flushes;
+            pressed.min(flushes) * PRESSURE_SCALE / flushes
+        };
+        self.pressure = (self.pressure * (PRESSURE_TICKS - 1) + share) / PRESSURE_TICKS;
+        let offload = if self.offload {
+            self.pressure * 4 >= PRESSURE_SCALE
+        } else {
+            self.pressure * 2 > PRESSURE_SCALE
+        };
+        if offload != self.offload {
+            self.offload = offload;
+            self.metrics.flush_thread_active.set(i64::from(offload));
+            self.metrics.flush_thread_switches_total.inc();
         }
     }
 
@@ -230,8 +245,11 @@ impl std::str::FromStr for FlushMode {
     }
 }
 
-/// Fewer flushes than this in a tick (10 ms) never go to the flush thread.
+/// A tick (10 ms) with fewer flushes than this counts as one with none waiting.
 const MIN_FLUSHES_TO_OFFLOAD: u32 = 4;
+/// `TimedStorage::pressure` is in thousandths, averaged over about this many ticks.
+const PRESSURE_SCALE: u32 = 1000;
+const PRESSURE_TICKS: u32 = 8;
 
 /// Where a driver turn's storage time went.
 #[derive(Clone, Copy, Debug, Default)]
@@ -523,8 +541,10 @@ impl Driver {
             last_inline_end: None,
             flushes: 0,
             pressed: 0,
+            pressure: 0,
             last_ticket: 0,
         };
+        metrics.flush_thread_active.set(i64::from(storage.offload));
         let mut core = NodeCore::new(raft, storage, sm, settings, 0);
         // The leader's appends and a follower's answers to them go through streams of their own
         // that run on the driver's runtime (one more connection per pair of nodes): this thread
@@ -1214,35 +1234,70 @@ mod tests {
             last_inline_end: None,
             flushes: 0,
             pressed: 0,
+            pressure: 0,
             last_ticket: 0,
+        }
+    }
+
+    /// Runs `ticks` ticks, each with `flushes` flushes of which `pressed` had work waiting.
+    fn ticks(
+        s: &mut TimedStorage<crate::storage::MemStorage>,
+        n: usize,
+        flushes: u32,
+        pressed: u32,
+    ) {
+        for _ in 0..n {
+            (s.flushes, s.pressed) = (flushes, pressed);
+            s.choose_flush_thread();
+            assert_eq!((s.flushes, s.pressed), (0, 0));
         }
     }
 
     #[test]
     fn flushes_move_to_the_flush_thread_under_pressure_and_back_when_it_ends() {
         let mut s = timed(true);
-        // A tick with few flushes, or with flushes that had nothing waiting: the driver's thread.
-        (s.flushes, s.pressed) = (3, 3);
-        s.choose_flush_thread();
+        // Ticks with few flushes, or with flushes that had nothing waiting: the driver's thread.
+        ticks(&mut s, 50, 3, 3);
         assert!(!s.offload);
-        (s.flushes, s.pressed) = (10, 5);
-        s.choose_flush_thread();
+        ticks(&mut s, 50, 10, 4);
         assert!(!s.offload);
-        // Most flushes of a tick had work waiting: the flush thread.
-        (s.flushes, s.pressed) = (10, 6);
-        s.choose_flush_thread();
+        // One tick where most flushes had work waiting is not enough.
+        ticks(&mut s, 1, 10, 10);
+        assert!(!s.offload);
+        assert_eq!(s.metrics.flush_thread_switches_total.get(), 0);
+        // Several are: the flush thread.
+        ticks(&mut s, 10, 10, 8);
         assert!(s.offload);
-        assert_eq!((s.flushes, s.pressed), (0, 0));
-        // It stays there while a quarter of them overlap another, and leaves below that.
-        (s.flushes, s.pressed) = (8, 2);
-        s.choose_flush_thread();
+        assert_eq!(s.metrics.flush_thread_active.get(), 1);
+        assert_eq!(s.metrics.flush_thread_switches_total.get(), 1);
+        // It stays there while about a quarter of them overlap another, and through a tick or
+        // two with none.
+        ticks(&mut s, 50, 8, 3);
+        ticks(&mut s, 2, 0, 0);
         assert!(s.offload);
-        (s.flushes, s.pressed) = (9, 2);
-        s.choose_flush_thread();
+        // Ticks that alternate between 60% and none waiting (each one alone across both
+        // bounds) average out at 30%: no switch back and forth.
+        for _ in 0..50 {
+            ticks(&mut s, 1, 10, 6);
+            ticks(&mut s, 1, 10, 0);
+            assert!(s.offload);
+        }
+        assert_eq!(s.metrics.flush_thread_switches_total.get(), 1);
+        // Below a quarter for a while: back to the driver's thread.
+        ticks(&mut s, 20, 10, 1);
         assert!(!s.offload);
-        // An idle tick brings it back at once.
-        s.offload = true;
-        s.choose_flush_thread();
+        assert_eq!(s.metrics.flush_thread_active.get(), 0);
+        assert_eq!(s.metrics.flush_thread_switches_total.get(), 2);
+        // Nor between 80% and none (40%) on the driver's thread.
+        for _ in 0..50 {
+            ticks(&mut s, 1, 10, 8);
+            ticks(&mut s, 1, 10, 0);
+            assert!(!s.offload);
+        }
+        // An idle stretch after load brings it back within about a tenth of a second.
+        ticks(&mut s, 20, 10, 10);
+        assert!(s.offload);
+        ticks(&mut s, 12, 0, 0);
         assert!(!s.offload);
     }
 

@@ -26,6 +26,8 @@ pub struct NodeMetrics {
     pub proposals_failed_total: IntCounter,
     pub proposals_pending: IntGauge,
     pub fsync_duration_seconds: Histogram,
+    pub flush_thread_active: IntGauge,
+    pub flush_thread_switches_total: IntCounter,
     pub commit_duration_seconds: Histogram,
     pub state_write_duration_seconds: Histogram,
     pub snapshot_duration_seconds: Histogram,
@@ -148,6 +150,14 @@ impl NodeMetrics {
                 "raftlock_fsync_duration_seconds",
                 "Duration of one storage flush (covers a whole Raft Ready).",
                 LATENCY_BUCKETS
+            )),
+            flush_thread_active: reg!(gauge(
+                "raftlock_flush_thread_active",
+                "1 while this node's flushes run on its flush thread (--background-flush), 0 while they run on the driver's thread."
+            )),
+            flush_thread_switches_total: reg!(counter(
+                "raftlock_flush_thread_switches_total",
+                "Times --background-flush auto moved flushes to the flush thread or back."
             )),
             commit_duration_seconds: reg!(hist(
                 "raftlock_commit_duration_seconds",
@@ -310,6 +320,8 @@ mod tests {
             "raftlock_is_leader",
             "raftlock_leader_changes_total",
             "raftlock_fsync_duration_seconds_bucket",
+            "raftlock_flush_thread_active 0",
+            "raftlock_flush_thread_switches_total 0",
             "raftlock_lock_wait_seconds_bucket",
             "raftlock_requests_total{op=\"acquire\",result=\"granted\"} 1",
             "raftlock_replication_lag_entries{peer=\"2\"} 5",
