@@ -147,6 +147,12 @@ def dashboard():
         series("Peer messages dropped",
                [(f"sum by (peer) (rate(raftlock_peer_messages_dropped_total{{{SEL}}}[$__rate_interval]))",
                  "to node {{peer}}")]),
+        series("Flushes on the flush thread",
+               [(f"max by (instance) (raftlock_flush_thread_active{{{SEL}}})", "on {{instance}}"),
+                (f"sum by (instance) (increase(raftlock_flush_thread_switches_total{{{SEL}}}[$__rate_interval]))",
+                 "switches {{instance}}")],
+               description="1 while a node's flushes run on its flush thread (--background-flush; "
+                           "auto uses it while the node is busy), and how often auto switched."),
     )
     L.row("Locks")
     L.line(
