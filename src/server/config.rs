@@ -441,16 +441,18 @@ mod tests {
         );
     }
 
+    /// Node 1 without TLS, with the defaults and `settings` on top.
+    fn load_with(settings: &[(&'static str, &str)]) -> Result<NodeConfig, ConfigError> {
+        let mut args = vec![("node_id", "1".to_string()), ("insecure", "true".into())];
+        args.extend(settings.iter().map(|&(k, v)| (k, v.to_string())));
+        NodeConfig::load(None, &args)
+    }
+
     #[test]
     fn the_answer_bound_is_positive_and_reaches_the_lock_limits() {
-        let base = || vec![("node_id", "1".to_string()), ("insecure", "true".into())];
-        let mut zero = base();
-        zero.push(("max_answers", "0".into()));
-        let err = NodeConfig::load(None, &zero).unwrap_err();
+        let err = load_with(&[("max_answers", "0")]).unwrap_err();
         assert!(err.to_string().contains("max_answers"), "{err}");
-        let mut more = base();
-        more.push(("max_answers", "2000000".into()));
-        let cfg = NodeConfig::load(None, &more).unwrap();
+        let cfg = load_with(&[("max_answers", "2000000")]).unwrap();
         assert_eq!(
             crate::server::node::lock_limits(&cfg).dedupe_entries_max,
             2_000_000
@@ -459,20 +461,12 @@ mod tests {
 
     #[test]
     fn the_raft_log_engine_defaults_to_sled_and_takes_segments() {
-        let base = || vec![("node_id", "1".to_string()), ("insecure", "true".into())];
-        assert_eq!(
-            NodeConfig::load(None, &base()).unwrap().raft_log_engine,
-            "sled"
-        );
-        let mut args = base();
-        args.push(("raft_log_engine", "segments".into()));
-        assert_eq!(
-            NodeConfig::load(None, &args).unwrap().raft_log_engine,
-            "segments"
-        );
-        let mut args = base();
-        args.push(("raft_log_engine", "rocksdb".into()));
-        let err = NodeConfig::load(None, &args).unwrap_err().to_string();
+        assert_eq!(load_with(&[]).unwrap().raft_log_engine, "sled");
+        let engine = load_with(&[("raft_log_engine", "segments")]).unwrap();
+        assert_eq!(engine.raft_log_engine, "segments");
+        let err = load_with(&[("raft_log_engine", "rocksdb")])
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("raft_log_engine") && err.contains("rocksdb"),
             "{err}"
@@ -481,35 +475,24 @@ mod tests {
 
     #[test]
     fn io_threads_defaults_to_one_per_cpu_and_is_bounded() {
-        let base = || vec![("node_id", "1".to_string()), ("insecure", "true".into())];
-        assert_eq!(NodeConfig::load(None, &base()).unwrap().io_threads, 0);
-        let mut args = base();
-        args.push(("io_threads", "3".into()));
-        assert_eq!(NodeConfig::load(None, &args).unwrap().io_threads, 3);
-        let mut args = base();
-        args.push(("io_threads", "5000".into()));
-        let err = NodeConfig::load(None, &args).unwrap_err().to_string();
+        assert_eq!(load_with(&[]).unwrap().io_threads, 0);
+        assert_eq!(load_with(&[("io_threads", "3")]).unwrap().io_threads, 3);
+        let err = load_with(&[("io_threads", "5000")])
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("io_threads"), "{err}");
     }
 
     #[test]
     fn background_flush_defaults_to_auto_and_takes_always_or_never() {
-        let base = || vec![("node_id", "1".to_string()), ("insecure", "true".into())];
-        assert_eq!(
-            NodeConfig::load(None, &base()).unwrap().background_flush,
-            "auto"
-        );
+        assert_eq!(load_with(&[]).unwrap().background_flush, "auto");
         for mode in ["always", "never"] {
-            let mut args = base();
-            args.push(("background_flush", mode.into()));
-            assert_eq!(
-                NodeConfig::load(None, &args).unwrap().background_flush,
-                mode
-            );
+            let cfg = load_with(&[("background_flush", mode)]).unwrap();
+            assert_eq!(cfg.background_flush, mode);
         }
-        let mut args = base();
-        args.push(("background_flush", "sometimes".into()));
-        let err = NodeConfig::load(None, &args).unwrap_err().to_string();
+        let err = load_with(&[("background_flush", "sometimes")])
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("background_flush") && err.contains("sometimes"),
             "{err}"
@@ -518,23 +501,13 @@ mod tests {
 
     #[test]
     fn the_storage_cache_defaults_to_64_mib_and_is_bounded() {
-        let base = || vec![("node_id", "1".to_string()), ("insecure", "true".into())];
-        assert_eq!(
-            NodeConfig::load(None, &base()).unwrap().storage_cache_mb,
-            64
-        );
+        assert_eq!(load_with(&[]).unwrap().storage_cache_mb, 64);
         for bad in ["0", "1048577", "lots"] {
-            let mut args = base();
-            args.push(("storage_cache_mb", bad.into()));
-            let err = NodeConfig::load(None, &args).unwrap_err();
+            let err = load_with(&[("storage_cache_mb", bad)]).unwrap_err();
             assert!(err.to_string().contains("storage_cache_mb"), "{bad}: {err}");
         }
-        let mut args = base();
-        args.push(("storage_cache_mb", "1024".into()));
-        assert_eq!(
-            NodeConfig::load(None, &args).unwrap().storage_cache_mb,
-            1024
-        );
+        let cfg = load_with(&[("storage_cache_mb", "1024")]).unwrap();
+        assert_eq!(cfg.storage_cache_mb, 1024);
     }
 
     #[test]

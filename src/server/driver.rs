@@ -173,6 +173,26 @@ pub struct TimedStorage<S> {
 }
 
 impl<S: Storage> TimedStorage<S> {
+    /// `background`: the storage has a flush thread running. `mode` says how it is used; the
+    /// flush-thread gauge starts at where the first flushes will run.
+    fn new(inner: S, metrics: NodeMetrics, background: bool, mode: FlushMode) -> Self {
+        let offload = background && mode == FlushMode::Always;
+        metrics.flush_thread_active.set(i64::from(offload));
+        TimedStorage {
+            inner,
+            metrics,
+            spent: StorageTime::default(),
+            background,
+            adaptive: mode == FlushMode::Auto,
+            offload,
+            last_inline_end: None,
+            flushes: 0,
+            pressed: 0,
+            pressure: 0,
+            last_ticket: 0,
+        }
+    }
+
     /// Called every tick: where the next flushes run. A flush on the flush thread costs two
     /// thread wake-ups (it, then the driver), which pays off only when the driver has other
     /// work meanwhile — under load, when flushes follow each other closely — and is pure delay
@@ -192,7 +212,7 @@ impl<S: Storage> TimedStorage<S> {
         let share = if flushes < MIN_FLUSHES_TO_OFFLOAD {
             0
         } else {
-            pressed.min(flushes) * PRESSURE_SCALE / flushes
+            pressed * PRESSURE_SCALE / flushes
         };
         self.pressure = (self.pressure * (PRESSURE_TICKS - 1) + share) / PRESSURE_TICKS;
         let offload = if self.offload {
@@ -531,20 +551,7 @@ impl Driver {
                 }
                 started.is_ok()
             };
-        let storage = TimedStorage {
-            inner: storage,
-            metrics: metrics.clone(),
-            spent: StorageTime::default(),
-            background,
-            adaptive: cfg.flush_mode == FlushMode::Auto,
-            offload: background && cfg.flush_mode == FlushMode::Always,
-            last_inline_end: None,
-            flushes: 0,
-            pressed: 0,
-            pressure: 0,
-            last_ticket: 0,
-        };
-        metrics.flush_thread_active.set(i64::from(storage.offload));
+        let storage = TimedStorage::new(storage, metrics.clone(), background, cfg.flush_mode);
         let mut core = NodeCore::new(raft, storage, sm, settings, 0);
         // The leader's appends and a follower's answers to them go through streams of their own
         // that run on the driver's runtime (one more connection per pair of nodes): this thread
@@ -1224,19 +1231,12 @@ mod tests {
     use super::*;
 
     fn timed(background: bool) -> TimedStorage<crate::storage::MemStorage> {
-        TimedStorage {
-            inner: crate::storage::MemStorage::new(),
-            metrics: NodeMetrics::new(),
-            spent: StorageTime::default(),
+        TimedStorage::new(
+            crate::storage::MemStorage::new(),
+            NodeMetrics::new(),
             background,
-            adaptive: true,
-            offload: false,
-            last_inline_end: None,
-            flushes: 0,
-            pressed: 0,
-            pressure: 0,
-            last_ticket: 0,
-        }
+            FlushMode::Auto,
+        )
     }
 
     /// Runs `ticks` ticks, each with `flushes` flushes of which `pressed` had work waiting.
