@@ -200,16 +200,100 @@ impl<'de> Deserialize<'de> for Waiters {
 #[derive(Clone, Debug, Default)]
 struct Session {
     records: BTreeSet<u64>,
-    /// (hash of the request id, record number): the exactly-once lookup, which compares the
-    /// request ids of the records under a hash. Kept per client in ordered sets rather than in
-    /// one hash table of every record, whose resize (rehashing hundreds of thousands of keys at
-    /// once, on every node at the same applied index) stalled all clients for tens of
-    /// milliseconds each time the table doubled; and hashes rather than the ids themselves,
-    /// which made each remembered answer hold its request id twice (16 bytes a slot here
-    /// against 32 and a heap copy).
-    by_request: BTreeSet<(u64, u64)>,
+    /// The exactly-once lookup: record numbers by the hash of their request id.
+    by_request: RequestIndex,
     /// How many of them answer an acquire that is still queued.
     queued: usize,
+}
+
+/// One session's record numbers by the hash of their request id, which the lookup then checks
+/// against the records' ids. Kept per client rather than in one table of every record, whose
+/// resize (rehashing hundreds of thousands of keys at once, on every node at the same applied
+/// index) stalled all clients for tens of milliseconds each time it doubled; by hashes rather
+/// than by the ids themselves, which made each remembered answer hold its request id twice.
+///
+/// A hash table of `u64` to `u64` (16 bytes a slot): the lookup is one probe where the ordered
+/// set it replaced walked four or five tree nodes of a large session, each a likely cache miss
+/// (`perf record` at 32 clients put that walk at about 6% of the leader's driver thread). The
+/// table holds the newest record of each hash; the others of the same hash, which only a
+/// collision of two ids (or a damaged state holding one id twice) gives, wait in `older`.
+#[derive(Clone, Debug, Default)]
+struct RequestIndex {
+    newest: std::collections::HashMap<u64, u64, std::hash::BuildHasherDefault<HashIsKey>>,
+    older: BTreeSet<(u64, u64)>,
+}
+
+impl RequestIndex {
+    fn insert(&mut self, hash: u64, n: u64) {
+        match self.newest.entry(hash) {
+            std::collections::hash_map::Entry::Vacant(slot) => {
+                slot.insert(n);
+            }
+            std::collections::hash_map::Entry::Occupied(mut slot) => {
+                let kept = *slot.get();
+                if n > kept {
+                    slot.insert(n);
+                    self.older.insert((hash, kept));
+                } else if n < kept {
+                    self.older.insert((hash, n));
+                }
+            }
+        }
+    }
+
+    fn remove(&mut self, hash: u64, n: u64) {
+        if self.newest.get(&hash) != Some(&n) {
+            self.older.remove(&(hash, n));
+            return;
+        }
+        match self
+            .older
+            .range((hash, 0)..=(hash, u64::MAX))
+            .next_back()
+            .copied()
+        {
+            Some(next) => {
+                self.older.remove(&next);
+                self.newest.insert(hash, next.1);
+            }
+            None => {
+                self.newest.remove(&hash);
+            }
+        }
+    }
+
+    /// The record numbers filed under `hash`, newest first.
+    fn under(&self, hash: u64) -> impl Iterator<Item = u64> + '_ {
+        let newest = self.newest.get(&hash).copied();
+        let older = newest.into_iter().flat_map(move |_| {
+            self.older
+                .range((hash, 0)..=(hash, u64::MAX))
+                .rev()
+                .map(|&(_, n)| n)
+        });
+        newest.into_iter().chain(older)
+    }
+}
+
+/// The hasher of [`RequestIndex`]: its keys are already hashes, spread over all 64 bits.
+#[derive(Default)]
+struct HashIsKey(u64);
+
+impl Hasher for HashIsKey {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // Only `write_u64` is used; anything else still hashes its bytes deterministically.
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
 }
 
 /// The lookup hash of a request id (in memory only, never stored or sent: any hash would do).
@@ -1267,9 +1351,7 @@ impl LockStateMachine {
         self.sessions
             .get(client_id)?
             .by_request
-            .range((hash, 0)..=(hash, u64::MAX))
-            .rev()
-            .map(|&(_, n)| n)
+            .under(hash)
             .find(|n| {
                 self.dedupe
                     .get(n)
@@ -1291,9 +1373,7 @@ impl LockStateMachine {
             Entry::Vacant(new) => new.insert(Session::default()),
         };
         session.records.insert(n);
-        session
-            .by_request
-            .insert((request_hash(rec.request_id()), n));
+        session.by_request.insert(request_hash(rec.request_id()), n);
         session.queued += usize::from(rec.is_queued());
     }
 
@@ -1313,9 +1393,7 @@ impl LockStateMachine {
         self.dirty_blocks.insert(n / DEDUPE_BLOCK);
         if let Some(session) = self.sessions.get_mut(&rec.client_id) {
             session.records.remove(&n);
-            session
-                .by_request
-                .remove(&(request_hash(rec.request_id()), n));
+            session.by_request.remove(request_hash(rec.request_id()), n);
             if rec.is_queued() {
                 session.queued = session.queued.saturating_sub(1);
             }
@@ -2082,6 +2160,43 @@ mod dedupe_storage_tests {
         }
     }
 
+    /// The hash index answers as the ordered set of (hash, number) it replaced: the same
+    /// numbers under each hash, newest first, through inserts in any order and removals, with
+    /// hashes chosen from a handful so that they collide often.
+    #[test]
+    fn request_index_lists_what_an_ordered_set_would() {
+        let mut index = RequestIndex::default();
+        let mut model: BTreeSet<(u64, u64)> = BTreeSet::new();
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = move || {
+            x = x
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            x >> 33
+        };
+        for step in 0..20_000u64 {
+            let hash = next() % 5;
+            let n = next() % 64;
+            if next() % 3 == 0 {
+                index.remove(hash, n);
+                model.remove(&(hash, n));
+            } else if !model.contains(&(hash, n)) {
+                index.insert(hash, n);
+                model.insert((hash, n));
+            }
+            for h in 0..5 {
+                let want: Vec<u64> = model
+                    .range((h, 0)..=(h, u64::MAX))
+                    .rev()
+                    .map(|&(_, n)| n)
+                    .collect();
+                let got: Vec<u64> = index.under(h).collect();
+                assert_eq!(got, want, "hash {h} after step {step}");
+            }
+        }
+        assert!(index.newest.len() <= 5);
+    }
+
     #[test]
     fn request_ids_under_one_hash_are_told_apart() {
         let (mut sm, _, _) = busy(4);
@@ -2090,7 +2205,7 @@ mod dedupe_storage_tests {
         assert_ne!(a0, a1);
         // File a1's record under a0's hash as well, as if the two ids hashed alike.
         let session = sm.sessions.get_mut("c").expect("session c");
-        session.by_request.insert((request_hash("a0"), a1));
+        session.by_request.insert(request_hash("a0"), a1);
         assert_eq!(sm.record_number("c", "a0"), Some(a0));
         assert_eq!(sm.record_number("c", "a1"), Some(a1));
         assert_eq!(sm.record_number("c", "a9"), None);
