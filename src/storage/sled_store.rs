@@ -121,11 +121,15 @@ pub struct SledStorage {
 ///
 /// Each [`Storage::flush`] therefore first syncs every blob file it has not synced yet (and the
 /// directory, so their names survive), before sled's log, which points at them, is flushed.
-/// Finding new files costs one `stat` of the directory per flush: the directory is only listed
+/// Finding new files costs one `fstat` of the directory per flush: the directory is only listed
 /// when its modification time moved, or is recent enough that a file created within the same
-/// clock tick as the last listing could share it.
+/// clock tick as the last listing could share it. The directory stays open for that (sled
+/// creates it when the store opens and never removes it): a `stat` by path walked the path on
+/// every flush, about 1.6% of a follower's driver thread at 32 clients (`perf record`).
 struct BlobSync {
     dir: std::path::PathBuf,
+    /// The directory, open, once it exists.
+    handle: Option<std::fs::File>,
     /// The directory's modification time at the last listing.
     listed_mtime: Option<std::time::SystemTime>,
     /// Names of the blob files synced so far that were still there at the last listing.
@@ -141,6 +145,7 @@ impl BlobSync {
     fn new(store_dir: &Path) -> Self {
         BlobSync {
             dir: store_dir.join("blobs"),
+            handle: None,
             listed_mtime: None,
             synced: Default::default(),
             synced_total: 0,
@@ -150,13 +155,20 @@ impl BlobSync {
     /// Syncs the blob files not synced yet, and then the directory if there were any.
     fn sync_new(&mut self) -> Result<(), StorageError> {
         let io = |action: &'static str| move |source| StorageError::Io { action, source };
-        let mtime = match std::fs::metadata(&self.dir) {
-            Ok(meta) => meta
-                .modified()
-                .map_err(io("reading the blob directory's time"))?,
-            Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-            Err(err) => return Err(io("reading the blob directory's time")(err)),
+        if self.handle.is_none() {
+            match std::fs::File::open(&self.dir) {
+                Ok(dir) => self.handle = Some(dir),
+                Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+                Err(err) => return Err(io("opening the blob directory")(err)),
+            }
+        }
+        let Some(dir) = self.handle.as_ref() else {
+            return Ok(());
         };
+        let mtime = dir
+            .metadata()
+            .and_then(|meta| meta.modified())
+            .map_err(io("reading the blob directory's time"))?;
         let recent = std::time::SystemTime::now()
             .duration_since(mtime)
             .map_or(true, |age| age < Self::RECENT);
