@@ -570,6 +570,9 @@ pub struct LockStateMachine {
     waiters: usize,
     /// State keys changed since the last `take_changes`, besides the meta keys of `dirty_meta`.
     dirty: BTreeSet<String>,
+    /// Reused to build a key for `dirty` before it is known to be new (not state: empty or
+    /// the last key built).
+    dirty_scratch: String,
     /// The meta keys changed since the last `take_changes` (`DIRTY_META_KEYS`).
     dirty_meta: u8,
     /// Dedupe blocks changed since the last `take_changes`.
@@ -1272,7 +1275,7 @@ impl LockStateMachine {
             return Outcome::rejected(RejectCode::LimitReached, "too many data keys");
         }
         self.data.insert(key.to_string(), value.to_vec());
-        self.dirty.insert(format!("{DATA_PREFIX}{key}"));
+        self.mark_dirty(DATA_PREFIX, key);
         Outcome::Stored
     }
 
@@ -1282,7 +1285,7 @@ impl LockStateMachine {
         }
         let existed = self.data.remove(key).is_some();
         if existed {
-            self.dirty.insert(format!("{DATA_PREFIX}{key}"));
+            self.mark_dirty(DATA_PREFIX, key);
         }
         Outcome::Deleted { existed }
     }
@@ -1321,7 +1324,22 @@ impl LockStateMachine {
         {
             self.locks.remove(key);
         }
-        self.dirty.insert(format!("{LOCK_PREFIX}{key}"));
+        self.mark_dirty(LOCK_PREFIX, key);
+    }
+
+    /// Marks the state key `prefix` + `key` changed. A key already marked (a lock acquired and
+    /// released within one applied-state write) costs a lookup, not a new string; a new one is
+    /// built without the formatting machinery (`format!` was about 0.6% of the leader's driver
+    /// thread at 32 clients).
+    fn mark_dirty(&mut self, prefix: &str, key: &str) {
+        let mut full = std::mem::take(&mut self.dirty_scratch);
+        full.clear();
+        full.push_str(prefix);
+        full.push_str(key);
+        if !self.dirty.contains(full.as_str()) {
+            self.dirty.insert(full.as_str().to_owned());
+        }
+        self.dirty_scratch = full;
     }
 
     // ----- exactly-once table ----------------------------------------------------------------
