@@ -258,6 +258,13 @@ impl RequestIndex {
             }
             None => {
                 self.newest.remove(&hash);
+                // A table never gives memory back by itself: a session that once held many
+                // answers and now holds few would keep its peak. Halve it once it is a quarter
+                // full (a steady session, one answer in and one out, never gets there).
+                let (len, capacity) = (self.newest.len(), self.newest.capacity());
+                if capacity > 64 && len * 4 < capacity {
+                    self.newest.shrink_to(len * 2);
+                }
             }
         }
     }
@@ -2213,6 +2220,31 @@ mod dedupe_storage_tests {
             }
         }
         assert!(index.newest.len() <= 5);
+    }
+
+    /// A session's table gives its memory back as its answers go: the index of a session that
+    /// held 100,000 answers and keeps 10 is small again.
+    #[test]
+    fn request_index_shrinks_as_answers_go() {
+        let mut index = RequestIndex::default();
+        for n in 0..100_000u64 {
+            index.insert(request_hash(&format!("r-{n}")), n);
+        }
+        let peak = index.newest.capacity();
+        assert!(peak >= 100_000);
+        for n in 0..99_990u64 {
+            index.remove(request_hash(&format!("r-{n}")), n);
+        }
+        assert_eq!(index.newest.len(), 10);
+        assert!(
+            index.newest.capacity() <= 64,
+            "capacity {} of {peak} kept for 10 answers",
+            index.newest.capacity()
+        );
+        for n in 99_990..100_000u64 {
+            let hash = request_hash(&format!("r-{n}"));
+            assert_eq!(index.under(hash).collect::<Vec<_>>(), vec![n]);
+        }
     }
 
     #[test]
