@@ -197,7 +197,8 @@ fn options(engine: LogEngine) -> SledOptions {
     }
 }
 
-/// Opens the store once the dead child's file lock is gone.
+/// Opens the store once the previous holder's file lock is gone: the dead child's, or (in the
+/// child) the parent's, whose check of the store ends just before the child starts.
 fn open_after_child(dir: &Path, engine: LogEngine) -> Result<SledStorage, StorageError> {
     let mut attempts_left = 200;
     loop {
@@ -216,7 +217,9 @@ fn open_after_child(dir: &Path, engine: LogEngine) -> Result<SledStorage, Storag
 /// The child's workload. Runs until killed.
 fn run_child(dir: &Path, seed: u64, engine: LogEngine) -> ! {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let mut store = SledStorage::open_with(dir, options(engine)).expect("child: open");
+    // The parent has just checked the store and dropped it; sled's threads may hold its file
+    // lock a moment longer, so the child waits for it as the parent waits for the child's.
+    let mut store = open_after_child(dir, engine).expect("child: open");
     let state = store.recover().expect("child: recover");
     if let Err(problem) = verify(&state, None) {
         panic!("child: recovered state is inconsistent: {problem}");
