@@ -212,10 +212,8 @@ pub async fn serve_socket(socket: WebSocket, state: AppState, caller: Caller) {
         };
         let shared = shared.clone();
         tokio::spawn(async move {
-            let c = &*shared;
-            let reply = handle_text(&text, conn, &c.state, &c.caller, Some(c)).await;
-            if let Some(reply) = reply {
-                let _ = c.out.send(reply).await;
+            if let Some(reply) = handle_text(&text, conn, &shared).await {
+                let _ = shared.out.send(reply).await;
             }
             drop(permit);
         });
@@ -231,14 +229,9 @@ pub async fn serve_socket(socket: WebSocket, state: AppState, caller: Caller) {
 }
 
 /// Parses, validates and executes one request; returns the JSON reply.
-async fn handle_text(
-    text: &str,
-    conn: u64,
-    state: &AppState,
-    caller: &Caller,
-    connection: Option<&Connection>,
-) -> Option<String> {
-    let closed = || connection.map(|c| c.closed.clone());
+async fn handle_text(text: &str, conn: u64, c: &Connection) -> Option<String> {
+    let (state, caller) = (&c.state, &c.caller);
+    let closed = || Some(c.closed.clone());
     // Most frames hold only known fields with string ids: they parse straight into their typed
     // form, borrowing from the frame, without building a JSON tree first (a map, and a string
     // for every key and value). Any other frame (unknown or repeated fields, other types, a
@@ -267,24 +260,13 @@ async fn handle_text(
         }
     }
     if raw.get("commandType").and_then(Value::as_u64) == Some(WATCH_COMMAND) {
-        return match connection {
-            Some(c) => {
-                let ctx = WatchCtx {
-                    out: c.out.clone(),
-                    count: c.watches.clone(),
-                };
-                if let Err(e) = run_watch(&raw, state, caller, ctx, c.closed.clone()).await {
-                    return Some(error_json(&raw, &e));
-                }
-                None
-            }
-            None => Some(error_json(
-                &raw,
-                &ApiError::new(
-                    ErrorCode::InvalidRequest,
-                    "watch needs a WebSocket connection",
-                ),
-            )),
+        let ctx = WatchCtx {
+            out: c.out.clone(),
+            count: c.watches.clone(),
+        };
+        return match run_watch(&raw, state, caller, ctx, c.closed.clone()).await {
+            Ok(()) => None,
+            Err(e) => Some(error_json(&raw, &e)),
         };
     }
     strip_unknown_fields(&mut raw);

@@ -155,17 +155,17 @@ impl BlobSync {
     /// Syncs the blob files not synced yet, and then the directory if there were any.
     fn sync_new(&mut self) -> Result<(), StorageError> {
         let io = |action: &'static str| move |source| StorageError::Io { action, source };
-        if self.handle.is_none() {
-            match std::fs::File::open(&self.dir) {
-                Ok(dir) => self.handle = Some(dir),
+        let dir = match self.handle.take() {
+            Some(dir) => dir,
+            None => match std::fs::File::open(&self.dir) {
+                Ok(dir) => dir,
                 Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(()),
                 Err(err) => return Err(io("opening the blob directory")(err)),
-            }
-        }
-        let Some(dir) = self.handle.as_ref() else {
-            return Ok(());
+            },
         };
-        let mtime = dir
+        let mtime = self
+            .handle
+            .insert(dir)
             .metadata()
             .and_then(|meta| meta.modified())
             .map_err(io("reading the blob directory's time"))?;
