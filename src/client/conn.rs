@@ -12,10 +12,11 @@ use std::time::{Duration, Instant};
 
 use backon::BackoffBuilder;
 use futures::{SinkExt, StreamExt};
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tokio::sync::{mpsc, oneshot, Mutex};
 use tokio::task::JoinHandle;
-use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::tungstenite::{Message, Utf8Bytes};
 
 use super::error::{is_retryable_code, ClientError};
 use super::RetryPolicy;
@@ -30,7 +31,147 @@ pub(crate) enum ReplyKind {
 
 struct Slot {
     kind: ReplyKind,
-    tx: oneshot::Sender<Value>,
+    tx: oneshot::Sender<Reply>,
+}
+
+/// One request as the SDK sends it (the WebSocket protocol's request object), written straight
+/// from borrowed fields: building a `serde_json::Value` first cost every request a map and a
+/// copy of each field name and value. Fields left `None` are left out.
+#[derive(Clone, Copy, Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct Request<'a> {
+    pub command_type: u8,
+    pub key: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub client_id: Option<&'a str>,
+    pub request_id: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ttl: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub wait_timeout: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fencing_token: Option<TokenRef<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub value: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub redirect: Option<bool>,
+}
+
+impl<'a> Request<'a> {
+    /// A request of `command_type` on `key` with `request_id`, every other field left out.
+    pub fn new(command_type: u8, key: &'a str, request_id: &'a str) -> Self {
+        Request {
+            command_type,
+            key,
+            client_id: None,
+            request_id,
+            ttl: None,
+            wait_timeout: None,
+            fencing_token: None,
+            value: None,
+            traceparent: None,
+            redirect: None,
+        }
+    }
+
+    /// The request as it goes on the wire.
+    fn text(&self) -> Utf8Bytes {
+        serde_json::to_string(self)
+            .expect("a request of strings and numbers serializes")
+            .into()
+    }
+}
+
+/// A fencing token in a request: `{"key": …, "value": …}`.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub(crate) struct TokenRef<'a> {
+    pub key: &'a str,
+    pub value: u64,
+}
+
+/// A node's reply, as far as the SDK reads it, with the text it came in (for error messages).
+/// Read into this shape once, on the connection's reader task, instead of into a
+/// `serde_json::Value` whose map and strings each request then paid for.
+#[derive(Debug)]
+pub(crate) struct Reply {
+    pub body: ReplyBody,
+    pub raw: Utf8Bytes,
+}
+
+impl std::fmt::Display for Reply {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.raw.as_str())
+    }
+}
+
+/// The fields of a reply the SDK uses; any others are skipped.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct ReplyBody {
+    #[serde(default)]
+    pub success: bool,
+    #[serde(default)]
+    pub request_id: Option<String>,
+    #[serde(default)]
+    pub cancelled: Option<bool>,
+    #[serde(default)]
+    pub expires_in_ms: Option<u64>,
+    #[serde(default)]
+    pub fencing_token: Option<TokenReply>,
+    #[serde(default)]
+    pub value: Option<String>,
+    #[serde(default)]
+    pub error: Option<ErrorReply>,
+    /// Set by the SDK, not the node: the reply carried this request's id but fields of types
+    /// the SDK does not know (answered as a protocol error instead of never).
+    #[serde(skip)]
+    pub malformed: bool,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct TokenReply {
+    #[serde(default)]
+    pub value: Option<u64>,
+    #[serde(default)]
+    pub mac: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct ErrorReply {
+    #[serde(default)]
+    pub code: String,
+    #[serde(default)]
+    pub message: String,
+    #[serde(default)]
+    pub leader_addr: Option<String>,
+}
+
+/// Reads a reply's text: `None` when it names no request (not JSON, or no string `requestId`).
+fn parse_reply(raw: Utf8Bytes) -> Option<(String, Reply)> {
+    let (id, body) = match serde_json::from_str::<ReplyBody>(raw.as_str()) {
+        Ok(mut body) => (body.request_id.take()?, body),
+        // A field of an unexpected type: the request it names still gets an answer, an error.
+        Err(_) => {
+            let value = serde_json::from_str::<Value>(raw.as_str()).ok()?;
+            let id = value.get("requestId")?.as_str()?.to_string();
+            let body = ReplyBody {
+                malformed: true,
+                ..ReplyBody::default()
+            };
+            (id, body)
+        }
+    };
+    Some((id, Reply { body, raw }))
+}
+
+impl ReplyBody {
+    /// The error code, `""` when there is none.
+    pub fn code(&self) -> &str {
+        self.error.as_ref().map_or("", |e| e.code.as_str())
+    }
 }
 
 type Pending = Arc<StdMutex<HashMap<String, Vec<Slot>>>>;
@@ -49,7 +190,7 @@ pub(crate) enum CallError {
 
 pub(crate) struct Conn {
     pub addr: String,
-    out: mpsc::Sender<String>,
+    out: mpsc::Sender<Utf8Bytes>,
     pending: Pending,
     closed: Arc<AtomicBool>,
     max_inflight: usize,
@@ -148,7 +289,7 @@ impl Conn {
             Err(_) => return Err(format!("connecting to {addr} timed out after {timeout:?}")),
         };
         let (mut sink, mut stream) = socket.split();
-        let (out, mut out_rx) = mpsc::channel::<String>(max_inflight.max(1));
+        let (out, mut out_rx) = mpsc::channel::<Utf8Bytes>(max_inflight.max(1));
         let pending: Pending = Arc::default();
         let closed = Arc::new(AtomicBool::new(false));
         let writer_closed = closed.clone();
@@ -165,7 +306,7 @@ impl Conn {
                 tokio::select! {
                     next = out_rx.recv() => {
                         let Some(text) = next else { break };
-                        if sink.send(Message::text(text)).await.is_err() {
+                        if sink.send(Message::Text(text)).await.is_err() {
                             break;
                         }
                     }
@@ -201,15 +342,11 @@ impl Conn {
                     Message::Close(_) => break,
                     _ => continue,
                 };
-                let Ok(value) = serde_json::from_str::<Value>(text.as_str()) else {
+                let Some((request_id, reply)) = parse_reply(text) else {
                     continue;
                 };
-                let Some(request_id) = value.get("requestId").and_then(Value::as_str) else {
-                    continue;
-                };
-                let kind = if value.get("cancelled").is_some()
-                    || value["error"]["code"].as_str() == Some("NOT_WAITING")
-                {
+                let request_id = request_id.as_str();
+                let kind = if reply.body.cancelled.is_some() || reply.body.code() == "NOT_WAITING" {
                     ReplyKind::Cancel
                 } else {
                     ReplyKind::Normal
@@ -229,7 +366,7 @@ impl Conn {
                     slot
                 };
                 if let Some(slot) = slot {
-                    let _ = slot.tx.send(value);
+                    let _ = slot.tx.send(reply);
                 }
             }
             reader_closed.store(true, Ordering::SeqCst);
@@ -258,9 +395,9 @@ impl Conn {
         &self,
         request_id: &str,
         kind: ReplyKind,
-        text: &str,
+        text: &Utf8Bytes,
         timeout: Option<Duration>,
-    ) -> Result<Value, CallError> {
+    ) -> Result<Reply, CallError> {
         let (tx, rx) = oneshot::channel();
         {
             let mut map = self.pending.lock().unwrap_or_else(|p| p.into_inner());
@@ -272,7 +409,7 @@ impl Conn {
                 .or_default()
                 .push(Slot { kind, tx });
         }
-        if self.is_closed() || self.out.send(text.to_owned()).await.is_err() {
+        if self.is_closed() || self.out.send(text.clone()).await.is_err() {
             self.forget(request_id);
             return Err(CallError::Lost(format!(
                 "connection to {} closed",
@@ -464,64 +601,69 @@ impl Session {
             .map(|c| c.addr.clone())
     }
 
-    /// Sends `body` (which carries `request_id`) until a final answer: success, or an error that
-    /// retrying cannot fix. Redirects are followed at once; `NO_LEADER`, `UNAVAILABLE`, `BUSY`,
-    /// lost connections and timeouts are retried after an exponential backoff with jitter, with
-    /// the same request id. `wait` extends the per-attempt timeout for acquires that queue.
+    /// Sends `request` until a final answer: success, or an error that retrying cannot fix.
+    /// Redirects are followed at once; `NO_LEADER`, `UNAVAILABLE`, `BUSY`, lost connections and
+    /// timeouts are retried after an exponential backoff with jitter, with the same request id.
+    /// `wait` extends the per-attempt timeout for acquires that queue.
     pub async fn request(
         &self,
-        request_id: &str,
+        request: &Request<'_>,
         kind: ReplyKind,
-        body: &Value,
         wait: Option<Duration>,
         policy: &RetryPolicy,
-    ) -> Result<Value, ClientError> {
+    ) -> Result<Reply, ClientError> {
+        let request_id = request.request_id;
         // The caller's trace, once for the operation and all its retries.
-        let traced;
-        let body = match self.cfg.trace_context.as_ref().and_then(|t| (t.0)()) {
-            Some(tp) if body.get("traceparent").is_none() && is_traceparent(&tp) => {
-                let mut b = body.clone();
-                b["traceparent"] = Value::String(tp);
-                traced = b;
-                &traced
+        let trace = self.cfg.trace_context.as_ref().and_then(|t| (t.0)());
+        let mut request = *request;
+        if request.traceparent.is_none() {
+            request.traceparent = trace.as_deref().filter(|tp| is_traceparent(tp));
+        }
+        // The same request asking followers for a redirect to the leader instead of a forward;
+        // and the request as it is, written when an attempt first sends it. Each is written
+        // once for all attempts.
+        let direct = self.cfg.prefer_leader.then(|| {
+            Request {
+                redirect: Some(true),
+                ..request
             }
-            _ => body,
-        };
-        // The same request asking followers for a redirect to the leader instead of a forward
-        // (written from `body`, not a copy of it); and the request as it is, written when an
-        // attempt first sends it. Each is written once for all attempts.
-        let direct = self.cfg.prefer_leader.then(|| with_redirect(body));
-        let mut plain: Option<String> = None;
+            .text()
+        });
+        let mut plain: Option<Utf8Bytes> = None;
         let started = Instant::now();
         let mut backoff = policy.builder().build();
         let mut attempts = 0u32;
         let mut redirects = 0u32;
         let timeout = match wait {
             // Waiting without a timeout: only a lost connection ends the attempt.
-            None if body["commandType"] == 3 && body.get("waitTimeout").is_none() => None,
+            None if request.command_type == 3 && request.wait_timeout.is_none() => None,
             None => Some(self.cfg.request_timeout),
             Some(w) => Some(self.cfg.request_timeout + w),
         };
         loop {
             attempts += 1;
             let sent = match &direct {
-                Some(direct) if self.wants_redirect().await => direct.as_str(),
-                _ => plain.get_or_insert_with(|| body.to_string()).as_str(),
+                Some(direct) if self.wants_redirect().await => direct,
+                _ => &*plain.get_or_insert_with(|| request.text()),
             };
             let failure = match self.connection().await {
                 Err(e) => e,
                 Ok(conn) => match conn.call(request_id, kind, sent, timeout).await {
                     Ok(reply) => {
-                        if reply["success"] == true {
+                        if reply.body.malformed {
+                            return Err(ClientError::Protocol(format!(
+                                "unexpected reply: {reply}"
+                            )));
+                        }
+                        if reply.body.success {
                             return Ok(reply);
                         }
-                        let code = reply["error"]["code"].as_str().unwrap_or("").to_string();
-                        let message = reply["error"]["message"].as_str().unwrap_or("").to_string();
+                        let (code, message, leader) = match reply.body.error {
+                            Some(e) => (e.code, e.message, e.leader_addr),
+                            None => Default::default(),
+                        };
                         if code == "NOT_LEADER" && redirects < MAX_REDIRECTS_IN_A_ROW {
-                            let leader = reply["error"]["leaderAddr"]
-                                .as_str()
-                                .filter(|a| !a.is_empty())
-                                .map(str::to_string);
+                            let leader = leader.filter(|a| !a.is_empty());
                             if leader.is_some() {
                                 redirects += 1;
                                 self.redirect(&conn, leader).await;
@@ -534,12 +676,13 @@ impl Session {
                         if !is_retryable_code(&code) {
                             if code == "WAIT_TIMEOUT" {
                                 return Err(ClientError::WaitTimeout {
-                                    key: body["key"].as_str().unwrap_or("").to_string(),
+                                    key: request.key.to_string(),
                                 });
                             }
                             if code.is_empty() {
                                 return Err(ClientError::Protocol(format!(
-                                    "unexpected reply: {reply}"
+                                    "unexpected reply: {}",
+                                    reply.raw.as_str()
                                 )));
                             }
                             return Err(ClientError::Rejected { code, message });
@@ -577,46 +720,116 @@ impl Session {
     }
 }
 
-/// `body` (a JSON object) with `"redirect": true`, serialized straight from it.
-fn with_redirect(body: &Value) -> String {
-    struct WithRedirect<'a>(&'a serde_json::Map<String, Value>);
-    impl serde::Serialize for WithRedirect<'_> {
-        fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-            use serde::ser::SerializeMap;
-            let mut map = serializer.serialize_map(Some(self.0.len() + 1))?;
-            for (key, value) in self.0.iter().filter(|(key, _)| *key != "redirect") {
-                map.serialize_entry(key, value)?;
-            }
-            map.serialize_entry("redirect", &true)?;
-            map.end()
-        }
-    }
-    match body.as_object() {
-        Some(fields) => serde_json::to_string(&WithRedirect(fields)).unwrap_or_default(),
-        None => body.to_string(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
+
+    fn sent(request: &Request<'_>) -> Value {
+        serde_json::from_str(request.text().as_str()).unwrap()
+    }
 
     #[test]
-    fn a_redirect_request_is_the_request_with_redirect_set() {
-        let body = serde_json::json!({
-            "commandType": 3, "key": "jobs/a", "clientId": "c", "requestId": "r\"1", "ttl": 5
-        });
-        let mut want = body.clone();
-        want["redirect"] = Value::Bool(true);
-        let text = with_redirect(&body);
-        assert_eq!(serde_json::from_str::<Value>(&text).unwrap(), want);
-        // A redirect field already there is replaced, not repeated.
-        let asked = serde_json::json!({"commandType": 7, "key": "k", "redirect": false});
-        let text = with_redirect(&asked);
-        assert_eq!(text.matches("redirect").count(), 1, "{text}");
+    fn requests_go_out_as_the_protocol_spells_them() {
+        // What each SDK operation sent when it built a `serde_json::Value` first.
+        let acquire = Request {
+            client_id: Some("c#1"),
+            ttl: Some(5000),
+            wait_timeout: Some(0),
+            ..Request::new(3, "jobs/a", "r\"1")
+        };
         assert_eq!(
-            serde_json::from_str::<Value>(&text).unwrap()["redirect"],
-            Value::Bool(true)
+            sent(&acquire),
+            json!({"commandType": 3, "key": "jobs/a", "clientId": "c#1", "requestId": "r\"1",
+                   "ttl": 5000, "waitTimeout": 0})
         );
+        let release = Request {
+            client_id: Some("c#1"),
+            fencing_token: Some(TokenRef {
+                key: "jobs/a",
+                value: 7,
+            }),
+            ..Request::new(4, "jobs/a", "r2")
+        };
+        assert_eq!(
+            sent(&release),
+            json!({"commandType": 4, "key": "jobs/a", "clientId": "c#1", "requestId": "r2",
+                   "fencingToken": {"key": "jobs/a", "value": 7}})
+        );
+        let get = Request::new(7, "k", "r3");
+        assert_eq!(
+            sent(&get),
+            json!({"commandType": 7, "key": "k", "requestId": "r3"})
+        );
+        let put = Request {
+            client_id: Some("c"),
+            value: Some("v\n"),
+            traceparent: Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
+            ..Request::new(2, "k", "r4")
+        };
+        assert_eq!(
+            sent(&put),
+            json!({"commandType": 2, "key": "k", "clientId": "c", "requestId": "r4",
+                   "value": "v\n",
+                   "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"})
+        );
+        let direct = Request {
+            redirect: Some(true),
+            ..get
+        };
+        assert_eq!(
+            sent(&direct),
+            json!({"commandType": 7, "key": "k", "requestId": "r3", "redirect": true})
+        );
+    }
+
+    fn reply(text: &str) -> Option<(String, Reply)> {
+        parse_reply(Utf8Bytes::from(text.to_string()))
+    }
+
+    #[test]
+    fn replies_are_read_into_the_fields_the_sdk_uses() {
+        let (id, grant) = reply(
+            r#"{"expiresInMs":4990,"fencingToken":{"key":"k","mac":"ab","value":12},"key":"k","requestId":"r1","success":true}"#,
+        )
+        .unwrap();
+        assert_eq!(id, "r1");
+        assert!(grant.body.success && !grant.body.malformed);
+        assert_eq!(grant.body.expires_in_ms, Some(4990));
+        let token = grant.body.fencing_token.as_ref().unwrap();
+        assert_eq!((token.value, token.mac.as_deref()), (Some(12), Some("ab")));
+
+        let (_, not_leader) = reply(
+            r#"{"success":false,"key":"k","requestId":"r2","error":{"code":"NOT_LEADER","message":"m","leaderId":2,"leaderAddr":"127.0.0.1:2"}}"#,
+        )
+        .unwrap();
+        assert!(!not_leader.body.success);
+        assert_eq!(not_leader.body.code(), "NOT_LEADER");
+        let error = not_leader.body.error.as_ref().unwrap();
+        assert_eq!(error.leader_addr.as_deref(), Some("127.0.0.1:2"));
+
+        let (_, value) =
+            reply(r#"{"key":"k","requestId":"r3","success":true,"value":null}"#).unwrap();
+        assert_eq!(value.body.value, None);
+        let (_, value) =
+            reply(r#"{"key":"k","requestId":"r3","success":true,"value":"x"}"#).unwrap();
+        assert_eq!(value.body.value.as_deref(), Some("x"));
+        let (_, cancelled) =
+            reply(r#"{"cancelled":true,"requestId":"r4","success":true}"#).unwrap();
+        assert_eq!(cancelled.body.cancelled, Some(true));
+    }
+
+    #[test]
+    fn a_reply_of_unknown_shape_still_answers_its_request_and_others_are_dropped() {
+        // A field of another type than the SDK knows: the caller gets a protocol error, and the
+        // reply's text for it, rather than waiting for a timeout.
+        let (id, odd) = reply(r#"{"requestId":"r1","success":"yes","expiresInMs":-1}"#).unwrap();
+        assert_eq!(id, "r1");
+        assert!(odd.body.malformed && !odd.body.success);
+        assert!(odd.to_string().contains("\"yes\""));
+        // Nothing names a request of this connection: dropped.
+        assert!(reply(r#"{"requestId":7,"success":true}"#).is_none());
+        assert!(reply(r#"{"success":true}"#).is_none());
+        assert!(reply("not json").is_none());
     }
 }

@@ -4,11 +4,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::{Duration, Instant};
 
-use serde_json::json;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use super::conn::{Keepalive, ReplyKind, Session, SessionConfig, TraceContext};
+use super::conn::{Keepalive, ReplyKind, Request, Session, SessionConfig, TokenRef, TraceContext};
 use super::error::ClientError;
 use super::{random_u64, RetryPolicy};
 
@@ -479,25 +478,27 @@ impl RaftLockClient {
     ) -> Result<LockHandle, ClientError> {
         check_key(key)?;
         let ttl_ms = duration_ms(ttl)?;
-        let mut body = json!({
-            "commandType": 3, "key": key, "clientId": owner,
-            "requestId": request_id, "ttl": ttl_ms,
-        });
-        if let Some(w) = wait {
-            body["waitTimeout"] = json!(w.as_millis() as u64);
-        }
+        let request = Request {
+            client_id: Some(owner),
+            ttl: Some(ttl_ms),
+            wait_timeout: wait.map(|w| w.as_millis() as u64),
+            ..Request::new(3, key, request_id)
+        };
         // The lease on the server starts when the grant is applied, which is after this point;
         // counting from here keeps the client's deadline earlier than the server's.
         let sent = Instant::now();
         let reply = self
             .inner
             .session
-            .request(request_id, ReplyKind::Normal, &body, wait, policy)
+            .request(&request, ReplyKind::Normal, wait, policy)
             .await?;
-        let token = reply["fencingToken"]["value"]
-            .as_u64()
+        let token = reply
+            .body
+            .fencing_token
+            .as_ref()
+            .and_then(|t| t.value)
             .ok_or_else(|| ClientError::Protocol(format!("grant without a token: {reply}")))?;
-        let expires_in = reply["expiresInMs"].as_u64().unwrap_or(ttl_ms);
+        let expires_in = reply.body.expires_in_ms.unwrap_or(ttl_ms);
         let ttl = Duration::from_millis(expires_in.min(ttl_ms));
         let mut handle = LockHandle::new(
             self.clone(),
@@ -507,7 +508,7 @@ impl RaftLockClient {
             ttl,
             sent + ttl.saturating_sub(self.margin_for(ttl)),
         );
-        handle.mac = reply["fencingToken"]["mac"].as_str().map(String::from);
+        handle.mac = reply.body.fencing_token.and_then(|t| t.mac);
         Ok(handle)
     }
 
@@ -524,16 +525,16 @@ impl RaftLockClient {
     pub async fn release_as(&self, owner: &str, key: &str, token: u64) -> Result<(), ClientError> {
         check_key(key)?;
         let request_id = self.next_request_id();
-        let body = json!({
-            "commandType": 4, "key": key, "clientId": owner,
-            "requestId": request_id, "fencingToken": {"key": key, "value": token},
-        });
+        let request = Request {
+            client_id: Some(owner),
+            fencing_token: Some(TokenRef { key, value: token }),
+            ..Request::new(4, key, &request_id)
+        };
         self.inner
             .session
             .request(
-                &request_id,
+                &request,
                 ReplyKind::Normal,
-                &body,
                 None,
                 &self.inner.session.cfg.retry,
             )
@@ -565,23 +566,24 @@ impl RaftLockClient {
         check_key(key)?;
         let ttl_ms = duration_ms(ttl)?;
         let request_id = self.next_request_id();
-        let body = json!({
-            "commandType": 5, "key": key, "clientId": owner,
-            "requestId": request_id, "fencingToken": {"key": key, "value": token}, "ttl": ttl_ms,
-        });
+        let request = Request {
+            client_id: Some(owner),
+            fencing_token: Some(TokenRef { key, value: token }),
+            ttl: Some(ttl_ms),
+            ..Request::new(5, key, &request_id)
+        };
         let sent = Instant::now();
         let reply = self
             .inner
             .session
             .request(
-                &request_id,
+                &request,
                 ReplyKind::Normal,
-                &body,
                 None,
                 &self.inner.session.cfg.retry,
             )
             .await?;
-        let expires_in = reply["expiresInMs"].as_u64().unwrap_or(ttl_ms).min(ttl_ms);
+        let expires_in = reply.body.expires_in_ms.unwrap_or(ttl_ms).min(ttl_ms);
         let ttl = Duration::from_millis(expires_in);
         Ok(sent + ttl.saturating_sub(self.margin_for(ttl)))
     }
@@ -590,19 +592,18 @@ impl RaftLockClient {
     pub async fn get(&self, key: &str) -> Result<Option<String>, ClientError> {
         check_key(key)?;
         let request_id = self.next_request_id();
-        let body = json!({"commandType": 7, "key": key, "requestId": request_id});
+        let request = Request::new(7, key, &request_id);
         let reply = self
             .inner
             .session
             .request(
-                &request_id,
+                &request,
                 ReplyKind::Normal,
-                &body,
                 None,
                 &self.inner.session.cfg.retry,
             )
             .await?;
-        Ok(reply["value"].as_str().map(str::to_string))
+        Ok(reply.body.value)
     }
 
     /// Writes a replicated KV key; with `guard`, only while that fencing token is current.
@@ -625,19 +626,17 @@ impl RaftLockClient {
     ) -> Result<(), ClientError> {
         check_key(key)?;
         let request_id = self.next_request_id();
-        let mut body = json!({
-            "commandType": 2, "key": key, "clientId": client_id,
-            "requestId": request_id, "value": value,
-        });
-        if let Some((lock_key, token)) = guard {
-            body["fencingToken"] = json!({"key": lock_key, "value": token});
-        }
+        let request = Request {
+            client_id: Some(client_id),
+            value: Some(value),
+            fencing_token: guard.map(|(key, value)| TokenRef { key, value }),
+            ..Request::new(2, key, &request_id)
+        };
         self.inner
             .session
             .request(
-                &request_id,
+                &request,
                 ReplyKind::Normal,
-                &body,
                 None,
                 &self.inner.session.cfg.retry,
             )
@@ -995,16 +994,15 @@ impl AdvancedClient {
 
     /// Takes a queued acquire out of the queue. `NOT_WAITING` if it was already granted or gone.
     pub async fn cancel_wait(&self, pending: &PendingAcquire) -> Result<(), ClientError> {
-        let body = json!({
-            "commandType": 6, "key": pending.key, "clientId": pending.owner_id,
-            "requestId": pending.request_id,
-        });
+        let request = Request {
+            client_id: Some(&pending.owner_id),
+            ..Request::new(6, &pending.key, &pending.request_id)
+        };
         self.client
             .session()
             .request(
-                &pending.request_id,
+                &request,
                 ReplyKind::Cancel,
-                &body,
                 None,
                 &self.client.session().cfg.retry,
             )
