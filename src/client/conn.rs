@@ -107,22 +107,16 @@ impl std::fmt::Display for Reply {
 }
 
 /// The fields of a reply the SDK uses; any others are skipped.
+/// Every field may be missing (its default then).
 #[derive(Debug, Default, Deserialize)]
-#[serde(rename_all = "camelCase")]
+#[serde(default, rename_all = "camelCase")]
 pub(crate) struct ReplyBody {
-    #[serde(default)]
     pub success: bool,
-    #[serde(default)]
     pub request_id: Option<String>,
-    #[serde(default)]
     pub cancelled: Option<bool>,
-    #[serde(default)]
     pub expires_in_ms: Option<u64>,
-    #[serde(default)]
     pub fencing_token: Option<TokenReply>,
-    #[serde(default)]
     pub value: Option<String>,
-    #[serde(default)]
     pub error: Option<ErrorReply>,
     /// Set by the SDK, not the node: the reply carried this request's id but fields of types
     /// the SDK does not know (answered as a protocol error instead of never).
@@ -131,21 +125,17 @@ pub(crate) struct ReplyBody {
 }
 
 #[derive(Debug, Default, Deserialize)]
+#[serde(default)]
 pub(crate) struct TokenReply {
-    #[serde(default)]
     pub value: Option<u64>,
-    #[serde(default)]
     pub mac: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
-#[serde(rename_all = "camelCase")]
+#[serde(default, rename_all = "camelCase")]
 pub(crate) struct ErrorReply {
-    #[serde(default)]
     pub code: String,
-    #[serde(default)]
     pub message: String,
-    #[serde(default)]
     pub leader_addr: Option<String>,
 }
 

@@ -1622,14 +1622,10 @@ impl LockStateMachine {
             let records: Vec<u64> = self
                 .sessions
                 .get(&client)
-                .map(|s| {
-                    s.records
-                        .iter()
-                        .filter(|n| self.dedupe.contains_key(n))
-                        .collect()
-                })
+                .map(|s| s.records.iter().collect())
                 .unwrap_or_default();
-            // Removing a session's last record closes the session.
+            // Removing a session's last record closes the session; its dead entries are no
+            // longer in the table, and removing them changes nothing.
             for n in records {
                 self.remove_record(n);
             }
@@ -2059,6 +2055,8 @@ fn check_guard(guard: Option<&FencingToken>, l: &Limits) -> Result<(), Outcome> 
 #[cfg(test)]
 mod dedupe_storage_tests {
     use super::*;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
 
     fn acquire(key: String, client: &str, request: String) -> Command {
         Command::Acquire {
@@ -2270,13 +2268,8 @@ mod dedupe_storage_tests {
     fn request_index_lists_what_an_ordered_set_would() {
         let mut index = RequestIndex::default();
         let mut model: BTreeSet<(u64, u64)> = BTreeSet::new();
-        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
-        let mut next = move || {
-            x = x
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            x >> 33
-        };
+        let mut rng = ChaCha8Rng::seed_from_u64(0x9e37_79b9_7f4a_7c15);
+        let mut next = move || rng.random_range(0..1u64 << 31);
         for step in 0..20_000u64 {
             let hash = next() % 5;
             let n = next() % 64;
@@ -2307,13 +2300,8 @@ mod dedupe_storage_tests {
     fn session_records_list_what_an_ordered_set_would() {
         let mut records = SessionRecords::default();
         let mut model: BTreeSet<u64> = BTreeSet::new();
-        let mut x: u64 = 0x2545_f491_4f6c_dd1d;
-        let mut next = move || {
-            x = x
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            x >> 33
-        };
+        let mut rng = ChaCha8Rng::seed_from_u64(0x2545_f491_4f6c_dd1d);
+        let mut next = move || rng.random_range(0..1u64 << 31);
         let mut fresh = 1_000u64;
         for step in 0..20_000u64 {
             match next() % 8 {
