@@ -116,6 +116,10 @@ impl NodeStatus {
 /// the oldest is dropped unobserved.
 const COMMIT_MARKS_MAX: usize = 4096;
 
+/// How often the status is republished when only progress changed (indexes, lock counts,
+/// replication): readers see it at most this much (or one tick, if longer) behind.
+const STATUS_PROGRESS_EVERY: Duration = Duration::from_millis(5);
+
 /// A driver turn goes on taking Readies (persist, send, apply) while it has run less than this;
 /// what is left waits for the next turn, after any tick or input that came meanwhile. Together
 /// with the Raft core's bound on the entries applied per Ready, this keeps a backlog from
@@ -446,6 +450,8 @@ pub struct Driver {
     batch_started: std::time::Instant,
     /// `publish_status`'s scratch buffer for the replication view.
     replication_buf: Vec<PeerReplication>,
+    /// When the status was last published (see [`STATUS_PROGRESS_EVERY`]).
+    status_sent_at: std::time::Instant,
     /// While leading: when the log's entries were appended (for `raftlock_replication_lag_seconds`).
     lag_clock: Option<LagClock>,
     /// When a message from the leader (or, while leading, from each follower) last arrived;
@@ -605,6 +611,7 @@ impl Driver {
             heartbeat_sent: HashMap::new(),
             lag_gauges: HashMap::new(),
             replication_buf: Vec::new(),
+            status_sent_at: std::time::Instant::now(),
             commit_marks: std::collections::VecDeque::new(),
             batch_started: std::time::Instant::now(),
             snapshot_started: None,
@@ -1167,22 +1174,33 @@ impl Driver {
                 remove_lag_series(m, gone);
             }
         }
+        // The status every reader sees (`/status`, readiness, forwarding, the peer port). A
+        // change of leader, role, term or membership is published at once; progress alone (the
+        // indexes, lock counts, replication) at most every `STATUS_PROGRESS_EVERY`, so a busy
+        // leader does not take the channel's write lock and wake its waiters several times per
+        // lock cycle. The ticker's turns publish what is left within a tick.
         let addresses = &self.addresses;
-        self.status.send_if_modified(|old| {
-            let leader_addr_same = addresses.client_addr_is(leader_id, &old.leader_addr);
-            let changed = old.term != term
+        let (structural, progress) = {
+            let old = self.status.borrow();
+            let structural = old.term != term
                 || old.leader_id != leader_id
                 || old.role != role
-                || old.commit_index != commit_index
-                || old.applied_index != applied_index
-                || old.last_index != last_index
                 || !old.voters.iter().eq(membership.voters.iter())
                 || !old.learners.iter().eq(membership.learners.iter())
-                || !leader_addr_same
+                || !addresses.client_addr_is(leader_id, &old.leader_addr);
+            let progress = old.commit_index != commit_index
+                || old.applied_index != applied_index
+                || old.last_index != last_index
                 || old.locks_held != locks_held
                 || old.waiters != waiters
                 || old.replication != replication;
-            if changed {
+            (structural, progress)
+        };
+        let now = std::time::Instant::now();
+        let due = now.saturating_duration_since(self.status_sent_at) >= STATUS_PROGRESS_EVERY;
+        if structural || (progress && due) {
+            self.status_sent_at = now;
+            self.status.send_modify(|old| {
                 old.id = raft.id();
                 old.term = term;
                 old.leader_id = leader_id;
@@ -1198,7 +1216,7 @@ impl Driver {
                 if !old.learners.iter().eq(membership.learners.iter()) {
                     old.learners = membership.learners.iter().copied().collect();
                 }
-                if !leader_addr_same {
+                if !addresses.client_addr_is(leader_id, &old.leader_addr) {
                     old.leader_addr = addresses
                         .get(leader_id)
                         .map(|a| a.client)
@@ -1209,9 +1227,8 @@ impl Driver {
                 if old.replication != replication {
                     old.replication.clone_from(&replication);
                 }
-            }
-            changed
-        });
+            });
+        }
         self.replication_buf = replication;
     }
 }

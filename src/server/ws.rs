@@ -211,10 +211,10 @@ pub async fn serve_socket(socket: WebSocket, state: AppState, caller: Caller) {
             continue;
         };
         let shared = shared.clone();
-        // The request's future is about 4 KB (parsing, the driver call, the forward, tracing):
-        // boxed, it is written once to the heap, where a task of that size was copied whole
-        // into its slot when spawned and again when it finished (`memcpy` was about 3% of the
-        // leader's instructions per lock cycle).
+        // The request's future is large (parsing, the driver call, tracing; the forward is
+        // boxed on its own): boxed, it is written once to the heap, where a task of that size
+        // was copied whole into its slot when spawned and again when it finished (`memcpy` was
+        // about 3% of the leader's instructions per lock cycle at 4 KB).
         tokio::spawn(async move {
             if let Some(reply) = Box::pin(handle_text(&text, conn, &shared)).await {
                 let _ = shared.out.send(reply).await;
@@ -268,7 +268,7 @@ async fn handle_text(text: &str, conn: u64, c: &Connection) -> Option<String> {
             out: c.out.clone(),
             count: c.watches.clone(),
         };
-        return match run_watch(&raw, state, caller, ctx, c.closed.clone()).await {
+        return match Box::pin(run_watch(&raw, state, caller, ctx, c.closed.clone())).await {
             Ok(()) => None,
             Err(e) => Some(error_json(&raw, &e)),
         };
@@ -530,7 +530,9 @@ pub async fn execute_on(
 ) -> ClientReply {
     if forward {
         if let Some(peer) = forward_target(state) {
-            return forward_to(&peer, op, state, closed).await;
+            // Boxed, here and below: the forward's future (a gRPC call) is several times the
+            // size of the rest, and a request on the leader, the usual case, never runs it.
+            return Box::pin(forward_to(&peer, op, state, closed)).await;
         }
     }
     Span::current().record("forwarded", false);
@@ -549,7 +551,7 @@ pub async fn execute_on(
             .map(|a| a.peer)
             .filter(|p| !p.is_empty());
         if let Some(peer) = leader {
-            return forward_to(&peer, op, state, closed).await;
+            return Box::pin(forward_to(&peer, op, state, closed)).await;
         }
     }
     reply
