@@ -11,10 +11,11 @@ use std::sync::{Arc, Mutex as StdMutex};
 use std::time::{Duration, Instant};
 
 use backon::BackoffBuilder;
+use futures::stream::SplitSink;
 use futures::{SinkExt, StreamExt};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use tokio::sync::{mpsc, oneshot, Mutex};
+use tokio::sync::{oneshot, Mutex};
 use tokio::task::JoinHandle;
 use tokio_tungstenite::tungstenite::{Message, Utf8Bytes};
 
@@ -178,9 +179,17 @@ pub(crate) enum CallError {
     Busy,
 }
 
+/// The sending half of a connection, shared by the callers (each writes its own request) and
+/// the keepalive task (pings).
+type Sink = Arc<Mutex<SplitSink<WsSocket, Message>>>;
+
+/// How long a request may take to reach the socket when its call has no timeout of its own
+/// (a wait without a timeout): a peer that stops reading cannot hold the caller forever.
+const SEND_TIMEOUT: Duration = Duration::from_secs(30);
+
 pub(crate) struct Conn {
     pub addr: String,
-    out: mpsc::Sender<Utf8Bytes>,
+    sink: Sink,
     pending: Pending,
     closed: Arc<AtomicBool>,
     max_inflight: usize,
@@ -278,49 +287,58 @@ impl Conn {
             Ok(Err(OpenError::Connect(e))) => return Err(format!("cannot connect to {addr}: {e}")),
             Err(_) => return Err(format!("connecting to {addr} timed out after {timeout:?}")),
         };
-        let (mut sink, mut stream) = socket.split();
-        let (out, mut out_rx) = mpsc::channel::<Utf8Bytes>(max_inflight.max(1));
+        let (sink, mut stream) = socket.split();
+        // Each caller writes its request to the socket itself, behind this lock: a task between
+        // the callers and the socket cost every request a hand-off to it (its wake-up was the
+        // largest item of the SDK's CPU per lock cycle).
+        let sink: Sink = Arc::new(Mutex::new(sink));
         let pending: Pending = Arc::default();
         let closed = Arc::new(AtomicBool::new(false));
-        let writer_closed = closed.clone();
         // When anything last arrived on the connection (pongs included).
         let opened = Instant::now();
         let last_heard = Arc::new(AtomicU64::new(0));
-        let writer_heard = last_heard.clone();
-        let writer_pending = pending.clone();
-        let writer = tokio::spawn(async move {
-            let period = keepalive.map_or(Duration::from_secs(3600), |k| k.interval);
-            let mut ping = tokio::time::interval_at((Instant::now() + period).into(), period);
-            ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    next = out_rx.recv() => {
-                        let Some(text) = next else { break };
-                        if sink.send(Message::Text(text)).await.is_err() {
-                            break;
-                        }
+        let mut tasks = Vec::with_capacity(2);
+        if let Some(k) = keepalive {
+            let (ping_sink, ping_closed) = (sink.clone(), closed.clone());
+            let (ping_heard, ping_pending) = (last_heard.clone(), pending.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut ping =
+                    tokio::time::interval_at((Instant::now() + k.interval).into(), k.interval);
+                ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    ping.tick().await;
+                    if ping_closed.load(Ordering::SeqCst) {
+                        break;
                     }
-                    _ = ping.tick(), if keepalive.is_some() => {
-                        let Some(k) = keepalive else { continue };
-                        let heard = opened + Duration::from_millis(writer_heard.load(Ordering::SeqCst));
-                        if heard.elapsed() > k.timeout {
-                            // Silent for too long: give up on this connection, wake every
-                            // caller ("connection lost": they retry elsewhere, same request id).
-                            writer_closed.store(true, Ordering::SeqCst);
-                            writer_pending.lock().unwrap_or_else(|p| p.into_inner()).clear();
-                            break;
-                        }
-                        let send = sink.send(Message::Ping(Vec::new().into()));
-                        match tokio::time::timeout(k.timeout, send).await {
-                            Ok(Ok(())) => {}
-                            _ => break,
-                        }
+                    let heard = opened + Duration::from_millis(ping_heard.load(Ordering::SeqCst));
+                    if heard.elapsed() > k.timeout {
+                        // Silent for too long: give up on this connection, wake every caller
+                        // ("connection lost": they retry elsewhere, same request id).
+                        break;
+                    }
+                    let sent = tokio::time::timeout(k.timeout, async {
+                        ping_sink
+                            .lock()
+                            .await
+                            .send(Message::Ping(Vec::new().into()))
+                            .await
+                    })
+                    .await;
+                    if !matches!(sent, Ok(Ok(()))) {
+                        break;
                     }
                 }
-            }
-            writer_closed.store(true, Ordering::SeqCst);
-            let _ = tokio::time::timeout(Duration::from_secs(1), sink.close()).await;
-        });
+                ping_closed.store(true, Ordering::SeqCst);
+                ping_pending
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clear();
+                let _ = tokio::time::timeout(Duration::from_secs(1), async {
+                    ping_sink.lock().await.close().await
+                })
+                .await;
+            }));
+        }
         let reader_pending = pending.clone();
         let reader_closed = closed.clone();
         let reader = tokio::spawn(async move {
@@ -366,13 +384,14 @@ impl Conn {
                 .unwrap_or_else(|p| p.into_inner())
                 .clear();
         });
+        tasks.push(reader);
         Ok(Conn {
             addr: addr.to_string(),
-            out,
+            sink,
             pending,
             closed,
             max_inflight,
-            tasks: vec![writer, reader],
+            tasks,
         })
     }
 
@@ -399,12 +418,38 @@ impl Conn {
                 .or_default()
                 .push(Slot { kind, tx });
         }
-        if self.is_closed() || self.out.send(text.clone()).await.is_err() {
+        if self.is_closed() {
             self.forget(request_id);
             return Err(CallError::Lost(format!(
                 "connection to {} closed",
                 self.addr
             )));
+        }
+        let send = async {
+            self.sink
+                .lock()
+                .await
+                .send(Message::Text(text.clone()))
+                .await
+        };
+        match tokio::time::timeout(timeout.unwrap_or(SEND_TIMEOUT), send).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => {
+                self.closed.store(true, Ordering::SeqCst);
+                self.forget(request_id);
+                return Err(CallError::Lost(format!(
+                    "connection to {} closed",
+                    self.addr
+                )));
+            }
+            Err(_) => {
+                // The socket took no more for the whole timeout: a peer that stopped reading.
+                // The connection is given up (a frame may be half written); the caller retries
+                // elsewhere with the same request id.
+                self.closed.store(true, Ordering::SeqCst);
+                self.forget(request_id);
+                return Err(CallError::Timeout);
+            }
         }
         let result = match timeout {
             Some(t) => match tokio::time::timeout(t, rx).await {
@@ -821,5 +866,59 @@ mod tests {
         assert!(reply(r#"{"requestId":7,"success":true}"#).is_none());
         assert!(reply(r#"{"success":true}"#).is_none());
         assert!(reply("not json").is_none());
+    }
+
+    /// A node that accepts the connection and then reads nothing: once the socket's buffers are
+    /// full, a request cannot be written. The call ends with a timeout instead of waiting
+    /// forever, and the connection is given up so that the session opens another.
+    #[tokio::test]
+    async fn a_peer_that_stops_reading_cannot_hold_a_call() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let (held_tx, held_rx) = oneshot::channel();
+        tokio::spawn(async move {
+            let (tcp, _) = listener.accept().await.unwrap();
+            let ws = tokio_tungstenite::accept_async(tcp).await.unwrap();
+            // Kept open, never read.
+            let _ = held_tx.send(ws);
+            std::future::pending::<()>().await;
+        });
+        let big = 1 << 20;
+        let conn = Conn::connect(&addr, Duration::from_secs(5), 64, 2 * big, None, None, None)
+            .await
+            .unwrap();
+        let _held = held_rx.await.unwrap();
+        let text: Utf8Bytes = "x".repeat(big).into();
+        let mut outcome = None;
+        for i in 0..64 {
+            let id = format!("r{i}");
+            let started = Instant::now();
+            let call = conn.call(
+                &id,
+                ReplyKind::Normal,
+                &text,
+                Some(Duration::from_millis(300)),
+            );
+            match tokio::time::timeout(Duration::from_secs(10), call).await {
+                Err(_) => panic!("call {i} still waiting after 10 s"),
+                // The request reached the socket; its reply never comes.
+                Ok(Err(CallError::Timeout)) if !conn.is_closed() => continue,
+                Ok(result) => {
+                    outcome = Some((i, result.map(|_| ()), started.elapsed()));
+                    break;
+                }
+            }
+        }
+        let (i, result, took) = outcome.expect("64 MB were all taken by a peer that reads nothing");
+        assert!(
+            matches!(result, Err(CallError::Timeout)),
+            "call {i}: {result:?}"
+        );
+        assert!(conn.is_closed(), "the stuck connection is given up");
+        assert!(took < Duration::from_secs(5), "call {i} took {took:?}");
+        assert!(
+            conn.pending.lock().unwrap().is_empty(),
+            "nothing left waiting"
+        );
     }
 }
