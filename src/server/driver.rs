@@ -116,10 +116,6 @@ impl NodeStatus {
 /// the oldest is dropped unobserved.
 const COMMIT_MARKS_MAX: usize = 4096;
 
-/// How often the status is republished when only progress changed (indexes, lock counts,
-/// replication): readers see it at most this much (or one tick, if longer) behind.
-const STATUS_PROGRESS_EVERY: Duration = Duration::from_millis(5);
-
 /// A driver turn goes on taking Readies (persist, send, apply) while it has run less than this;
 /// what is left waits for the next turn, after any tick or input that came meanwhile. Together
 /// with the Raft core's bound on the entries applied per Ready, this keeps a backlog from
@@ -450,8 +446,6 @@ pub struct Driver {
     batch_started: std::time::Instant,
     /// `publish_status`'s scratch buffer for the replication view.
     replication_buf: Vec<PeerReplication>,
-    /// When the status was last published (see [`STATUS_PROGRESS_EVERY`]).
-    status_sent_at: std::time::Instant,
     /// While leading: when the log's entries were appended (for `raftlock_replication_lag_seconds`).
     lag_clock: Option<LagClock>,
     /// When a message from the leader (or, while leading, from each follower) last arrived;
@@ -611,7 +605,6 @@ impl Driver {
             heartbeat_sent: HashMap::new(),
             lag_gauges: HashMap::new(),
             replication_buf: Vec::new(),
-            status_sent_at: std::time::Instant::now(),
             commit_marks: std::collections::VecDeque::new(),
             batch_started: std::time::Instant::now(),
             snapshot_started: None,
@@ -1174,33 +1167,27 @@ impl Driver {
                 remove_lag_series(m, gone);
             }
         }
-        // The status every reader sees (`/status`, readiness, forwarding, the peer port). A
-        // change of leader, role, term or membership is published at once; progress alone (the
-        // indexes, lock counts, replication) at most every `STATUS_PROGRESS_EVERY`, so a busy
-        // leader does not take the channel's write lock and wake its waiters several times per
-        // lock cycle. The ticker's turns publish what is left within a tick.
+        // Published after every batch, not on a timer: a follower asks the leader's peer port
+        // for its commit index (from this status) and waits until it has applied that much
+        // before judging a seed-004 release, so a commit index published late lets the follower
+        // judge on state older than an answer the leader already gave (tests/seed004_grpc.rs
+        // caught a 5 ms publishing interval doing that).
         let addresses = &self.addresses;
-        let (structural, progress) = {
-            let old = self.status.borrow();
-            let structural = old.term != term
+        self.status.send_if_modified(|old| {
+            let leader_addr_same = addresses.client_addr_is(leader_id, &old.leader_addr);
+            let changed = old.term != term
                 || old.leader_id != leader_id
                 || old.role != role
-                || !old.voters.iter().eq(membership.voters.iter())
-                || !old.learners.iter().eq(membership.learners.iter())
-                || !addresses.client_addr_is(leader_id, &old.leader_addr);
-            let progress = old.commit_index != commit_index
+                || old.commit_index != commit_index
                 || old.applied_index != applied_index
                 || old.last_index != last_index
+                || !old.voters.iter().eq(membership.voters.iter())
+                || !old.learners.iter().eq(membership.learners.iter())
+                || !leader_addr_same
                 || old.locks_held != locks_held
                 || old.waiters != waiters
                 || old.replication != replication;
-            (structural, progress)
-        };
-        let now = std::time::Instant::now();
-        let due = now.saturating_duration_since(self.status_sent_at) >= STATUS_PROGRESS_EVERY;
-        if structural || (progress && due) {
-            self.status_sent_at = now;
-            self.status.send_modify(|old| {
+            if changed {
                 old.id = raft.id();
                 old.term = term;
                 old.leader_id = leader_id;
@@ -1216,7 +1203,7 @@ impl Driver {
                 if !old.learners.iter().eq(membership.learners.iter()) {
                     old.learners = membership.learners.iter().copied().collect();
                 }
-                if !addresses.client_addr_is(leader_id, &old.leader_addr) {
+                if !leader_addr_same {
                     old.leader_addr = addresses
                         .get(leader_id)
                         .map(|a| a.client)
@@ -1227,8 +1214,9 @@ impl Driver {
                 if old.replication != replication {
                     old.replication.clone_from(&replication);
                 }
-            });
-        }
+            }
+            changed
+        });
         self.replication_buf = replication;
     }
 }
