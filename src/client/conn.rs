@@ -418,38 +418,25 @@ impl Conn {
                 .or_default()
                 .push(Slot { kind, tx });
         }
-        if self.is_closed() {
-            self.forget(request_id);
-            return Err(CallError::Lost(format!(
-                "connection to {} closed",
-                self.addr
-            )));
-        }
-        let send = async {
-            self.sink
-                .lock()
-                .await
-                .send(Message::Text(text.clone()))
-                .await
+        // A closed connection, or a write that fails, loses the request; a write the socket does
+        // not take within the timeout (a peer that stopped reading) gives the connection up, a
+        // frame perhaps half written, and the caller retries elsewhere with the same request id.
+        let sent = if self.is_closed() {
+            Ok(Err(()))
+        } else {
+            let send = async {
+                let mut sink = self.sink.lock().await;
+                sink.send(Message::Text(text.clone())).await.map_err(drop)
+            };
+            tokio::time::timeout(timeout.unwrap_or(SEND_TIMEOUT), send).await
         };
-        match tokio::time::timeout(timeout.unwrap_or(SEND_TIMEOUT), send).await {
-            Ok(Ok(())) => {}
-            Ok(Err(_)) => {
-                self.closed.store(true, Ordering::SeqCst);
-                self.forget(request_id);
-                return Err(CallError::Lost(format!(
-                    "connection to {} closed",
-                    self.addr
-                )));
-            }
-            Err(_) => {
-                // The socket took no more for the whole timeout: a peer that stopped reading.
-                // The connection is given up (a frame may be half written); the caller retries
-                // elsewhere with the same request id.
-                self.closed.store(true, Ordering::SeqCst);
-                self.forget(request_id);
-                return Err(CallError::Timeout);
-            }
+        if !matches!(sent, Ok(Ok(()))) {
+            self.closed.store(true, Ordering::SeqCst);
+            self.forget(request_id);
+            return Err(match sent {
+                Err(_) => CallError::Timeout,
+                _ => CallError::Lost(format!("connection to {} closed", self.addr)),
+            });
         }
         let result = match timeout {
             Some(t) => match tokio::time::timeout(t, rx).await {
