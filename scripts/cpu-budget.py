@@ -65,10 +65,17 @@ COMPONENTS = [
 ]
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n):
+    """n distinct free ports, all held open until every one is chosen (the kernel may give a
+    port it just gave out, and that was closed again, to the next bind)."""
+    held = [socket.socket() for _ in range(n)]
+    try:
+        for s in held:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in held]
+    finally:
+        for s in held:
+            s.close()
 
 
 def get_json(addr, path):
@@ -367,7 +374,8 @@ def main():
     if not shutil.which("valgrind"):
         raise SystemExit("valgrind is missing (apt-get install valgrind)")
     work = tempfile.mkdtemp(prefix="raftlock-cpu-budget-")
-    nodes = [{"id": i, "peer": f"127.0.0.1:{free_port()}", "client": f"127.0.0.1:{free_port()}"}
+    ports = free_ports(6)
+    nodes = [{"id": i, "peer": f"127.0.0.1:{ports[i - 1]}", "client": f"127.0.0.1:{ports[i + 2]}"}
              for i in (1, 2, 3)]
     initial = ",".join(f"{n['id']}={n['peer']}" for n in nodes)
     for n in nodes:

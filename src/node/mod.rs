@@ -207,6 +207,14 @@ pub enum Observation {
         result: &'static str,
     },
     ProposalFailed,
+    /// A client request answered with an error without being applied: refused before it was
+    /// proposed (not the leader, paced by the exactly-once table, a read that cannot be served)
+    /// or failed with its proposal (leadership lost, proposal refused). `result` is the error
+    /// code's label, as in [`Observation::Answered`].
+    Refused {
+        op: &'static str,
+        result: &'static str,
+    },
     /// The log was compacted to `index`: the stored state there is the new snapshot point.
     /// No bytes are built; a follower that needs the snapshot has it encoded then
     /// ([`Observation::SnapshotEncoded`]).
@@ -543,6 +551,16 @@ impl<S: Storage, R> NodeCore<S, R> {
         self.effects.push(Effect::Reply(to, reply));
     }
 
+    /// Answers a request of kind `op` with `err` without applying it, and says so
+    /// ([`Observation::Refused`], counted in `raftlock_requests_total` by its code).
+    fn refuse(&mut self, op: &'static str, to: R, err: ApiError) {
+        self.observe(Observation::Refused {
+            op,
+            result: err.code.as_str(),
+        });
+        self.reply(to, ClientReply::Error(err));
+    }
+
     #[cfg(any(test, feature = "mutations"))]
     fn bug(&self, which: impl Fn(&NodeBugs) -> bool) -> bool {
         which(&self.cfg.bugs)
@@ -583,12 +601,12 @@ impl<S: Storage, R> NodeCore<S, R> {
     /// together (one flush for all of them).
     pub fn client_request(&mut self, now: Micros, op: ClientOp, conn: u64, reply: R) {
         self.advance_clock(now);
+        let op_name = op.name();
         if !self.raft.is_leader() {
             let err = self.not_leader_error();
-            self.reply(reply, ClientReply::Error(err));
+            self.refuse(op_name, reply, err);
             return;
         }
-        let op_name = op.name();
         match op.answer_kind() {
             AnswerKind::None => {}
             AnswerKind::Ends => self.pacer.record(self.now, self.sm.limits(), false),
@@ -596,7 +614,7 @@ impl<S: Storage, R> NodeCore<S, R> {
                 Ok(()) => self.pacer.record(self.now, self.sm.limits(), true),
                 Err(paced) => {
                     let err = ApiError::new(ErrorCode::Busy, paced.to_string());
-                    self.reply(reply, ClientReply::Error(err));
+                    self.refuse(op_name, reply, err);
                     return;
                 }
             },
@@ -617,7 +635,7 @@ impl<S: Storage, R> NodeCore<S, R> {
                     }
                     Err(err) => {
                         let err = self.propose_error(err);
-                        self.reply(reply, ClientReply::Error(err));
+                        self.refuse(op_name, reply, err);
                     }
                 }
                 return;
@@ -1031,7 +1049,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             let err = self.not_leader_error();
             for (_, p) in batch {
                 if let Some(r) = p.reply {
-                    self.reply(r, ClientReply::Error(err.clone()));
+                    self.refuse(p.op, r, err.clone());
                 }
             }
             return;
@@ -1053,7 +1071,7 @@ impl<S: Storage, R> NodeCore<S, R> {
                 for (_, p) in batch {
                     self.observe(Observation::ProposalFailed);
                     if let Some(r) = p.reply {
-                        self.reply(r, ClientReply::Error(api.clone()));
+                        self.refuse(p.op, r, api.clone());
                     }
                 }
             }
@@ -1252,27 +1270,27 @@ impl<S: Storage, R> NodeCore<S, R> {
     }
 
     fn fail_all(&mut self, code: ErrorCode, message: &str) {
-        let err = ClientReply::Error(ApiError::new(code, message));
+        let err = ApiError::new(code, message);
         let pending = std::mem::take(&mut self.pending);
         for (_, p) in pending {
             if let Some(r) = p.reply {
-                self.reply(r, err.clone());
+                self.refuse(p.op, r, err.clone());
             }
         }
         let waiting = std::mem::take(&mut self.waiting);
         for (_, w) in waiting {
             if let Some(r) = w.reply {
-                self.reply(r, err.clone());
+                self.refuse("acquire", r, err.clone());
             }
         }
         let reads = std::mem::take(&mut self.reads);
         for (_, (_, r)) in reads {
-            self.reply(r, err.clone());
+            self.refuse("get", r, err.clone());
         }
         let batch = std::mem::take(&mut self.batch);
         for (_, p) in batch {
             if let Some(r) = p.reply {
-                self.reply(r, err.clone());
+                self.refuse(p.op, r, err.clone());
             }
         }
         self.read_indexes.clear();
@@ -2268,6 +2286,35 @@ mod drive_halves {
             .take_effects()
             .iter()
             .all(|e| !matches!(e, Effect::Reply(..))));
+    }
+
+    /// A request a node answers with an error without proposing it is observed with its
+    /// operation and code (the server counts it in `raftlock_requests_total`).
+    #[test]
+    fn a_request_refused_before_it_is_proposed_is_observed() {
+        let mut c = Cluster::new();
+        c.elect_node_1();
+        let now = c.now;
+        c.core(2).take_effects();
+        c.core(2).client_request(now, acquire("d"), 1, 44);
+        let effects = c.core(2).take_effects();
+        assert!(
+            effects.iter().any(|e| matches!(
+                e,
+                Effect::Observe(Observation::Refused {
+                    op: "acquire",
+                    result: "NOT_LEADER"
+                })
+            )),
+            "{effects:?}"
+        );
+        assert!(
+            effects.iter().any(|e| matches!(
+                e,
+                Effect::Reply(44, ClientReply::Error(err)) if err.code == ErrorCode::NotLeader
+            )),
+            "{effects:?}"
+        );
     }
 
     #[test]

@@ -968,6 +968,9 @@ impl Driver {
                 m.requests_total.with_label_values(&[op, result]).inc();
             }
             Observation::ProposalFailed => m.proposals_failed_total.inc(),
+            Observation::Refused { op, result } => {
+                m.requests_total.with_label_values(&[op, result]).inc();
+            }
             Observation::LogCompacted { index } => {
                 m.snapshots_total.with_label_values(&["taken"]).inc();
                 tracing::debug_span!("raft.snapshot", kind = "taken", index = index as i64)

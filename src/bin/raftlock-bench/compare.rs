@@ -66,20 +66,23 @@ impl Drop for Procs {
     }
 }
 
-fn free_port() -> Result<u16, String> {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
+/// `n` distinct ports of 127.0.0.1 that are free now. All `n` are held open until every one is
+/// chosen: the kernel may hand a port it just gave out, and that was closed again, to the next
+/// bind, and two nodes told to listen on one port leave a cluster without a quorum.
+fn free_ports(n: usize) -> Result<Vec<u16>, String> {
+    let held = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("no free port: {e}"))?;
+    held.iter()
+        .map(|l| l.local_addr().map(|a| a.port()))
+        .collect::<Result<Vec<_>, _>>()
         .map_err(|e| format!("no free port: {e}"))
 }
 
 fn start_etcd(dir: &Path, procs: &mut Procs, nodes: usize) -> Result<Vec<String>, String> {
-    let mut client_ports = Vec::new();
-    let mut peer_ports = Vec::new();
-    for _ in 0..nodes {
-        client_ports.push(free_port()?);
-        peer_ports.push(free_port()?);
-    }
+    let ports = free_ports(2 * nodes)?;
+    let (client_ports, peer_ports) = ports.split_at(nodes);
     let initial = (0..nodes)
         .map(|i| format!("e{i}=http://127.0.0.1:{}", peer_ports[i]))
         .collect::<Vec<_>>()
@@ -157,12 +160,8 @@ pub fn start_raftlock_nodes(
             node_bin.display()
         ));
     }
-    let mut peer = Vec::new();
-    let mut client = Vec::new();
-    for _ in 0..nodes {
-        peer.push(free_port()?);
-        client.push(free_port()?);
-    }
+    let ports = free_ports(2 * nodes)?;
+    let (peer, client) = ports.split_at(nodes);
     let initial = (0..nodes)
         .map(|i| format!("{}=127.0.0.1:{}", i + 1, peer[i]))
         .collect::<Vec<_>>()
@@ -467,9 +466,15 @@ pub async fn compare(args: CompareArgs) -> Result<(), String> {
     for &workload in &args.workloads {
         for &clients in &args.clients {
             let mut results: Vec<(Target, LoadResult)> = Vec::new();
+            let mut busy = 0.0;
             for round in 0..args.rounds {
                 for target in [Target::Raftlock, Target::Etcd] {
                     run += 1;
+                    let busy_before = if target == Target::Raftlock {
+                        busy_answers(&raftlock).await
+                    } else {
+                        0.0
+                    };
                     let spec = LoadSpec {
                         target,
                         endpoints: if target == Target::Etcd {
@@ -486,6 +491,13 @@ pub async fn compare(args: CompareArgs) -> Result<(), String> {
                     let r = load::run(&spec).await?;
                     print!("round {} ", round + 1);
                     load::print_result(&spec, &r);
+                    if target == Target::Raftlock {
+                        let answered = busy_answers(&raftlock).await - busy_before;
+                        if answered > 0.0 {
+                            println!("  RaftLock answered {answered:.0} requests BUSY (retried)");
+                        }
+                        busy += answered;
+                    }
                     match results.iter_mut().find(|(t, _)| *t == target) {
                         Some((_, acc)) => acc.merge(&r),
                         None => results.push((target, r)),
@@ -503,6 +515,11 @@ pub async fn compare(args: CompareArgs) -> Result<(), String> {
                     "p99_ms": ms(h.value_at_quantile(0.99)),
                     "p999_ms": ms(h.value_at_quantile(0.999)),
                 }));
+                if *target == Target::Raftlock {
+                    if let Some(row) = rows.last_mut() {
+                        row["busy_answers"] = json!(busy);
+                    }
+                }
             }
         }
     }
@@ -517,6 +534,28 @@ pub async fn compare(args: CompareArgs) -> Result<(), String> {
         "rows": rows,
     });
     write_report(&args.out, "results", &report, &markdown(&report))
+}
+
+/// Requests the RaftLock nodes at `endpoints` have answered `BUSY` so far, summed over the nodes
+/// (`raftlock_requests_total{result="BUSY"}`): paced by the exactly-once table, or refused by a
+/// full queue. The SDK retries them after a back-off, so they show as latency, not as errors. A
+/// node that does not answer counts 0.
+async fn busy_answers(endpoints: &[String]) -> f64 {
+    let mut total = 0.0;
+    for addr in endpoints {
+        let Ok((200, text)) =
+            raftlock::client::http::request(addr, "GET", "/metrics", None, Duration::from_secs(5))
+                .await
+        else {
+            continue;
+        };
+        total += text
+            .lines()
+            .filter(|l| l.starts_with("raftlock_requests_total{") && l.contains("result=\"BUSY\""))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>();
+    }
+    total
 }
 
 /// The etcd endpoints the load clients use, and what was decided and measured to pick them.
@@ -692,6 +731,28 @@ fn markdown(report: &serde_json::Value) -> String {
     s.push_str(
         "\nRatios are RaftLock / etcd (throughput: higher is better; p99: lower is better); — where the other granted no lock in the run.\n",
     );
+    let busy: Vec<String> = rows
+        .iter()
+        .filter(|r| r["busy_answers"].as_f64().unwrap_or(0.0) > 0.0)
+        .map(|r| {
+            format!(
+                "{} {} clients: {:.0}",
+                r["workload"].as_str().unwrap_or(""),
+                r["clients"],
+                f(&r["busy_answers"])
+            )
+        })
+        .collect();
+    if rows.iter().any(|r| r.get("busy_answers").is_some()) {
+        s.push_str(&if busy.is_empty() {
+            "\nNo RaftLock request was answered `BUSY` in these runs (`raftlock_requests_total{result=\"BUSY\"}` summed over the nodes before and after each run).\n".to_string()
+        } else {
+            format!(
+                "\nRequests the RaftLock nodes answered `BUSY` (`raftlock_requests_total{{result=\"BUSY\"}}` summed over the nodes before and after each run; paced by the exactly-once table or refused by a full queue; the SDK retries them after a back-off, so they show as latency, not as errors): {}.\n",
+                busy.join("; ")
+            )
+        });
+    }
     s.push_str(&goals(&rows, 2.0 * (fsync + rtt) / 1000.0));
     s
 }
@@ -742,6 +803,19 @@ mod tests {
 
     fn ms(v: u64) -> Duration {
         Duration::from_millis(v)
+    }
+
+    /// A cluster's ports are distinct: picked one at a time, bind-and-close, Linux handed the
+    /// same port out twice in a row (two nodes on one peer port, a cluster without a quorum,
+    /// and a `raftlock-bench scale` run that waited ten minutes for a node that never started).
+    #[test]
+    fn ports_for_a_cluster_are_distinct() {
+        for _ in 0..50 {
+            let mut ports = free_ports(10).expect("ports");
+            ports.sort_unstable();
+            ports.dedup();
+            assert_eq!(ports.len(), 10, "{ports:?}");
+        }
     }
 
     #[test]

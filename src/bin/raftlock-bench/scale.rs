@@ -1369,6 +1369,15 @@ pub async fn scale(args: ScaleArgs) -> Result<(), String> {
         "locks": locks,
     });
     write_report(&args.out, "scale", &report, &markdown(&report))?;
+    // The restarts are measured inside the held-locks part; a step that failed there is a
+    // failed run too, not only a cell of the report.
+    if let Some(l) = &locks {
+        for step in ["restart", "wiped_follower"] {
+            if let Some(e) = l[step]["error"].as_str() {
+                failed.push(format!("locks, {step}: {e}"));
+            }
+        }
+    }
     if failed.is_empty() {
         Ok(())
     } else {
