@@ -207,10 +207,11 @@ pub enum Observation {
         result: &'static str,
     },
     ProposalFailed,
-    /// A client request answered with an error without being applied: refused before it was
+    /// A client request answered with an error instead of its outcome: refused before it was
     /// proposed (not the leader, paced by the exactly-once table, a read that cannot be served)
-    /// or failed with its proposal (leadership lost, proposal refused). `result` is the error
-    /// code's label, as in [`Observation::Answered`].
+    /// or given up with its proposal (proposal refused, leadership lost — such an entry may
+    /// still commit under the next leader, and a retry with its request id gets that outcome).
+    /// `result` is the error code's label, as in [`Observation::Answered`].
     Refused {
         op: &'static str,
         result: &'static str,
