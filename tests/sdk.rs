@@ -201,11 +201,7 @@ async fn keepalive_notices_a_silent_connection_and_moves_on() {
 
 /// `forwarded` requests a node counted (`raftlock_requests_total{result="forwarded"}`).
 async fn forwarded_count(addr: &str) -> f64 {
-    let (_, text) = http_get(addr, "/metrics").await.expect("metrics");
-    text.lines()
-        .filter(|l| l.starts_with("raftlock_requests_total{") && l.contains("result=\"forwarded\""))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    requests_counted(addr, None, "forwarded").await
 }
 
 /// The client `c` still talks to `follower`, which forwarded at least an acquire and a release

@@ -171,21 +171,10 @@ async fn a_load_above_the_tables_rate_is_paced_not_stopped() {
         "a second without a grant: {granted:?}"
     );
     // The leader counts every paced refusal where operators look for them.
-    let counted = busy_count(&addr, "acquire").await;
+    let counted = requests_counted(&addr, Some("acquire"), "BUSY").await;
     assert!(
         counted >= f64::from(paced),
         "{paced} acquires were paced, raftlock_requests_total{{op=\"acquire\",result=\"BUSY\"}} \
          counted {counted}"
     );
-}
-
-/// `raftlock_requests_total{op, result="BUSY"}` of the node at `addr`.
-async fn busy_count(addr: &str, op: &str) -> f64 {
-    let (_, text) = http_get(addr, "/metrics").await.expect("metrics");
-    let op_label = format!("op=\"{op}\"");
-    text.lines()
-        .filter(|l| l.starts_with("raftlock_requests_total{"))
-        .filter(|l| l.contains(&op_label) && l.contains("result=\"BUSY\""))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }

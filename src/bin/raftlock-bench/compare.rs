@@ -506,7 +506,7 @@ pub async fn compare(args: CompareArgs) -> Result<(), String> {
             }
             for (target, r) in &results {
                 let h = r.main_hist(workload);
-                rows.push(json!({
+                let mut row = json!({
                     "workload": workload.to_string(), "clients": clients,
                     "target": target.to_string(),
                     "throughput": r.throughput(), "grants": r.grants, "errors": r.errors,
@@ -514,12 +514,11 @@ pub async fn compare(args: CompareArgs) -> Result<(), String> {
                     "p50_ms": ms(h.value_at_quantile(0.5)),
                     "p99_ms": ms(h.value_at_quantile(0.99)),
                     "p999_ms": ms(h.value_at_quantile(0.999)),
-                }));
+                });
                 if *target == Target::Raftlock {
-                    if let Some(row) = rows.last_mut() {
-                        row["busy_answers"] = json!(busy);
-                    }
+                    row["busy_answers"] = json!(busy);
                 }
+                rows.push(row);
             }
         }
     }
