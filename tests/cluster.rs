@@ -1,6 +1,6 @@
 //! Three real `lock-node` processes on 127.0.0.1: locks over WebSocket and gRPC, redirects, FIFO
 //! hand-off with increasing tokens, TTL expiry, SIGKILL of the leader, joining and removing a
-//! node, and bad input.
+//! node, bad input, and the timing of WebSocket requests in `/metrics`.
 
 mod common;
 
@@ -725,4 +725,111 @@ async fn a_voter_that_lost_its_data_refuses_to_start() {
     // Nothing changed for the others: the lock is still held, the node is still a member.
     let locks = http_json(&addr, "/locks").await.unwrap();
     assert_eq!(locks["locks"][0]["holder"], "c", "{locks}");
+}
+
+/// Sum of the samples of `series` (a metric name with its opening brace and first labels, such
+/// as `raftlock_websocket_request_duration_seconds_count{op="acquire"`) in a `/metrics` text.
+fn metric_sum(text: &str, series: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(series))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+fn ws_timed(op: &str) -> String {
+    format!("raftlock_websocket_request_duration_seconds_count{{op=\"{op}\"")
+}
+
+/// `addr`'s `/metrics` once its WebSocket request counts reach `expected` (bounded wait: a
+/// connection's writer records a request just after writing its answer, so a client may read
+/// the answer a moment before the count moves).
+async fn metrics_once_timed(addr: &str, expected: &[(&str, u64)]) -> String {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = http_get(addr, "/metrics").await.expect("metrics").1;
+        let reached = expected
+            .iter()
+            .all(|(op, n)| metric_sum(&text, &ws_timed(op)) >= *n as f64);
+        if reached || std::time::Instant::now() > deadline {
+            return text;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Acquire/release cycles on fresh keys over one WebSocket connection to `addr`, then one
+/// malformed frame; each frame is answered once (errors included).
+async fn cycles_on(addr: &str, name: &str, cycles: u64) {
+    let mut ws = ws_connect(addr).await;
+    for i in 0..cycles {
+        let key = format!("timed-{name}-{i}");
+        ws_send(&mut ws, &acquire(&key, name, &format!("a{i}"), 10_000)).await;
+        let granted = ws_recv(&mut ws, Duration::from_secs(10))
+            .await
+            .expect("an answer to the acquire");
+        let token = granted["fencingToken"]["value"].as_u64().unwrap_or(0);
+        ws_send(&mut ws, &release(&key, name, &format!("r{i}"), token)).await;
+        ws_recv(&mut ws, Duration::from_secs(10))
+            .await
+            .expect("an answer to the release");
+    }
+    ws_send_raw(&mut ws, "{not json").await;
+    let reply = ws_recv(&mut ws, Duration::from_secs(10))
+        .await
+        .expect("an answer to the malformed frame");
+    assert_eq!(reply["error"]["code"], "INVALID_REQUEST", "{reply}");
+}
+
+/// `raftlock_websocket_request_duration_seconds` counts each WebSocket request once, on the node
+/// whose connection it came in on, by operation (frames it could not understand as `invalid`),
+/// and its time encloses the time the executing driver spent on the request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn websocket_requests_are_timed_from_frame_to_answer() {
+    const CYCLES: u64 = 5;
+    let expected = [("acquire", CYCLES), ("release", CYCLES), ("invalid", 1)];
+    let cluster = Cluster::start(3);
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let leader_addr = cluster.nodes[(leader - 1) as usize].client_addr();
+    let (_, follower_addr) = follower_knowing(&cluster, leader).await;
+
+    cycles_on(&leader_addr, "on-leader", CYCLES).await;
+    let text = metrics_once_timed(&leader_addr, &expected).await;
+    for (op, n) in expected {
+        assert_eq!(
+            metric_sum(&text, &ws_timed(op)),
+            n as f64,
+            "leader: {op} requests timed at its WebSocket"
+        );
+    }
+    // Each acquire's time at the WebSocket encloses its time in the leader's driver.
+    let at_socket = metric_sum(
+        &text,
+        "raftlock_websocket_request_duration_seconds_sum{op=\"acquire\"",
+    );
+    let in_driver = metric_sum(
+        &text,
+        "raftlock_request_duration_seconds_sum{op=\"acquire\"",
+    );
+    assert!(
+        in_driver > 0.0 && at_socket >= in_driver,
+        "leader: acquires took {at_socket} s at the WebSocket and {in_driver} s in the driver"
+    );
+
+    // Requests sent to a follower are timed there, forwarding included, and not on the leader,
+    // which executes them.
+    cycles_on(&follower_addr, "on-follower", CYCLES).await;
+    let text = metrics_once_timed(&follower_addr, &expected).await;
+    for (op, n) in expected {
+        assert_eq!(
+            metric_sum(&text, &ws_timed(op)),
+            n as f64,
+            "follower: {op} requests timed at its WebSocket"
+        );
+    }
+    let text = http_get(&leader_addr, "/metrics").await.expect("metrics").1;
+    assert_eq!(
+        metric_sum(&text, &ws_timed("acquire")),
+        CYCLES as f64,
+        "the leader timed the follower's forwarded acquires as its own WebSocket requests"
+    );
 }

@@ -6,6 +6,7 @@
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use axum::extract::ws::{Message as WsMessage, Utf8Bytes, WebSocket};
 use futures::{SinkExt, StreamExt};
@@ -138,12 +139,31 @@ struct Connection {
     state: AppState,
     caller: Caller,
     /// Replies go to the connection's writer task.
-    out: mpsc::Sender<String>,
+    out: mpsc::Sender<Outgoing>,
     /// Turns true when the connection closes: forwarded requests stop waiting for the leader.
     closed: tokio::sync::watch::Receiver<bool>,
     /// Watches open on the connection.
     watches: Arc<std::sync::atomic::AtomicUsize>,
 }
+
+/// A frame for a connection's writer task.
+struct Outgoing {
+    text: String,
+    /// For the answer to a request: when the request's frame was read and its operation, so
+    /// that the writer records the request in `raftlock_websocket_request_duration_seconds`
+    /// once the answer is written.
+    timed: Option<(Instant, &'static str)>,
+}
+
+impl From<String> for Outgoing {
+    fn from(text: String) -> Self {
+        Outgoing { text, timed: None }
+    }
+}
+
+/// Operation label of a request answered before it was understood (malformed, invalid, or
+/// refused for a full connection).
+const INVALID_OP: &str = "invalid";
 
 /// Serves one WebSocket connection until it closes.
 pub async fn serve_socket(socket: WebSocket, state: AppState, caller: Caller) {
@@ -151,11 +171,17 @@ pub async fn serve_socket(socket: WebSocket, state: AppState, caller: Caller) {
     state.metrics.client_connections.inc();
     let (closed_tx, closed_rx) = tokio::sync::watch::channel(false);
     let (mut sink, mut stream) = socket.split();
-    let (out_tx, mut out_rx) = mpsc::channel::<String>(state.limits.max_inflight_per_connection);
+    let (out_tx, mut out_rx) = mpsc::channel::<Outgoing>(state.limits.max_inflight_per_connection);
+    let timings = state.metrics.websocket_request_duration_seconds.clone();
     let writer = tokio::spawn(async move {
-        while let Some(text) = out_rx.recv().await {
+        while let Some(Outgoing { text, timed }) = out_rx.recv().await {
             if sink.send(WsMessage::Text(text.into())).await.is_err() {
                 break;
+            }
+            if let Some((read_at, op)) = timed {
+                timings
+                    .with_label_values(&[op])
+                    .observe(read_at.elapsed().as_secs_f64());
             }
         }
         let _ = sink.close().await;
@@ -182,6 +208,7 @@ pub async fn serve_socket(socket: WebSocket, state: AppState, caller: Caller) {
             }
         };
         let Some(Ok(frame)) = frame else { break };
+        let read_at = Instant::now();
         let text = match frame {
             WsMessage::Text(t) => t,
             WsMessage::Binary(b) => match Utf8Bytes::try_from(b) {
@@ -194,7 +221,8 @@ pub async fn serve_socket(socket: WebSocket, state: AppState, caller: Caller) {
                             "binary frames must be UTF-8 JSON",
                         ),
                     );
-                    let _ = shared.out.send(reply).await;
+                    let timed = Some((read_at, INVALID_OP));
+                    let _ = shared.out.send(Outgoing { text: reply, timed }).await;
                     continue;
                 }
             },
@@ -207,7 +235,9 @@ pub async fn serve_socket(socket: WebSocket, state: AppState, caller: Caller) {
                 ErrorCode::Busy,
                 "too many requests in flight on this connection",
             );
-            let _ = shared.out.send(error_json(&raw, &err)).await;
+            let text = error_json(&raw, &err);
+            let timed = Some((read_at, INVALID_OP));
+            let _ = shared.out.send(Outgoing { text, timed }).await;
             continue;
         };
         let shared = shared.clone();
@@ -216,8 +246,9 @@ pub async fn serve_socket(socket: WebSocket, state: AppState, caller: Caller) {
         // was copied whole into its slot when spawned and again when it finished (`memcpy` was
         // about 3% of the leader's instructions per lock cycle at 4 KB).
         tokio::spawn(async move {
-            if let Some(reply) = Box::pin(handle_text(&text, conn, &shared)).await {
-                let _ = shared.out.send(reply).await;
+            if let Some((text, op)) = Box::pin(handle_text(&text, conn, &shared)).await {
+                let timed = Some((read_at, op));
+                let _ = shared.out.send(Outgoing { text, timed }).await;
             }
             drop(permit);
         });
@@ -232,8 +263,9 @@ pub async fn serve_socket(socket: WebSocket, state: AppState, caller: Caller) {
     metrics.dec();
 }
 
-/// Parses, validates and executes one request; returns the JSON reply.
-async fn handle_text(text: &str, conn: u64, c: &Connection) -> Option<String> {
+/// Parses, validates and executes one request; returns the JSON reply and the request's
+/// operation (nothing for a watch, which answers on its own).
+async fn handle_text(text: &str, conn: u64, c: &Connection) -> Option<(String, &'static str)> {
     let (state, caller) = (&c.state, &c.caller);
     let closed = || Some(c.closed.clone());
     // Most frames hold only known fields with string ids: they parse straight into their typed
@@ -250,7 +282,7 @@ async fn handle_text(text: &str, conn: u64, c: &Connection) -> Option<String> {
         Ok(v) => v,
         Err(err) => {
             let e = ApiError::new(ErrorCode::InvalidRequest, format!("malformed JSON: {err}"));
-            return Some(error_json(&Value::Null, &e));
+            return Some((error_json(&Value::Null, &e), INVALID_OP));
         }
     };
     // Fields from newer clients (or other designs) are ignored, and counted.
@@ -270,7 +302,7 @@ async fn handle_text(text: &str, conn: u64, c: &Connection) -> Option<String> {
         };
         return match Box::pin(run_watch(&raw, state, caller, ctx, c.closed.clone())).await {
             Ok(()) => None,
-            Err(e) => Some(error_json(&raw, &e)),
+            Err(e) => Some((error_json(&raw, &e), "watch")),
         };
     }
     strip_unknown_fields(&mut raw);
@@ -278,7 +310,7 @@ async fn handle_text(text: &str, conn: u64, c: &Connection) -> Option<String> {
         Ok(r) => r,
         Err(err) => {
             let e = ApiError::new(ErrorCode::InvalidRequest, format!("invalid request: {err}"));
-            return Some(error_json(&raw, &e));
+            return Some((error_json(&raw, &e), INVALID_OP));
         }
     };
     Some(execute_request(request, Echo::of(&raw), conn, state, caller, closed()).await)
@@ -292,7 +324,8 @@ fn strip_unknown_fields(raw: &mut Value) {
     }
 }
 
-/// Checks, authorizes and executes one parsed request; returns the JSON reply.
+/// Checks, authorizes and executes one parsed request; returns the JSON reply and the request's
+/// operation.
 async fn execute_request(
     request: WsRequest<'_>,
     echo: Echo<'_>,
@@ -300,15 +333,16 @@ async fn execute_request(
     state: &AppState,
     caller: &Caller,
     closed: Option<tokio::sync::watch::Receiver<bool>>,
-) -> String {
+) -> (String, &'static str) {
     let forward = !request.redirect.unwrap_or(false);
     let traceparent = request.traceparent.as_deref().map(str::to_owned);
     let mut op = match to_op(request, &state.limits, conn) {
         Ok(op) => op,
-        Err(e) => return error_reply(echo, &e),
+        Err(e) => return (error_reply(echo, &e), INVALID_OP),
     };
+    let name = op.name();
     if let Err(e) = caller.authorize(&mut op) {
-        return error_reply(echo, &e);
+        return (error_reply(echo, &e), name);
     }
     let release = matches!(op, ClientOp::Release { .. } | ClientOp::ReleaseHeld { .. });
     let span = request_span(&op, "websocket", traceparent.as_deref());
@@ -316,7 +350,8 @@ async fn execute_request(
         .instrument(span.clone())
         .await;
     finish_span(&span, &reply);
-    reply_json(echo, &reply, release, state.security.fencing_key.as_ref())
+    let text = reply_json(echo, &reply, release, state.security.fencing_key.as_ref());
+    (text, name)
 }
 
 /// `commandType` of a watch request.
@@ -324,7 +359,7 @@ pub const WATCH_COMMAND: u64 = 8;
 
 /// What a watch needs from its connection.
 pub struct WatchCtx {
-    out: mpsc::Sender<String>,
+    out: mpsc::Sender<Outgoing>,
     /// Watches open on the connection.
     count: Arc<std::sync::atomic::AtomicUsize>,
 }
@@ -398,12 +433,12 @@ async fn run_watch(
     };
     let ack = json!({"success": true, "watching": true, "key": prefix,
                      "requestId": request_id, "index": sub.index});
-    if ctx.out.send(ack.to_string()).await.is_err() {
+    if ctx.out.send(ack.to_string().into()).await.is_err() {
         return Ok(());
     }
     let mut last = from.unwrap_or(sub.index);
     for item in &sub.backlog {
-        if ctx.out.send(frame(item)).await.is_err() {
+        if ctx.out.send(frame(item).into()).await.is_err() {
             return Ok(());
         }
         last = last.max(item.index());
@@ -422,7 +457,7 @@ async fn run_watch(
                 if is_lock && item.index() <= sub.index || !item.matches(&prefix) {
                     continue;
                 }
-                if ctx.out.send(frame(&item)).await.is_err() {
+                if ctx.out.send(frame(&item).into()).await.is_err() {
                     return Ok(());
                 }
                 if is_lock {
@@ -434,7 +469,7 @@ async fn run_watch(
                 // last index delivered loses nothing (while the node still keeps those events).
                 let end = json!({"event": "lagged", "requestId": request_id, "resumeFrom": last,
                                  "message": "the watch fell too far behind and ended; watch again with fromIndex"});
-                let _ = ctx.out.send(end.to_string()).await;
+                let _ = ctx.out.send(end.to_string().into()).await;
                 return Ok(());
             }
             Err(tokio::sync::broadcast::error::RecvError::Closed) => return Ok(()),

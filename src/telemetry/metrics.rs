@@ -32,6 +32,7 @@ pub struct NodeMetrics {
     pub state_write_duration_seconds: Histogram,
     pub snapshot_duration_seconds: Histogram,
     pub request_duration_seconds: HistogramVec,
+    pub websocket_request_duration_seconds: HistogramVec,
     pub snapshots_total: IntCounterVec,
     pub locks_held: IntGauge,
     pub lock_waiters: IntGauge,
@@ -178,6 +179,14 @@ impl NodeMetrics {
                 HistogramOpts::new(
                     "raftlock_request_duration_seconds",
                     "From a client request entering the driver queue of the node that executes it to its answer (time queued for a lock included)."
+                )
+                .buckets(LATENCY_BUCKETS.to_vec()),
+                &["op"]
+            )),
+            websocket_request_duration_seconds: reg!(HistogramVec::new(
+                HistogramOpts::new(
+                    "raftlock_websocket_request_duration_seconds",
+                    "From a WebSocket request's frame read on this node to its answer written to the connection (forwarding to the leader and time queued for a lock included)."
                 )
                 .buckets(LATENCY_BUCKETS.to_vec()),
                 &["op"]

@@ -279,7 +279,25 @@ pub async fn latency(args: LatencyArgs) -> Result<(), String> {
     let (b, a) = (&before[leader], &after[leader]);
     let acquire = mean_ms(b, a, "raftlock_request_duration_seconds{op=\"acquire\"}");
     let release = mean_ms(b, a, "raftlock_request_duration_seconds{op=\"release\"}");
+    let ws_acquire = mean_ms(
+        b,
+        a,
+        "raftlock_websocket_request_duration_seconds{op=\"acquire\"}",
+    );
+    let ws_release = mean_ms(
+        b,
+        a,
+        "raftlock_websocket_request_duration_seconds{op=\"release\"}",
+    );
+    row(
+        "acquire at the leader's WebSocket (frame read to answer written)",
+        ws_acquire,
+    );
     row("acquire in the leader (driver queue to answer)", acquire);
+    row(
+        "release at the leader's WebSocket (frame read to answer written)",
+        ws_release,
+    );
     row("release in the leader (driver queue to answer)", release);
     row(
         "leader: batch proposed → on a majority's disks",
@@ -314,10 +332,16 @@ pub async fn latency(args: LatencyArgs) -> Result<(), String> {
             mean_ms(b, a, series),
         );
     }
-    if let (Some((acq, _)), Some((rel, _))) = (acquire, release) {
+    if let (Some((acq, _)), Some((rel, _)), Some((ws_acq, _)), Some((ws_rel, _))) =
+        (acquire, release, ws_acquire, ws_release)
+    {
         println!(
-            "| outside the leader's driver: cycle − acquire − release (WebSocket, JSON, both runtimes, network) | {:.3} | |",
-            cycle_ms - acq - rel
+            "| the leader's connection side: its WebSocket time − its driver time, both requests (parsing, tasks, the I/O runtime's wake-ups, writing the answer) | {:.3} | |",
+            ws_acq + ws_rel - acq - rel
+        );
+        println!(
+            "| outside the leader: cycle − its WebSocket time, both requests (the client's runtime, JSON and frames, loopback, the leader's read wake-up) | {:.3} | |",
+            cycle_ms - ws_acq - ws_rel
         );
     }
     print_cpu_table(&cpu, leader, &client_cpu, r.grants);
