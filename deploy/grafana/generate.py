@@ -185,6 +185,28 @@ def dashboard():
                            "paces new acquires, puts and deletes (BUSY) to keep the recent "
                            "ones below the bound (alert RaftLockRequestsPaced)."),
     )
+    L.line(
+        series("Request latency at the client connection",
+               quantiles("raftlock_websocket_request_duration_seconds", "op"), unit="s",
+               description="WebSocket requests on the node whose connection they came in on, "
+                           "from the frame read to the answer written (lock waits and the hop "
+                           "to the leader included)."),
+        series("Where a request's time goes (p99)",
+               [(f"histogram_quantile(0.99, sum by (le) (rate(raftlock_websocket_request_duration_seconds_bucket{{{SEL},op=~\"release|renew\"}}[$__rate_interval])))",
+                 "release and renew at the client connection"),
+                (f"histogram_quantile(0.99, sum by (le) (rate(raftlock_request_duration_seconds_bucket{{{SEL},op=~\"release|renew\"}}[$__rate_interval])))",
+                 "release and renew in the executing node's driver"),
+                (f"histogram_quantile(0.99, sum by (le) (rate(raftlock_commit_duration_seconds_bucket{{{SEL}}}[$__rate_interval])))",
+                 "commit on the leader (a majority's disks)"),
+                (f"histogram_quantile(0.99, sum by (le) (rate(raftlock_fsync_duration_seconds_bucket{{{SEL}}}[$__rate_interval])))",
+                 "one flush")],
+               unit="s",
+               description="Releases and renewals never wait for a lock, so their time is the "
+                           "service's own. Connection far above driver: the node's client I/O "
+                           "(too many connections for its CPUs). Driver far above commit: the "
+                           "driver thread is busy. Commit far above flush: the followers or the "
+                           "network."),
+    )
     L.row("Data store")
     L.line(
         series("Fenced writes by result",
