@@ -742,19 +742,27 @@ fn ws_timed(op: &str) -> String {
 
 /// `addr`'s `/metrics` once its WebSocket request counts reach `expected` (bounded wait: a
 /// connection's writer records a request just after writing its answer, so a client may read
-/// the answer a moment before the count moves).
-async fn metrics_once_timed(addr: &str, expected: &[(&str, u64)]) -> String {
+/// the answer a moment before the count moves), asserting that each count is exactly that.
+async fn metrics_once_timed(addr: &str, who: &str, expected: &[(&str, u64)]) -> String {
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
+    let text = loop {
         let text = http_get(addr, "/metrics").await.expect("metrics").1;
         let reached = expected
             .iter()
             .all(|(op, n)| metric_sum(&text, &ws_timed(op)) >= *n as f64);
         if reached || std::time::Instant::now() > deadline {
-            return text;
+            break text;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    for (op, n) in expected {
+        assert_eq!(
+            metric_sum(&text, &ws_timed(op)),
+            *n as f64,
+            "{who}: {op} requests timed at its WebSocket"
+        );
     }
+    text
 }
 
 /// Acquire/release cycles on fresh keys over one WebSocket connection to `addr`, then one
@@ -793,14 +801,7 @@ async fn websocket_requests_are_timed_from_frame_to_answer() {
     let (_, follower_addr) = follower_knowing(&cluster, leader).await;
 
     cycles_on(&leader_addr, "on-leader", CYCLES).await;
-    let text = metrics_once_timed(&leader_addr, &expected).await;
-    for (op, n) in expected {
-        assert_eq!(
-            metric_sum(&text, &ws_timed(op)),
-            n as f64,
-            "leader: {op} requests timed at its WebSocket"
-        );
-    }
+    let text = metrics_once_timed(&leader_addr, "leader", &expected).await;
     // Each acquire's time at the WebSocket encloses its time in the leader's driver.
     let at_socket = metric_sum(
         &text,
@@ -818,14 +819,7 @@ async fn websocket_requests_are_timed_from_frame_to_answer() {
     // Requests sent to a follower are timed there, forwarding included, and not on the leader,
     // which executes them.
     cycles_on(&follower_addr, "on-follower", CYCLES).await;
-    let text = metrics_once_timed(&follower_addr, &expected).await;
-    for (op, n) in expected {
-        assert_eq!(
-            metric_sum(&text, &ws_timed(op)),
-            n as f64,
-            "follower: {op} requests timed at its WebSocket"
-        );
-    }
+    metrics_once_timed(&follower_addr, "follower", &expected).await;
     let text = http_get(&leader_addr, "/metrics").await.expect("metrics").1;
     assert_eq!(
         metric_sum(&text, &ws_timed("acquire")),
