@@ -727,15 +727,6 @@ async fn a_voter_that_lost_its_data_refuses_to_start() {
     assert_eq!(locks["locks"][0]["holder"], "c", "{locks}");
 }
 
-/// Sum of the samples of `series` (a metric name with its opening brace and first labels, such
-/// as `raftlock_websocket_request_duration_seconds_count{op="acquire"`) in a `/metrics` text.
-fn metric_sum(text: &str, series: &str) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(series))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 fn ws_timed(op: &str) -> String {
     format!("raftlock_websocket_request_duration_seconds_count{{op=\"{op}\"")
 }
@@ -749,7 +740,7 @@ async fn metrics_once_timed(addr: &str, who: &str, expected: &[(&str, u64)]) -> 
         let text = http_get(addr, "/metrics").await.expect("metrics").1;
         let reached = expected
             .iter()
-            .all(|(op, n)| metric_sum(&text, &ws_timed(op)) >= *n as f64);
+            .all(|(op, n)| metric_sum(&text, &ws_timed(op), &[]) >= *n as f64);
         if reached || std::time::Instant::now() > deadline {
             break text;
         }
@@ -757,7 +748,7 @@ async fn metrics_once_timed(addr: &str, who: &str, expected: &[(&str, u64)]) -> 
     };
     for (op, n) in expected {
         assert_eq!(
-            metric_sum(&text, &ws_timed(op)),
+            metric_sum(&text, &ws_timed(op), &[]),
             *n as f64,
             "{who}: {op} requests timed at its WebSocket"
         );
@@ -806,10 +797,12 @@ async fn websocket_requests_are_timed_from_frame_to_answer() {
     let at_socket = metric_sum(
         &text,
         "raftlock_websocket_request_duration_seconds_sum{op=\"acquire\"",
+        &[],
     );
     let in_driver = metric_sum(
         &text,
         "raftlock_request_duration_seconds_sum{op=\"acquire\"",
+        &[],
     );
     assert!(
         in_driver > 0.0 && at_socket >= in_driver,
@@ -822,7 +815,7 @@ async fn websocket_requests_are_timed_from_frame_to_answer() {
     metrics_once_timed(&follower_addr, "follower", &expected).await;
     let text = http_get(&leader_addr, "/metrics").await.expect("metrics").1;
     assert_eq!(
-        metric_sum(&text, &ws_timed("acquire")),
+        metric_sum(&text, &ws_timed("acquire"), &[]),
         CYCLES as f64,
         "the leader timed the follower's forwarded acquires as its own WebSocket requests"
     );

@@ -89,6 +89,12 @@ impl NodeMetrics {
         let hist = |name: &str, help: &str, buckets: &[f64]| {
             Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets.to_vec()))
         };
+        let latency_by = |name: &str, help: &str, label: &str| {
+            HistogramVec::new(
+                HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec()),
+                &[label],
+            )
+        };
         let metrics = NodeMetrics {
             term: reg!(gauge("raftlock_term", "Current Raft term.")),
             is_leader: reg!(gauge("raftlock_is_leader", "1 if this node is the leader.")),
@@ -127,13 +133,10 @@ impl NodeMetrics {
                 ),
                 &["peer"]
             )),
-            peer_rtt_seconds: reg!(HistogramVec::new(
-                HistogramOpts::new(
-                    "raftlock_peer_rtt_seconds",
-                    "Round trip of a heartbeat to a peer and its answer."
-                )
-                .buckets(LATENCY_BUCKETS.to_vec()),
-                &["peer"]
+            peer_rtt_seconds: reg!(latency_by(
+                "raftlock_peer_rtt_seconds",
+                "Round trip of a heartbeat to a peer and its answer.",
+                "peer"
             )),
             proposals_committed_total: reg!(counter(
                 "raftlock_proposals_committed_total",
@@ -175,21 +178,15 @@ impl NodeMetrics {
                 "Encoding a snapshot for a follower: reading and encoding the stored state (on its own thread).",
                 SNAPSHOT_BUCKETS
             )),
-            request_duration_seconds: reg!(HistogramVec::new(
-                HistogramOpts::new(
-                    "raftlock_request_duration_seconds",
-                    "From a client request entering the driver queue of the node that executes it to its answer (time queued for a lock included)."
-                )
-                .buckets(LATENCY_BUCKETS.to_vec()),
-                &["op"]
+            request_duration_seconds: reg!(latency_by(
+                "raftlock_request_duration_seconds",
+                "From a client request entering the driver queue of the node that executes it to its answer (time queued for a lock included).",
+                "op"
             )),
-            websocket_request_duration_seconds: reg!(HistogramVec::new(
-                HistogramOpts::new(
-                    "raftlock_websocket_request_duration_seconds",
-                    "From a WebSocket request's frame read on this node to its answer written to the connection (forwarding to the leader and time queued for a lock included)."
-                )
-                .buckets(LATENCY_BUCKETS.to_vec()),
-                &["op"]
+            websocket_request_duration_seconds: reg!(latency_by(
+                "raftlock_websocket_request_duration_seconds",
+                "From a WebSocket request's frame read on this node to its answer written to the connection (forwarding to the leader and time queued for a lock included).",
+                "op"
             )),
             snapshots_total: reg!(IntCounterVec::new(
                 Opts::new(

@@ -240,17 +240,26 @@ pub async fn http_json(addr: &str, path: &str) -> Result<Value, String> {
     serde_json::from_str(&body).map_err(|e| e.to_string())
 }
 
+/// Sum of the samples in a `/metrics` text whose lines start with `series` (a metric name with
+/// its opening brace and first labels, such as
+/// `raftlock_websocket_request_duration_seconds_count{op="acquire"`) and contain every one of
+/// `labels`.
+pub fn metric_sum(text: &str, series: &str, labels: &[&str]) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(series) && labels.iter().all(|label| l.contains(label)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 /// The node at `addr`'s `raftlock_requests_total` for `result`, summed over operations or only
 /// for `op`.
 pub async fn requests_counted(addr: &str, op: Option<&str>, result: &str) -> f64 {
     let (_, text) = http_get(addr, "/metrics").await.expect("metrics");
     let result_label = format!("result=\"{result}\"");
     let op_label = op.map(|op| format!("op=\"{op}\""));
-    text.lines()
-        .filter(|l| l.starts_with("raftlock_requests_total{") && l.contains(&result_label))
-        .filter(|l| op_label.as_ref().is_none_or(|o| l.contains(o.as_str())))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    let mut labels = vec![result_label.as_str()];
+    labels.extend(op_label.as_deref());
+    metric_sum(&text, "raftlock_requests_total{", &labels)
 }
 
 pub async fn http_get(addr: &str, path: &str) -> Result<(u16, String), String> {
