@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::*;
 use raftlock::server::proto::lock::lock_service_client::LockServiceClient;
-use raftlock::server::proto::lock::{AcquireLockRequest, ReleaseLockRequest};
+use raftlock::server::proto::lock::{AcquireLockRequest, ReleaseLockRequest, RenewLockRequest};
 use serde_json::{json, Value};
 
 const LEADER_TIMEOUT: Duration = Duration::from_secs(20);
@@ -818,5 +818,124 @@ async fn websocket_requests_are_timed_from_frame_to_answer() {
         metric_sum(&text, &ws_timed("acquire"), &[]),
         CYCLES as f64,
         "the leader timed the follower's forwarded acquires as its own WebSocket requests"
+    );
+}
+
+/// The node's count of `op` requests timed at its gRPC service `raftlock.lock.v1.LockService`.
+fn grpc_count(text: &str, op: &str) -> f64 {
+    let op = format!("op=\"{op}\"");
+    metric_sum(
+        text,
+        "raftlock_grpc_request_duration_seconds_count{",
+        &[&op, "service=\"raftlock.lock.v1.LockService\""],
+    )
+}
+
+/// Acquire, renew and release cycles on fresh keys over gRPC to `addr`; every answer a success.
+async fn grpc_cycles_on(addr: &str, name: &str, cycles: u64) {
+    let mut grpc = LockServiceClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+    for i in 0..cycles {
+        let key = format!("grpc-timed-{name}-{i}");
+        let got = grpc
+            .acquire_lock(AcquireLockRequest {
+                resource_name: key.clone(),
+                owner_id: name.into(),
+                client_timeout_ms: 1_000,
+                request_id: format!("{name}-a{i}"),
+                ttl_ms: 10_000,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(got.acquired, "{got:?}");
+        let token = got.fencing_token.unwrap().value;
+        let renewed = grpc
+            .renew_lock(RenewLockRequest {
+                resource_name: key.clone(),
+                owner_id: name.into(),
+                fencing_token: token,
+                ttl_ms: 10_000,
+                request_id: format!("{name}-n{i}"),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(renewed.renewed, "{renewed:?}");
+        let released = grpc
+            .release_lock(ReleaseLockRequest {
+                resource_name: key,
+                owner_id: name.into(),
+                fencing_token: token,
+                request_id: format!("{name}-r{i}"),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(released.released, "{released:?}");
+    }
+}
+
+/// `addr`'s gRPC request counts by operation once they reach `n` each (bounded wait), asserted
+/// to be exactly `n`.
+async fn grpc_counts_once_timed(addr: &str, who: &str, n: u64) -> String {
+    let ops = ["acquire", "renew", "release"];
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let text = loop {
+        let text = http_get(addr, "/metrics").await.expect("metrics").1;
+        let reached = ops.iter().all(|op| grpc_count(&text, op) >= n as f64);
+        if reached || std::time::Instant::now() > deadline {
+            break text;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    for op in ops {
+        assert_eq!(
+            grpc_count(&text, op),
+            n as f64,
+            "{who}: {op} requests timed at its gRPC service"
+        );
+    }
+    text
+}
+
+/// `raftlock_grpc_request_duration_seconds` counts each gRPC request once, on the node it was
+/// sent to, by operation, and an acquire's time there encloses its time in the leader's driver.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_requests_are_timed_at_the_client_port() {
+    const CYCLES: u64 = 4;
+    let cluster = Cluster::start(3);
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let leader_addr = cluster.nodes[(leader - 1) as usize].client_addr();
+    let (_, follower_addr) = follower_knowing(&cluster, leader).await;
+
+    grpc_cycles_on(&leader_addr, "g-leader", CYCLES).await;
+    let text = grpc_counts_once_timed(&leader_addr, "leader", CYCLES).await;
+    let at_port = metric_sum(
+        &text,
+        "raftlock_grpc_request_duration_seconds_sum{op=\"acquire\"",
+        &[],
+    );
+    let in_driver = metric_sum(
+        &text,
+        "raftlock_request_duration_seconds_sum{op=\"acquire\"",
+        &[],
+    );
+    assert!(
+        in_driver > 0.0 && at_port >= in_driver,
+        "leader: acquires took {at_port} s at the gRPC service and {in_driver} s in the driver"
+    );
+    // None of these went over the WebSocket.
+    assert_eq!(metric_sum(&text, &ws_timed("acquire"), &[]), 0.0);
+
+    // A follower times what it was sent (forwarded to the leader); the leader does not count it.
+    grpc_cycles_on(&follower_addr, "g-follower", CYCLES).await;
+    grpc_counts_once_timed(&follower_addr, "follower", CYCLES).await;
+    let text = http_get(&leader_addr, "/metrics").await.expect("metrics").1;
+    assert_eq!(
+        grpc_count(&text, "acquire"),
+        CYCLES as f64,
+        "the leader timed the follower's forwarded acquires as its own gRPC requests"
     );
 }

@@ -87,6 +87,17 @@ def quantiles(metric, by=""):
              f"p{int(q * 100)}{suffix}") for q in (0.5, 0.9, 0.99)]
 
 
+RELEASE_RENEW = ',op=~"release|renew"'
+
+
+def at_client_port(extra=""):
+    """Bucket rates of requests timed at the client port: WebSocket and gRPC together."""
+    return " or ".join(
+        f"rate({metric}_bucket{{{SEL}{extra}}}[$__rate_interval])"
+        for metric in ("raftlock_websocket_request_duration_seconds",
+                       "raftlock_grpc_request_duration_seconds"))
+
+
 def dashboard():
     L = Layout()
     L.row("Cluster")
@@ -187,12 +198,14 @@ def dashboard():
     )
     L.line(
         series("Request latency at the client connection",
-               quantiles("raftlock_websocket_request_duration_seconds", "op"), unit="s",
-               description="WebSocket requests on the node whose connection they came in on, "
-                           "from the frame read to the answer written (lock waits and the hop "
-                           "to the leader included)."),
+               [(f"histogram_quantile({q}, sum by (le, op) ({at_client_port()}))",
+                 f"p{int(q * 100)} {{{{op}}}}") for q in (0.5, 0.9, 0.99)], unit="s",
+               description="WebSocket and gRPC requests on the node they were sent to: over "
+                           "WebSocket from the frame read to the answer written, over gRPC from "
+                           "the request's arrival to its answer (lock waits and the hop to the "
+                           "leader included)."),
         series("Where a request's time goes (p99)",
-               [(f"histogram_quantile(0.99, sum by (le) (rate(raftlock_websocket_request_duration_seconds_bucket{{{SEL},op=~\"release|renew\"}}[$__rate_interval])))",
+               [(f"histogram_quantile(0.99, sum by (le) ({at_client_port(RELEASE_RENEW)}))",
                  "release and renew at the client connection"),
                 (f"histogram_quantile(0.99, sum by (le) (rate(raftlock_request_duration_seconds_bucket{{{SEL},op=~\"release|renew\"}}[$__rate_interval])))",
                  "release and renew in the executing node's driver"),

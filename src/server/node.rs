@@ -388,9 +388,12 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
         state: state.clone(),
     })
     .max_decoding_message_size(cfg.max_message_bytes);
-    let grpc_routes = tonic::service::Routes::new(lock_service)
-        .add_service(seed_lock_service)
-        .into_axum_router();
+    let grpc_routes = super::grpc::timed(
+        tonic::service::Routes::new(lock_service)
+            .add_service(seed_lock_service)
+            .into_axum_router(),
+        metrics.grpc_request_duration_seconds.clone(),
+    );
     let app = router(state).merge(grpc_routes);
     let mut client_shutdown = shutdown.clone();
     let max_tcp_connections = cfg.max_connections + super::listener::EXTRA_TCP_CONNECTIONS;

@@ -33,6 +33,7 @@ pub struct NodeMetrics {
     pub snapshot_duration_seconds: Histogram,
     pub request_duration_seconds: HistogramVec,
     pub websocket_request_duration_seconds: HistogramVec,
+    pub grpc_request_duration_seconds: HistogramVec,
     pub snapshots_total: IntCounterVec,
     pub locks_held: IntGauge,
     pub lock_waiters: IntGauge,
@@ -187,6 +188,14 @@ impl NodeMetrics {
                 "raftlock_websocket_request_duration_seconds",
                 "From a WebSocket request's frame read on this node to its answer written to the connection (forwarding to the leader and time queued for a lock included).",
                 "op"
+            )),
+            grpc_request_duration_seconds: reg!(HistogramVec::new(
+                HistogramOpts::new(
+                    "raftlock_grpc_request_duration_seconds",
+                    "From a gRPC request reaching this node's client port to its answer being ready to send (forwarding to the leader and time queued for a lock included), by service and operation."
+                )
+                .buckets(LATENCY_BUCKETS.to_vec()),
+                &["service", "op"],
             )),
             snapshots_total: reg!(IntCounterVec::new(
                 Opts::new(
