@@ -939,3 +939,35 @@ async fn grpc_requests_are_timed_at_the_client_port() {
         "the leader timed the follower's forwarded acquires as its own gRPC requests"
     );
 }
+
+/// Three nodes of this RaftLock say so on their peer streams; the leader then raises the
+/// cluster version, and every node reports it (/status and `raftlock_cluster_version`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cluster_version_is_raised_once_every_member_runs_it() {
+    let cluster = Cluster::start(3);
+    cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let expected = raftlock::lock::CLUSTER_VERSION;
+    for node in &cluster.nodes {
+        let addr = node.client_addr();
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        let status = loop {
+            let status = http_json(&addr, "/status").await.unwrap();
+            if status["clusterVersion"] == expected || std::time::Instant::now() > deadline {
+                break status;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        assert_eq!(
+            status["clusterVersion"], expected,
+            "node {}: {status}",
+            node.id
+        );
+        let text = http_get(&addr, "/metrics").await.expect("metrics").1;
+        assert_eq!(
+            metric_sum(&text, "raftlock_cluster_version ", &[]),
+            f64::from(expected),
+            "node {}",
+            node.id
+        );
+    }
+}

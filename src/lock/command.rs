@@ -110,6 +110,10 @@ pub enum Command {
     /// a second while sessions exist; a gap between two leaders is not counted (sessions live
     /// longer, never shorter).
     Tick { elapsed_ms: u64 },
+    /// Raises the cluster version: the set of log commands and state every member understands.
+    /// Proposed by a leader only once every member of the configuration has said it runs a
+    /// RaftLock of at least `version` (see `lock::CLUSTER_VERSION`); never lowers it.
+    SetClusterVersion { version: u32 },
 }
 
 /// Why bytes could not be turned into a command, a snapshot or a state machine.
@@ -150,7 +154,10 @@ impl Command {
             | Command::Delete { key, .. }
             | Command::Expire { key, .. }
             | Command::ExpireLease { key, .. } => key,
-            Command::SetLimits { .. } | Command::SetLimitsV1 { .. } | Command::Tick { .. } => "",
+            Command::SetLimits { .. }
+            | Command::SetLimitsV1 { .. }
+            | Command::Tick { .. }
+            | Command::SetClusterVersion { .. } => "",
         }
     }
 
@@ -305,6 +312,7 @@ mod tests {
                 request_id: "r-45".into(),
             },
             Command::Tick { elapsed_ms: 1_000 },
+            Command::SetClusterVersion { version: 2 },
         ]
     }
 

@@ -56,6 +56,17 @@ const LEGACY_BLOCKS_PER_WRITE: usize = 8;
 const META_DEDUPE_NEXT: &str = "meta/dedupe_next";
 const META_LIMITS: &str = "meta/limits";
 const META_CLOCK: &str = "meta/clock";
+/// The cluster version (see [`CLUSTER_VERSION`]); absent while it is 1, so that a state that
+/// never had it raised stays readable by a RaftLock from before cluster versions.
+const META_CLUSTER_VERSION: &str = "meta/cluster_version";
+
+/// The cluster version this RaftLock understands: the log commands and state keys every member
+/// can apply and read. 1: everything before cluster versions existed. 2: [`Command::SetClusterVersion`]
+/// and the `meta/cluster_version` key. A leader raises a cluster's version (a
+/// `SetClusterVersion` entry) only once every member has said it runs at least that version, and
+/// a node refuses to apply an entry that raises the version above its own: a node that cannot
+/// apply the log stops instead of going on with a state that differs from the others'.
+pub const CLUSTER_VERSION: u32 = 2;
 
 /// The meta keys nearly every command changes, each marked changed by one bit of
 /// `LockStateMachine::dirty_meta` rather than by a string in `dirty` (an allocation and an
@@ -65,12 +76,14 @@ const DIRTY_APPLIED: u8 = 2;
 const DIRTY_DEDUPE_NEXT: u8 = 4;
 const DIRTY_LIMITS: u8 = 8;
 const DIRTY_CLOCK: u8 = 16;
-const DIRTY_META_KEYS: [(u8, &str); 5] = [
+const DIRTY_CLUSTER_VERSION: u8 = 32;
+const DIRTY_META_KEYS: [(u8, &str); 6] = [
     (DIRTY_SEQ, META_SEQ),
     (DIRTY_APPLIED, META_APPLIED),
     (DIRTY_DEDUPE_NEXT, META_DEDUPE_NEXT),
     (DIRTY_LIMITS, META_LIMITS),
     (DIRTY_CLOCK, META_CLOCK),
+    (DIRTY_CLUSTER_VERSION, META_CLUSTER_VERSION),
 ];
 /// Longest step one `Tick` may advance the log clock by: a leader that was paused (and has not
 /// noticed it lost leadership) cannot age every session at once.
@@ -597,7 +610,8 @@ fn op_of(command: &Command) -> (u8, &str) {
         | Command::ExpireLease { .. }
         | Command::SetLimits { .. }
         | Command::SetLimitsV1 { .. }
-        | Command::Tick { .. } => 0,
+        | Command::Tick { .. }
+        | Command::SetClusterVersion { .. } => 0,
     };
     (kind, command.key())
 }
@@ -642,6 +656,8 @@ pub struct LockStateMachine {
     sessions: BTreeMap<Arc<str>, Session>,
     /// The log clock in milliseconds: the sum of applied `Tick`s.
     clock_ms: u64,
+    /// The cluster version as raised by `SetClusterVersion` (0 or 1: never raised, version 1).
+    cluster_version: u32,
     locks_held: usize,
     waiters: usize,
     /// State keys changed since the last `take_changes`, besides the meta keys of `dirty_meta`.
@@ -719,6 +735,12 @@ impl LockStateMachine {
     /// The log clock: milliseconds of leader time carried by applied `Tick`s.
     pub fn log_clock_ms(&self) -> u64 {
         self.clock_ms
+    }
+
+    /// The cluster version: what every member has said it understands (see
+    /// [`CLUSTER_VERSION`]).
+    pub fn cluster_version(&self) -> u32 {
+        self.cluster_version.max(1)
     }
 
     pub fn get(&self, key: &str) -> Option<&[u8]> {
@@ -882,6 +904,13 @@ impl LockStateMachine {
                 return self.set_replicated_limits(&limits.clone().into())
             }
             Command::Tick { elapsed_ms } => return self.tick(*elapsed_ms),
+            Command::SetClusterVersion { version } => {
+                if *version > self.cluster_version() {
+                    self.cluster_version = *version;
+                    self.dirty_meta |= DIRTY_CLUSTER_VERSION;
+                }
+                return Outcome::Stored;
+            }
             _ => {}
         }
         if let Err(rejection) = self.validate(command) {
@@ -945,7 +974,10 @@ impl LockStateMachine {
                 key, value, guard, ..
             } => self.put(key, value, guard.as_ref()),
             Command::Delete { key, guard, .. } => self.delete(key, guard.as_ref()),
-            Command::SetLimits { .. } | Command::SetLimitsV1 { .. } | Command::Tick { .. } => {
+            Command::SetLimits { .. }
+            | Command::SetLimitsV1 { .. }
+            | Command::Tick { .. }
+            | Command::SetClusterVersion { .. } => {
                 Outcome::rejected(RejectCode::InvalidRequest, "unreachable")
             }
             Command::ReleaseHeld { key, client_id, .. } => {
@@ -1032,7 +1064,8 @@ impl LockStateMachine {
             | Command::ExpireLease { .. }
             | Command::SetLimits { .. }
             | Command::SetLimitsV1 { .. }
-            | Command::Tick { .. } => &[],
+            | Command::Tick { .. }
+            | Command::SetClusterVersion { .. } => &[],
         };
         if ids.iter().any(|id| id.len() > l.id_bytes_max) {
             return Err(Outcome::rejected(
@@ -1089,7 +1122,8 @@ impl LockStateMachine {
             | Command::ExpireLease { .. }
             | Command::SetLimits { .. }
             | Command::SetLimitsV1 { .. }
-            | Command::Tick { .. } => {}
+            | Command::Tick { .. }
+            | Command::SetClusterVersion { .. } => {}
         }
         Ok(())
     }
@@ -1652,6 +1686,9 @@ impl LockStateMachine {
             META_APPLIED => Some(self.applied_index.to_be_bytes().to_vec()),
             META_DEDUPE_NEXT => Some(self.dedupe_next.to_be_bytes().to_vec()),
             META_CLOCK => (self.clock_ms > 0).then(|| self.clock_ms.to_be_bytes().to_vec()),
+            META_CLUSTER_VERSION => {
+                (self.cluster_version() > 1).then(|| self.cluster_version.to_be_bytes().to_vec())
+            }
             META_LIMITS => self.limits_replicated.then(|| encode_plain(&self.limits)),
             _ => None,
         }
@@ -1728,6 +1765,7 @@ impl LockStateMachine {
                 META_DEDUPE_NEXT,
                 META_LIMITS,
                 META_CLOCK,
+                META_CLUSTER_VERSION,
             ]
             .map(String::from),
         );
@@ -1827,6 +1865,12 @@ impl LockStateMachine {
                     META_APPLIED => sm.applied_index = u64_of(value, "meta/applied")?,
                     META_DEDUPE_NEXT => sm.dedupe_next = u64_of(value, "meta/dedupe_next")?,
                     META_CLOCK => sm.clock_ms = u64_of(value, "meta/clock")?,
+                    META_CLUSTER_VERSION => {
+                        let bytes: [u8; 4] = value.try_into().map_err(|_| {
+                            DecodeError::InvalidState("meta/cluster_version is not 4 bytes".into())
+                        })?;
+                        sm.cluster_version = u32::from_be_bytes(bytes);
+                    }
                     META_LIMITS => {
                         sm.limits = match decode_plain(value) {
                             Ok(limits) => limits,

@@ -17,6 +17,6 @@ pub use command::{Command, DecodeError, FencingToken};
 pub use limits::{Limits, LimitsV1};
 pub use machine::{
     stored_to_snapshot_pairs, HeldLock, LockStateMachine, StoredToSnapshot, WaiterInfo,
-    DEDUPE_BLOCK,
+    CLUSTER_VERSION, DEDUPE_BLOCK,
 };
 pub use outcome::{Applied, Event, Outcome, RejectCode};

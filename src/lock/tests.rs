@@ -404,6 +404,7 @@ impl Model {
                 self.tick(*elapsed_ms);
                 Outcome::Stored
             }
+            Command::SetClusterVersion { .. } => Outcome::Stored,
             Command::Expire { key, token } => match self.holders.get(key) {
                 Some(h) if h.token == *token => {
                     let client_id = h.client.clone();
@@ -507,7 +508,8 @@ fn model_op(cmd: &Command) -> ModelOp {
         | Command::ExpireLease { .. }
         | Command::SetLimits { .. }
         | Command::SetLimitsV1 { .. }
-        | Command::Tick { .. } => "",
+        | Command::Tick { .. }
+        | Command::SetClusterVersion { .. } => "",
     };
     (kind, cmd.key().to_string())
 }
@@ -1340,4 +1342,46 @@ fn command_decoding_never_panics_on_garbage() {
         let bytes: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
         let _ = Command::decode(&bytes);
     }
+}
+
+#[test]
+fn the_cluster_version_only_rises_and_is_stored_only_once_raised() {
+    let mut sm = LockStateMachine::new(Limits::default());
+    assert_eq!(sm.cluster_version(), 1);
+    // Version 1 leaves no key: a RaftLock from before cluster versions reads this state.
+    sm.apply(1, &Command::Tick { elapsed_ms: 10 });
+    assert!(!sm.to_kv().iter().any(|(k, _)| k == b"meta/cluster_version"));
+    assert!(!sm
+        .take_changes()
+        .iter()
+        .any(|(k, _)| k == b"meta/cluster_version"));
+
+    let raise = |v| Command::SetClusterVersion { version: v };
+    assert_eq!(sm.apply(2, &raise(3)).outcome, Outcome::Stored);
+    assert_eq!(sm.cluster_version(), 3);
+    let changes = sm.take_changes();
+    assert!(changes.iter().any(
+        |(k, v)| k == b"meta/cluster_version" && v.as_deref() == Some(&3u32.to_be_bytes()[..])
+    ));
+    // Lower or equal versions change nothing.
+    for (i, v) in [(3, 2), (4, 1), (5, 3), (6, 0)] {
+        sm.apply(i, &raise(v));
+        assert_eq!(sm.cluster_version(), 3);
+        assert!(!sm
+            .take_changes()
+            .iter()
+            .any(|(k, _)| k == b"meta/cluster_version"));
+    }
+    let reread = LockStateMachine::from_kv(sm.to_kv()).unwrap();
+    assert_eq!(reread.cluster_version(), 3);
+    assert_eq!(reread.to_kv(), sm.to_kv());
+
+    // A stored version of the wrong size is refused, not guessed at.
+    let mut kv = sm.to_kv();
+    for (k, v) in kv.iter_mut() {
+        if k == b"meta/cluster_version" {
+            *v = vec![0, 3];
+        }
+    }
+    assert!(LockStateMachine::from_kv(kv).is_err());
 }

@@ -36,7 +36,9 @@ use bytes::Bytes;
 
 use self::api::{AnswerKind, ApiError, ClientOp, ClientReply, ErrorCode, QueuedInfo};
 use self::timed::{Deadline, TimedMap};
-use crate::lock::{Command, Event, FencingToken, LockStateMachine, Outcome, RejectCode};
+use crate::lock::{
+    Command, Event, FencingToken, LockStateMachine, Outcome, RejectCode, CLUSTER_VERSION,
+};
 use crate::raft::{
     EntryPayload, Index, MembershipChange, Message, NodeId, ProposeError, Raft, Ready, Role,
     Snapshot,
@@ -373,6 +375,11 @@ pub struct NodeCore<S: Storage, R> {
     failed: bool,
     /// When this leader last proposed the cluster's limits.
     limits_proposed_at: Option<Micros>,
+    /// The RaftLock cluster version each other member said it runs (its peer connection's
+    /// `x-raftlock-version`), as the shell reported it ([`NodeCore::peer_version`]).
+    peer_versions: BTreeMap<NodeId, u32>,
+    /// When this leader last proposed raising the cluster version.
+    version_proposed_at: Option<Micros>,
     /// While leading: the time the log clock was last advanced to (by a `Tick` this leader
     /// proposed, or its election).
     clock_ticked_at: Option<Micros>,
@@ -450,6 +457,8 @@ impl<S: Storage, R> NodeCore<S, R> {
             snapshot_in_progress: false,
             failed: false,
             limits_proposed_at: None,
+            peer_versions: BTreeMap::new(),
+            version_proposed_at: None,
             clock_ticked_at: None,
             early_sender: None,
             flushed_sender: None,
@@ -1180,6 +1189,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             });
             self.rebuild_deadlines();
             self.limits_proposed_at = None;
+            self.version_proposed_at = None;
             self.clock_ticked_at = Some(self.now);
             self.propose_limits_if_unset();
         } else if !is_leader && self.was_leader {
@@ -1322,6 +1332,15 @@ impl<S: Storage, R> NodeCore<S, R> {
                             continue;
                         }
                     };
+                    if let Command::SetClusterVersion { version } = &command {
+                        if *version > CLUSTER_VERSION {
+                            return Err(StorageError::NewerClusterVersion {
+                                index: entry.index,
+                                version: *version,
+                                supported: CLUSTER_VERSION,
+                            });
+                        }
+                    }
                     let applied = self.sm.apply(entry.index, &command);
                     if self.raft.is_leader() {
                         let local = pending.as_ref().map(|p| (p.started, p.reply.is_some()));
@@ -1809,6 +1828,9 @@ impl<S: Storage, R> NodeCore<S, R> {
         if self.limits_proposed_at.is_none_or(|at| now >= at + retry) {
             self.propose_limits_if_unset();
         }
+        if self.version_proposed_at.is_none_or(|at| now >= at + retry) {
+            self.propose_cluster_version();
+        }
         self.advance_log_clock();
         // Only the leases and waiters that are due are read (`TimedMap::due`), in key order.
         for (key, lease) in self.leases.due(now) {
@@ -1937,6 +1959,48 @@ impl<S: Storage, R> NodeCore<S, R> {
         if self.raft.propose(vec![Bytes::from(cmd.encode())]).is_ok() {
             self.limits_proposed_at = Some(self.now);
         }
+    }
+
+    /// Raises the cluster version to this node's [`CLUSTER_VERSION`] once every other member
+    /// (voters and learners) has said it runs at least that version. A member that never said
+    /// (down, or a RaftLock from before cluster versions) keeps the cluster where it is.
+    fn propose_cluster_version(&mut self) {
+        if !self.raft.is_leader() || self.sm.cluster_version() >= CLUSTER_VERSION {
+            return;
+        }
+        let me = self.raft.id();
+        let all_support = self
+            .raft
+            .membership()
+            .members()
+            .filter(|id| *id != me)
+            .all(|id| {
+                self.peer_versions
+                    .get(&id)
+                    .is_some_and(|v| *v >= CLUSTER_VERSION)
+            });
+        if !all_support {
+            return;
+        }
+        let cmd = Command::SetClusterVersion {
+            version: CLUSTER_VERSION,
+        };
+        if self.raft.propose(vec![Bytes::from(cmd.encode())]).is_ok() {
+            self.version_proposed_at = Some(self.now);
+        }
+    }
+
+    /// Records the cluster version member `id` said it runs (the latest word counts: a member
+    /// restarted with an older RaftLock says a lower version).
+    pub fn peer_version(&mut self, id: NodeId, version: u32) {
+        if id != self.raft.id() {
+            self.peer_versions.insert(id, version);
+        }
+    }
+
+    /// The cluster version each other member said it runs, as far as this node heard.
+    pub fn peer_versions(&self) -> &BTreeMap<NodeId, u32> {
+        &self.peer_versions
     }
 
     // ----- applied state and snapshots -------------------------------------------------------
@@ -2095,16 +2159,16 @@ mod drive_halves {
     use crate::raft::{Config, InitialState, Membership, MessageBody};
     use crate::storage::MemStorage;
 
-    type Core = NodeCore<MemStorage, u64>;
+    pub(super) type Core = NodeCore<MemStorage, u64>;
 
-    struct Cluster {
-        cores: BTreeMap<NodeId, Core>,
+    pub(super) struct Cluster {
+        pub(super) cores: BTreeMap<NodeId, Core>,
         replies: Vec<(u64, ClientReply)>,
-        now: Micros,
+        pub(super) now: Micros,
     }
 
     impl Cluster {
-        fn new() -> Cluster {
+        pub(super) fn new() -> Cluster {
             let cores = (1..=3)
                 .map(|id| {
                     let initial = InitialState {
@@ -2126,12 +2190,12 @@ mod drive_halves {
             }
         }
 
-        fn core(&mut self, id: NodeId) -> &mut Core {
+        pub(super) fn core(&mut self, id: NodeId) -> &mut Core {
             self.cores.get_mut(&id).unwrap()
         }
 
         /// Delivers `msgs` and every message they cause until the cluster is quiet.
-        fn settle(&mut self, msgs: impl IntoIterator<Item = Message>) {
+        pub(super) fn settle(&mut self, msgs: impl IntoIterator<Item = Message>) {
             let mut queue: VecDeque<Message> = msgs.into_iter().collect();
             for _ in 0..10_000 {
                 for (&_, core) in self.cores.iter_mut() {
@@ -2155,7 +2219,7 @@ mod drive_halves {
         }
 
         /// Ticks node 1 until it leads and has committed an entry of its term.
-        fn elect_node_1(&mut self) {
+        pub(super) fn elect_node_1(&mut self) {
             for _ in 0..1_000 {
                 self.now += 10_000;
                 let now = self.now;
@@ -2339,5 +2403,123 @@ mod drive_halves {
             .replies
             .iter()
             .any(|(to, r)| *to == 43 && matches!(r, ClientReply::Granted { .. })));
+    }
+}
+
+#[cfg(test)]
+mod cluster_version {
+    use super::drive_halves::Cluster;
+    use super::*;
+
+    /// Ticks node 1 (the leader) a few times, delivering what follows.
+    fn tick_leader(c: &mut Cluster, times: usize) {
+        for _ in 0..times {
+            c.now += 100_000;
+            let now = c.now;
+            c.core(1).tick(now).unwrap();
+            c.settle([]);
+        }
+    }
+
+    fn versions(c: &Cluster) -> Vec<u32> {
+        c.cores
+            .values()
+            .map(|core| core.state_machine().cluster_version())
+            .collect()
+    }
+
+    #[test]
+    fn the_leader_raises_the_version_only_once_every_member_said_it_runs_it() {
+        let mut c = Cluster::new();
+        c.elect_node_1();
+        tick_leader(&mut c, 5);
+        assert_eq!(versions(&c), [1, 1, 1], "nobody said anything yet");
+
+        // One member of three said it; the other could be an older RaftLock.
+        c.core(1).peer_version(2, CLUSTER_VERSION);
+        c.core(1).peer_version(3, 1);
+        tick_leader(&mut c, 5);
+        assert_eq!(versions(&c), [1, 1, 1]);
+
+        // Both did (node 3 restarted with this RaftLock): the version is raised on every node,
+        // and written with the rest of the applied state.
+        c.core(1).peer_version(3, CLUSTER_VERSION);
+        tick_leader(&mut c, 5);
+        assert_eq!(versions(&c), [CLUSTER_VERSION; 3]);
+        let kv = c.core(2).state_machine().to_kv();
+        assert!(kv
+            .iter()
+            .any(|(k, v)| k == b"meta/cluster_version" && v == &CLUSTER_VERSION.to_be_bytes()));
+        let reread = LockStateMachine::from_kv(kv).unwrap();
+        assert_eq!(reread.cluster_version(), CLUSTER_VERSION);
+
+        // Proposed once: more ticks add no entry.
+        let last = c.core(1).raft().last_index();
+        tick_leader(&mut c, 5);
+        let now_last = c.core(1).raft().last_index();
+        let entries = c.core(1).storage().entries(last + 1, now_last + 1);
+        let raised = entries
+            .unwrap()
+            .iter()
+            .filter(|e| {
+                matches!(&e.payload, EntryPayload::Command(b)
+                    if matches!(Command::decode(b), Ok(Command::SetClusterVersion { .. })))
+            })
+            .count();
+        assert_eq!(raised, 0);
+    }
+
+    #[test]
+    fn a_node_stops_at_an_entry_that_raises_the_version_beyond_its_own() {
+        let mut c = Cluster::new();
+        c.elect_node_1();
+        let newer = Command::SetClusterVersion {
+            version: CLUSTER_VERSION + 1,
+        };
+        c.core(1)
+            .raft
+            .propose(vec![Bytes::from(newer.encode())])
+            .unwrap();
+        let index = c.core(1).raft().last_index();
+        let mut stopped = None;
+        let mut queue = std::collections::VecDeque::new();
+        let result = c.core(1).drive();
+        if let Err(err) = result {
+            stopped = Some(err);
+        }
+        for _ in 0..1_000 {
+            if stopped.is_some() {
+                break;
+            }
+            for core in c.cores.values_mut() {
+                for effect in core.take_effects() {
+                    if let Effect::Send(msg) = effect {
+                        queue.push_back(msg);
+                    }
+                }
+            }
+            let Some(msg) = queue.pop_front() else { break };
+            let now = c.now;
+            let to = msg.to;
+            let core = c.core(to);
+            core.step(now, msg);
+            if let Err(err) = core.drive() {
+                stopped = Some(err);
+            }
+        }
+        match stopped {
+            Some(StorageError::NewerClusterVersion {
+                index: at,
+                version,
+                supported,
+            }) => {
+                assert_eq!(
+                    (at, version, supported),
+                    (index, CLUSTER_VERSION + 1, CLUSTER_VERSION)
+                );
+            }
+            other => panic!("expected the node to stop at entry {index}, got {other:?}"),
+        }
+        assert!(versions(&c).iter().all(|v| *v <= CLUSTER_VERSION));
     }
 }

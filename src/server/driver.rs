@@ -60,6 +60,11 @@ pub enum Input {
     TransferLeadership {
         reply: oneshot::Sender<bool>,
     },
+    /// A peer's Raft stream said which cluster version its RaftLock runs.
+    PeerVersion {
+        id: NodeId,
+        version: u32,
+    },
 }
 
 #[derive(Clone, Debug)]
@@ -89,6 +94,8 @@ pub struct NodeStatus {
     pub learners: Vec<NodeId>,
     pub locks_held: u64,
     pub waiters: u64,
+    /// The cluster version in the applied state (see `lock::CLUSTER_VERSION`).
+    pub cluster_version: u32,
     /// On the leader: how far each other member's log matches its own.
     pub replication: Vec<PeerReplication>,
 }
@@ -841,6 +848,7 @@ impl Driver {
                 Input::TransferLeadership { reply } => {
                     let _ = reply.send(self.core.transfer_leadership().is_some());
                 }
+                Input::PeerVersion { id, version } => self.core.peer_version(id, version),
             }
         }
     }
@@ -1045,6 +1053,7 @@ impl Driver {
         let last_index = raft.last_index();
         let locks_held = sm.locks_held() as u64;
         let waiters = sm.waiter_count() as u64;
+        let cluster_version = sm.cluster_version();
         let m = &self.metrics;
         m.term.set(term as i64);
         m.is_leader.set(i64::from(raft.is_leader()));
@@ -1101,6 +1110,7 @@ impl Driver {
         m.answers_max.set(sm.limits().dedupe_entries_max as i64);
         m.answers_recent.set(self.core.paced_recent() as i64);
         m.client_sessions.set(sm.session_count() as i64);
+        m.cluster_version.set(i64::from(cluster_version));
         m.proposals_pending.set(self.core.pending_requests() as i64);
         // Runs after every batch of inputs, several times per lock cycle: the replication view
         // is kept in a reused buffer and each peer's lag gauges are looked up once, when the
@@ -1189,6 +1199,7 @@ impl Driver {
                 || !leader_addr_same
                 || old.locks_held != locks_held
                 || old.waiters != waiters
+                || old.cluster_version != cluster_version
                 || old.replication != replication;
             if changed {
                 old.id = raft.id();
@@ -1214,6 +1225,7 @@ impl Driver {
                 }
                 old.locks_held = locks_held;
                 old.waiters = waiters;
+                old.cluster_version = cluster_version;
                 if old.replication != replication {
                     old.replication.clone_from(&replication);
                 }

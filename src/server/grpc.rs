@@ -14,7 +14,7 @@ use super::http::AppState;
 use super::proto::lock as lpb;
 use super::proto::peer as ppb;
 use super::transport::{
-    AddressBook, CLIENT_ADDR_HEADER, NODE_ID_HEADER, PEER_ADDR_HEADER, TOKEN_HEADER,
+    AddressBook, CLIENT_ADDR_HEADER, NODE_ID_HEADER, PEER_ADDR_HEADER, TOKEN_HEADER, VERSION_HEADER,
 };
 
 pub struct LockApi {
@@ -420,6 +420,14 @@ impl ppb::peer_server::Peer for PeerApi {
             }
         };
         learn_if_member(&mut learned);
+        // The RaftLock cluster version the sender runs (none from a RaftLock from before cluster
+        // versions): a leader raises the cluster's version only once every member has said it.
+        if let Ok(version) = header(VERSION_HEADER).parse::<u32>() {
+            let _ = self
+                .driver
+                .send(Input::PeerVersion { id: from, version })
+                .await;
+        }
         let mut stream = request.into_inner();
         while let Some(next) = stream.message().await? {
             learn_if_member(&mut learned);
@@ -457,6 +465,36 @@ impl ppb::peer_server::Peer for PeerApi {
             return Err(Status::invalid_argument(
                 "server_id and server_addr are required",
             ));
+        }
+        // A member must be able to apply every entry of the log: a node older than the
+        // cluster's version cannot. 0: not said (a RaftLock from before cluster versions, whose
+        // data then stops it at the first state it cannot read; or `lockctl members add`,
+        // which speaks for another node).
+        let version = r.version;
+        let (cluster_version, leader_id) = {
+            let s = self.status.borrow();
+            (s.cluster_version, s.leader_id)
+        };
+        if version > 0 && version < cluster_version {
+            return Ok(Response::new(ppb::JoinClusterReply {
+                success: false,
+                leader_id,
+                error: format!(
+                    "node {} runs cluster version {version} and the cluster is at version \
+                     {cluster_version}: run a newer RaftLock on it",
+                    r.server_id
+                ),
+                ..Default::default()
+            }));
+        }
+        if version > 0 {
+            let _ = self
+                .driver
+                .send(Input::PeerVersion {
+                    id: r.server_id,
+                    version,
+                })
+                .await;
         }
         let (tx, rx) = oneshot::channel();
         let input = Input::Join {

@@ -558,6 +558,7 @@ async fn ask_to_join(
         server_id: cfg.node_id,
         server_addr: cfg.advertise_peer.clone(),
         client_addr: cfg.advertise_client.clone(),
+        version: crate::lock::CLUSTER_VERSION,
     });
     Ok(client.join_cluster(request).await?.into_inner())
 }

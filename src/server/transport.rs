@@ -28,6 +28,8 @@ pub const TOKEN_HEADER: &str = "x-raftlock-cluster-token";
 pub const NODE_ID_HEADER: &str = "x-raftlock-node-id";
 pub const PEER_ADDR_HEADER: &str = "x-raftlock-peer-addr";
 pub const CLIENT_ADDR_HEADER: &str = "x-raftlock-client-addr";
+/// The RaftLock cluster version the sending node runs (`lock::CLUSTER_VERSION`).
+pub const VERSION_HEADER: &str = "x-raftlock-version";
 
 /// Messages queued per peer before new ones are dropped.
 const PEER_QUEUE_MESSAGES: usize = 4096;
@@ -325,6 +327,10 @@ impl PeerSender {
         if let Ok(v) = self.identity.client_addr.parse() {
             md.insert(CLIENT_ADDR_HEADER, v);
         }
+        md.insert(
+            VERSION_HEADER,
+            MetadataValue::from(crate::lock::CLUSTER_VERSION),
+        );
         let result = client.raft(request).await;
         if queue.lock().await.is_closed() {
             return Ok(StreamEnd::QueueClosed);

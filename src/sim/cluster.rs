@@ -27,7 +27,7 @@ use super::checker::{fnv, Checker, Violation};
 use super::clients::{ReplyTo, SimClients};
 use super::locks::LockChecker;
 use super::network::{Network, NetworkFaults};
-use crate::lock::{Limits, LockStateMachine};
+use crate::lock::{Limits, LockStateMachine, CLUSTER_VERSION};
 use crate::node::api::{ClientOp, ClientReply};
 use crate::node::{Effect, NodeCore, NodeSettings, Observation};
 use crate::raft::{Config, Index, InitialState, Membership, Message, NodeId, Raft, Term};
@@ -134,6 +134,11 @@ pub struct SimStats {
     pub ticks: u64,
     /// Readies written while an earlier one's flush was still running (background flushes).
     pub overlapped_readies: u64,
+    /// Members up at the end of a run, and those of them whose applied state had the cluster
+    /// version raised to `CLUSTER_VERSION` (the leader raises it once every member said it runs
+    /// it, and every simulated member does).
+    pub nodes_up: u64,
+    pub nodes_at_version: u64,
 }
 
 impl SimStats {
@@ -160,6 +165,8 @@ impl SimStats {
         self.client_retries += other.client_retries;
         self.ticks += other.ticks;
         self.overlapped_readies += other.overlapped_readies;
+        self.nodes_up += other.nodes_up;
+        self.nodes_at_version += other.nodes_at_version;
     }
 }
 
@@ -571,6 +578,13 @@ impl Cluster {
             if let Some(core) = &node.core {
                 self.stats.elections += core.raft().stats().elections_started;
                 self.stats.overlapped_readies += core.overlapped_readies();
+                // Members only: a node started to join may not have been added yet.
+                if core.raft().membership().contains(core.raft().id()) {
+                    self.stats.nodes_up += 1;
+                    if core.state_machine().cluster_version() == CLUSTER_VERSION {
+                        self.stats.nodes_at_version += 1;
+                    }
+                }
             }
         }
         self.stats.committed = self.checker.max_committed();
@@ -673,6 +687,7 @@ impl Cluster {
             return;
         };
         for msg in inbox {
+            core.peer_version(msg.from, CLUSTER_VERSION);
             core.step(local, msg);
         }
         for (op, to) in client_inbox {
@@ -708,6 +723,9 @@ impl Cluster {
         }
         let local = node.local(now);
         let core = node.core.as_mut().expect("alive");
+        // Every simulated member runs this RaftLock: its stream would say so (the shell's
+        // `x-raftlock-version` header), so the leader raises the cluster version early in a run.
+        core.peer_version(msg.from, CLUSTER_VERSION);
         core.step(local, msg);
         let result = core.drive();
         self.after_core(to, result);

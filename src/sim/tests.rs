@@ -179,6 +179,25 @@ fn healthy_core_passes_with_background_flushes() {
     }
 }
 
+/// Every simulated member runs this RaftLock, so the leader raises the cluster version early in
+/// each run: under faults, crashes, snapshots and membership changes, the nodes up at the end
+/// hold the raised version (the `SetClusterVersion` entry is applied, or installed with a
+/// snapshot, or read back from storage after a crash), and no checker objects.
+#[test]
+fn the_cluster_version_is_raised_under_faults() {
+    let (mut up, mut at_version) = (0, 0);
+    for seed in 0..100 {
+        let outcome = run_clean(&SimConfig::new(seed, 3));
+        up += outcome.stats.nodes_up;
+        at_version += outcome.stats.nodes_at_version;
+    }
+    assert!(up >= 300, "{up} nodes up over 100 runs");
+    assert_eq!(
+        at_version, up,
+        "nodes up at the end without the raised version"
+    );
+}
+
 #[test]
 fn caught_answers_before_the_background_flush_is_done() {
     assert_caught_with(

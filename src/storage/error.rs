@@ -132,6 +132,18 @@ pub enum StorageError {
     /// Snapshot data does not decode.
     #[error("snapshot data is invalid: {problem}")]
     SnapshotData { problem: String },
+
+    /// A committed entry raises the cluster version above what this node's RaftLock
+    /// understands: it cannot apply what follows the way the other members do, so it stops.
+    #[error(
+        "entry {index} raises the cluster version to {version}, and this RaftLock understands \
+         versions up to {supported}: run a newer RaftLock on this node"
+    )]
+    NewerClusterVersion {
+        index: Index,
+        version: u32,
+        supported: u32,
+    },
 }
 
 impl StorageError {

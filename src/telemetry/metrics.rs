@@ -39,6 +39,7 @@ pub struct NodeMetrics {
     pub lock_waiters: IntGauge,
     pub answers_remembered: IntGauge,
     pub answers_max: IntGauge,
+    pub cluster_version: IntGauge,
     pub answers_recent: IntGauge,
     pub client_sessions: IntGauge,
     pub lock_wait_seconds: Histogram,
@@ -212,6 +213,10 @@ impl NodeMetrics {
             answers_max: reg!(gauge(
                 "raftlock_answers_max",
                 "The exactly-once table's bound (--max-answers, as the cluster replicated it)."
+            )),
+            cluster_version: reg!(gauge(
+                "raftlock_cluster_version",
+                "The cluster version in this node's applied state: the log commands every member understands (raised by the leader once every member runs a RaftLock that knows the new version)."
             )),
             answers_recent: reg!(gauge(
                 "raftlock_answers_recent",

@@ -899,6 +899,8 @@ async fn members(args: &Args, action: &MembersCmd, json_out: bool) -> ExitCode {
                     server_id: *id,
                     server_addr: peer_addr.clone(),
                     client_addr: client_addr.clone(),
+                    // Said by the node itself when it joins; lockctl speaks for it.
+                    version: 0,
                 };
                 let reply = match peer_client(&dialer, &target).await {
                     Ok(mut c) => c.join_cluster(dialer.request(req)).await,
@@ -1242,6 +1244,7 @@ fn status_table(s: &Value) -> Vec<Vec<String>> {
         ("learners", list(&s["learners"])),
         ("locks held", cell(&s["locksHeld"])),
         ("waiters", cell(&s["waiters"])),
+        ("cluster version", cell(&s["clusterVersion"])),
     ] {
         rows.push(vec![k.to_string(), v]);
     }
