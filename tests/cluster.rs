@@ -727,6 +727,21 @@ async fn a_voter_that_lost_its_data_refuses_to_start() {
     assert_eq!(locks["locks"][0]["holder"], "c", "{locks}");
 }
 
+/// On the leader's `/metrics` `text`: the acquires' total time in `front` (a histogram of the
+/// node's client port) is at least their total time in the driver, and not zero.
+fn assert_acquires_enclose_the_driver(text: &str, front: &str) {
+    let at_front = metric_sum(text, &format!("{front}_sum{{"), &["op=\"acquire\""]);
+    let in_driver = metric_sum(
+        text,
+        "raftlock_request_duration_seconds_sum{",
+        &["op=\"acquire\""],
+    );
+    assert!(
+        in_driver > 0.0 && at_front >= in_driver,
+        "leader: acquires took {at_front} s in {front} and {in_driver} s in the driver"
+    );
+}
+
 fn ws_timed(op: &str) -> String {
     format!("raftlock_websocket_request_duration_seconds_count{{op=\"{op}\"")
 }
@@ -794,20 +809,7 @@ async fn websocket_requests_are_timed_from_frame_to_answer() {
     cycles_on(&leader_addr, "on-leader", CYCLES).await;
     let text = metrics_once_timed(&leader_addr, "leader", &expected).await;
     // Each acquire's time at the WebSocket encloses its time in the leader's driver.
-    let at_socket = metric_sum(
-        &text,
-        "raftlock_websocket_request_duration_seconds_sum{op=\"acquire\"",
-        &[],
-    );
-    let in_driver = metric_sum(
-        &text,
-        "raftlock_request_duration_seconds_sum{op=\"acquire\"",
-        &[],
-    );
-    assert!(
-        in_driver > 0.0 && at_socket >= in_driver,
-        "leader: acquires took {at_socket} s at the WebSocket and {in_driver} s in the driver"
-    );
+    assert_acquires_enclose_the_driver(&text, "raftlock_websocket_request_duration_seconds");
 
     // Requests sent to a follower are timed there, forwarding included, and not on the leader,
     // which executes them.
@@ -912,20 +914,7 @@ async fn grpc_requests_are_timed_at_the_client_port() {
 
     grpc_cycles_on(&leader_addr, "g-leader", CYCLES).await;
     let text = grpc_counts_once_timed(&leader_addr, "leader", CYCLES).await;
-    let at_port = metric_sum(
-        &text,
-        "raftlock_grpc_request_duration_seconds_sum{op=\"acquire\"",
-        &[],
-    );
-    let in_driver = metric_sum(
-        &text,
-        "raftlock_request_duration_seconds_sum{op=\"acquire\"",
-        &[],
-    );
-    assert!(
-        in_driver > 0.0 && at_port >= in_driver,
-        "leader: acquires took {at_port} s at the gRPC service and {in_driver} s in the driver"
-    );
+    assert_acquires_enclose_the_driver(&text, "raftlock_grpc_request_duration_seconds");
     // None of these went over the WebSocket.
     assert_eq!(metric_sum(&text, &ws_timed("acquire"), &[]), 0.0);
 
