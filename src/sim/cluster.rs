@@ -134,9 +134,9 @@ pub struct SimStats {
     pub ticks: u64,
     /// Readies written while an earlier one's flush was still running (background flushes).
     pub overlapped_readies: u64,
-    /// Members up at the end of a run, and those of them whose applied state had the cluster
-    /// version raised to `CLUSTER_VERSION` (the leader raises it once every member said it runs
-    /// it, and every simulated member does).
+    /// Members up at the end of a run that applied everything committed, and those of them
+    /// whose applied state had the cluster version raised to `CLUSTER_VERSION` (the leader
+    /// raises it once every member said it runs it, and every simulated member does).
     pub nodes_up: u64,
     pub nodes_at_version: u64,
 }
@@ -574,12 +574,21 @@ impl Cluster {
                 violation_step = Some(self.cfg.steps);
             }
         }
+        let committed = self
+            .nodes
+            .values()
+            .filter_map(|n| n.core.as_ref())
+            .map(|core| core.raft().commit_index())
+            .max()
+            .unwrap_or(0);
         for node in self.nodes.values() {
             if let Some(core) = &node.core {
                 self.stats.elections += core.raft().stats().elections_started;
                 self.stats.overlapped_readies += core.overlapped_readies();
-                // Members only: a node started to join may not have been added yet.
-                if core.raft().membership().contains(core.raft().id()) {
+                // Members that applied everything committed (a node started to join may not
+                // have been added yet, a restarted one may still be catching up).
+                let raft = core.raft();
+                if raft.membership().contains(raft.id()) && raft.applied_index() >= committed {
                     self.stats.nodes_up += 1;
                     if core.state_machine().cluster_version() == CLUSTER_VERSION {
                         self.stats.nodes_at_version += 1;
