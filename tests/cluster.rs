@@ -959,4 +959,39 @@ async fn the_cluster_version_is_raised_once_every_member_runs_it() {
             node.id
         );
     }
+
+    // A node that says it runs an older version is refused when it asks to join, and the
+    // configuration does not change.
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let leader_node = &cluster.nodes[(leader - 1) as usize];
+    let mut peer = raftlock::server::proto::peer::peer_client::PeerClient::connect(format!(
+        "http://{}",
+        leader_node.peer_addr()
+    ))
+    .await
+    .unwrap();
+    let reply = peer
+        .join_cluster(raftlock::server::proto::peer::JoinClusterRequest {
+            server_id: 9,
+            server_addr: "127.0.0.1:1".into(),
+            client_addr: "127.0.0.1:2".into(),
+            version: expected - 1,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!reply.success, "{reply:?}");
+    assert!(
+        reply.error.contains("cluster is at version"),
+        "{}",
+        reply.error
+    );
+    let status = http_json(&leader_node.client_addr(), "/status")
+        .await
+        .unwrap();
+    assert_eq!(status["voters"].as_array().unwrap().len(), 3, "{status}");
+    assert!(
+        status["learners"].as_array().unwrap().is_empty(),
+        "{status}"
+    );
 }
