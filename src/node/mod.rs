@@ -1899,14 +1899,18 @@ impl<S: Storage, R> NodeCore<S, R> {
                 .collect();
             self.wait_deadlines.retain(|id, _| live.contains(id));
         }
-        // Promote learners that asked to join once they have caught up (§4.2.1).
+        // Promote learners that asked to join once they have caught up (§4.2.1), and, once the
+        // cluster version was raised, said they run at least that version: a learner of an
+        // older RaftLock never becomes a voter in a log it cannot apply.
         let commit = self.raft.commit_index();
+        let version = self.sm.cluster_version();
         let candidate = self.promote_when_caught_up.iter().copied().find(|&l| {
             self.raft.membership().learners.contains(&l)
                 && self
                     .raft
                     .progress(l)
                     .is_some_and(|(m, _, _)| m + 8 >= commit && m > 0)
+                && (version < 2 || self.peer_versions.get(&l).is_some_and(|v| *v >= version))
         });
         if let Some(learner) = candidate {
             if self
@@ -2467,6 +2471,45 @@ mod cluster_version {
             })
             .count();
         assert_eq!(raised, 0);
+    }
+
+    #[test]
+    fn a_learner_is_promoted_only_once_it_said_it_runs_the_clusters_version() {
+        let mut c = Cluster::new();
+        c.elect_node_1();
+        c.core(1).peer_version(2, CLUSTER_VERSION);
+        c.core(1).peer_version(3, CLUSTER_VERSION);
+        tick_leader(&mut c, 5);
+        assert_eq!(versions(&c), [CLUSTER_VERSION; 3]);
+
+        // Node 4 joins with an empty log and catches up as a learner, but has said nothing.
+        let raft = Raft::new(
+            crate::raft::Config::new(4, 11),
+            crate::raft::InitialState::default(),
+        )
+        .unwrap();
+        let sm = LockStateMachine::new(crate::lock::Limits::default());
+        c.cores.insert(
+            4,
+            NodeCore::new(
+                raft,
+                crate::storage::MemStorage::new(),
+                sm,
+                NodeSettings::default(),
+                0,
+            ),
+        );
+        c.core(1).join(4).unwrap();
+        tick_leader(&mut c, 10);
+        let membership = c.core(1).raft().membership().clone();
+        assert!(membership.learners.contains(&4), "{membership:?}");
+        assert_eq!(c.core(4).state_machine().cluster_version(), CLUSTER_VERSION);
+
+        // Once it said so (its stream's header), it is promoted.
+        c.core(1).peer_version(4, CLUSTER_VERSION);
+        tick_leader(&mut c, 10);
+        let membership = c.core(1).raft().membership().clone();
+        assert!(membership.voters.contains(&4), "{membership:?}");
     }
 
     #[test]
