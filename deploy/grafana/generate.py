@@ -115,6 +115,10 @@ def dashboard():
              description="As the leader reports it."),
         stat("Waiters", [(f"max(raftlock_lock_waiters{{{SEL}}} and on(instance) "
                           f"raftlock_is_leader{{{SEL}}} == 1)", "")]),
+        stat("Cluster version", [(f"min(raftlock_cluster_version{{{SEL}}})", "")],
+             description="The lowest any node reports: the log commands every member "
+                         "understands. After a rolling upgrade it rises once every node runs "
+                         "the new release."),
         h=4)
     L.line(
         series("Role per node", [(f"raftlock_is_leader{{{SEL}}}", "{{instance}}")],
