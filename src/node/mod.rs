@@ -1910,7 +1910,7 @@ impl<S: Storage, R> NodeCore<S, R> {
                     .raft
                     .progress(l)
                     .is_some_and(|(m, _, _)| m + 8 >= commit && m > 0)
-                && (version < 2 || self.peer_versions.get(&l).is_some_and(|v| *v >= version))
+                && (version < 2 || self.said_version(l, version))
         });
         if let Some(learner) = candidate {
             if self
@@ -1978,11 +1978,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             .membership()
             .members()
             .filter(|id| *id != me)
-            .all(|id| {
-                self.peer_versions
-                    .get(&id)
-                    .is_some_and(|v| *v >= CLUSTER_VERSION)
-            });
+            .all(|id| self.said_version(id, CLUSTER_VERSION));
         if !all_support {
             return;
         }
@@ -2002,9 +1998,9 @@ impl<S: Storage, R> NodeCore<S, R> {
         }
     }
 
-    /// The cluster version each other member said it runs, as far as this node heard.
-    pub fn peer_versions(&self) -> &BTreeMap<NodeId, u32> {
-        &self.peer_versions
+    /// Whether member `id` said it runs at least cluster version `version`.
+    fn said_version(&self, id: NodeId, version: u32) -> bool {
+        self.peer_versions.get(&id).is_some_and(|v| *v >= version)
     }
 
     // ----- applied state and snapshots -------------------------------------------------------
@@ -2200,6 +2196,14 @@ mod drive_halves {
 
         /// Delivers `msgs` and every message they cause until the cluster is quiet.
         pub(super) fn settle(&mut self, msgs: impl IntoIterator<Item = Message>) {
+            self.try_settle(msgs).unwrap();
+        }
+
+        /// As [`Cluster::settle`], stopping at the first node whose drive fails.
+        pub(super) fn try_settle(
+            &mut self,
+            msgs: impl IntoIterator<Item = Message>,
+        ) -> Result<(), StorageError> {
             let mut queue: VecDeque<Message> = msgs.into_iter().collect();
             for _ in 0..10_000 {
                 for (&_, core) in self.cores.iter_mut() {
@@ -2212,12 +2216,12 @@ mod drive_halves {
                     }
                 }
                 let Some(msg) = queue.pop_front() else {
-                    return;
+                    return Ok(());
                 };
                 let now = self.now;
                 let core = self.core(msg.to);
                 core.step(now, msg);
-                core.drive().unwrap();
+                core.drive()?;
             }
             panic!("the cluster did not settle");
         }
@@ -2524,32 +2528,7 @@ mod cluster_version {
             .propose(vec![Bytes::from(newer.encode())])
             .unwrap();
         let index = c.core(1).raft().last_index();
-        let mut stopped = None;
-        let mut queue = std::collections::VecDeque::new();
-        let result = c.core(1).drive();
-        if let Err(err) = result {
-            stopped = Some(err);
-        }
-        for _ in 0..1_000 {
-            if stopped.is_some() {
-                break;
-            }
-            for core in c.cores.values_mut() {
-                for effect in core.take_effects() {
-                    if let Effect::Send(msg) = effect {
-                        queue.push_back(msg);
-                    }
-                }
-            }
-            let Some(msg) = queue.pop_front() else { break };
-            let now = c.now;
-            let to = msg.to;
-            let core = c.core(to);
-            core.step(now, msg);
-            if let Err(err) = core.drive() {
-                stopped = Some(err);
-            }
-        }
+        let stopped = c.core(1).drive().and_then(|()| c.try_settle([])).err();
         match stopped {
             Some(StorageError::NewerClusterVersion {
                 index: at,

@@ -91,10 +91,10 @@ impl NodeMetrics {
         let hist = |name: &str, help: &str, buckets: &[f64]| {
             Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets.to_vec()))
         };
-        let latency_by = |name: &str, help: &str, label: &str| {
+        let latency_by = |name: &str, help: &str, labels: &[&str]| {
             HistogramVec::new(
                 HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec()),
-                &[label],
+                labels,
             )
         };
         let metrics = NodeMetrics {
@@ -138,7 +138,7 @@ impl NodeMetrics {
             peer_rtt_seconds: reg!(latency_by(
                 "raftlock_peer_rtt_seconds",
                 "Round trip of a heartbeat to a peer and its answer.",
-                "peer"
+                &["peer"]
             )),
             proposals_committed_total: reg!(counter(
                 "raftlock_proposals_committed_total",
@@ -183,20 +183,17 @@ impl NodeMetrics {
             request_duration_seconds: reg!(latency_by(
                 "raftlock_request_duration_seconds",
                 "From a client request entering the driver queue of the node that executes it to its answer (time queued for a lock included).",
-                "op"
+                &["op"]
             )),
             websocket_request_duration_seconds: reg!(latency_by(
                 "raftlock_websocket_request_duration_seconds",
                 "From a WebSocket request's frame read on this node to its answer written to the connection (forwarding to the leader and time queued for a lock included).",
-                "op"
+                &["op"]
             )),
-            grpc_request_duration_seconds: reg!(HistogramVec::new(
-                HistogramOpts::new(
-                    "raftlock_grpc_request_duration_seconds",
-                    "From a gRPC request reaching this node's client port to its answer being ready to send (forwarding to the leader and time queued for a lock included), by service and operation."
-                )
-                .buckets(LATENCY_BUCKETS.to_vec()),
-                &["service", "op"],
+            grpc_request_duration_seconds: reg!(latency_by(
+                "raftlock_grpc_request_duration_seconds",
+                "From a gRPC request reaching this node's client port to its answer being ready to send (forwarding to the leader and time queued for a lock included), by service and operation.",
+                &["service", "op"]
             )),
             snapshots_total: reg!(IntCounterVec::new(
                 Opts::new(
