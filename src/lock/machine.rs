@@ -1788,119 +1788,11 @@ impl LockStateMachine {
         pairs: impl IntoIterator<Item = (K, V)>,
         limits: Limits,
     ) -> Result<Self, DecodeError> {
-        let mut sm = LockStateMachine::new(limits);
-        let u64_of = |v: &[u8], what: &str| -> Result<u64, DecodeError> {
-            let bytes: [u8; 8] = v
-                .try_into()
-                .map_err(|_| DecodeError::InvalidState(format!("{what} is not 8 bytes")))?;
-            Ok(u64::from_be_bytes(bytes))
-        };
+        let mut loader = StateLoader::new(limits);
         for (key, value) in pairs {
-            let key = std::str::from_utf8(key.as_ref())
-                .map_err(|_| DecodeError::InvalidState("state key is not UTF-8".into()))?;
-            let value = value.as_ref();
-            if let Some(k) = key.strip_prefix(LOCK_PREFIX) {
-                let entry: LockEntry = match decode_plain(value) {
-                    Ok(entry) => entry,
-                    // Written before holders recorded their lease index.
-                    Err(err) => decode_plain::<LockEntryV1>(value)
-                        .map(LockEntry::from)
-                        .map_err(|_| err)?,
-                };
-                sm.locks_held += usize::from(entry.holder.is_some());
-                sm.waiters += entry.waiters.len();
-                sm.locks.insert(Box::from(k), Box::new(entry));
-            } else if let Some(k) = key.strip_prefix(DATA_PREFIX) {
-                sm.data.insert(k.to_string(), value.to_vec());
-            } else if let Some(b) = key.strip_prefix(META_DEDUPE_BLOCK_PREFIX) {
-                let b: u64 = b
-                    .parse()
-                    .map_err(|_| DecodeError::InvalidState(format!("bad dedupe key {key}")))?;
-                let records: Vec<(u64, DedupeRecord)> = decode_plain(value)?;
-                if records.is_empty() {
-                    return Err(DecodeError::InvalidState(format!("empty block {key}")));
-                }
-                for (n, rec) in records {
-                    if n / DEDUPE_BLOCK != b {
-                        return Err(DecodeError::InvalidState(format!(
-                            "dedupe record {n} stored in block {key}"
-                        )));
-                    }
-                    sm.add_loaded_record(n, rec)?;
-                }
-            } else if let Some(n) = key.strip_prefix(META_DEDUPE_PREFIX) {
-                let n: u64 = n
-                    .parse()
-                    .map_err(|_| DecodeError::InvalidState(format!("bad dedupe key {key}")))?;
-                let rec: DedupeRecord = match decode_plain(value) {
-                    Ok(rec) => rec,
-                    Err(err) => decode_plain::<DedupeRecordV2>(value)
-                        .map(|old| {
-                            DedupeRecord::new(
-                                old.client_id.into(),
-                                &old.request_id,
-                                old.outcome,
-                                old.op.as_ref().map(|(kind, key)| (*kind, key.as_str())),
-                                0,
-                            )
-                        })
-                        .or_else(|_| {
-                            decode_plain::<DedupeRecordV1>(value).map(|old| {
-                                DedupeRecord::new(
-                                    old.client_id.into(),
-                                    &old.request_id,
-                                    old.outcome,
-                                    None,
-                                    0,
-                                )
-                            })
-                        })
-                        .map_err(|_| err)?,
-                };
-                sm.add_loaded_record(n, rec)?;
-                sm.legacy_dedupe_keys.insert(n);
-            } else {
-                match key {
-                    META_SEQ => sm.fencing_seq = u64_of(value, "meta/seq")?,
-                    META_APPLIED => sm.applied_index = u64_of(value, "meta/applied")?,
-                    META_DEDUPE_NEXT => sm.dedupe_next = u64_of(value, "meta/dedupe_next")?,
-                    META_CLOCK => sm.clock_ms = u64_of(value, "meta/clock")?,
-                    META_CLUSTER_VERSION => {
-                        let bytes: [u8; 4] = value.try_into().map_err(|_| {
-                            DecodeError::InvalidState("meta/cluster_version is not 4 bytes".into())
-                        })?;
-                        sm.cluster_version = u32::from_be_bytes(bytes);
-                    }
-                    META_LIMITS => {
-                        sm.limits = match decode_plain(value) {
-                            Ok(limits) => limits,
-                            // Written before client sessions existed.
-                            Err(err) => decode_plain::<crate::lock::limits::LimitsV1>(value)
-                                .map(Limits::from)
-                                .map_err(|_| err)?,
-                        };
-                        sm.limits_replicated = true;
-                    }
-                    other => {
-                        return Err(DecodeError::InvalidState(format!(
-                            "unknown state key {other}"
-                        )))
-                    }
-                }
-            }
+            loader.add(key.as_ref(), value.as_ref())?;
         }
-        let max_token = sm
-            .locks
-            .values()
-            .filter_map(|e| e.holder.as_ref())
-            .map(|h| h.token)
-            .max();
-        if max_token.is_some_and(|t| t > sm.fencing_seq) {
-            return Err(DecodeError::InvalidState(
-                "a held token is above the fencing sequence".into(),
-            ));
-        }
-        Ok(sm)
+        loader.finish()
     }
 
     /// Adds record `n` read from stored state; a number seen twice is damaged state.
@@ -2094,6 +1986,143 @@ fn check_guard(guard: Option<&FencingToken>, l: &Limits) -> Result<(), Outcome> 
         )),
         _ => Ok(()),
     }
+}
+
+/// Builds a [`LockStateMachine`] from stored or snapshot pairs a few at a time, so that a large
+/// state can be loaded in slices between other work (a snapshot install on the Raft thread).
+/// [`LockStateMachine::from_kv_with_limits`] is one of these fed every pair at once.
+#[derive(Debug)]
+pub struct StateLoader {
+    sm: LockStateMachine,
+}
+
+impl StateLoader {
+    pub fn new(limits: Limits) -> Self {
+        StateLoader {
+            sm: LockStateMachine::new(limits),
+        }
+    }
+
+    /// Adds one pair. An error means the pairs are damaged; the loader should be dropped.
+    pub fn add(&mut self, key: &[u8], value: &[u8]) -> Result<(), DecodeError> {
+        let sm = &mut self.sm;
+        let key = std::str::from_utf8(key)
+            .map_err(|_| DecodeError::InvalidState("state key is not UTF-8".into()))?;
+        if let Some(k) = key.strip_prefix(LOCK_PREFIX) {
+            let entry: LockEntry = match decode_plain(value) {
+                Ok(entry) => entry,
+                // Written before holders recorded their lease index.
+                Err(err) => decode_plain::<LockEntryV1>(value)
+                    .map(LockEntry::from)
+                    .map_err(|_| err)?,
+            };
+            sm.locks_held += usize::from(entry.holder.is_some());
+            sm.waiters += entry.waiters.len();
+            sm.locks.insert(Box::from(k), Box::new(entry));
+        } else if let Some(k) = key.strip_prefix(DATA_PREFIX) {
+            sm.data.insert(k.to_string(), value.to_vec());
+        } else if let Some(b) = key.strip_prefix(META_DEDUPE_BLOCK_PREFIX) {
+            let b: u64 = b
+                .parse()
+                .map_err(|_| DecodeError::InvalidState(format!("bad dedupe key {key}")))?;
+            let records: Vec<(u64, DedupeRecord)> = decode_plain(value)?;
+            if records.is_empty() {
+                return Err(DecodeError::InvalidState(format!("empty block {key}")));
+            }
+            for (n, rec) in records {
+                if n / DEDUPE_BLOCK != b {
+                    return Err(DecodeError::InvalidState(format!(
+                        "dedupe record {n} stored in block {key}"
+                    )));
+                }
+                sm.add_loaded_record(n, rec)?;
+            }
+        } else if let Some(n) = key.strip_prefix(META_DEDUPE_PREFIX) {
+            let n: u64 = n
+                .parse()
+                .map_err(|_| DecodeError::InvalidState(format!("bad dedupe key {key}")))?;
+            let rec: DedupeRecord = match decode_plain(value) {
+                Ok(rec) => rec,
+                Err(err) => decode_plain::<DedupeRecordV2>(value)
+                    .map(|old| {
+                        DedupeRecord::new(
+                            old.client_id.into(),
+                            &old.request_id,
+                            old.outcome,
+                            old.op.as_ref().map(|(kind, key)| (*kind, key.as_str())),
+                            0,
+                        )
+                    })
+                    .or_else(|_| {
+                        decode_plain::<DedupeRecordV1>(value).map(|old| {
+                            DedupeRecord::new(
+                                old.client_id.into(),
+                                &old.request_id,
+                                old.outcome,
+                                None,
+                                0,
+                            )
+                        })
+                    })
+                    .map_err(|_| err)?,
+            };
+            sm.add_loaded_record(n, rec)?;
+            sm.legacy_dedupe_keys.insert(n);
+        } else {
+            match key {
+                META_SEQ => sm.fencing_seq = u64_of(value, "meta/seq")?,
+                META_APPLIED => sm.applied_index = u64_of(value, "meta/applied")?,
+                META_DEDUPE_NEXT => sm.dedupe_next = u64_of(value, "meta/dedupe_next")?,
+                META_CLOCK => sm.clock_ms = u64_of(value, "meta/clock")?,
+                META_CLUSTER_VERSION => {
+                    let bytes: [u8; 4] = value.try_into().map_err(|_| {
+                        DecodeError::InvalidState("meta/cluster_version is not 4 bytes".into())
+                    })?;
+                    sm.cluster_version = u32::from_be_bytes(bytes);
+                }
+                META_LIMITS => {
+                    sm.limits = match decode_plain(value) {
+                        Ok(limits) => limits,
+                        // Written before client sessions existed.
+                        Err(err) => decode_plain::<crate::lock::limits::LimitsV1>(value)
+                            .map(Limits::from)
+                            .map_err(|_| err)?,
+                    };
+                    sm.limits_replicated = true;
+                }
+                other => {
+                    return Err(DecodeError::InvalidState(format!(
+                        "unknown state key {other}"
+                    )))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The state the pairs describe, checked as a whole.
+    pub fn finish(self) -> Result<LockStateMachine, DecodeError> {
+        let sm = self.sm;
+        let max_token = sm
+            .locks
+            .values()
+            .filter_map(|e| e.holder.as_ref())
+            .map(|h| h.token)
+            .max();
+        if max_token.is_some_and(|t| t > sm.fencing_seq) {
+            return Err(DecodeError::InvalidState(
+                "a held token is above the fencing sequence".into(),
+            ));
+        }
+        Ok(sm)
+    }
+}
+
+fn u64_of(v: &[u8], what: &str) -> Result<u64, DecodeError> {
+    let bytes: [u8; 8] = v
+        .try_into()
+        .map_err(|_| DecodeError::InvalidState(format!("{what} is not 8 bytes")))?;
+    Ok(u64::from_be_bytes(bytes))
 }
 
 #[cfg(test)]

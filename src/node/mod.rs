@@ -37,18 +37,35 @@ use bytes::Bytes;
 use self::api::{AnswerKind, ApiError, ClientOp, ClientReply, ErrorCode, QueuedInfo};
 use self::timed::{Deadline, TimedMap};
 use crate::lock::{
-    Command, Event, FencingToken, LockStateMachine, Outcome, RejectCode, CLUSTER_VERSION,
+    Command, Event, FencingToken, LockStateMachine, Outcome, RejectCode, StateLoader,
+    CLUSTER_VERSION,
 };
+use crate::raft::SnapshotMeta;
 use crate::raft::{
     EntryPayload, Index, MembershipChange, Message, NodeId, ProposeError, Raft, Ready, Role,
     Snapshot,
 };
-use crate::storage::{snapshot_pairs, SnapshotJob, Storage, StorageError};
+use crate::storage::{
+    snapshot_pairs, snapshot_pairs_from, PairsCursor, SnapshotJob, Storage, StorageError,
+};
 
 /// Monotonic time in microseconds, as the caller measures it.
 pub type Micros = u64;
 
 const MS: Micros = 1_000;
+
+/// A snapshot from the leader whose state is being put in place; see
+/// [`NodeCore::begin_install`].
+#[derive(Debug)]
+struct Installing {
+    meta: SnapshotMeta,
+    data: Bytes,
+    /// The next pair to load into `loader`.
+    cursor: PairsCursor,
+    loader: StateLoader,
+    /// Storage has the whole state.
+    stored: bool,
+}
 
 /// Settings of the node logic.
 #[derive(Clone, Debug)]
@@ -83,6 +100,10 @@ pub struct NodeSettings {
     /// Readies processed per [`NodeCore::drive`] (the simulator takes one at a time, to crash a
     /// node between two of them).
     pub readies_per_drive: usize,
+    /// Keys of a snapshot from the leader written to storage and loaded into the lock state per
+    /// drive: the install goes on between drives, so the node keeps answering votes and
+    /// heartbeats while it installs a large snapshot.
+    pub install_slice_keys: usize,
     /// Emit [`Observation::Persisted`] and [`Observation::Applied`] (the simulator's checkers
     /// use them; lock-node leaves this off).
     pub observe_log: bool,
@@ -108,6 +129,7 @@ impl Default for NodeSettings {
             housekeeping_retry_us: 1_000 * MS,
             session_tick_us: 1_000 * MS,
             readies_per_drive: 64,
+            install_slice_keys: 1024,
             configured_limits: None,
             observe_log: false,
             observe_lock_events: false,
@@ -227,6 +249,12 @@ pub enum Observation {
     /// A snapshot of the state at `index` was encoded (`bytes` long) for a follower that needs
     /// it; the log is compacted to `index` if it was not already.
     SnapshotEncoded {
+        index: Index,
+        bytes: usize,
+    },
+    /// A snapshot from the leader is being installed: its point is durable with this Ready,
+    /// and its state is put in place over the next drives.
+    SnapshotInstallStarted {
         index: Index,
         bytes: usize,
     },
@@ -371,6 +399,8 @@ pub struct NodeCore<S: Storage, R> {
     applied_written_at: Micros,
     /// A snapshot job handed out and not yet returned; applied-state writes wait for it.
     snapshot_in_progress: bool,
+    /// A snapshot from the leader whose state is being put in place a slice per drive.
+    installing: Option<Installing>,
     /// Set when storage failed: the node must stop.
     failed: bool,
     /// When this leader last proposed the cluster's limits.
@@ -455,6 +485,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             held_keys: 0,
             applied_written_at: now,
             snapshot_in_progress: false,
+            installing: None,
             failed: false,
             limits_proposed_at: None,
             peer_versions: BTreeMap::new(),
@@ -958,6 +989,10 @@ impl<S: Storage, R> NodeCore<S, R> {
     /// that write them, on its own thread). `drive` is the two halves back to back.
     pub fn drive_until_flush(&mut self) -> Result<bool, StorageError> {
         self.finish_drive()?;
+        if let Err(err) = self.continue_install() {
+            self.failed = true;
+            return Err(err);
+        }
         self.propose_batch();
         if !self.raft.has_ready() {
             return Ok(false);
@@ -1109,7 +1144,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             }
         }
         if let Some(snapshot) = &ready.snapshot {
-            self.install_snapshot(snapshot)?;
+            self.begin_install(snapshot)?;
         }
         if let Some(hs) = ready.hard_state {
             self.storage.set_hard_state(hs)?;
@@ -1149,32 +1184,74 @@ impl<S: Storage, R> NodeCore<S, R> {
         self.maybe_snapshot()
     }
 
-    fn install_snapshot(&mut self, snapshot: &Snapshot) -> Result<(), StorageError> {
-        // A snapshot being built and unwritten changes belong to the state this one replaces.
+    /// Starts installing a snapshot from the leader: its point moves in storage now (durable
+    /// with this Ready's flush, which lets the leader learn it arrived), and its state is put in
+    /// place by [`NodeCore::continue_install`], a slice per drive, while the Raft core holds
+    /// back what commits after it and does not campaign ([`Raft::state_pending`]).
+    fn begin_install(&mut self, snapshot: &Snapshot) -> Result<(), StorageError> {
+        // A snapshot being built and unwritten changes belong to the state this one replaces
+        // (as does a state being loaded from an earlier snapshot).
         self.snapshot_in_progress = false;
         self.unwritten_changes.clear();
         self.unwritten_applied = None;
         self.held.clear();
         self.held_keys = 0;
-        self.storage
-            .install_snapshot(&snapshot.meta, &snapshot.data)?;
-        let pairs = snapshot_pairs(&snapshot.data)?;
-        self.sm = LockStateMachine::from_kv_with_limits(pairs, self.sm.limits().clone()).map_err(
-            |err| StorageError::SnapshotData {
-                problem: format!(
-                    "snapshot at index {} does not decode: {err}",
-                    snapshot.meta.index
-                ),
-            },
-        )?;
+        let cursor = snapshot_pairs(&snapshot.data)?.cursor(&snapshot.data);
+        self.storage.begin_install(&snapshot.meta, &snapshot.data)?;
+        self.installing = Some(Installing {
+            meta: snapshot.meta.clone(),
+            data: snapshot.data.clone(),
+            cursor,
+            loader: StateLoader::new(self.sm.limits().clone()),
+            stored: false,
+        });
+        self.observe(Observation::SnapshotInstallStarted {
+            index: snapshot.meta.index,
+            bytes: snapshot.data.len(),
+        });
+        Ok(())
+    }
+
+    /// One slice of the install [`NodeCore::begin_install`] started: up to
+    /// `install_slice_keys` keys written to storage and loaded into the new lock state. The
+    /// last slice puts the new state in place and lets the Raft core go on.
+    fn continue_install(&mut self) -> Result<(), StorageError> {
+        let Some(install) = self.installing.as_mut() else {
+            return Ok(());
+        };
+        let slice = self.cfg.install_slice_keys.max(1);
+        if !install.stored {
+            install.stored = self.storage.continue_install(slice)?;
+        }
+        let index = install.meta.index;
+        let undecodable = |err: crate::lock::DecodeError| StorageError::SnapshotData {
+            problem: format!("snapshot at index {index} does not decode: {err}"),
+        };
+        let mut pairs = snapshot_pairs_from(&install.data, install.cursor);
+        for (key, value) in pairs.by_ref().take(slice) {
+            install.loader.add(key, value).map_err(undecodable)?;
+        }
+        install.cursor = pairs.cursor(&install.data);
+        if !install.stored || install.cursor.left() > 0 {
+            return Ok(());
+        }
+        let Some(install) = self.installing.take() else {
+            return Ok(());
+        };
+        self.sm = install.loader.finish().map_err(undecodable)?;
         self.log_bytes_since_snapshot = 0;
+        self.raft.state_installed();
         if self.raft.is_leader() {
             self.rebuild_deadlines();
         }
-        self.observe(Observation::SnapshotInstalled {
-            index: snapshot.meta.index,
-        });
+        self.observe(Observation::SnapshotInstalled { index });
         Ok(())
+    }
+
+    /// A snapshot from the leader is being installed (its index): the shell keeps driving
+    /// until it is done, even with no input.
+    pub fn installing_snapshot(&self) -> Option<Index> {
+        self.installing.as_ref().map(|i| i.meta.index)
     }
 
     fn role_changed(&mut self, role: Role, leader_id: NodeId) {
@@ -1792,6 +1869,10 @@ impl<S: Storage, R> NodeCore<S, R> {
     }
 
     fn serve_reads(&mut self) {
+        if self.installing.is_some() {
+            // The Raft core counts the snapshot as applied; the state is not there yet.
+            return;
+        }
         let applied = self.raft.applied_index();
         let (ready, later): (Vec<_>, Vec<_>) = self
             .read_indexes
@@ -2060,7 +2141,7 @@ impl<S: Storage, R> NodeCore<S, R> {
     /// when the core asks for them, or when it compacts while a follower is being sent a
     /// snapshot or is known to need one.
     fn maybe_snapshot(&mut self) -> Result<(), StorageError> {
-        if self.snapshot_in_progress {
+        if self.snapshot_in_progress || self.installing.is_some() {
             return Ok(());
         }
         // Wanted bytes are built from the state as it is now (a newer point, which compacts
@@ -2163,12 +2244,18 @@ mod drive_halves {
 
     pub(super) struct Cluster {
         pub(super) cores: BTreeMap<NodeId, Core>,
-        replies: Vec<(u64, ClientReply)>,
+        pub(super) replies: Vec<(u64, ClientReply)>,
         pub(super) now: Micros,
+        /// Nodes cut off: messages to or from them are lost.
+        pub(super) cut: BTreeSet<NodeId>,
     }
 
     impl Cluster {
         pub(super) fn new() -> Cluster {
+            Cluster::with_settings(NodeSettings::default())
+        }
+
+        pub(super) fn with_settings(settings: NodeSettings) -> Cluster {
             let cores = (1..=3)
                 .map(|id| {
                     let initial = InitialState {
@@ -2179,7 +2266,7 @@ mod drive_halves {
                     let sm = LockStateMachine::new(Limits::default());
                     (
                         id,
-                        NodeCore::new(raft, MemStorage::new(), sm, NodeSettings::default(), 0),
+                        NodeCore::new(raft, MemStorage::new(), sm, settings.clone(), 0),
                     )
                 })
                 .collect();
@@ -2187,6 +2274,7 @@ mod drive_halves {
                 cores,
                 replies: Vec::new(),
                 now: 0,
+                cut: BTreeSet::new(),
             }
         }
 
@@ -2204,26 +2292,58 @@ mod drive_halves {
             &mut self,
             msgs: impl IntoIterator<Item = Message>,
         ) -> Result<(), StorageError> {
+            self.try_settle_until(msgs, |_| false).map(|_| ())
+        }
+
+        /// As [`Cluster::try_settle`], stopping early (with true) once `done` holds; it is
+        /// asked after each message. Snapshot jobs run at once.
+        pub(super) fn try_settle_until(
+            &mut self,
+            msgs: impl IntoIterator<Item = Message>,
+            done: impl Fn(&Cluster) -> bool,
+        ) -> Result<bool, StorageError> {
             let mut queue: VecDeque<Message> = msgs.into_iter().collect();
             for _ in 0..10_000 {
-                for (&_, core) in self.cores.iter_mut() {
+                let now = self.now;
+                let mut jobs = Vec::new();
+                for (&id, core) in self.cores.iter_mut() {
                     for effect in core.take_effects() {
                         match effect {
                             Effect::Send(msg) => queue.push_back(msg),
                             Effect::Reply(to, reply) => self.replies.push((to, reply)),
-                            _ => {}
+                            Effect::BuildSnapshot(job) => jobs.push((id, job)),
+                            Effect::Observe(_) => {}
                         }
                     }
                 }
+                if done(self) {
+                    return Ok(true);
+                }
+                if !jobs.is_empty() {
+                    for (id, job) in jobs {
+                        self.core(id).snapshot_built(now, job())?;
+                    }
+                    continue;
+                }
                 let Some(msg) = queue.pop_front() else {
-                    return Ok(());
+                    return Ok(false);
                 };
-                let now = self.now;
+                if self.cut.contains(&msg.to) || self.cut.contains(&msg.from) {
+                    continue;
+                }
                 let core = self.core(msg.to);
                 core.step(now, msg);
                 core.drive()?;
             }
             panic!("the cluster did not settle");
+        }
+
+        /// Ticks `id` once (time moves on by 10 ms) and delivers what follows.
+        pub(super) fn tick(&mut self, id: NodeId) {
+            self.now += 10_000;
+            let now = self.now;
+            self.core(id).tick(now).unwrap();
+            self.settle([]);
         }
 
         /// Ticks node 1 until it leads and has committed an entry of its term.
@@ -2242,7 +2362,7 @@ mod drive_halves {
         }
     }
 
-    fn acquire(key: &str) -> ClientOp {
+    pub(super) fn acquire(key: &str) -> ClientOp {
         ClientOp::Acquire {
             key: key.into(),
             client_id: "c1".into(),
@@ -2411,6 +2531,147 @@ mod drive_halves {
             .replies
             .iter()
             .any(|(to, r)| *to == 43 && matches!(r, ClientReply::Granted { .. })));
+    }
+}
+
+#[cfg(test)]
+mod snapshot_install {
+    use super::drive_halves::{acquire, Cluster};
+    use super::*;
+    use crate::raft::Role;
+
+    fn granted(c: &Cluster, reply: u64) -> bool {
+        c.replies
+            .iter()
+            .any(|(to, r)| *to == reply && matches!(r, ClientReply::Granted { .. }))
+    }
+
+    /// The case measured with real processes in docs/bench/snapshot-install.md: the leader
+    /// dies while a follower installs a large snapshot. The installing follower must still
+    /// vote and take appends, so that the other two make a leader and commit at once, and it
+    /// must not campaign itself, or apply anything, before its state is in place.
+    #[test]
+    fn a_follower_installing_a_snapshot_votes_and_takes_appends_but_neither_campaigns_nor_applies()
+    {
+        let mut c = Cluster::with_settings(NodeSettings {
+            snapshot_entries: 20,
+            install_slice_keys: 1,
+            ..NodeSettings::default()
+        });
+        c.elect_node_1();
+        // Node 3 misses 80 grants, and node 1 compacts its log past them.
+        c.cut.insert(3);
+        for i in 0..80 {
+            let now = c.now;
+            c.core(1)
+                .client_request(now, acquire(&format!("k{i:02}")), 1, 100 + i);
+            c.core(1).drive().unwrap();
+            c.settle([]);
+        }
+        assert!((0..80).all(|i| granted(&c, 100 + i)));
+        assert!(c.core(1).raft().snapshot_index() > c.core(3).raft().last_index());
+
+        // Node 3 is back; the leader sends it a snapshot, and its install starts.
+        c.cut.remove(&3);
+        let mut started = false;
+        for _ in 0..50 {
+            c.now += 10_000;
+            let now = c.now;
+            c.core(1).tick(now).unwrap();
+            started = c
+                .try_settle_until([], |c| c.cores[&3].installing_snapshot().is_some())
+                .unwrap();
+            if started {
+                break;
+            }
+        }
+        assert!(started, "node 3 never began installing a snapshot");
+        let index = c.core(3).installing_snapshot().unwrap();
+        let applied_before = c.core(3).state_machine().to_kv();
+
+        // The leader dies. Node 3 waits out several election timeouts and does not campaign.
+        c.cut.insert(1);
+        let term = c.core(3).raft().term();
+        for _ in 0..40 {
+            c.tick(3);
+        }
+        assert!(
+            c.core(3).installing_snapshot().is_some(),
+            "the install outlasts the ticks"
+        );
+        assert_eq!(c.core(3).raft().role(), Role::Follower);
+        assert_eq!(c.core(3).raft().term(), term, "node 3 did not campaign");
+        assert_eq!(c.core(3).state_machine().to_kv(), applied_before);
+
+        // Node 2 campaigns and wins with node 3's vote, and commits with its append.
+        for _ in 0..100 {
+            if c.core(2).raft().is_leader() {
+                break;
+            }
+            c.tick(2);
+        }
+        assert!(c.core(2).raft().is_leader(), "node 2 never led");
+        assert!(
+            c.core(3).installing_snapshot().is_some(),
+            "node 3 voted while installing"
+        );
+        let now = c.now;
+        c.core(2).client_request(now, acquire("after"), 1, 999);
+        c.core(2).drive().unwrap();
+        let committed = c.try_settle_until([], |c| granted(c, 999)).unwrap();
+        assert!(
+            committed,
+            "the new leader committed with node 3: {:?}",
+            c.replies
+                .iter()
+                .filter(|(to, _)| *to == 999)
+                .collect::<Vec<_>>()
+        );
+        let after = c.core(2).raft().commit_index();
+        // Node 3 learns that the entry committed (the next heartbeat says so).
+        for _ in 0..3 {
+            c.tick(2);
+        }
+        assert!(c.core(3).raft().commit_index() >= after);
+        assert!(
+            c.core(3).installing_snapshot().is_some(),
+            "node 3 still installs"
+        );
+        assert_eq!(
+            c.core(3).state_machine().to_kv(),
+            applied_before,
+            "nothing was applied before the snapshot's state was in place"
+        );
+
+        // The install finishes, and what committed meanwhile applies after it.
+        for _ in 0..200 {
+            if c.core(3).installing_snapshot().is_none() {
+                break;
+            }
+            c.tick(3);
+        }
+        assert!(c.core(3).installing_snapshot().is_none());
+        for _ in 0..20 {
+            c.tick(2);
+            if c.core(3).raft().applied_index() == c.core(2).raft().applied_index() {
+                break;
+            }
+        }
+        assert!(c.core(3).raft().applied_index() > index);
+        assert_eq!(
+            c.core(3).raft().applied_index(),
+            c.core(2).raft().applied_index()
+        );
+        assert_eq!(
+            c.core(3).state_machine().to_kv(),
+            c.core(2).state_machine().to_kv()
+        );
+        assert!(c
+            .core(3)
+            .state_machine()
+            .to_kv()
+            .iter()
+            .any(|(k, _)| k == b"lock/after"));
     }
 }
 

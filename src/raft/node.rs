@@ -200,6 +200,11 @@ pub struct Raft {
     incoming_snapshot: Option<IncomingSnapshot>,
     /// A received snapshot not yet handed to the driver.
     snapshot_to_install: Option<Snapshot>,
+    /// A received snapshot's state is not in place yet (handed to the driver, which may build
+    /// it over several turns; see [`Raft::state_installed`]): nothing committed after it is
+    /// handed out to apply, and this server does not campaign, since it could not serve as
+    /// leader. It still answers votes and takes appends.
+    state_pending: bool,
 
     prev_soft: SoftState,
     prev_hard: HardState,
@@ -264,6 +269,7 @@ impl Raft {
             snapshot_wanted: false,
             incoming_snapshot: None,
             snapshot_to_install: None,
+            state_pending: false,
             prev_soft: SoftState {
                 leader_id: 0,
                 role: Role::Follower,
@@ -450,6 +456,9 @@ impl Raft {
     }
 
     fn promotable(&self) -> bool {
+        if self.state_pending {
+            return false;
+        }
         if self.membership.is_voter(self.id) {
             return true;
         }
@@ -691,7 +700,7 @@ impl Raft {
             || self.snapshot_to_install.is_some()
             || !self.messages_now.is_empty()
             || !self.messages.is_empty()
-            || self.log.has_next_committed()
+            || (!self.state_pending && self.log.has_next_committed())
             || !self.read_states.is_empty()
     }
 
@@ -730,12 +739,31 @@ impl Raft {
             entries,
             messages_now,
             messages,
-            committed_entries: self.log.take_committed(self.cfg.max_apply_bytes),
+            committed_entries: if self.state_pending {
+                Vec::new()
+            } else {
+                self.log.take_committed(self.cfg.max_apply_bytes)
+            },
             read_states: std::mem::take(&mut self.read_states),
         };
         self.prev_soft = soft;
         self.prev_hard = hard;
         ready
+    }
+
+    /// The driver has put in place the state of the last snapshot a Ready handed it: entries
+    /// committed after it are handed out again, and this server may campaign. Until then
+    /// [`Raft::state_pending`] is true.
+    pub fn state_installed(&mut self) {
+        // A newer snapshot received meanwhile is not handed out yet: its state is pending.
+        if self.snapshot_to_install.is_none() {
+            self.state_pending = false;
+        }
+    }
+
+    /// A snapshot's state is being put in place; see [`Raft::state_installed`].
+    pub fn state_pending(&self) -> bool {
+        self.state_pending
     }
 
     /// The driver has carried out `ready`: persisted, sent and applied it.
@@ -1590,6 +1618,7 @@ impl Raft {
         self.membership_base = snapshot.meta.membership.clone();
         self.recompute_membership();
         self.snapshot_to_install = Some(snapshot);
+        self.state_pending = true;
         let body = MessageBody::InstallSnapshotResponse {
             snapshot_index,
             next_offset,

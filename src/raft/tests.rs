@@ -75,6 +75,7 @@ impl Net {
             if let Some(s) = &ready.snapshot {
                 self.installed_snapshots.insert(id, s.meta.index);
             }
+            let installed = ready.snapshot.is_some();
             self.applied
                 .entry(id)
                 .or_default()
@@ -83,7 +84,12 @@ impl Net {
                 .entry(id)
                 .or_default()
                 .extend(ready.read_states.iter().copied());
-            self.nodes.get_mut(&id).unwrap().advance(ready);
+            let raft = self.nodes.get_mut(&id).unwrap();
+            raft.advance(ready);
+            if installed {
+                // This harness puts a snapshot's state in place at once.
+                raft.state_installed();
+            }
         }
     }
 

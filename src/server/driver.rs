@@ -96,6 +96,9 @@ pub struct NodeStatus {
     pub waiters: u64,
     /// The cluster version in the applied state (see `lock::CLUSTER_VERSION`).
     pub cluster_version: u32,
+    /// The index of the snapshot from the leader whose state is being installed, if any: the
+    /// lock counts are the state before it until it is done.
+    pub installing_snapshot: Option<u64>,
     /// On the leader: how far each other member's log matches its own.
     pub replication: Vec<PeerReplication>,
 }
@@ -115,7 +118,10 @@ impl NodeStatus {
     /// Member of a cluster with a known leader, and caught up with the commit index.
     pub fn is_ready(&self) -> bool {
         let member = self.voters.contains(&self.id) || self.learners.contains(&self.id);
-        member && self.leader_id != 0 && self.applied_index + 16 >= self.commit_index
+        member
+            && self.leader_id != 0
+            && self.installing_snapshot.is_none()
+            && self.applied_index + 16 >= self.commit_index
     }
 }
 
@@ -331,6 +337,16 @@ impl<S: Storage> Storage for TimedStorage<S> {
     ) -> Result<(), StorageError> {
         self.inner.install_snapshot(meta, data)
     }
+    fn begin_install(
+        &mut self,
+        meta: &crate::raft::SnapshotMeta,
+        data: &bytes::Bytes,
+    ) -> Result<(), StorageError> {
+        self.inner.begin_install(meta, data)
+    }
+    fn continue_install(&mut self, max_pairs: usize) -> Result<bool, StorageError> {
+        self.inner.continue_install(max_pairs)
+    }
     fn begin_snapshot(&mut self, meta: &crate::raft::SnapshotMeta) -> Result<(), StorageError> {
         self.inner.begin_snapshot(meta)
     }
@@ -440,6 +456,8 @@ pub struct Driver {
     status: watch::Sender<NodeStatus>,
     /// A snapshot being built on another thread.
     snapshot_job: Option<std::sync::mpsc::Receiver<Result<Snapshot, StorageError>>>,
+    /// When the snapshot being installed from the leader began (for the log line at its end).
+    install_started: Option<Instant>,
     /// Per peer: when the heartbeat being timed was sent (for `raftlock_peer_rtt_seconds`).
     heartbeat_sent: HashMap<NodeId, Instant>,
     /// While leading: each other member's replication-lag gauges (entries, seconds).
@@ -609,6 +627,7 @@ impl Driver {
             inputs,
             status,
             snapshot_job: None,
+            install_started: None,
             heartbeat_sent: HashMap::new(),
             lag_gauges: HashMap::new(),
             replication_buf: Vec::new(),
@@ -637,7 +656,7 @@ impl Driver {
         loop {
             // Work left over from a turn that used up its budget; taken in turn with ticks
             // and inputs (select! picks among ready branches at random).
-            let more = self.core.raft().has_ready();
+            let more = self.core.raft().has_ready() || self.core.installing_snapshot().is_some();
             let result = tokio::select! {
                 _ = std::future::ready(()), if more => {
                     self.batch_started = std::time::Instant::now();
@@ -692,7 +711,7 @@ impl Driver {
             };
             let mut result = result;
             while result.is_ok()
-                && self.core.raft().has_ready()
+                && (self.core.raft().has_ready() || self.core.installing_snapshot().is_some())
                 && self.batch_started.elapsed() < TURN_BUDGET
             {
                 result = self.drive().await;
@@ -726,7 +745,9 @@ impl Driver {
             // the streams that run on this thread: let them write before the next turn.
             let answers = self.answers_sent.swap(false, Ordering::Relaxed);
             let appends = self.appends_sent.swap(false, Ordering::Relaxed);
-            if answers || appends {
+            // A snapshot being installed keeps the next turn ready at once: the streams and
+            // the peer port's requests (votes) on this thread get their turn in between.
+            if answers || appends || self.core.installing_snapshot().is_some() {
                 tokio::task::yield_now().await;
             }
         }
@@ -999,11 +1020,22 @@ impl Driver {
                 )
                 .in_scope(|| info!(index, bytes, took_ms, "snapshot encoded for a follower"));
             }
+            Observation::SnapshotInstallStarted { index, bytes } => {
+                self.install_started = Some(Instant::now());
+                info!(
+                    index,
+                    bytes, "installing a snapshot from the leader; votes are answered meanwhile"
+                );
+            }
             Observation::SnapshotInstalled { index } => {
+                let took_ms = self
+                    .install_started
+                    .take()
+                    .map(|t| t.elapsed().as_millis() as u64);
                 self.cfg.watch.reset(index);
                 m.snapshots_total.with_label_values(&["installed"]).inc();
                 tracing::debug_span!("raft.snapshot", kind = "installed", index = index as i64)
-                    .in_scope(|| info!(index, "installed snapshot from leader"));
+                    .in_scope(|| info!(index, took_ms, "installed snapshot from leader"));
             }
             Observation::RemovedFromCluster => info!("this node was removed from the cluster"),
             Observation::Undecodable { index } => {
@@ -1054,6 +1086,7 @@ impl Driver {
         let locks_held = sm.locks_held() as u64;
         let waiters = sm.waiter_count() as u64;
         let cluster_version = sm.cluster_version();
+        let installing_snapshot = self.core.installing_snapshot();
         let m = &self.metrics;
         m.term.set(term as i64);
         m.is_leader.set(i64::from(raft.is_leader()));
@@ -1200,6 +1233,7 @@ impl Driver {
                 || old.locks_held != locks_held
                 || old.waiters != waiters
                 || old.cluster_version != cluster_version
+                || old.installing_snapshot != installing_snapshot
                 || old.replication != replication;
             if changed {
                 old.id = raft.id();
@@ -1226,6 +1260,7 @@ impl Driver {
                 old.locks_held = locks_held;
                 old.waiters = waiters;
                 old.cluster_version = cluster_version;
+                old.installing_snapshot = installing_snapshot;
                 if old.replication != replication {
                     old.replication.clone_from(&replication);
                 }

@@ -432,6 +432,9 @@ impl Cluster {
             housekeeping_retry_us: 200_000,
             session_tick_us: 1_000_000,
             readies_per_drive: 1,
+            // Small, so that a snapshot's install spans several drives, with messages,
+            // ticks and crashes between them.
+            install_slice_keys: 2,
             configured_limits: Some(sim_lock_limits()),
             observe_log: true,
             observe_lock_events: true,
@@ -586,9 +589,13 @@ impl Cluster {
                 self.stats.elections += core.raft().stats().elections_started;
                 self.stats.overlapped_readies += core.overlapped_readies();
                 // Members that applied everything committed (a node started to join may not
-                // have been added yet, a restarted one may still be catching up).
+                // have been added yet, a restarted one may still be catching up, and one
+                // installing a snapshot does not have its state yet).
                 let raft = core.raft();
-                if raft.membership().contains(raft.id()) && raft.applied_index() >= committed {
+                if raft.membership().contains(raft.id())
+                    && raft.applied_index() >= committed
+                    && core.installing_snapshot().is_none()
+                {
                     self.stats.nodes_up += 1;
                     if core.state_machine().cluster_version() == CLUSTER_VERSION {
                         self.stats.nodes_at_version += 1;

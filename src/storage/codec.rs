@@ -534,6 +534,46 @@ impl<'a> Iterator for SnapshotPairs<'a> {
 
 impl ExactSizeIterator for SnapshotPairs<'_> {}
 
+/// A place in a checked snapshot's pairs that does not borrow the data, so that an install
+/// writing the pairs a slice at a time can keep it between slices; see
+/// [`SnapshotPairs::cursor`] and [`snapshot_pairs_from`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PairsCursor {
+    /// Bytes of the data before the next pair.
+    consumed: usize,
+    /// Pairs not read yet.
+    left: u64,
+}
+
+impl PairsCursor {
+    /// Pairs after this place.
+    pub fn left(&self) -> u64 {
+        self.left
+    }
+}
+
+impl SnapshotPairs<'_> {
+    /// Where these pairs stand in `data`, the bytes [`snapshot_pairs`] made them from.
+    pub fn cursor(&self, data: &[u8]) -> PairsCursor {
+        PairsCursor {
+            consumed: data.len().saturating_sub(4 + self.reader.bytes.len()),
+            left: self.left,
+        }
+    }
+}
+
+/// The pairs of `data` from `cursor` on. `data` must be the bytes [`snapshot_pairs`] checked
+/// and the cursor one of theirs: other bytes give no pairs or wrong ones, never a panic.
+pub fn snapshot_pairs_from(data: &[u8], cursor: PairsCursor) -> SnapshotPairs<'_> {
+    let body = &data[..data.len().saturating_sub(4)];
+    SnapshotPairs {
+        reader: Reader {
+            bytes: body.get(cursor.consumed..).unwrap_or(&[]),
+        },
+        left: cursor.left,
+    }
+}
+
 fn check_snapshot(data: &[u8]) -> Result<SnapshotPairs<'_>, DecodeError> {
     if data.len() < SNAPSHOT_MAGIC.len() + 12 {
         return Err(DecodeError::Malformed(format!("only {} bytes", data.len())));
@@ -739,6 +779,30 @@ mod tests {
         ));
         assert!(decode_snapshot_data(&data[..data.len() - 1]).is_err());
         assert!(decode_snapshot_data(b"").is_err());
+    }
+
+    /// Pairs read a slice at a time, resumed from a cursor each time, are all the pairs in
+    /// order; a cursor at the end gives none.
+    #[test]
+    fn pairs_resumed_from_cursors_are_the_pairs() {
+        let pairs: Vec<KvPair> = (0..100)
+            .map(|i| (format!("lock/{i:03}").into_bytes(), vec![i as u8; i % 5]))
+            .collect();
+        let data = encode_snapshot_data(pairs.iter().map(|(k, v)| (k.as_slice(), v.as_slice())));
+        for slice in [1, 3, 7, 100, 1000] {
+            let mut cursor = snapshot_pairs(&data).unwrap().cursor(&data);
+            assert_eq!(cursor.left(), 100);
+            let mut read = Vec::new();
+            while cursor.left() > 0 {
+                let mut resumed = snapshot_pairs_from(&data, cursor);
+                for (k, v) in resumed.by_ref().take(slice) {
+                    read.push((k.to_vec(), v.to_vec()));
+                }
+                cursor = resumed.cursor(&data);
+            }
+            assert_eq!(read, pairs, "slice {slice}");
+            assert_eq!(snapshot_pairs_from(&data, cursor).count(), 0);
+        }
     }
 
     /// Pairs read in place are the decoded pairs; a snapshot that is bad anywhere, even in its

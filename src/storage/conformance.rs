@@ -636,6 +636,49 @@ pub(crate) fn check_snapshot_install_keeps_matching_suffix<H: Harness>(harness: 
     assert_eq!(harness.store().last_index(), 20);
 }
 
+/// `begin_install` and `continue_install`: the point moves at once, the log goes on after it
+/// while the state is written a slice at a time, and the end is what `install_snapshot` gives.
+pub(crate) fn check_snapshot_install_in_slices<H: Harness>(harness: &mut H) {
+    let store = harness.store();
+    store.append(&commands(1, 30, 1)).unwrap();
+    store
+        .apply(
+            30,
+            &[put("old/a", "1"), put("old/b", "2"), put("k03", "old")],
+        )
+        .unwrap();
+    let pairs: Vec<KvPair> = (0..40)
+        .map(|i| pair(&format!("k{i:02}"), &format!("v{i}")))
+        .collect();
+    let meta = SnapshotMeta {
+        index: 50,
+        term: 3,
+        membership: Membership::with_voters([1, 2]),
+    };
+    store.begin_install(&meta, &snapshot_data(&pairs)).unwrap();
+    assert_eq!(store.last_index(), 50);
+    assert_eq!(store.first_index(), 51);
+    assert_eq!(store.term(50).unwrap(), 3);
+    store.append(&commands(51, 53, 3)).unwrap();
+    let mut slices = 0;
+    while !store.continue_install(7).unwrap() {
+        slices += 1;
+        assert!(slices < 100, "the install never ends");
+        store.append(&[command(53 + slices, 3)]).unwrap();
+    }
+    assert!(store.continue_install(7).unwrap(), "nothing left to do");
+    assert_eq!(store.applied_index(), 50);
+    let last = store.last_index();
+    store.apply(51, &[put("k00", "new")]).unwrap();
+    let recovered = recover_across_restart(harness);
+    assert_eq!(recovered.snapshot_meta, meta);
+    assert_eq!(recovered.entries, commands(51, last, 3));
+    assert_eq!(recovered.applied_index, 51);
+    let mut expected = pairs.clone();
+    expected[0] = pair("k00", "new");
+    assert_eq!(recovered.applied_state, expected);
+}
+
 /// Regression: reinstalling a snapshot at the current snapshot point with the same term must keep
 /// the log after it on both implementations (MemStorage used to drop it, sled kept it).
 pub(crate) fn check_snapshot_at_current_point_keeps_log<H: Harness>(harness: &mut H) {
@@ -1088,6 +1131,7 @@ macro_rules! all_conformance_tests {
             check_apply,
             check_chunked_snapshot_install,
             check_snapshot_install_keeps_matching_suffix,
+            check_snapshot_install_in_slices,
             check_snapshot_at_current_point_keeps_log,
             check_bad_snapshot_data_changes_nothing,
             check_compaction,
@@ -1252,9 +1296,59 @@ fn sled_ignores_entries_left_behind_the_snapshot_point() {
 /// A crash inside a snapshot install (after its mark, with the old state cleared and part of the
 /// new one written) is finished by the next open from the staged data: the store then holds
 /// exactly the snapshot, its point and applied index, and no log after it.
+/// A crash while a snapshot's state is written a slice at a time, with entries appended after
+/// its point meanwhile: the next open finishes the install and keeps those entries.
+#[test]
+fn sled_finishes_a_sliced_install_after_a_crash_and_keeps_the_entries_appended_meanwhile() {
+    for slices in [0, 1, 3] {
+        let mut harness = SledHarness::default();
+        let store = harness.store();
+        store.append(&commands(1, 30, 1)).unwrap();
+        store
+            .apply(30, &[put("old/a", "1"), put("old/b", "2")])
+            .unwrap();
+        store.flush().unwrap();
+        let pairs: Vec<KvPair> = (0..40)
+            .map(|i| pair(&format!("k{i:02}"), &format!("v{i}")))
+            .collect();
+        let meta = SnapshotMeta {
+            index: 50,
+            term: 3,
+            membership: Membership::with_voters([1, 2]),
+        };
+        store.begin_install(&meta, &snapshot_data(&pairs)).unwrap();
+        store.append(&commands(51, 55, 3)).unwrap();
+        for _ in 0..slices {
+            assert!(!store.continue_install(9).unwrap());
+        }
+        assert!(matches!(
+            store.apply(51, &[]),
+            Err(StorageError::InstallInProgress { index: 50, .. })
+        ));
+        assert!(matches!(
+            store.snapshot_job(),
+            Err(StorageError::InstallInProgress { index: 50, .. })
+        ));
+        store.flush().unwrap();
+        harness.restart();
+        assert_eq!(
+            harness.store().resumed_install(),
+            Some(50),
+            "slices {slices}"
+        );
+        let recovered = harness.store().recover().unwrap();
+        assert_eq!(recovered.snapshot_meta, meta, "slices {slices}");
+        assert_eq!(recovered.applied_index, 50);
+        assert_eq!(recovered.applied_state, pairs);
+        assert_eq!(recovered.entries, commands(51, 55, 3));
+        let again = recover_across_restart(&mut harness);
+        assert_eq!(again, recovered);
+    }
+}
+
 #[test]
 fn sled_finishes_a_snapshot_install_interrupted_by_a_crash() {
-    for keys_written in [0, 7, 40] {
+    for (keys_written, older) in [0, 7, 40].into_iter().flat_map(|k| [(k, false), (k, true)]) {
         let mut harness = SledHarness::default();
         let store = harness.store();
         store.append(&commands(1, 30, 1)).unwrap();
@@ -1273,9 +1367,14 @@ fn sled_finishes_a_snapshot_install_interrupted_by_a_crash() {
             term: 3,
             membership: Membership::with_voters([1, 2]),
         };
-        store
-            .interrupt_install(&meta, &snapshot_data(&pairs), keys_written)
-            .unwrap();
+        let data = snapshot_data(&pairs);
+        if older {
+            store
+                .interrupt_install_of_an_older_release(&meta, &data, keys_written)
+                .unwrap();
+        } else {
+            store.interrupt_install(&meta, &data, keys_written).unwrap();
+        }
         store.flush().unwrap();
         harness.restart();
         let recovered = harness.store().recover().unwrap();

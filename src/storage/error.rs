@@ -129,6 +129,11 @@ pub enum StorageError {
     #[error("no snapshot transfer is in progress")]
     NoSnapshotInProgress,
 
+    /// The applied state was read or written while a snapshot's state was still being put in
+    /// place (see `Storage::begin_install`): a bug in the caller.
+    #[error("{action} while the state of the snapshot at index {index} is still being installed")]
+    InstallInProgress { action: &'static str, index: u64 },
+
     /// Snapshot data does not decode.
     #[error("snapshot data is invalid: {problem}")]
     SnapshotData { problem: String },

@@ -36,7 +36,7 @@ mod sled_store;
 pub use codec::fuzzing as codec_fuzzing;
 pub use codec::{
     decode_snapshot_data, encode_snapshot_data, encode_snapshot_stream, snapshot_pairs,
-    SnapshotPairs,
+    snapshot_pairs_from, PairsCursor, SnapshotPairs,
 };
 pub use error::StorageError;
 #[cfg(feature = "server")]
@@ -44,6 +44,8 @@ pub use flusher::{FlushObserver, FlushWaker};
 pub use memory::MemStorage;
 #[cfg(feature = "server")]
 pub use sled_store::{LogEngine, SledOptions, SledStorage};
+
+use bytes::Bytes;
 
 use crate::raft::{
     Entry, EntryPayload, HardState, Index, Membership, Snapshot, SnapshotMeta, Term,
@@ -117,6 +119,24 @@ pub trait Storage {
     /// the whole log is dropped. `data` is the [`Snapshot::data`] encoding
     /// ([`encode_snapshot_data`]).
     fn install_snapshot(&mut self, meta: &SnapshotMeta, data: &[u8]) -> Result<(), StorageError>;
+
+    /// [`Storage::install_snapshot`] in steps, for a state too large to write at once without
+    /// stalling the caller: this call moves the snapshot point and trims the log as
+    /// `install_snapshot` does, at once, and keeps `data`; [`Storage::continue_install`] then
+    /// replaces the applied state a slice at a time and finally moves the applied index. The
+    /// log may be appended to meanwhile. A crash at any point after this call is durable
+    /// (the next flush) leaves a store whose next open finishes the install. Until
+    /// `continue_install` returns true, `apply` and the snapshot builders must not be called
+    /// (they fail), and `applied_index` is the old one. The default installs everything here.
+    fn begin_install(&mut self, meta: &SnapshotMeta, data: &Bytes) -> Result<(), StorageError> {
+        self.install_snapshot(meta, data)
+    }
+
+    /// Writes up to `max_pairs` more keys of the install [`Storage::begin_install`] began.
+    /// Returns true once it is done (or when none is under way).
+    fn continue_install(&mut self, _max_pairs: usize) -> Result<bool, StorageError> {
+        Ok(true)
+    }
 
     /// Starts receiving a snapshot in chunks (InstallSnapshot), discarding any transfer in
     /// progress. Nothing visible changes until [`Storage::finish_snapshot`].

@@ -18,6 +18,7 @@
 
 use std::path::Path;
 
+use bytes::Bytes;
 use sled::transaction::{ConflictableTransactionError, TransactionError};
 use sled::Transactional;
 
@@ -31,8 +32,8 @@ use super::flusher::{FlushJob, FlushObserver, FlushWaker, Flusher};
 use super::segment_log::SegmentLog;
 use super::{
     check_append, check_recovered, encode_snapshot_stream, membership_after, snapshot_pairs,
-    KvChange, KvPair, PairsConvert, RecoveredState, SnapshotJob, SnapshotPairs, Storage,
-    StorageError,
+    snapshot_pairs_from, KvChange, KvPair, PairsConvert, PairsCursor, RecoveredState, SnapshotJob,
+    Storage, StorageError,
 };
 use crate::raft::{
     Entry, EntryPayload, HardState, Index, Membership, Snapshot, SnapshotMeta, Term,
@@ -56,8 +57,11 @@ const SNAPSHOT_POINT: &[u8] = b"snapshot_point";
 const SNAPSHOT_MEMBERSHIP: &[u8] = b"snapshot_membership";
 const APPLIED_INDEX: &[u8] = b"applied_index";
 const STAGING_META: &[u8] = b"staging_meta";
-/// In `meta` while a snapshot install is under way: the index and term of the staged snapshot
-/// it installs. See [`SledStorage::install`].
+/// In `meta` while a snapshot's state is being installed: the index and term of the staged
+/// snapshot. See [`SledStorage::install`].
+const INSTALLING_STATE: &[u8] = b"installing_state";
+/// The mark of older releases, written before the snapshot point moved (they moved it with the
+/// applied index at the end); an open that finds it finishes the install as they would have.
 const INSTALLING: &[u8] = b"installing";
 /// State keys written per sled batch when a snapshot is installed. Small batches keep sled's
 /// memory down: installing a million locks (a 106 MiB snapshot) into a new store left the
@@ -93,6 +97,8 @@ pub struct SledStorage {
     staged_bytes: Option<u64>,
     /// The index of the snapshot whose install this open finished after a crash, if any.
     resumed_install: Option<Index>,
+    /// A snapshot whose state is being written; see [`Storage::begin_install`].
+    pending_install: Option<PendingInstall>,
     /// Makes the files sled moves large values into durable; see [`BlobSync`].
     blobs: BlobSync,
     /// State keys per sled batch in a snapshot install ([`INSTALL_BATCH_KEYS`]).
@@ -111,6 +117,17 @@ pub struct SledStorage {
     /// Runs flushes on a thread of its own once [`SledStorage::flush_in_background`] was
     /// called; `None` flushes inside [`Storage::start_flush`].
     flusher: Option<Flusher>,
+}
+
+/// A snapshot whose point has moved and whose state is being written; see
+/// [`SledStorage::install`].
+struct PendingInstall {
+    meta: SnapshotMeta,
+    data: Bytes,
+    /// The next pair to write.
+    cursor: PairsCursor,
+    /// The old state is gone.
+    cleared: bool,
 }
 
 /// sled 0.34 writes a value (or a tree node) larger than a quarter of its 512 KiB segment to a
@@ -517,6 +534,7 @@ impl SledStorage {
             config_entries: std::sync::OnceLock::new(),
             staged_bytes: None,
             resumed_install: None,
+            pending_install: None,
             blobs,
             install_batch_keys: INSTALL_BATCH_KEYS,
             segments,
@@ -742,8 +760,9 @@ impl SledStorage {
         membership_after(&self.snapshot_meta.membership, &entries)
     }
 
-    /// Leaves what a crash in the middle of a snapshot install leaves: the data staged, the mark
-    /// written, the old state cleared and only the first `keys_written` keys of the new one.
+    /// Leaves what a crash in the middle of a snapshot install leaves: the data staged, the point
+    /// moved and the mark written, the old state cleared and only the first `keys_written`
+    /// keys of the new one.
     #[cfg(test)]
     pub(crate) fn interrupt_install(
         &mut self,
@@ -751,11 +770,36 @@ impl SledStorage {
         data: &[u8],
         keys_written: usize,
     ) -> Result<(), StorageError> {
-        let pairs = self.begin_install(meta, data, false)?;
+        self.start_install(meta, Bytes::copy_from_slice(data), false)?;
+        self.pending_install = None;
         self.state
             .clear()
             .map_err(|e| StorageError::sled("clearing the state", e))?;
-        for (k, v) in pairs.take(keys_written) {
+        for (k, v) in snapshot_pairs(data)?.take(keys_written) {
+            self.state
+                .insert(k, encode_state_value(v))
+                .map_err(|e| StorageError::sled("writing the state", e))?;
+        }
+        Ok(())
+    }
+
+    /// [`SledStorage::interrupt_install`] as releases before sliced installs left it: the mark
+    /// `meta/installing` written before the snapshot point moved, the old log still there.
+    #[cfg(test)]
+    pub(crate) fn interrupt_install_of_an_older_release(
+        &mut self,
+        meta: &SnapshotMeta,
+        data: &[u8],
+        keys_written: usize,
+    ) -> Result<(), StorageError> {
+        self.stage_whole(meta, data)?;
+        self.meta
+            .insert(INSTALLING, encode_index_term(meta.index, meta.term))
+            .map_err(|e| StorageError::sled("marking a snapshot install", e))?;
+        self.state
+            .clear()
+            .map_err(|e| StorageError::sled("clearing the state", e))?;
+        for (k, v) in snapshot_pairs(data)?.take(keys_written) {
             self.state
                 .insert(k, encode_state_value(v))
                 .map_err(|e| StorageError::sled("writing the state", e))?;
@@ -795,41 +839,49 @@ impl SledStorage {
     /// while it commits. Instead, crash-safe by redoing:
     ///
     /// 1. the data is checked, then kept in `staging` (unless it is already there) with its
-    ///    meta, and `meta/installing` names the snapshot: from here on a restart finishes the
-    ///    install from `staging` before anything reads the store;
-    /// 2. the state tree is cleared and filled in batches;
-    /// 3. one small transaction moves the snapshot point, membership and applied index, removes
-    ///    log entries after the point that do not belong to it, and clears the mark;
-    /// 4. `staging` is cleared, and entries at or below the point are left to the trimmer.
+    ///    meta;
+    /// 2. one small transaction moves the snapshot point and membership, removes log entries
+    ///    after the point that do not belong to it, and writes `meta/installing_state`, which
+    ///    names the snapshot: from here on a restart finishes the install from `staging` before
+    ///    anything reads the store;
+    /// 3. the state tree is cleared and filled in batches ([`SledStorage::continue_install`],
+    ///    a slice at a time when the node installs: its Raft thread answers votes in between);
+    /// 4. one small transaction moves the applied index and clears the mark, and `staging` is
+    ///    cleared. Entries at or below the point are left to the trimmer.
     ///
-    /// sled recovers a prefix of its writes, so a crash before the mark leaves the old state
-    /// and log untouched, and one after it a mark the next open acts on.
+    /// sled recovers a prefix of its writes, so a crash before step 2 leaves the old state
+    /// and log untouched, and one after it a mark the next open acts on. Entries appended after
+    /// step 2 (the log goes on while the state is written) follow the new point and are kept.
     fn install(
         &mut self,
         meta: &SnapshotMeta,
-        data: &[u8],
+        data: Bytes,
         staged: bool,
     ) -> Result<(), StorageError> {
-        let pairs = self.begin_install(meta, data, staged)?;
-        self.complete_install(meta, pairs)
+        self.start_install(meta, data, staged)?;
+        while !self.continue_install(usize::MAX)? {}
+        Ok(())
     }
 
-    /// Step 1 of [`SledStorage::install`]: checks the data, stages it unless `staged`, and
-    /// writes the mark. Returns the checked pairs, read in place from `data`.
-    fn begin_install<'a>(
+    /// Steps 1 and 2 of [`SledStorage::install`].
+    fn start_install(
         &mut self,
         meta: &SnapshotMeta,
-        data: &'a [u8],
+        data: Bytes,
         staged: bool,
-    ) -> Result<SnapshotPairs<'a>, StorageError> {
-        let pairs = snapshot_pairs(data)?;
+    ) -> Result<(), StorageError> {
+        let cursor = snapshot_pairs(&data)?.cursor(&data);
         if !staged {
-            self.stage_whole(meta, data)?;
+            self.stage_whole(meta, &data)?;
         }
-        self.meta
-            .insert(INSTALLING, encode_index_term(meta.index, meta.term))
-            .map_err(|e| StorageError::sled("marking a snapshot install", e))?;
-        Ok(pairs)
+        self.move_point(meta)?;
+        self.pending_install = Some(PendingInstall {
+            meta: meta.clone(),
+            data,
+            cursor,
+            cleared: false,
+        });
+        Ok(())
     }
 
     /// Keeps `data` in `staging` as the chunks a transfer would have left there.
@@ -843,31 +895,9 @@ impl SledStorage {
         Ok(())
     }
 
-    /// Steps 2–4 of [`SledStorage::install`]; run again by `open` after a crash inside them.
-    /// The pairs are read in place from the snapshot's bytes, a batch at a time: no decoded
-    /// copy of the whole state is held.
-    fn complete_install(
-        &mut self,
-        meta: &SnapshotMeta,
-        mut pairs: SnapshotPairs<'_>,
-    ) -> Result<(), StorageError> {
-        self.state
-            .clear()
-            .map_err(|e| StorageError::sled("clearing the state for a snapshot", e))?;
-        loop {
-            let mut batch = sled::Batch::default();
-            let mut keys = 0;
-            for (k, v) in pairs.by_ref().take(self.install_batch_keys) {
-                batch.insert(k, encode_state_value(v));
-                keys += 1;
-            }
-            if keys == 0 {
-                break;
-            }
-            self.state
-                .apply_batch(batch)
-                .map_err(|e| StorageError::sled("writing a snapshot's state", e))?;
-        }
+    /// Step 2 of [`SledStorage::install`]: the snapshot point, the log and the mark. Doing it
+    /// again for the same snapshot changes nothing more (the log then holds the point).
+    fn move_point(&mut self, meta: &SnapshotMeta) -> Result<(), StorageError> {
         // A log that holds the snapshot's last entry is kept after it (§7: entries following
         // the snapshot are retained), and entries at or below the point are left to the
         // trimmer. Otherwise the whole log goes: entries after the point do not belong to it
@@ -884,7 +914,6 @@ impl SledStorage {
         };
         let point = encode_index_term(meta.index, meta.term);
         let membership = encode_membership(&meta.membership);
-        let applied = encode_u64(meta.index);
         (&self.log, &self.meta)
             .transaction(|(log, m)| {
                 for k in &log_remove {
@@ -892,13 +921,13 @@ impl SledStorage {
                 }
                 m.insert(SNAPSHOT_POINT, point.as_slice())?;
                 m.insert(SNAPSHOT_MEMBERSHIP, membership.as_slice())?;
-                m.insert(APPLIED_INDEX, applied.as_slice())?;
+                m.insert(INSTALLING_STATE, point.as_slice())?;
+                // The mark of an install an older release began and a crash interrupted.
                 m.remove(INSTALLING)?;
                 Ok::<(), ConflictableTransactionError<StorageError>>(())
             })
             .map_err(|e| tx_err("installing a snapshot", e))?;
         self.snapshot_meta = meta.clone();
-        self.applied_index = meta.index;
         self.sled_unsynced = true;
         if self.segments.is_some() && !keep {
             // The new point must be durable before the log's reset can be: a reset on disk
@@ -927,11 +956,93 @@ impl SledStorage {
             LogTrimmer::trim(&self.log, meta.index)
                 .map_err(|e| StorageError::sled("deleting log entries behind a snapshot", e))?;
         }
+        Ok(())
+    }
+
+    /// Steps 3 and 4 of [`SledStorage::install`], at most `max_keys` keys removed or written
+    /// per call. Returns whether the install is done (or none was under way).
+    fn continue_install(&mut self, max_keys: usize) -> Result<bool, StorageError> {
+        let Some(pending) = self.pending_install.as_mut() else {
+            return Ok(true);
+        };
+        let mut budget = max_keys.max(1);
+        let batch_keys = self.install_batch_keys;
+        if !pending.cleared {
+            // The old state goes first, a batch at a time (what `sled::Tree::clear` does one
+            // key at a time, in one call).
+            loop {
+                let keys: Vec<sled::IVec> = self
+                    .state
+                    .iter()
+                    .keys()
+                    .take(batch_keys.min(budget))
+                    .collect::<Result<_, _>>()
+                    .map_err(|e| StorageError::sled("reading the state for a snapshot", e))?;
+                if keys.is_empty() {
+                    pending.cleared = true;
+                    break;
+                }
+                budget = budget.saturating_sub(keys.len());
+                let mut batch = sled::Batch::default();
+                for k in keys {
+                    batch.remove(k);
+                }
+                self.state
+                    .apply_batch(batch)
+                    .map_err(|e| StorageError::sled("clearing the state for a snapshot", e))?;
+                if budget == 0 {
+                    return Ok(false);
+                }
+            }
+        }
+        let mut pairs = snapshot_pairs_from(&pending.data, pending.cursor);
+        while budget > 0 {
+            let mut batch = sled::Batch::default();
+            let mut keys = 0;
+            for (k, v) in pairs.by_ref().take(batch_keys.min(budget)) {
+                batch.insert(k, encode_state_value(v));
+                keys += 1;
+            }
+            if keys == 0 {
+                break;
+            }
+            budget = budget.saturating_sub(keys);
+            self.state
+                .apply_batch(batch)
+                .map_err(|e| StorageError::sled("writing a snapshot's state", e))?;
+        }
+        pending.cursor = pairs.cursor(&pending.data);
+        if pending.cursor.left() > 0 {
+            return Ok(false);
+        }
+        let index = pending.meta.index;
+        let applied = encode_u64(index);
+        self.meta
+            .transaction(|m| {
+                m.insert(APPLIED_INDEX, applied.as_slice())?;
+                m.remove(INSTALLING_STATE)?;
+                Ok::<(), ConflictableTransactionError<StorageError>>(())
+            })
+            .map_err(|e| tx_err("finishing a snapshot install", e))?;
+        self.pending_install = None;
+        self.applied_index = index;
+        self.sled_unsynced = true;
         self.staging
             .clear()
             .map_err(|e| StorageError::sled("clearing staging", e))?;
         self.staged_bytes = Some(0);
-        Ok(())
+        Ok(true)
+    }
+
+    /// An error if a snapshot's state is still being installed: `action` needs the state.
+    fn check_no_install(&self, action: &'static str) -> Result<(), StorageError> {
+        match &self.pending_install {
+            Some(pending) => Err(StorageError::InstallInProgress {
+                action,
+                index: pending.meta.index,
+            }),
+            None => Ok(()),
+        }
     }
 
     /// The staged snapshot: its meta and data, as `begin_snapshot` and the chunks left them.
@@ -961,9 +1072,14 @@ impl SledStorage {
     }
 
     /// At open: finishes a snapshot install a crash interrupted (see [`SledStorage::install`]).
+    /// `meta/installing` is the mark of an older release, written before the point moved.
     fn resume_install(&mut self) -> Result<(), StorageError> {
-        let Some(mark) = self.get_meta(INSTALLING)? else {
-            return Ok(());
+        let (mark, point_moved) = match self.get_meta(INSTALLING_STATE)? {
+            Some(mark) => (mark, true),
+            None => match self.get_meta(INSTALLING)? {
+                Some(mark) => (mark, false),
+                None => return Ok(()),
+            },
         };
         let (index, term) =
             decode_index_term(&mark).map_err(|e| e.at("meta", "installing".into()))?;
@@ -982,7 +1098,19 @@ impl SledStorage {
             term,
             "finishing a snapshot install interrupted by a crash"
         );
-        self.complete_install(&meta, snapshot_pairs(&data)?)?;
+        let data = Bytes::from(data);
+        if point_moved {
+            let cursor = snapshot_pairs(&data)?.cursor(&data);
+            self.pending_install = Some(PendingInstall {
+                meta,
+                data,
+                cursor,
+                cleared: false,
+            });
+            while !self.continue_install(usize::MAX)? {}
+        } else {
+            self.install(&meta, data, true)?;
+        }
         self.resumed_install = Some(index);
         Ok(())
     }
@@ -1197,6 +1325,7 @@ impl Storage for SledStorage {
     }
 
     fn apply(&mut self, applied_index: Index, changes: &[KvChange]) -> Result<(), StorageError> {
+        self.check_no_install("writing the applied state")?;
         if applied_index < self.applied_index {
             return Err(StorageError::AppliedIndexRegress {
                 applied_index: self.applied_index,
@@ -1230,7 +1359,15 @@ impl Storage for SledStorage {
     }
 
     fn install_snapshot(&mut self, meta: &SnapshotMeta, data: &[u8]) -> Result<(), StorageError> {
-        self.install(meta, data, false)
+        self.install(meta, Bytes::copy_from_slice(data), false)
+    }
+
+    fn begin_install(&mut self, meta: &SnapshotMeta, data: &Bytes) -> Result<(), StorageError> {
+        self.start_install(meta, data.clone(), false)
+    }
+
+    fn continue_install(&mut self, max_pairs: usize) -> Result<bool, StorageError> {
+        SledStorage::continue_install(self, max_pairs)
     }
 
     fn begin_snapshot(&mut self, meta: &SnapshotMeta) -> Result<(), StorageError> {
@@ -1285,7 +1422,7 @@ impl Storage for SledStorage {
         let Some((meta, data)) = self.read_staged()? else {
             return Err(StorageError::NoSnapshotInProgress);
         };
-        self.install(&meta, &data, true)?;
+        self.install(&meta, Bytes::from(data), true)?;
         Ok(meta)
     }
 
@@ -1301,6 +1438,7 @@ impl Storage for SledStorage {
 
     /// Reads the state tree, converts and encodes, on the job's thread: one pass.
     fn snapshot_job_with(&self, convert: PairsConvert) -> Result<SnapshotJob, StorageError> {
+        self.check_no_install("building a snapshot")?;
         let index = self.applied_index;
         let meta = SnapshotMeta {
             index,
