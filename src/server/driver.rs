@@ -660,7 +660,18 @@ impl Driver {
             let result = tokio::select! {
                 _ = std::future::ready(()), if more => {
                     self.batch_started = std::time::Instant::now();
-                    self.drive().await
+                    // This branch is ready at every turn while a snapshot is installed, and
+                    // select! picks among ready branches at random: a tick that is due is
+                    // taken here too, so that the election clock (by which this node grants
+                    // PreVotes once its leader is gone) does not run slow meanwhile.
+                    let ticked = match futures::FutureExt::now_or_never(ticker.tick()) {
+                        Some(_) => self.on_tick(),
+                        None => Ok(()),
+                    };
+                    match ticked {
+                        Ok(()) => self.drive().await,
+                        err => err,
+                    }
                 }
                 // Flushes completed on the storage's thread: their Readies' answers leave,
                 // what they committed applies.
@@ -670,10 +681,7 @@ impl Driver {
                 }
                 _ = ticker.tick() => {
                     self.batch_started = std::time::Instant::now();
-                    self.core.storage_mut().choose_flush_thread();
-                    let now = self.now();
-                    self.poll_snapshot_job()
-                        .and_then(|()| self.core.tick(now))
+                    self.on_tick()
                 }
                 input = self.inputs.recv() => {
                     let Some(input) = input else { break };
@@ -710,8 +718,10 @@ impl Driver {
                 }
             };
             let mut result = result;
+            // One slice of a snapshot install per turn (the branch above): the ticks, votes and
+            // appends waiting meanwhile are taken between slices.
             while result.is_ok()
-                && (self.core.raft().has_ready() || self.core.installing_snapshot().is_some())
+                && self.core.raft().has_ready()
                 && self.batch_started.elapsed() < TURN_BUDGET
             {
                 result = self.drive().await;
@@ -758,6 +768,13 @@ impl Driver {
             error!(cause = %err, "could not write the applied state at shutdown");
         }
         self.handle_effects();
+    }
+
+    /// A tick: where the next flushes run, a finished snapshot job, and the core's clock.
+    fn on_tick(&mut self) -> Result<(), StorageError> {
+        self.core.storage_mut().choose_flush_thread();
+        let now = self.now();
+        self.poll_snapshot_job().and_then(|()| self.core.tick(now))
     }
 
     /// One Ready: up to its flush, then (when the leader queued appends for the peers) a yield
