@@ -636,6 +636,19 @@ pub(crate) fn check_snapshot_install_keeps_matching_suffix<H: Harness>(harness: 
     assert_eq!(harness.store().last_index(), 20);
 }
 
+/// The snapshot the install cases put over a store: 40 pairs `k00`..`k39` at index 50, term 3.
+fn forty_pair_snapshot() -> (Vec<KvPair>, SnapshotMeta) {
+    let pairs = (0..40)
+        .map(|i| pair(&format!("k{i:02}"), &format!("v{i}")))
+        .collect();
+    let meta = SnapshotMeta {
+        index: 50,
+        term: 3,
+        membership: Membership::with_voters([1, 2]),
+    };
+    (pairs, meta)
+}
+
 /// `begin_install` and `continue_install`: the point moves at once, the log goes on after it
 /// while the state is written a slice at a time, and the end is what `install_snapshot` gives.
 pub(crate) fn check_snapshot_install_in_slices<H: Harness>(harness: &mut H) {
@@ -647,14 +660,7 @@ pub(crate) fn check_snapshot_install_in_slices<H: Harness>(harness: &mut H) {
             &[put("old/a", "1"), put("old/b", "2"), put("k03", "old")],
         )
         .unwrap();
-    let pairs: Vec<KvPair> = (0..40)
-        .map(|i| pair(&format!("k{i:02}"), &format!("v{i}")))
-        .collect();
-    let meta = SnapshotMeta {
-        index: 50,
-        term: 3,
-        membership: Membership::with_voters([1, 2]),
-    };
+    let (pairs, meta) = forty_pair_snapshot();
     store.begin_install(&meta, &snapshot_data(&pairs)).unwrap();
     assert_eq!(store.last_index(), 50);
     assert_eq!(store.first_index(), 51);
@@ -1308,14 +1314,7 @@ fn sled_finishes_a_sliced_install_after_a_crash_and_keeps_the_entries_appended_m
             .apply(30, &[put("old/a", "1"), put("old/b", "2")])
             .unwrap();
         store.flush().unwrap();
-        let pairs: Vec<KvPair> = (0..40)
-            .map(|i| pair(&format!("k{i:02}"), &format!("v{i}")))
-            .collect();
-        let meta = SnapshotMeta {
-            index: 50,
-            term: 3,
-            membership: Membership::with_voters([1, 2]),
-        };
+        let (pairs, meta) = forty_pair_snapshot();
         store.begin_install(&meta, &snapshot_data(&pairs)).unwrap();
         store.append(&commands(51, 55, 3)).unwrap();
         for _ in 0..slices {
@@ -1359,14 +1358,7 @@ fn sled_finishes_a_snapshot_install_interrupted_by_a_crash() {
             )
             .unwrap();
         store.flush().unwrap();
-        let pairs: Vec<KvPair> = (0..40)
-            .map(|i| pair(&format!("k{i:02}"), &format!("v{i}")))
-            .collect();
-        let meta = SnapshotMeta {
-            index: 50,
-            term: 3,
-            membership: Membership::with_voters([1, 2]),
-        };
+        let (pairs, meta) = forty_pair_snapshot();
         let data = snapshot_data(&pairs);
         if older {
             store

@@ -772,15 +772,7 @@ impl SledStorage {
     ) -> Result<(), StorageError> {
         self.start_install(meta, Bytes::copy_from_slice(data), false)?;
         self.pending_install = None;
-        self.state
-            .clear()
-            .map_err(|e| StorageError::sled("clearing the state", e))?;
-        for (k, v) in snapshot_pairs(data)?.take(keys_written) {
-            self.state
-                .insert(k, encode_state_value(v))
-                .map_err(|e| StorageError::sled("writing the state", e))?;
-        }
-        Ok(())
+        self.write_first_pairs(data, keys_written)
     }
 
     /// [`SledStorage::interrupt_install`] as releases before sliced installs left it: the mark
@@ -796,10 +788,17 @@ impl SledStorage {
         self.meta
             .insert(INSTALLING, encode_index_term(meta.index, meta.term))
             .map_err(|e| StorageError::sled("marking a snapshot install", e))?;
+        self.write_first_pairs(data, keys_written)
+    }
+
+    /// The state tree cleared and the first `keys` pairs of `data` written: a crash in the middle
+    /// of an install, for the two helpers above.
+    #[cfg(test)]
+    fn write_first_pairs(&mut self, data: &[u8], keys: usize) -> Result<(), StorageError> {
         self.state
             .clear()
             .map_err(|e| StorageError::sled("clearing the state", e))?;
-        for (k, v) in snapshot_pairs(data)?.take(keys_written) {
+        for (k, v) in snapshot_pairs(data)?.take(keys) {
             self.state
                 .insert(k, encode_state_value(v))
                 .map_err(|e| StorageError::sled("writing the state", e))?;
