@@ -40,14 +40,11 @@ use crate::lock::{
     Command, Event, FencingToken, LockStateMachine, Outcome, RejectCode, StateLoader,
     CLUSTER_VERSION,
 };
-use crate::raft::SnapshotMeta;
 use crate::raft::{
     EntryPayload, Index, MembershipChange, Message, NodeId, ProposeError, Raft, Ready, Role,
     Snapshot,
 };
-use crate::storage::{
-    snapshot_pairs, snapshot_pairs_from, PairsCursor, SnapshotJob, Storage, StorageError,
-};
+use crate::storage::{snapshot_pairs_from, PairsCursor, SnapshotJob, Storage, StorageError};
 
 /// Monotonic time in microseconds, as the caller measures it.
 pub type Micros = u64;
@@ -58,7 +55,7 @@ const MS: Micros = 1_000;
 /// [`NodeCore::begin_install`].
 #[derive(Debug)]
 struct Installing {
-    meta: SnapshotMeta,
+    index: Index,
     data: Bytes,
     /// The next pair to load into `loader`.
     cursor: PairsCursor,
@@ -1188,7 +1185,7 @@ impl<S: Storage, R> NodeCore<S, R> {
     /// Starts installing a snapshot from the leader: its point moves in storage now (durable
     /// with this Ready's flush, which lets the leader learn it arrived), and its state is put in
     /// place by [`NodeCore::continue_install`], a slice per drive, while the Raft core holds
-    /// back what commits after it and does not campaign ([`Raft::state_pending`]).
+    /// back what commits after it and does not campaign (until [`Raft::state_installed`]).
     fn begin_install(&mut self, snapshot: &Snapshot) -> Result<(), StorageError> {
         // A snapshot being built and unwritten changes belong to the state this one replaces
         // (as does a state being loaded from an earlier snapshot).
@@ -1197,12 +1194,12 @@ impl<S: Storage, R> NodeCore<S, R> {
         self.unwritten_applied = None;
         self.held.clear();
         self.held_keys = 0;
-        let cursor = snapshot_pairs(&snapshot.data)?.cursor(&snapshot.data);
+        // Storage checks the bytes whole before it writes anything.
         self.storage.begin_install(&snapshot.meta, &snapshot.data)?;
         self.installing = Some(Installing {
-            meta: snapshot.meta.clone(),
+            index: snapshot.meta.index,
             data: snapshot.data.clone(),
-            cursor,
+            cursor: PairsCursor::first(&snapshot.data),
             loader: StateLoader::new(self.sm.limits().clone()),
             stored: false,
         });
@@ -1224,7 +1221,7 @@ impl<S: Storage, R> NodeCore<S, R> {
         if !install.stored {
             install.stored = self.storage.continue_install(slice)?;
         }
-        let index = install.meta.index;
+        let index = install.index;
         let undecodable = |err: crate::lock::DecodeError| StorageError::SnapshotData {
             problem: format!("snapshot at index {index} does not decode: {err}"),
         };
@@ -1252,7 +1249,7 @@ impl<S: Storage, R> NodeCore<S, R> {
     /// A snapshot from the leader is being installed (its index): the shell keeps driving
     /// until it is done, even with no input.
     pub fn installing_snapshot(&self) -> Option<Index> {
-        self.installing.as_ref().map(|i| i.meta.index)
+        self.installing.as_ref().map(|i| i.index)
     }
 
     fn role_changed(&mut self, role: Role, leader_id: NodeId) {

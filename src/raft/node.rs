@@ -752,18 +752,12 @@ impl Raft {
     }
 
     /// The driver has put in place the state of the last snapshot a Ready handed it: entries
-    /// committed after it are handed out again, and this server may campaign. Until then
-    /// [`Raft::state_pending`] is true.
+    /// committed after it are handed out again, and this server may campaign.
     pub fn state_installed(&mut self) {
         // A newer snapshot received meanwhile is not handed out yet: its state is pending.
         if self.snapshot_to_install.is_none() {
             self.state_pending = false;
         }
-    }
-
-    /// A snapshot's state is being put in place; see [`Raft::state_installed`].
-    pub fn state_pending(&self) -> bool {
-        self.state_pending
     }
 
     /// The driver has carried out `ready`: persisted, sent and applied it.
