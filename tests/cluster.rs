@@ -75,6 +75,7 @@ async fn locks_over_websocket_and_grpc_with_redirects() {
             client_timeout_ms: 1_000,
             request_id: "g-r1".into(),
             ttl_ms: 5_000,
+            ack_below: None,
         })
         .await
         .unwrap()
@@ -92,6 +93,7 @@ async fn locks_over_websocket_and_grpc_with_redirects() {
             owner_id: "g1".into(),
             fencing_token: grpc_token,
             request_id: "g-r2".into(),
+            ack_below: None,
         })
         .await
         .unwrap()
@@ -460,6 +462,7 @@ async fn bad_input_gets_errors_and_changes_nothing() {
                 client_timeout_ms: 0,
                 request_id: "bad".into(),
                 ttl_ms: ttl,
+                ack_below: None,
             })
             .await;
         match r {
@@ -847,6 +850,7 @@ async fn grpc_cycles_on(addr: &str, name: &str, cycles: u64) {
                 client_timeout_ms: 1_000,
                 request_id: format!("{name}-a{i}"),
                 ttl_ms: 10_000,
+                ack_below: None,
             })
             .await
             .unwrap()
@@ -860,6 +864,7 @@ async fn grpc_cycles_on(addr: &str, name: &str, cycles: u64) {
                 fencing_token: token,
                 ttl_ms: 10_000,
                 request_id: format!("{name}-n{i}"),
+                ack_below: None,
             })
             .await
             .unwrap()
@@ -871,6 +876,7 @@ async fn grpc_cycles_on(addr: &str, name: &str, cycles: u64) {
                 owner_id: name.into(),
                 fencing_token: token,
                 request_id: format!("{name}-r{i}"),
+                ack_below: None,
             })
             .await
             .unwrap()

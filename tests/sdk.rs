@@ -635,3 +635,72 @@ async fn many_sequential_acquires_do_not_fill_the_session_table() {
     let b = c.acquire("many/b").await.unwrap();
     assert_ne!(a.owner_id(), b.owner_id());
 }
+
+/// With its default client id the SDK acknowledges the answers it received (`ackBelow`), so a
+/// cluster whose table keeps 40 answers for a minute serves it for as long as it likes: 150
+/// lock cycles and guarded writes, none refused (a client that did not acknowledge would be
+/// paced to about one request a second after its first few, and its short retry budget would
+/// run out). Its answers do not pile up in the table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sdk_acknowledges_its_answers_and_is_not_held_to_the_tables_rate() {
+    let cluster = Cluster::start_with(3, |_| {
+        [
+            "--max-answers",
+            "40",
+            "--dedupe-retain",
+            "60s",
+            "--session-idle",
+            "120s",
+        ]
+        .map(String::from)
+        .to_vec()
+    });
+    let addr = leader_addr(&cluster).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while http_json(&addr, "/status").await.expect("/status")["clusterVersion"] != 3 {
+        assert!(
+            Instant::now() < deadline,
+            "the cluster version was not raised"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let c = RaftLockClient::builder()
+        .endpoints(endpoints(&cluster))
+        .retry_policy(RetryPolicy {
+            max_elapsed: Duration::from_secs(2),
+            ..RetryPolicy::default()
+        })
+        .build()
+        .expect("client");
+    for i in 0..150 {
+        let key = format!("acked/{}", i % 3);
+        let handle = c
+            .acquire(&key)
+            .await
+            .unwrap_or_else(|e| panic!("acquire {i}: {e}"));
+        if i % 10 == 0 {
+            handle
+                .put(&format!("acked-data/{i}"), "v")
+                .await
+                .unwrap_or_else(|e| panic!("put {i}: {e}"));
+        }
+        handle
+            .release()
+            .await
+            .unwrap_or_else(|e| panic!("release {i}: {e}"));
+    }
+    let text = http_get(&addr, "/metrics").await.expect("metrics").1;
+    let kept: f64 = text
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("raftlock_answers_remembered ")?
+                .trim()
+                .parse()
+                .ok()
+        })
+        .expect("raftlock_answers_remembered");
+    assert!(
+        kept <= 3.0,
+        "the table keeps {kept} answers after 315 acknowledged requests"
+    );
+}

@@ -167,6 +167,7 @@ async fn clients_need_a_token_stay_in_their_prefixes_and_only_the_holder_release
             client_timeout_ms: 0,
             request_id: format!("g-{key}-{}", token.unwrap_or("none").len()),
             ttl_ms: 5_000,
+            ack_below: None,
         });
         if let Some(t) = token {
             request

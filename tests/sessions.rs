@@ -178,3 +178,110 @@ async fn a_load_above_the_tables_rate_is_paced_not_stopped() {
          counted {counted}"
     );
 }
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+/// A client that acknowledges its answers (`ackBelow`, request ids numbered from 1) runs on
+/// through a table that a plain client fills within seconds, through a follower too; its
+/// answers do not pile up; and a late copy of a request it acknowledged is refused with
+/// `ACKNOWLEDGED`, its lock not taken again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_acknowledges_its_answers_is_not_held_to_the_tables_rate() {
+    let cluster = Cluster::start_with(3, |_| {
+        [
+            "--max-answers",
+            "40",
+            "--dedupe-retain",
+            "60s",
+            "--session-idle",
+            "120s",
+        ]
+        .map(String::from)
+        .to_vec()
+    });
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let addr = cluster.nodes[leader as usize - 1].client_addr();
+    // Acknowledgements need every member at cluster version 3.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let status = http_json(&addr, "/status").await.expect("/status");
+        if status["clusterVersion"] == 3 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "cluster version stays at {status}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // A plain client: within the retention the table's 40 answers run out.
+    let mut ws = ws_connect(&addr).await;
+    let mut refused = 0;
+    for n in 1..=60 {
+        let r = ws_request(
+            &mut ws,
+            &acquire(&format!("p{n}"), "plain", &format!("a{n}")),
+        )
+        .await;
+        if r["success"] != true {
+            assert_eq!(error_code(&r), "BUSY", "{r}");
+            refused += 1;
+        }
+    }
+    assert!(
+        refused > 0,
+        "60 plain acquires within the retention all fitted"
+    );
+
+    // An acknowledging client, through a follower: 150 lock cycles, none refused.
+    let (_, follower) = follower_knowing(&cluster, leader).await;
+    let mut fws = ws_connect(&follower).await;
+    let mut seq = 0u64;
+    let mut first_acquire = None;
+    for cycle in 0..150 {
+        seq += 1;
+        let key = format!("s{}", cycle % 5);
+        let mut take = acquire(&key, "acker", &seq.to_string());
+        take["ackBelow"] = json!(seq);
+        let r = ws_request(&mut fws, &take).await;
+        assert_eq!(r["success"], true, "cycle {cycle}: {r}");
+        let token = r["fencingToken"]["value"].as_u64().expect("token");
+        first_acquire.get_or_insert_with(|| take.clone());
+        seq += 1;
+        let release = json!({"commandType": 4, "key": key, "clientId": "acker",
+                             "requestId": seq.to_string(), "ackBelow": seq,
+                             "fencingToken": {"key": key, "value": token}});
+        let r = ws_request(&mut fws, &release).await;
+        assert_eq!(r["success"], true, "cycle {cycle}: {r}");
+    }
+    // Its answers went as it acknowledged them: the table holds the plain client's and about
+    // one of its own.
+    let text = http_get(&addr, "/metrics").await.expect("/metrics").1;
+    let kept = metric(&text, "raftlock_answers_remembered");
+    assert!(
+        kept <= f64::from(60 - refused) + 2.0,
+        "the table keeps {kept} answers after 300 acknowledged ones"
+    );
+
+    // A late copy of its first acquire: the lock is free, yet it is not taken again.
+    let copy = ws_request(&mut ws, &first_acquire.expect("one acquire")).await;
+    assert_eq!(copy["success"], false, "{copy}");
+    assert_eq!(error_code(&copy), "ACKNOWLEDGED", "{copy}");
+    let locks = http_json(&addr, "/locks").await.expect("/locks");
+    assert!(!locks.to_string().contains("\"s0\""), "{locks}");
+
+    // ackBelow needs a numbered request id, and cannot acknowledge the request itself.
+    let mut bad = acquire("s9", "acker", "r-1");
+    bad["ackBelow"] = json!(1);
+    let r = ws_request(&mut ws, &bad).await;
+    assert_eq!(error_code(&r), "INVALID_REQUEST", "{r}");
+    let mut ahead = acquire("s9", "acker", "400");
+    ahead["ackBelow"] = json!(401);
+    let r = ws_request(&mut ws, &ahead).await;
+    assert_eq!(error_code(&r), "INVALID_REQUEST", "{r}");
+}

@@ -78,7 +78,7 @@ fn main() -> ExitCode {
         }
     }
     println!(
-        "sim: seeds={} violations={} elections={} leader_changes={} partitions={} crashes={} pauses={} membership_changes={} committed={} grants={} expiries={} snapshots={} compactions={} transfers={} history_ops={} hold_intervals_checked={} reads_checked={} linearizability_checks={} lin_unchecked={} client_expiries={} redirects={} retries={} log_ticks={} overlapped_readies={} nodes_at_cluster_version={}/{}",
+        "sim: seeds={} violations={} elections={} leader_changes={} partitions={} crashes={} pauses={} membership_changes={} committed={} grants={} expiries={} snapshots={} compactions={} transfers={} history_ops={} hold_intervals_checked={} reads_checked={} linearizability_checks={} lin_unchecked={} client_expiries={} redirects={} retries={} log_ticks={} acknowledging={} acknowledged_refusals={} overlapped_readies={} nodes_at_cluster_version={}/{}",
         args.seeds,
         violations,
         total.elections,
@@ -102,6 +102,8 @@ fn main() -> ExitCode {
         total.redirects,
         total.client_retries,
         total.ticks,
+        total.acknowledging,
+        total.acknowledged_refusals,
         total.overlapped_readies,
         total.nodes_at_version,
         total.nodes_up,

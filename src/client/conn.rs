@@ -58,6 +58,10 @@ pub(crate) struct Request<'a> {
     pub traceparent: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub redirect: Option<bool>,
+    /// The client has the answer of each of this owner's requests numbered below this (the
+    /// request id is then this request's number).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ack_below: Option<u64>,
 }
 
 impl<'a> Request<'a> {
@@ -74,6 +78,7 @@ impl<'a> Request<'a> {
             value: None,
             traceparent: None,
             redirect: None,
+            ack_below: None,
         }
     }
 

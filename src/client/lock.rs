@@ -1,5 +1,6 @@
 //! `RaftLockClient`, `AdvancedClient`, `LockHandle` and `AutoRenewer`.
 
+use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::{Duration, Instant};
@@ -63,6 +64,7 @@ pub struct ClientBuilder {
     auth_token: Option<String>,
     tls: Option<TlsSetting>,
     prefer_leader: bool,
+    acknowledge_answers: Option<bool>,
 }
 
 /// Where the builder's TLS settings come from.
@@ -94,6 +96,7 @@ impl Default for ClientBuilder {
             auth_token: None,
             tls: None,
             prefer_leader: true,
+            acknowledge_answers: None,
         }
     }
 }
@@ -120,6 +123,20 @@ impl ClientBuilder {
     /// for 30 s and then tries the leader again. With `false` followers always forward.
     pub fn prefer_leader(mut self, prefer: bool) -> Self {
         self.prefer_leader = prefer;
+        self
+    }
+
+    /// Whether the client acknowledges the answers it received (`ackBelow`), so that the
+    /// cluster forgets them at once instead of keeping each for its retention (which caps a
+    /// cluster's sustained request rate; README, *Acknowledging answers*). Request ids are then
+    /// plain numbers from one counter of this client. Default: on with the default client id,
+    /// which no other process uses; off with an explicit [`ClientBuilder::client_id`], since two
+    /// processes running with one client id at the same time would number their requests alike
+    /// and each could be answered with the other's answer — turn it on when the id is this
+    /// process's alone. A cluster that does not know acknowledgements yet (a rolling upgrade)
+    /// takes the requests as plain ones.
+    pub fn acknowledge_answers(mut self, on: bool) -> Self {
+        self.acknowledge_answers = Some(on);
         self
     }
 
@@ -253,6 +270,7 @@ impl ClientBuilder {
                 _ => return bad(format!("endpoint {e:?} is not host:port")),
             }
         }
+        let acknowledge = self.acknowledge_answers.unwrap_or(self.client_id.is_none());
         let client_id = self.client_id.clone().unwrap_or_else(default_client_id);
         if client_id.is_empty() || client_id.len() > MAX_CLIENT_ID_BYTES {
             return bad(format!("client id must be 1..={MAX_CLIENT_ID_BYTES} bytes"));
@@ -314,6 +332,7 @@ impl ClientBuilder {
                 renew_interval: self.renew_interval,
                 release_on_drop_timeout: self.release_on_drop_timeout,
                 spare_owners: StdMutex::new(Vec::new()),
+                in_flight: acknowledge.then(|| StdMutex::new(HashMap::new())),
             }),
         })
     }
@@ -347,6 +366,36 @@ struct Inner {
     /// idle for `session_idle`), so a client that took a fresh id for every acquire would fill
     /// the cluster's session table (`max_sessions`) and be refused with BUSY.
     spare_owners: StdMutex<Vec<String>>,
+    /// With acknowledgements on: the numbers of each owner's requests awaiting their answer.
+    in_flight: Option<StdMutex<HashMap<String, BTreeSet<u64>>>>,
+}
+
+/// The id of one request (kept by its retries), and what it acknowledges. With
+/// acknowledgements on, the id is the request's number and `ack_below` the lowest number of its
+/// owner's requests still awaiting an answer, this one included; dropping it (answered, failed
+/// for good, or abandoned) ends the wait.
+pub(crate) struct RequestNumber {
+    pub id: String,
+    pub ack_below: Option<u64>,
+    waiting: Option<(Arc<Inner>, String, u64)>,
+}
+
+impl Drop for RequestNumber {
+    fn drop(&mut self) {
+        let Some((inner, owner, n)) = self.waiting.take() else {
+            return;
+        };
+        let Some(in_flight) = &inner.in_flight else {
+            return;
+        };
+        let mut in_flight = in_flight.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(numbers) = in_flight.get_mut(&owner) {
+            numbers.remove(&n);
+            if numbers.is_empty() {
+                in_flight.remove(&owner);
+            }
+        }
+    }
 }
 
 /// Spare owner ids kept per client (more concurrent locks than this make new ones).
@@ -427,6 +476,30 @@ impl RaftLockClient {
         format!("{:x}-{n}", self.inner.run)
     }
 
+    /// A fresh request of `owner` (see [`RequestNumber`]). Numbers come from the client's one
+    /// counter, so each owner's are increasing, with gaps.
+    pub(crate) fn number_request(&self, owner: &str) -> RequestNumber {
+        let Some(in_flight) = &self.inner.in_flight else {
+            return RequestNumber {
+                id: self.next_request_id(),
+                ack_below: None,
+                waiting: None,
+            };
+        };
+        let mut in_flight = in_flight.lock().unwrap_or_else(|p| p.into_inner());
+        // Taken under the lock: a number is in the set before any later one is handed out, so
+        // no request acknowledges one of its owner's that is still on its way.
+        let n = self.inner.seq.fetch_add(1, Ordering::Relaxed);
+        let numbers = in_flight.entry(owner.to_string()).or_default();
+        numbers.insert(n);
+        let ack_below = numbers.first().copied().unwrap_or(n);
+        RequestNumber {
+            id: n.to_string(),
+            ack_below: Some(ack_below),
+            waiting: Some((self.inner.clone(), owner.to_string(), n)),
+        }
+    }
+
     fn margin_for(&self, ttl: Duration) -> Duration {
         self.inner.safety_margin.unwrap_or(ttl / 5).min(ttl)
     }
@@ -460,8 +533,8 @@ impl RaftLockClient {
     ) -> Result<LockHandle, ClientError> {
         let policy = self.inner.session.cfg.retry.clone();
         let owner = self.inner.take_owner();
-        let request_id = self.next_request_id();
-        self.acquire_request(key, ttl, wait, &owner, &request_id, &policy)
+        let number = self.number_request(&owner);
+        self.acquire_request(key, ttl, wait, &owner, &number, &policy)
             .await
     }
 
@@ -473,7 +546,7 @@ impl RaftLockClient {
         ttl: Duration,
         wait: Option<Duration>,
         owner: &str,
-        request_id: &str,
+        number: &RequestNumber,
         policy: &RetryPolicy,
     ) -> Result<LockHandle, ClientError> {
         check_key(key)?;
@@ -482,7 +555,8 @@ impl RaftLockClient {
             client_id: Some(owner),
             ttl: Some(ttl_ms),
             wait_timeout: wait.map(|w| w.as_millis() as u64),
-            ..Request::new(3, key, request_id)
+            ack_below: number.ack_below,
+            ..Request::new(3, key, &number.id)
         };
         // The lease on the server starts when the grant is applied, which is after this point;
         // counting from here keeps the client's deadline earlier than the server's.
@@ -524,11 +598,12 @@ impl RaftLockClient {
     /// Releases the lock `owner` holds with `token`.
     pub async fn release_as(&self, owner: &str, key: &str, token: u64) -> Result<(), ClientError> {
         check_key(key)?;
-        let request_id = self.next_request_id();
+        let number = self.number_request(owner);
         let request = Request {
             client_id: Some(owner),
             fencing_token: Some(TokenRef { key, value: token }),
-            ..Request::new(4, key, &request_id)
+            ack_below: number.ack_below,
+            ..Request::new(4, key, &number.id)
         };
         self.inner
             .session
@@ -565,12 +640,13 @@ impl RaftLockClient {
     ) -> Result<Instant, ClientError> {
         check_key(key)?;
         let ttl_ms = duration_ms(ttl)?;
-        let request_id = self.next_request_id();
+        let number = self.number_request(owner);
         let request = Request {
             client_id: Some(owner),
             fencing_token: Some(TokenRef { key, value: token }),
             ttl: Some(ttl_ms),
-            ..Request::new(5, key, &request_id)
+            ack_below: number.ack_below,
+            ..Request::new(5, key, &number.id)
         };
         let sent = Instant::now();
         let reply = self
@@ -625,12 +701,13 @@ impl RaftLockClient {
         guard: Option<(&str, u64)>,
     ) -> Result<(), ClientError> {
         check_key(key)?;
-        let request_id = self.next_request_id();
+        let number = self.number_request(client_id);
         let request = Request {
             client_id: Some(client_id),
             value: Some(value),
             fencing_token: guard.map(|(key, value)| TokenRef { key, value }),
-            ..Request::new(2, key, &request_id)
+            ack_below: number.ack_below,
+            ..Request::new(2, key, &number.id)
         };
         self.inner
             .session
@@ -976,12 +1053,13 @@ impl AdvancedClient {
         policy: RetryPolicy,
     ) -> PendingAcquire {
         let owner = owner_id(self.client.client_id());
-        let request_id = self.client.next_request_id();
+        let number = self.client.number_request(&owner);
+        let request_id = number.id.clone();
         let client = self.client.clone();
-        let (k, o, id) = (key.to_string(), owner.clone(), request_id.clone());
+        let (k, o) = (key.to_string(), owner.clone());
         let task = tokio::spawn(async move {
             client
-                .acquire_request(&k, ttl, wait, &o, &id, &policy)
+                .acquire_request(&k, ttl, wait, &o, &number, &policy)
                 .await
         });
         PendingAcquire {
@@ -1019,9 +1097,9 @@ impl AdvancedClient {
         policy: &RetryPolicy,
     ) -> Result<LockHandle, ClientError> {
         let owner = self.client.inner.take_owner();
-        let id = self.client.next_request_id();
+        let number = self.client.number_request(&owner);
         self.client
-            .acquire_request(key, ttl, wait, &owner, &id, policy)
+            .acquire_request(key, ttl, wait, &owner, &number, policy)
             .await
     }
 }

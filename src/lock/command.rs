@@ -13,6 +13,9 @@ use serde::{Deserialize, Serialize};
 
 /// The first byte of every encoded command. Bump it when the encoding changes incompatibly.
 const COMMAND_FORMAT_VERSION: u8 = 1;
+/// The first byte of an encoded [`Command::Sequenced`]: its `ack_below`, then the command it
+/// carries in the encoding of [`COMMAND_FORMAT_VERSION`] without the version byte.
+const SEQUENCED_FORMAT_VERSION: u8 = 2;
 
 /// A fencing token: the lock key and the value of the cluster-wide fencing sequence at the grant.
 /// Values strictly increase per key and across the whole cluster and are never reused.
@@ -114,6 +117,21 @@ pub enum Command {
     /// Proposed by a leader only once every member of the configuration has said it runs a
     /// RaftLock of at least `version` (see `lock::CLUSTER_VERSION`); never lowers it.
     SetClusterVersion { version: u32 },
+    /// A client request that acknowledges earlier answers (needs cluster version 3). Its
+    /// `command`'s request id is the request's sequence number in its client's session (decimal,
+    /// from 1), and `ack_below` says the client has the answer of every request of its session
+    /// numbered below it and sends none of them again. A replica forgets those answers, and
+    /// refuses a request numbered below the highest `ack_below` it applied for the session whose
+    /// answer it no longer keeps: that is a delayed copy of an answered request, never new work.
+    ///
+    /// Encoded in its own format ([`SEQUENCED_FORMAT_VERSION`]: `ack_below`, then the plain
+    /// command), never as a variant of this enum: decoding cannot nest one inside another, so
+    /// bytes from a peer cannot make decoding recurse.
+    #[serde(skip)]
+    Sequenced {
+        ack_below: u64,
+        command: Box<Command>,
+    },
 }
 
 /// Why bytes could not be turned into a command, a snapshot or a state machine.
@@ -134,11 +152,24 @@ pub enum DecodeError {
 impl Command {
     /// Bytes for the Raft log.
     pub fn encode(&self) -> Vec<u8> {
-        encode_versioned(COMMAND_FORMAT_VERSION, self)
+        match self {
+            Command::Sequenced { ack_below, command } => {
+                encode_versioned(SEQUENCED_FORMAT_VERSION, &(ack_below, command.request()))
+            }
+            plain => encode_versioned(COMMAND_FORMAT_VERSION, plain),
+        }
     }
 
     /// Parses bytes produced by [`Command::encode`]. Never panics; trailing bytes are an error.
     pub fn decode(bytes: &[u8]) -> Result<Command, DecodeError> {
+        if bytes.first() == Some(&SEQUENCED_FORMAT_VERSION) {
+            let (ack_below, command): (u64, Command) =
+                decode_versioned(SEQUENCED_FORMAT_VERSION, bytes)?;
+            return Ok(Command::Sequenced {
+                ack_below,
+                command: Box::new(command),
+            });
+        }
         decode_versioned(COMMAND_FORMAT_VERSION, bytes)
     }
 
@@ -158,6 +189,15 @@ impl Command {
             | Command::SetLimitsV1 { .. }
             | Command::Tick { .. }
             | Command::SetClusterVersion { .. } => "",
+            Command::Sequenced { command, .. } => command.key(),
+        }
+    }
+
+    /// The client request itself: the command a [`Command::Sequenced`] carries, any other as it is.
+    pub fn request(&self) -> &Command {
+        match self {
+            Command::Sequenced { command, .. } => command.request(),
+            other => other,
         }
     }
 
@@ -195,6 +235,7 @@ impl Command {
                 request_id,
                 ..
             } if !request_id.is_empty() => Some((client_id, request_id)),
+            Command::Sequenced { command, .. } => command.dedupe_id(),
             _ => None,
         }
     }
@@ -313,7 +354,50 @@ mod tests {
             },
             Command::Tick { elapsed_ms: 1_000 },
             Command::SetClusterVersion { version: 2 },
+            Command::Sequenced {
+                ack_below: 6,
+                command: Box::new(Command::Acquire {
+                    key: "orders".into(),
+                    client_id: "worker-9".into(),
+                    request_id: "7".into(),
+                    ttl_ms: 10_000,
+                    wait_timeout_ms: None,
+                }),
+            },
         ]
+    }
+
+    #[test]
+    fn a_sequenced_command_never_nests_in_its_encoding() {
+        let acquire = Command::Acquire {
+            key: "k".into(),
+            client_id: "c".into(),
+            request_id: "3".into(),
+            ttl_ms: 1_000,
+            wait_timeout_ms: None,
+        };
+        let nested = Command::Sequenced {
+            ack_below: 2,
+            command: Box::new(Command::Sequenced {
+                ack_below: 1,
+                command: Box::new(acquire.clone()),
+            }),
+        };
+        let bytes = nested.encode();
+        assert_eq!(bytes[0], SEQUENCED_FORMAT_VERSION);
+        assert_eq!(
+            Command::decode(&bytes),
+            Ok(Command::Sequenced {
+                ack_below: 2,
+                command: Box::new(acquire.clone()),
+            })
+        );
+        assert_eq!(nested.request(), &acquire);
+        assert_eq!(nested.dedupe_id(), Some(("c", "3")));
+        // The plain format has no variant for it: a peer cannot nest one in the bytes.
+        let mut plain = vec![COMMAND_FORMAT_VERSION];
+        plain.extend(std::iter::repeat_n(13u8, 100_000));
+        assert!(Command::decode(&plain).is_err());
     }
 
     #[test]

@@ -54,6 +54,9 @@ pub const DEDUPE_BLOCK: u64 = 32;
 /// change touches anyway: bounds the write that follows a snapshot install or an upgrade.
 const LEGACY_BLOCKS_PER_WRITE: usize = 8;
 const META_DEDUPE_NEXT: &str = "meta/dedupe_next";
+/// A session's acknowledgement mark: `meta/ack/<client id>` holds `(mark, at_ms)` (see
+/// [`Command::Sequenced`]); absent while the session has none.
+const META_ACK_PREFIX: &str = "meta/ack/";
 const META_LIMITS: &str = "meta/limits";
 const META_CLOCK: &str = "meta/clock";
 /// The cluster version (see [`CLUSTER_VERSION`]); absent while it is 1, so that a state that
@@ -66,7 +69,15 @@ const META_CLUSTER_VERSION: &str = "meta/cluster_version";
 /// `SetClusterVersion` entry) only once every member has said it runs at least that version, and
 /// a node refuses to apply an entry that raises the version above its own: a node that cannot
 /// apply the log stops instead of going on with a state that differs from the others'.
-pub const CLUSTER_VERSION: u32 = 2;
+/// 3: [`Command::Sequenced`] (clients acknowledging answers) and the `meta/ack/` keys.
+pub const CLUSTER_VERSION: u32 = 3;
+
+/// The cluster version [`Command::Sequenced`] needs.
+pub const SEQUENCED_VERSION: u32 = 3;
+
+/// A session's answers looked at, at most, when an acknowledgement forgets those below its mark
+/// (oldest first; answers not forgotten then go by age like any other).
+const ACK_SCAN_MAX: usize = 256;
 
 /// The meta keys nearly every command changes, each marked changed by one bit of
 /// `LockStateMachine::dirty_meta` rather than by a string in `dirty` (an allocation and an
@@ -217,6 +228,12 @@ struct Session {
     by_request: RequestIndex,
     /// How many of them answer an acquire that is still queued.
     queued: usize,
+    /// The highest `ack_below` the client sent ([`Command::Sequenced`]), 0 for none: its answers
+    /// numbered below are forgotten, and a request numbered below that is not remembered is
+    /// refused. A session with a mark stays open without answers until it is idle.
+    mark: u64,
+    /// Log clock when `mark` was last raised (the session is active then).
+    mark_at_ms: u64,
 }
 
 /// A session's record numbers in ascending order. Numbers only grow, so a new answer goes at
@@ -612,6 +629,7 @@ fn op_of(command: &Command) -> (u8, &str) {
         | Command::SetLimitsV1 { .. }
         | Command::Tick { .. }
         | Command::SetClusterVersion { .. } => 0,
+        Command::Sequenced { command, .. } => return op_of(command),
     };
     (kind, command.key())
 }
@@ -669,6 +687,8 @@ pub struct LockStateMachine {
     dirty_meta: u8,
     /// Dedupe blocks changed since the last `take_changes`.
     dirty_blocks: BTreeSet<u64>,
+    /// Sessions whose acknowledgement mark changed since the last `take_changes`.
+    dirty_acks: BTreeSet<Arc<str>>,
     /// Records (present or since forgotten) whose storage is still one key each
     /// (`meta/dedupe/<n>`, read by `from_kv`): a write of their block deletes those keys.
     legacy_dedupe_keys: BTreeSet<u64>,
@@ -911,6 +931,12 @@ impl LockStateMachine {
                 }
                 return Outcome::Stored;
             }
+            Command::Sequenced { ack_below, command } => {
+                if let Err(refusal) = self.acknowledge(*ack_below, command) {
+                    return refusal;
+                }
+                return self.apply_inner(command, events, replayed);
+            }
             _ => {}
         }
         if let Err(rejection) = self.validate(command) {
@@ -977,7 +1003,8 @@ impl LockStateMachine {
             Command::SetLimits { .. }
             | Command::SetLimitsV1 { .. }
             | Command::Tick { .. }
-            | Command::SetClusterVersion { .. } => {
+            | Command::SetClusterVersion { .. }
+            | Command::Sequenced { .. } => {
                 Outcome::rejected(RejectCode::InvalidRequest, "unreachable")
             }
             Command::ReleaseHeld { key, client_id, .. } => {
@@ -1065,7 +1092,8 @@ impl LockStateMachine {
             | Command::SetLimits { .. }
             | Command::SetLimitsV1 { .. }
             | Command::Tick { .. }
-            | Command::SetClusterVersion { .. } => &[],
+            | Command::SetClusterVersion { .. }
+            | Command::Sequenced { .. } => &[],
         };
         if ids.iter().any(|id| id.len() > l.id_bytes_max) {
             return Err(Outcome::rejected(
@@ -1123,7 +1151,8 @@ impl LockStateMachine {
             | Command::SetLimits { .. }
             | Command::SetLimitsV1 { .. }
             | Command::Tick { .. }
-            | Command::SetClusterVersion { .. } => {}
+            | Command::SetClusterVersion { .. }
+            | Command::Sequenced { .. } => {}
         }
         Ok(())
     }
@@ -1526,7 +1555,7 @@ impl LockStateMachine {
             if rec.is_queued() {
                 session.queued = session.queued.saturating_sub(1);
             }
-            if session.records.is_empty() {
+            if session.records.is_empty() && session.mark == 0 {
                 self.sessions.remove(&rec.client_id);
             }
         }
@@ -1635,6 +1664,108 @@ impl LockStateMachine {
         Ok(())
     }
 
+    // ----- acknowledgements ------------------------------------------------------------------
+
+    /// What a [`Command::Sequenced`] does before its request applies. The request must be an
+    /// answered-once client request numbered by its id, at or above `ack_below`. One numbered
+    /// below its session's mark whose answer is no longer kept is refused: the client had its
+    /// answer and said so, so this is a delayed copy, never new work. Otherwise the mark rises to
+    /// `ack_below` and the session's answers numbered below it are forgotten; that stands even
+    /// when the request itself is then refused (a full table is what acknowledgements relieve).
+    /// Every refusal here changes nothing.
+    fn acknowledge(&mut self, ack_below: u64, command: &Command) -> Result<(), Outcome> {
+        let version = self.cluster_version();
+        if version < SEQUENCED_VERSION {
+            return Err(Outcome::rejected(
+                RejectCode::InvalidRequest,
+                format!(
+                    "acknowledging answers needs cluster version {SEQUENCED_VERSION}; this \
+                     cluster runs version {version}"
+                ),
+            ));
+        }
+        let ids = match command {
+            Command::Sequenced { .. } | Command::CancelWait { .. } => None,
+            other => other.dedupe_id(),
+        };
+        let Some((client, request)) = ids else {
+            return Err(Outcome::rejected(
+                RejectCode::InvalidRequest,
+                "only acquires, releases, renewals, puts and deletes with a client id and a \
+                 request id acknowledge answers",
+            ));
+        };
+        let Some(seq) = sequence_number(request) else {
+            return Err(Outcome::rejected(
+                RejectCode::InvalidRequest,
+                format!(
+                    "request id {request:?} is not a sequence number: a request that \
+                     acknowledges answers (ackBelow) is numbered by its request id, in decimal \
+                     from 1"
+                ),
+            ));
+        };
+        if ack_below > seq {
+            return Err(Outcome::rejected(
+                RejectCode::InvalidRequest,
+                format!(
+                    "ackBelow {ack_below} is above the request's own number {seq}: a request \
+                     still waiting for its answer cannot be acknowledged"
+                ),
+            ));
+        }
+        self.validate(command)?;
+        if self.limits.dedupe_entries_max == 0 || self.record_number(client, request).is_some() {
+            // No table to relieve, or a retry the table answers as it stands.
+            return Ok(());
+        }
+        let mark = self.sessions.get(client).map_or(0, |s| s.mark);
+        if seq < mark {
+            return Err(Outcome::rejected(
+                RejectCode::Acknowledged,
+                format!(
+                    "request {seq} of client {client:?} was answered and acknowledged (the \
+                     client has every answer below {mark}), and its answer is no longer kept; \
+                     it is not run again"
+                ),
+            ));
+        }
+        if ack_below > mark {
+            self.raise_mark(client, ack_below);
+        }
+        Ok(())
+    }
+
+    /// Raises `client_id`'s mark to `mark` (opening its session if there is room for one) and
+    /// forgets the session's finished answers numbered below it, looking at its oldest
+    /// [`ACK_SCAN_MAX`] answers.
+    fn raise_mark(&mut self, client_id: &str, mark: u64) {
+        let client: Arc<str> = match self.sessions.get_key_value(client_id) {
+            Some((client, _)) => client.clone(),
+            None if self.sessions.len() >= self.limits.sessions_max => return,
+            None => client_id.into(),
+        };
+        let clock = self.clock_ms;
+        let session = self.sessions.entry(client.clone()).or_default();
+        session.mark = mark;
+        session.mark_at_ms = clock;
+        let dedupe = &self.dedupe;
+        let below: Vec<u64> = session
+            .records
+            .iter()
+            .filter_map(|n| dedupe.get(&n).map(|rec| (n, rec)))
+            .take(ACK_SCAN_MAX)
+            .filter(|(_, rec)| {
+                !rec.is_queued() && sequence_number(rec.request_id()).is_some_and(|s| s < mark)
+            })
+            .map(|(n, _)| n)
+            .collect();
+        self.dirty_acks.insert(client);
+        for n in below {
+            self.remove_record(n);
+        }
+    }
+
     /// `Tick`: advances the log clock, then closes idle sessions (those with a queued acquire
     /// stay open).
     fn tick(&mut self, elapsed_ms: u64) -> Outcome {
@@ -1648,20 +1779,23 @@ impl LockStateMachine {
             .filter(|(_, s)| s.queued == 0)
             .filter(|(_, s)| {
                 let newest = s.records.newest().and_then(|n| self.dedupe.get(&n));
-                newest.is_none_or(|r| r.at_ms.saturating_add(idle) <= clock)
+                let active = newest.map_or(0, |r| r.at_ms).max(s.mark_at_ms);
+                active.saturating_add(idle) <= clock
             })
             .map(|(client, _)| client.clone())
             .collect();
         for client in closing {
-            let records: Vec<u64> = self
-                .sessions
-                .get(&client)
-                .map(|s| s.records.iter().collect())
-                .unwrap_or_default();
-            // Removing a session's last record closes the session; its dead entries are no
-            // longer in the table, and removing them changes nothing.
-            for n in records {
-                self.remove_record(n);
+            let Some(session) = self.sessions.remove(&client) else {
+                continue;
+            };
+            if session.mark > 0 {
+                self.dirty_acks.insert(client);
+            }
+            // Dead entries are no longer in the table: removing them changes nothing.
+            for n in session.records.iter() {
+                if self.dedupe.remove(&n).is_some() {
+                    self.dirty_blocks.insert(n / DEDUPE_BLOCK);
+                }
             }
         }
         Outcome::Stored
@@ -1681,6 +1815,10 @@ impl LockStateMachine {
             let n: u64 = n.parse().ok()?;
             return self.dedupe.get(&n).map(encode_plain);
         }
+        if let Some(client) = key.strip_prefix(META_ACK_PREFIX) {
+            let session = self.sessions.get(client).filter(|s| s.mark > 0)?;
+            return Some(encode_plain(&(session.mark, session.mark_at_ms)));
+        }
         match key {
             META_SEQ => Some(self.fencing_seq.to_be_bytes().to_vec()),
             META_APPLIED => Some(self.applied_index.to_be_bytes().to_vec()),
@@ -1698,7 +1836,10 @@ impl LockStateMachine {
     /// return, besides the few legacy exactly-once keys it moves into blocks per call. Applying
     /// only marks keys; their values are read and encoded by `take_changes`.
     pub fn pending_changes(&self) -> usize {
-        self.dirty.len() + self.dirty_meta.count_ones() as usize + self.dirty_blocks.len()
+        self.dirty.len()
+            + self.dirty_meta.count_ones() as usize
+            + self.dirty_blocks.len()
+            + self.dirty_acks.len()
     }
 
     /// State writes since the last call: `(key, Some(value))` puts, `(key, None)` deletes.
@@ -1738,6 +1879,9 @@ impl LockStateMachine {
             changes.push((dedupe_block_key(b).into_bytes(), value));
         }
         let mut dirty = std::mem::take(&mut self.dirty);
+        for client in std::mem::take(&mut self.dirty_acks) {
+            dirty.insert(format!("{META_ACK_PREFIX}{client}"));
+        }
         for (bit, key) in DIRTY_META_KEYS {
             if self.dirty_meta & bit != 0 {
                 dirty.insert(key.to_string());
@@ -1758,6 +1902,12 @@ impl LockStateMachine {
         keys.extend(self.locks.keys().map(|k| format!("{LOCK_PREFIX}{k}")));
         keys.extend(self.data.keys().map(|k| format!("{DATA_PREFIX}{k}")));
         keys.extend(self.dedupe.keys().map(|&n| dedupe_key(n)));
+        keys.extend(
+            self.sessions
+                .iter()
+                .filter(|(_, s)| s.mark > 0)
+                .map(|(client, _)| format!("{META_ACK_PREFIX}{client}")),
+        );
         keys.extend(
             [
                 META_SEQ,
@@ -2037,6 +2187,14 @@ impl StateLoader {
                 }
                 sm.add_loaded_record(n, rec)?;
             }
+        } else if let Some(client) = key.strip_prefix(META_ACK_PREFIX) {
+            let (mark, at_ms): (u64, u64) = decode_plain(value)?;
+            if mark == 0 {
+                return Err(DecodeError::InvalidState(format!("{key} holds no mark")));
+            }
+            let session = sm.sessions.entry(Arc::from(client)).or_default();
+            session.mark = mark;
+            session.mark_at_ms = at_ms;
         } else if let Some(n) = key.strip_prefix(META_DEDUPE_PREFIX) {
             let n: u64 = n
                 .parse()
@@ -2116,6 +2274,16 @@ impl StateLoader {
         }
         Ok(sm)
     }
+}
+
+/// The sequence number a request id names ([`Command::Sequenced`]): decimal digits without a
+/// leading zero, from 1 to `u64::MAX`.
+pub fn sequence_number(request_id: &str) -> Option<u64> {
+    let digits = request_id.as_bytes();
+    if digits.first().is_none_or(|&d| d == b'0') || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    request_id.parse().ok()
 }
 
 fn u64_of(v: &[u8], what: &str) -> Result<u64, DecodeError> {

@@ -16,7 +16,7 @@ mod tests;
 pub use command::{Command, DecodeError, FencingToken};
 pub use limits::{Limits, LimitsV1};
 pub use machine::{
-    stored_to_snapshot_pairs, HeldLock, LockStateMachine, StateLoader, StoredToSnapshot,
-    WaiterInfo, CLUSTER_VERSION, DEDUPE_BLOCK,
+    sequence_number, stored_to_snapshot_pairs, HeldLock, LockStateMachine, StateLoader,
+    StoredToSnapshot, WaiterInfo, CLUSTER_VERSION, DEDUPE_BLOCK, SEQUENCED_VERSION,
 };
 pub use outcome::{Applied, Event, Outcome, RejectCode};

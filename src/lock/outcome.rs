@@ -112,6 +112,9 @@ pub enum RejectCode {
     AlreadyApplied,
     /// The request id was already used by this client for another operation or key.
     RequestIdReused,
+    /// A request numbered below its client's acknowledgement mark whose answer is no longer
+    /// kept: the client already had its answer, so it is not run again.
+    Acknowledged,
 }
 
 /// A notification for a party other than the proposer.

@@ -405,6 +405,7 @@ impl Model {
                 Outcome::Stored
             }
             Command::SetClusterVersion { .. } => Outcome::Stored,
+            Command::Sequenced { .. } => unreachable!("the model's commands acknowledge nothing"),
             Command::Expire { key, token } => match self.holders.get(key) {
                 Some(h) if h.token == *token => {
                     let client_id = h.client.clone();
@@ -509,7 +510,8 @@ fn model_op(cmd: &Command) -> ModelOp {
         | Command::SetLimits { .. }
         | Command::SetLimitsV1 { .. }
         | Command::Tick { .. }
-        | Command::SetClusterVersion { .. } => "",
+        | Command::SetClusterVersion { .. }
+        | Command::Sequenced { .. } => "",
     };
     (kind, cmd.key().to_string())
 }
@@ -1384,4 +1386,385 @@ fn the_cluster_version_only_rises_and_is_stored_only_once_raised() {
         }
     }
     assert!(LockStateMachine::from_kv(kv).is_err());
+}
+
+// ----- acknowledged answers (Command::Sequenced) --------------------------------------------
+
+/// A state machine at the cluster version that knows acknowledgements, with `limits`.
+fn acknowledging(limits: Limits) -> LockStateMachine {
+    let mut sm = LockStateMachine::new(limits);
+    sm.apply(
+        1,
+        &Command::SetClusterVersion {
+            version: super::machine::SEQUENCED_VERSION,
+        },
+    );
+    sm
+}
+
+fn put(client: &str, request: &str, key: &str) -> Command {
+    Command::Put {
+        key: key.into(),
+        value: request.as_bytes().to_vec(),
+        guard: None,
+        client_id: client.into(),
+        request_id: request.into(),
+    }
+}
+
+fn sequenced(ack_below: u64, command: Command) -> Command {
+    Command::Sequenced {
+        ack_below,
+        command: Box::new(command),
+    }
+}
+
+/// The state without the applied index, which every entry moves.
+fn state_but_applied(sm: &LockStateMachine) -> Vec<(Vec<u8>, Vec<u8>)> {
+    sm.to_kv()
+        .into_iter()
+        .filter(|(k, _)| k != b"meta/applied")
+        .collect()
+}
+
+fn code(o: &Outcome) -> Option<RejectCode> {
+    match o {
+        Outcome::Rejected { code, .. } => Some(*code),
+        _ => None,
+    }
+}
+
+#[test]
+fn acknowledged_answers_are_forgotten_and_a_delayed_copy_is_refused_not_run() {
+    let mut sm = acknowledging(Limits::default());
+    let acquire = Command::Acquire {
+        key: "k".into(),
+        client_id: "c".into(),
+        request_id: "1".into(),
+        ttl_ms: 10_000,
+        wait_timeout_ms: Some(0),
+    };
+    let granted = sm.apply(2, &sequenced(1, acquire.clone())).outcome;
+    let Outcome::Granted { token, .. } = granted.clone() else {
+        panic!("{granted:?}");
+    };
+    let release = Command::Release {
+        key: "k".into(),
+        client_id: "c".into(),
+        request_id: "2".into(),
+        token: token.clone(),
+    };
+    // Request 2 acknowledges request 1: its answer goes, request 2's stays.
+    assert_eq!(
+        sm.apply(3, &sequenced(2, release.clone())).outcome,
+        Outcome::Released
+    );
+    assert_eq!(sm.session_len("c"), 1);
+    // A delayed copy of the acquire (as first sent) would take the free lock again; it is
+    // refused and changes nothing.
+    let before = state_but_applied(&sm);
+    let copy = sm.apply(4, &sequenced(1, acquire.clone()));
+    assert_eq!(
+        code(&copy.outcome),
+        Some(RejectCode::Acknowledged),
+        "{copy:?}"
+    );
+    assert!(copy.events.is_empty());
+    assert_eq!(state_but_applied(&sm), before);
+    assert!(sm.holder("k").is_none());
+    // A retry of the request not yet acknowledged gets its answer back.
+    let retry = sm.apply(5, &sequenced(2, release.clone()));
+    assert!(retry.replayed);
+    assert_eq!(retry.outcome, Outcome::Released);
+    // The mark and the refusal outlive a reload from the stored state and from a snapshot.
+    let mut store = BTreeMap::new();
+    for (k, v) in sm.take_changes() {
+        match v {
+            Some(v) => store.insert(k, v),
+            None => store.remove(&k),
+        };
+    }
+    assert!(store.contains_key(&b"meta/ack/c"[..]));
+    let snapshot = LockStateMachine::restore(&sm.snapshot(), Limits::default()).unwrap();
+    for mut other in [LockStateMachine::from_kv(store.clone()).unwrap(), snapshot] {
+        assert_eq!(other.to_kv(), sm.to_kv());
+        let copy = other.apply(6, &sequenced(1, acquire.clone()));
+        assert_eq!(code(&copy.outcome), Some(RejectCode::Acknowledged));
+    }
+    // Request 3 acknowledges 2: the session keeps only request 3's answer.
+    let put3 = put("c", "3", "d");
+    assert_eq!(sm.apply(6, &sequenced(3, put3)).outcome, Outcome::Stored);
+    assert_eq!(sm.session_len("c"), 1);
+    let copy = sm.apply(7, &sequenced(2, release));
+    assert_eq!(code(&copy.outcome), Some(RejectCode::Acknowledged));
+    // Requests without ackBelow work as before, beside the sequenced ones.
+    assert_eq!(
+        sm.apply(8, &put("c", "r-plain", "e")).outcome,
+        Outcome::Stored
+    );
+    assert_eq!(sm.session_len("c"), 2);
+}
+
+#[test]
+fn a_request_that_cannot_acknowledge_is_refused_and_changes_nothing() {
+    let mut old = LockStateMachine::new(Limits::default());
+    old.apply(1, &Command::SetClusterVersion { version: 2 });
+    let before = state_but_applied(&old);
+    let refused = old.apply(2, &sequenced(1, put("c", "1", "k"))).outcome;
+    assert_eq!(
+        code(&refused),
+        Some(RejectCode::InvalidRequest),
+        "{refused:?}"
+    );
+    assert_eq!(state_but_applied(&old), before);
+
+    let mut sm = acknowledging(Limits::default());
+    let cancel = Command::CancelWait {
+        key: "k".into(),
+        client_id: "c".into(),
+        request_id: "4".into(),
+    };
+    let expire = Command::ExpireLease {
+        key: "k".into(),
+        token: 1,
+        lease_index: 1,
+    };
+    let before = state_but_applied(&sm);
+    for (i, bad) in [
+        sequenced(1, put("c", "r1", "k")), // not a sequence number
+        sequenced(1, put("c", "01", "k")), // not in its one spelling
+        sequenced(1, put("c", "0", "k")),  // numbers start at 1
+        sequenced(6, put("c", "5", "k")),  // acknowledges itself and more
+        sequenced(1, put("c", "", "k")),   // no request id
+        sequenced(1, cancel),              // leaves no answer
+        sequenced(1, expire),              // not a client's request
+        sequenced(1, put("c", "5", "")),   // invalid request
+        sequenced(1, sequenced(1, put("c", "5", "k"))),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let out = sm.apply(2 + i as u64, bad).outcome;
+        assert!(
+            matches!(
+                code(&out),
+                Some(RejectCode::InvalidRequest | RejectCode::TooLarge)
+            ),
+            "{bad:?}: {out:?}"
+        );
+        assert_eq!(state_but_applied(&sm), before, "{bad:?} changed the state");
+    }
+}
+
+#[test]
+fn acknowledgements_keep_a_small_table_serving_a_client_that_never_pauses() {
+    // A table of 8 answers kept for a long time: without acknowledgements the ninth request
+    // within the retention is refused; with them one client goes on for as long as it likes.
+    let limits = Limits {
+        dedupe_entries_max: 8,
+        dedupe_retain_ms: 3_600_000,
+        session_idle_ms: 3_600_000,
+        ..Limits::default()
+    };
+    let mut plain = acknowledging(limits.clone());
+    let mut refused = 0;
+    for i in 1..=20u64 {
+        let out = plain.apply(1 + i, &put("c", &i.to_string(), "k")).outcome;
+        refused += usize::from(code(&out) == Some(RejectCode::LimitReached));
+    }
+    assert_eq!(refused, 12);
+
+    let mut sm = acknowledging(limits.clone());
+    // The table is full of this client's own answers, then its acknowledgements make room.
+    for i in 1..=8u64 {
+        let out = sm.apply(1 + i, &sequenced(1, put("c", &i.to_string(), "k")));
+        assert_eq!(out.outcome, Outcome::Stored);
+    }
+    assert_eq!(sm.dedupe_len(), 8);
+    for i in 9..=1_000u64 {
+        // Two requests in flight at a time: each acknowledges all but the one before it.
+        let out = sm.apply(1 + i, &sequenced(i - 1, put("c", &i.to_string(), "k")));
+        assert_eq!(out.outcome, Outcome::Stored, "request {i}");
+        assert!(sm.dedupe_len() <= 2, "{} answers kept", sm.dedupe_len());
+    }
+    // Another client's plain requests find room too.
+    assert_eq!(
+        sm.apply(2_000, &put("d", "x", "k")).outcome,
+        Outcome::Stored
+    );
+}
+
+#[test]
+fn a_session_with_only_a_mark_closes_when_idle_and_takes_its_mark_along() {
+    let limits = Limits {
+        dedupe_retain_ms: 1_000,
+        session_idle_ms: 5_000,
+        ..Limits::default()
+    };
+    let mut sm = acknowledging(limits);
+    assert_eq!(
+        sm.apply(2, &sequenced(1, put("c", "1", "k"))).outcome,
+        Outcome::Stored
+    );
+    // An invalid request acknowledges nothing.
+    let busy = Command::Acquire {
+        key: "k".into(),
+        client_id: "c".into(),
+        request_id: "2".into(),
+        ttl_ms: 0,
+        wait_timeout_ms: Some(0),
+    };
+    let out = sm.apply(3, &sequenced(2, busy)).outcome;
+    assert_eq!(code(&out), Some(RejectCode::InvalidRequest), "{out:?}");
+    assert_eq!(sm.session_len("c"), 1);
+    let held = Command::Acquire {
+        key: "held".into(),
+        client_id: "other".into(),
+        request_id: "x".into(),
+        ttl_ms: 60_000,
+        wait_timeout_ms: Some(0),
+    };
+    assert!(matches!(
+        sm.apply(4, &held).outcome,
+        Outcome::Granted { .. }
+    ));
+    let try_held = Command::Acquire {
+        key: "held".into(),
+        client_id: "c".into(),
+        request_id: "2".into(),
+        ttl_ms: 1_000,
+        wait_timeout_ms: Some(0),
+    };
+    // Busy is not an answer the table keeps: request 2 leaves no answer, yet it acknowledges
+    // request 1, whose answer goes; the session stays open for its mark.
+    assert_eq!(sm.apply(5, &sequenced(2, try_held)).outcome, Outcome::Busy);
+    assert_eq!(sm.session_len("c"), 0);
+    assert_eq!(sm.session_count(), 2, "c's session stays open for its mark");
+    let copy = sm.apply(6, &sequenced(1, put("c", "1", "k"))).outcome;
+    assert_eq!(code(&copy), Some(RejectCode::Acknowledged));
+    sm.take_changes();
+    // Idle for the session timeout: the session and its mark close.
+    for i in 0..6 {
+        sm.apply(7 + i, &Command::Tick { elapsed_ms: 1_000 });
+    }
+    assert_eq!(sm.session_count(), 0);
+    let changes = sm.take_changes();
+    assert!(changes
+        .iter()
+        .any(|(k, v)| k == b"meta/ack/c" && v.is_none()));
+    assert!(!sm.to_kv().iter().any(|(k, _)| k.starts_with(b"meta/ack/")));
+}
+
+/// Clients that lose answers, retry, and have their old requests delivered again late, against
+/// a state machine that is reloaded from its stored changes or from a snapshot now and then:
+/// no request runs twice, every retry of an unacknowledged request gets its first answer, and
+/// each client's kept answers stay within the requests it has not acknowledged.
+#[test]
+fn acknowledged_requests_run_at_most_once_through_losses_late_copies_and_reloads() {
+    for seed in 0..40u64 {
+        let mut rng = Rng(seed);
+        let limits = Limits::default();
+        let mut sm = acknowledging(limits.clone());
+        let mut store: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
+        let mut index = 1u64;
+        struct Client {
+            next: u64,
+            /// Sent, answer not received: (seq, command).
+            waiting: BTreeMap<u64, Command>,
+            /// Every copy ever sent (for late delivery).
+            sent: Vec<Command>,
+            /// `ack_below` of its latest new request.
+            acked: u64,
+        }
+        let mut clients: Vec<Client> = (0..3)
+            .map(|_| Client {
+                next: 1,
+                waiting: BTreeMap::new(),
+                sent: Vec::new(),
+                acked: 1,
+            })
+            .collect();
+        let mut first: BTreeMap<(usize, u64), Outcome> = BTreeMap::new();
+        let mut runs: BTreeMap<(usize, u64), usize> = BTreeMap::new();
+        for step in 0..600 {
+            let c = rng.below(3) as usize;
+            let name = format!("c{c}");
+            let client = &mut clients[c];
+            let ack = |cl: &Client| cl.waiting.keys().next().copied().unwrap_or(cl.next);
+            let (seq, cmd) = match rng.below(10) {
+                0..=5 => {
+                    let seq = client.next;
+                    client.next += 1;
+                    let key = format!("k{}", rng.below(4));
+                    let cmd = put(&name, &seq.to_string(), &key);
+                    client.waiting.insert(seq, cmd.clone());
+                    client.acked = ack(client);
+                    (seq, sequenced(client.acked, cmd))
+                }
+                6..=7 if !client.waiting.is_empty() => {
+                    let n = rng.below(client.waiting.len() as u64) as usize;
+                    let (&seq, cmd) = client.waiting.iter().nth(n).unwrap();
+                    (seq, sequenced(ack(client), cmd.clone()))
+                }
+                _ if !client.sent.is_empty() => {
+                    let n = rng.below(client.sent.len() as u64) as usize;
+                    let late = client.sent[n].clone();
+                    let seq: u64 = late.dedupe_id().unwrap().1.parse().unwrap();
+                    (seq, late)
+                }
+                _ => continue,
+            };
+            client.sent.push(cmd.clone());
+            index += 1;
+            let applied = sm.apply(index, &cmd);
+            let id = (c, seq);
+            if applied.outcome.is_recorded() && !applied.replayed {
+                *runs.entry(id).or_default() += 1;
+                assert_eq!(runs[&id], 1, "seed {seed} step {step}: {id:?} ran twice");
+            }
+            if code(&applied.outcome) == Some(RejectCode::Acknowledged) {
+                assert!(
+                    !client.waiting.contains_key(&seq),
+                    "seed {seed} step {step}: {id:?} refused while its client waits for it"
+                );
+            }
+            match first.get(&id) {
+                Some(o) if client.waiting.contains_key(&seq) => assert_eq!(
+                    &applied.outcome, o,
+                    "seed {seed} step {step}: a retry of {id:?} got another answer"
+                ),
+                Some(_) => {}
+                None => {
+                    first.insert(id, applied.outcome.clone());
+                }
+            }
+            // The answer arrives (or is lost: the client retries later).
+            if rng.below(4) != 0 {
+                client.waiting.remove(&seq);
+            }
+            // What is kept lies between the latest acknowledgement and the newest request.
+            let kept = sm.session_len(&name) as u64;
+            assert!(
+                kept <= client.next - client.acked,
+                "seed {seed} step {step}: {name} keeps {kept} answers; requests {}.. are \
+                 not acknowledged, {} sent",
+                client.acked,
+                client.next - 1
+            );
+            for (k, v) in sm.take_changes() {
+                match v {
+                    Some(v) => store.insert(k, v),
+                    None => store.remove(&k),
+                };
+            }
+            match rng.below(50) {
+                0 => {
+                    sm = LockStateMachine::from_kv_with_limits(store.clone(), limits.clone())
+                        .unwrap()
+                }
+                1 => sm = LockStateMachine::restore(&sm.snapshot(), limits.clone()).unwrap(),
+                _ => {}
+            }
+        }
+    }
 }

@@ -41,6 +41,9 @@ pub enum ErrorCode {
     RequestIdReused,
     /// The authenticated identity may not do this operation on this key.
     PermissionDenied,
+    /// A request numbered below its client's `ackBelow` whose answer is no longer kept: the
+    /// client had the answer and acknowledged it, so it is not run again (a delayed copy).
+    Acknowledged,
 }
 
 impl ErrorCode {
@@ -60,6 +63,7 @@ impl ErrorCode {
             ErrorCode::AlreadyHeld => "ALREADY_HELD",
             ErrorCode::RequestIdReused => "REQUEST_ID_REUSED",
             ErrorCode::PermissionDenied => "PERMISSION_DENIED",
+            ErrorCode::Acknowledged => "ACKNOWLEDGED",
         }
     }
 
@@ -147,6 +151,11 @@ pub enum ClientOp {
     },
     /// Linearizable read of a KV key (ReadIndex).
     Get { key: String },
+    /// A request that acknowledges earlier answers (`ackBelow`): `op`'s request id is its
+    /// sequence number, and the client has the answer of each of its requests numbered below
+    /// `ack_below` (`Command::Sequenced`). Built only around an acquire, release, renewal, put or
+    /// delete; never nested.
+    Sequenced { ack_below: u64, op: Box<ClientOp> },
 }
 
 /// What a client operation does to the exactly-once table (see `node::pacing`).
@@ -161,9 +170,51 @@ pub enum AnswerKind {
 }
 
 impl ClientOp {
+    /// The operation itself: the one a [`ClientOp::Sequenced`] carries, any other as it is.
+    pub fn request(&self) -> &ClientOp {
+        match self {
+            ClientOp::Sequenced { op, .. } => op.request(),
+            other => other,
+        }
+    }
+
+    /// [`ClientOp::request`], to rewrite it.
+    pub fn request_mut(&mut self) -> &mut ClientOp {
+        match self {
+            ClientOp::Sequenced { op, .. } => op.request_mut(),
+            other => other,
+        }
+    }
+
+    /// `op` acknowledging its client's answers below `ack_below`, when it can carry that: an
+    /// acquire, release, renewal, put or delete. The request id must be the request's sequence
+    /// number (the state machine refuses it otherwise).
+    pub fn sequenced(op: ClientOp, ack_below: Option<u64>) -> Result<ClientOp, ApiError> {
+        let Some(ack_below) = ack_below else {
+            return Ok(op);
+        };
+        match op {
+            ClientOp::CancelWait { .. } | ClientOp::Get { .. } | ClientOp::Sequenced { .. } => {
+                Err(ApiError::new(
+                    ErrorCode::InvalidRequest,
+                    "ackBelow is for acquires, releases, renewals, puts and deletes",
+                ))
+            }
+            op if crate::lock::sequence_number(op.request_id()).is_none() => Err(ApiError::new(
+                ErrorCode::InvalidRequest,
+                "with ackBelow, the request id must be the request's sequence number (decimal, \
+                 from 1)",
+            )),
+            op => Ok(ClientOp::Sequenced {
+                ack_below,
+                op: Box::new(op),
+            }),
+        }
+    }
+
     /// Whether the operation leaves an answer in the exactly-once table, and of which kind.
     pub fn answer_kind(&self) -> AnswerKind {
-        match self {
+        match self.request() {
             ClientOp::Acquire { request_id, .. }
             | ClientOp::Put { request_id, .. }
             | ClientOp::Delete { request_id, .. }
@@ -183,33 +234,33 @@ impl ClientOp {
     }
 
     pub fn name(&self) -> &'static str {
-        match self {
+        match self.request() {
             ClientOp::Acquire { .. } => "acquire",
             ClientOp::Release { .. } | ClientOp::ReleaseHeld { .. } => "release",
             ClientOp::Renew { .. } => "renew",
             ClientOp::CancelWait { .. } => "cancel_wait",
             ClientOp::Put { .. } => "put",
             ClientOp::Delete { .. } => "delete",
-            ClientOp::Get { .. } => "get",
+            ClientOp::Get { .. } | ClientOp::Sequenced { .. } => "get",
         }
     }
 
     /// The OpenTelemetry span name of this operation's request.
     pub fn span_name(&self) -> &'static str {
-        match self {
+        match self.request() {
             ClientOp::Acquire { .. } => "lock.acquire",
             ClientOp::Release { .. } | ClientOp::ReleaseHeld { .. } => "lock.release",
             ClientOp::Renew { .. } => "lock.renew",
             ClientOp::CancelWait { .. } => "lock.cancel_wait",
             ClientOp::Put { .. } => "kv.put",
             ClientOp::Delete { .. } => "kv.delete",
-            ClientOp::Get { .. } => "kv.get",
+            ClientOp::Get { .. } | ClientOp::Sequenced { .. } => "kv.get",
         }
     }
 
     /// The requesting client's id (empty for reads).
     pub fn client_id(&self) -> &str {
-        match self {
+        match self.request() {
             ClientOp::Acquire { client_id, .. }
             | ClientOp::Release { client_id, .. }
             | ClientOp::ReleaseHeld { client_id, .. }
@@ -217,13 +268,13 @@ impl ClientOp {
             | ClientOp::CancelWait { client_id, .. }
             | ClientOp::Put { client_id, .. }
             | ClientOp::Delete { client_id, .. } => client_id,
-            ClientOp::Get { .. } => "",
+            ClientOp::Get { .. } | ClientOp::Sequenced { .. } => "",
         }
     }
 
     /// The requesting client's id, to rewrite it (`None` for reads, which carry none).
     pub fn client_id_mut(&mut self) -> Option<&mut String> {
-        match self {
+        match self.request_mut() {
             ClientOp::Acquire { client_id, .. }
             | ClientOp::Release { client_id, .. }
             | ClientOp::ReleaseHeld { client_id, .. }
@@ -231,13 +282,13 @@ impl ClientOp {
             | ClientOp::CancelWait { client_id, .. }
             | ClientOp::Put { client_id, .. }
             | ClientOp::Delete { client_id, .. } => Some(client_id),
-            ClientOp::Get { .. } => None,
+            ClientOp::Get { .. } | ClientOp::Sequenced { .. } => None,
         }
     }
 
     /// The request id (empty for reads).
     pub fn request_id(&self) -> &str {
-        match self {
+        match self.request() {
             ClientOp::Acquire { request_id, .. }
             | ClientOp::Release { request_id, .. }
             | ClientOp::ReleaseHeld { request_id, .. }
@@ -245,12 +296,12 @@ impl ClientOp {
             | ClientOp::CancelWait { request_id, .. }
             | ClientOp::Put { request_id, .. }
             | ClientOp::Delete { request_id, .. } => request_id,
-            ClientOp::Get { .. } => "",
+            ClientOp::Get { .. } | ClientOp::Sequenced { .. } => "",
         }
     }
 
     pub fn key(&self) -> &str {
-        match self {
+        match self.request() {
             ClientOp::Acquire { key, .. }
             | ClientOp::Release { key, .. }
             | ClientOp::ReleaseHeld { key, .. }
@@ -259,6 +310,7 @@ impl ClientOp {
             | ClientOp::Put { key, .. }
             | ClientOp::Delete { key, .. }
             | ClientOp::Get { key } => key,
+            ClientOp::Sequenced { .. } => "",
         }
     }
 }

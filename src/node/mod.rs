@@ -646,7 +646,26 @@ impl<S: Storage, R> NodeCore<S, R> {
             self.refuse(op_name, reply, err);
             return;
         }
+        // A request that acknowledges answers is not paced while the table is below three
+        // quarters of its bound: its client's answers go as it acknowledges them, so its rate
+        // does not fill the table. (A client that never raises its mark does fill it, and is
+        // paced with everyone once it has.) A cluster that does not know acknowledgements yet
+        // takes it as the plain request it carries.
+        let (ack_below, op) = match op {
+            ClientOp::Sequenced { ack_below, op }
+                if self.sm.cluster_version() >= crate::lock::SEQUENCED_VERSION =>
+            {
+                (Some(ack_below), *op)
+            }
+            ClientOp::Sequenced { op, .. } => (None, *op),
+            op => (None, op),
+        };
+        let table_roomy = || {
+            let max = self.sm.limits().dedupe_entries_max;
+            self.sm.dedupe_len().saturating_mul(4) < max.saturating_mul(3)
+        };
         match op.answer_kind() {
+            _ if ack_below.is_some() && table_roomy() => {}
             AnswerKind::None => {}
             AnswerKind::Ends => self.pacer.record(self.now, self.sm.limits(), false),
             AnswerKind::Starts => match self.pacer.admit(self.now, self.sm.limits()) {
@@ -685,17 +704,13 @@ impl<S: Storage, R> NodeCore<S, R> {
                 request_id,
                 ttl_ms,
                 wait_timeout_ms,
-            } => {
-                let cmd = Command::Acquire {
-                    key,
-                    client_id,
-                    request_id,
-                    ttl_ms,
-                    wait_timeout_ms,
-                };
-                self.batch.push((cmd, pending(reply)));
-                return;
-            }
+            } => Command::Acquire {
+                key,
+                client_id,
+                request_id,
+                ttl_ms,
+                wait_timeout_ms,
+            },
             ClientOp::Release {
                 key,
                 client_id,
@@ -768,6 +783,18 @@ impl<S: Storage, R> NodeCore<S, R> {
                 client_id,
                 request_id,
             },
+            ClientOp::Sequenced { .. } => {
+                let err = ApiError::new(ErrorCode::InvalidRequest, "ackBelow given twice");
+                self.refuse(op_name, reply, err);
+                return;
+            }
+        };
+        let command = match ack_below {
+            Some(ack_below) => Command::Sequenced {
+                ack_below,
+                command: Box::new(command),
+            },
+            None => command,
         };
         self.batch.push((command, pending(reply)));
     }
@@ -1417,14 +1444,16 @@ impl<S: Storage, R> NodeCore<S, R> {
                         }
                     }
                     let applied = self.sm.apply(entry.index, &command);
+                    // What follows looks at the request, not at how it acknowledged answers.
+                    let request = command.request();
                     if self.raft.is_leader() {
                         let local = pending.as_ref().map(|p| (p.started, p.reply.is_some()));
-                        self.follow_lease(&command, &applied, local.map(|l| l.0));
-                        self.follow_waiter(&command, &applied, local);
+                        self.follow_lease(request, &applied, local.map(|l| l.0));
+                        self.follow_waiter(request, &applied, local);
                     }
                     self.on_events(&applied.events);
                     if self.cfg.observe_lock_events {
-                        let events = events::lock_events(&command, &applied);
+                        let events = events::lock_events(request, &applied);
                         if !events.is_empty() {
                             self.observe(Observation::LockEvents(events));
                         }
@@ -1436,7 +1465,7 @@ impl<S: Storage, R> NodeCore<S, R> {
                             Ok(applied.outcome.clone())
                         };
                         match outcome {
-                            Ok(outcome) => self.answer(&command, outcome, pending),
+                            Ok(outcome) => self.answer(command.request(), outcome, pending),
                             Err(reply) => self.send_answer(pending, reply),
                         }
                     }
@@ -1844,6 +1873,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             Outcome::Rejected { code, message } => {
                 let code = match code {
                     RejectCode::RequestIdReused => ErrorCode::RequestIdReused,
+                    RejectCode::Acknowledged => ErrorCode::Acknowledged,
                     RejectCode::TooLarge => ErrorCode::TooLarge,
                     RejectCode::QueueFull | RejectCode::LimitReached => ErrorCode::Busy,
                     RejectCode::InvalidRequest | RejectCode::AlreadyApplied => {

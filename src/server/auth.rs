@@ -483,17 +483,18 @@ impl Caller {
     /// Checks `op` against the caller's rights and makes the authenticated identity its holder:
     /// the client id becomes `<identity>/<clientId>` (or `<identity>`).
     pub fn authorize(&self, op: &mut ClientOp) -> Result<(), ApiError> {
-        let operation = match &*op {
+        let operation = match op.request() {
             ClientOp::Acquire { .. } => Operation::Acquire,
             ClientOp::Release { .. } | ClientOp::ReleaseHeld { .. } => Operation::Release,
             ClientOp::Renew { .. } => Operation::Renew,
             ClientOp::CancelWait { .. } => Operation::Cancel,
             ClientOp::Put { .. } | ClientOp::Delete { .. } => Operation::Write,
-            ClientOp::Get { .. } => Operation::Read,
+            ClientOp::Get { .. } | ClientOp::Sequenced { .. } => Operation::Read,
         };
         self.check(operation, op.key())?;
         // A guarded write names a lock too: it must be one the caller may use.
-        if let ClientOp::Put { guard: Some(g), .. } | ClientOp::Delete { guard: Some(g), .. } = &*op
+        if let ClientOp::Put { guard: Some(g), .. } | ClientOp::Delete { guard: Some(g), .. } =
+            op.request()
         {
             self.check(Operation::Write, &g.key)?;
         }

@@ -135,7 +135,8 @@ impl lpb::lock_service_server::LockService for LockApi {
             );
             return Ok(Response::new(out));
         }
-        let mut op = ClientOp::Acquire {
+        let ack_below = r.ack_below;
+        let op = ClientOp::Acquire {
             key: r.resource_name,
             client_id: r.owner_id,
             request_id: if r.request_id.is_empty() {
@@ -145,6 +146,14 @@ impl lpb::lock_service_server::LockService for LockApi {
             },
             ttl_ms,
             wait_timeout_ms: Some(r.client_timeout_ms as u64),
+        };
+        let sequenced = ClientOp::sequenced(op, ack_below);
+        let mut op = match sequenced {
+            Ok(op) => op,
+            Err(e) => {
+                fail(&mut out, e);
+                return Ok(Response::new(out));
+            }
         };
         if let Err(e) = caller.authorize(&mut op) {
             fail(&mut out, e);
@@ -194,7 +203,8 @@ impl lpb::lock_service_server::LockService for LockApi {
             out.error_message = e.message;
             return Ok(Response::new(out));
         }
-        let mut op = ClientOp::Release {
+        let ack_below = r.ack_below;
+        let op = ClientOp::Release {
             key: r.resource_name,
             client_id: r.owner_id,
             request_id: if r.request_id.is_empty() {
@@ -203,6 +213,14 @@ impl lpb::lock_service_server::LockService for LockApi {
                 r.request_id
             },
             token: r.fencing_token,
+        };
+        let mut op = match ClientOp::sequenced(op, ack_below) {
+            Ok(op) => op,
+            Err(e) => {
+                out.error_code = e.code.as_str().into();
+                out.error_message = e.message;
+                return Ok(Response::new(out));
+            }
         };
         if let Err(e) = caller.authorize(&mut op) {
             out.error_code = e.code.as_str().into();
@@ -235,7 +253,8 @@ impl lpb::lock_service_server::LockService for LockApi {
             out.error_message = e.message;
             return Ok(Response::new(out));
         }
-        let mut op = ClientOp::Renew {
+        let ack_below = r.ack_below;
+        let op = ClientOp::Renew {
             key: r.resource_name,
             client_id: r.owner_id,
             request_id: if r.request_id.is_empty() {
@@ -249,6 +268,14 @@ impl lpb::lock_service_server::LockService for LockApi {
             } else {
                 r.ttl_ms
             },
+        };
+        let mut op = match ClientOp::sequenced(op, ack_below) {
+            Ok(op) => op,
+            Err(e) => {
+                out.error_code = e.code.as_str().into();
+                out.error_message = e.message;
+                return Ok(Response::new(out));
+            }
         };
         if let Err(e) = caller.authorize(&mut op) {
             out.error_code = e.code.as_str().into();

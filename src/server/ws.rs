@@ -68,6 +68,10 @@ struct WsRequest<'a> {
     /// W3C trace context of the caller's span: this request's span becomes its child.
     #[serde(default, borrow)]
     traceparent: Option<Cow<'a, str>>,
+    /// The client has the answer of each of its requests numbered below this (the request id is
+    /// then the request's sequence number): the cluster forgets those answers.
+    #[serde(default)]
+    ack_below: Option<u64>,
 }
 
 /// The top-level fields of a request (`WsRequest`'s); others are ignored, and counted.
@@ -83,6 +87,7 @@ const KNOWN_FIELDS: &[&str] = &[
     "delete",
     "redirect",
     "traceparent",
+    "ackBelow",
 ];
 
 /// What a reply repeats from its request: `key` and `requestId`, as the client sent them.
@@ -344,7 +349,10 @@ async fn execute_request(
     if let Err(e) = caller.authorize(&mut op) {
         return (error_reply(echo, &e), name);
     }
-    let release = matches!(op, ClientOp::Release { .. } | ClientOp::ReleaseHeld { .. });
+    let release = matches!(
+        op.request(),
+        ClientOp::Release { .. } | ClientOp::ReleaseHeld { .. }
+    );
     let span = request_span(&op, "websocket", traceparent.as_deref());
     let reply = execute_on(op, conn, state, closed, forward)
         .instrument(span.clone())
@@ -604,6 +612,17 @@ async fn forward_to(
         .requests_total
         .with_label_values(&[op.name(), "forwarded"])
         .inc();
+    // A leader of a release before acknowledgements cannot read them: until the cluster runs
+    // the version that has them, the request goes as the plain request it carries (which is what
+    // that leader's cluster would make of it anyway).
+    let op = match op {
+        ClientOp::Sequenced { op, .. }
+            if state.status.borrow().cluster_version < crate::lock::SEQUENCED_VERSION =>
+        {
+            *op
+        }
+        op => op,
+    };
     let span = Span::current();
     span.record("forwarded", true);
     let traceparent = if span.is_disabled() {
@@ -745,7 +764,8 @@ fn to_op(r: WsRequest<'_>, limits: &ClientLimits, conn: u64) -> Result<ClientOp,
     }
     let token = r.fencing_token.map(|t| t.value);
     let key = r.key.into_owned();
-    Ok(match r.command_type {
+    let ack_below = r.ack_below;
+    let op = match r.command_type {
         LOCK_ACQUIRE => {
             let ttl_ms = r.ttl.unwrap_or(limits.default_ttl_ms);
             if ttl_ms == 0 || ttl_ms > limits.max_ttl_ms {
@@ -820,7 +840,8 @@ fn to_op(r: WsRequest<'_>, limits: &ClientLimits, conn: u64) -> Result<ClientOp,
             ))
         }
         other => return Err(invalid(&format!("unknown commandType {other}"))),
-    })
+    };
+    ClientOp::sequenced(op, ack_below)
 }
 
 pub fn error_json(raw: &Value, e: &ApiError) -> String {

@@ -81,6 +81,11 @@ struct SimClient {
     held: BTreeMap<String, Held>,
     next_action_us: u64,
     next_request: u64,
+    /// Numbers its requests and sends each with `ackBelow` its own number (it has one request
+    /// in flight at a time, so every earlier one was answered or given up on).
+    acknowledges: bool,
+    /// The history entry of its latest request.
+    last: Option<usize>,
 }
 
 impl SimClient {
@@ -149,6 +154,8 @@ impl SimClients {
                 held: BTreeMap::new(),
                 next_action_us: rng.random_range(0..20_000),
                 next_request: 0,
+                acknowledges: c % 2 == 1,
+                last: None,
             })
             .collect();
         SimClients {
@@ -202,6 +209,9 @@ impl SimClients {
                     }
                 }
                 None if !self.quiet && client.next_action_us <= now => {
+                    if let Some(copy) = self.late_copy(c, nodes, rng) {
+                        sends.push(copy);
+                    }
                     if let Some(send) = self.start(c, now, rng) {
                         sends.push(send);
                     }
@@ -212,10 +222,39 @@ impl SimClients {
         sends
     }
 
+    /// Now and then, for a client that acknowledges answers: one more copy of its previous
+    /// request, which it had the answer of, sent with the next one to any node (a duplicate the
+    /// network delivers late). It must be answered from the table or refused as acknowledged,
+    /// never run again (the lock checks see a second run); its answer goes nowhere.
+    fn late_copy(&mut self, c: usize, nodes: &[NodeId], rng: &mut impl Rng) -> Option<Send> {
+        let client = &self.clients[c];
+        if !client.acknowledges || !rng.random_bool(0.1) {
+            return None;
+        }
+        let last = &self.history[client.last?];
+        last.reply.as_ref()?;
+        let own = crate::lock::sequence_number(last.op.request_id())?;
+        let copy = ClientOp::sequenced(last.op.clone(), Some(own)).ok()?;
+        let target = *pick(nodes, rng)?;
+        Some((
+            target,
+            copy,
+            ReplyTo {
+                client: c,
+                attempt: 0,
+            },
+        ))
+    }
+
     fn start(&mut self, c: usize, now: u64, rng: &mut impl Rng) -> Option<Send> {
         let client = &mut self.clients[c];
         client.next_request += 1;
-        let request_id = format!("r{}", client.next_request);
+        let acknowledges = client.acknowledges;
+        let numbered = move |n: u64| match acknowledges {
+            true => n.to_string(),
+            false => format!("r{n}"),
+        };
+        let request_id = numbered(client.next_request);
         let client_id = client.name.clone();
         let k = rng.random_range(0..self.keys);
         let key = format!("key-{k}");
@@ -273,10 +312,7 @@ impl SimClients {
             (_, None) => ClientOp::CancelWait {
                 key,
                 client_id,
-                request_id: format!(
-                    "r{}",
-                    client.next_request.saturating_sub(rng.random_range(1..6))
-                ),
+                request_id: numbered(client.next_request.saturating_sub(rng.random_range(1..6))),
             },
         };
         // A release ends the belief when it is sent.
@@ -295,6 +331,7 @@ impl SimClients {
             end_belief(&mut self.beliefs, key, c, *token, until);
         }
         let hist = self.history.len();
+        client.last = Some(hist);
         self.history.push(HistoryOp {
             client: c,
             op,
@@ -338,8 +375,15 @@ impl SimClients {
         inflight.attempt = attempt;
         inflight.attempts += 1;
         inflight.target = target;
-        let op = self.history[inflight.hist].op.clone();
-        let wait_us = match &op {
+        let mut op = self.history[inflight.hist].op.clone();
+        if client.acknowledges {
+            let own = crate::lock::sequence_number(op.request_id());
+            op = match ClientOp::sequenced(op.clone(), own) {
+                Ok(sequenced) => sequenced,
+                Err(_) => op,
+            };
+        }
+        let wait_us = match &op.request() {
             ClientOp::Acquire {
                 wait_timeout_ms: Some(ms),
                 ..
@@ -387,6 +431,15 @@ impl SimClients {
         }
         if let ClientReply::Error(e) = &reply {
             match e.code {
+                ErrorCode::Acknowledged => self.violations.push(Violation {
+                    invariant: "acknowledgements",
+                    detail: format!(
+                        "t={now}: client-{c}'s request {:?}, which it never acknowledged, was \
+                         refused as acknowledged: {}",
+                        self.history[hist].op.request_id(),
+                        e.message
+                    ),
+                }),
                 ErrorCode::NotLeader if e.leader_id != 0 => {
                     self.stats.redirects += 1;
                     self.clients[c].believed_leader = e.leader_id;

@@ -132,6 +132,8 @@ pub struct SimStats {
     pub redirects: u64,
     pub client_retries: u64,
     pub ticks: u64,
+    pub acknowledging: u64,
+    pub acknowledged_refusals: u64,
     /// Readies written while an earlier one's flush was still running (background flushes).
     pub overlapped_readies: u64,
     /// Members up at the end of a run that applied everything committed, and those of them
@@ -164,6 +166,8 @@ impl SimStats {
         self.redirects += other.redirects;
         self.client_retries += other.client_retries;
         self.ticks += other.ticks;
+        self.acknowledging += other.acknowledging;
+        self.acknowledged_refusals += other.acknowledged_refusals;
         self.overlapped_readies += other.overlapped_readies;
         self.nodes_up += other.nodes_up;
         self.nodes_at_version += other.nodes_at_version;
@@ -607,6 +611,8 @@ impl Cluster {
         self.stats.grants = self.locks.grants;
         self.stats.expiries = self.locks.expiries;
         self.stats.ticks = self.locks.ticks;
+        self.stats.acknowledging = self.locks.acknowledging;
+        self.stats.acknowledged_refusals = self.locks.acknowledged_refusals;
         let (ops, beliefs) = self.clients.checked();
         self.stats.history_ops = ops;
         self.stats.beliefs_checked = beliefs;
@@ -969,7 +975,7 @@ impl Cluster {
                         if let (
                             crate::lock::Command::Put { value, .. },
                             crate::lock::Outcome::Stored,
-                        ) = (&command, &applied.outcome)
+                        ) = (command.request(), &applied.outcome)
                         {
                             self.write_index.entry(value.clone()).or_insert(index);
                         }

@@ -42,6 +42,11 @@ pub struct LockChecker {
     pub expiries: u64,
     /// Applied `Tick`s (the log clock moving; idle client sessions close on them).
     pub ticks: u64,
+    /// Applied requests that acknowledged answers, and delayed copies refused as acknowledged.
+    pub acknowledging: u64,
+    pub acknowledged_refusals: u64,
+    /// Requests that acknowledged answers and ran (not answered from the table).
+    ran_sequenced: std::collections::BTreeSet<(String, String)>,
     pub violations: Vec<Violation>,
 }
 
@@ -97,6 +102,32 @@ impl LockChecker {
     }
 
     fn check_step(&mut self, index: Index, command: &Command, applied: &Applied) {
+        if let Command::Sequenced {
+            command: request, ..
+        } = command
+        {
+            self.acknowledging += 1;
+            let id = request
+                .dedupe_id()
+                .map(|(c, r)| (c.to_string(), r.to_string()));
+            if let Some(id) = id.filter(|_| applied.outcome.is_recorded() && !applied.replayed) {
+                if !self.ran_sequenced.insert(id.clone()) {
+                    self.fail(
+                        "exactly once",
+                        format!("index {index}: acknowledging request {id:?} ran a second time"),
+                    );
+                }
+            }
+            if let Outcome::Rejected {
+                code: crate::lock::RejectCode::Acknowledged,
+                ..
+            } = applied.outcome
+            {
+                self.acknowledged_refusals += 1;
+            }
+        }
+        // The request itself; how it acknowledged answers is the state machine's affair.
+        let command = command.request();
         if matches!(command, Command::Tick { .. }) {
             self.ticks += 1;
         }
