@@ -9,6 +9,10 @@
 #
 #   scripts/sustained-cpu.sh OLD_LOCK_NODE NEW_LOCK_NODE [seconds 60] [clients 128] [rounds 2]
 #
+# OLD_LOAD_ARGS / NEW_LOAD_ARGS (environment) add arguments to each side's `raftlock-bench load`:
+# `NEW_LOAD_ARGS=--acknowledge` with one build on both sides compares clients that acknowledge
+# their answers with clients that do not.
+#
 # Each node runs with its defaults (as `lockctl up` starts them), so the exactly-once table's
 # pacing applies as it does for users.
 set -euo pipefail
@@ -29,14 +33,14 @@ TICK=$(getconf CLK_TCK)
 cpu_ticks() { local t=0 p; for p in "${PIDS[@]}"; do t=$((t + $(awk '{print $14+$15}' "/proc/$p/stat"))); done; echo "$t"; }
 mib() { local out="" p; for p in "${PIDS[@]}"; do out+="$(awk -v k="$1:" '$1==k{printf "%d ", $2/1024}' "/proc/$p/status")"; done; echo "${out% }"; }
 
-run() { # name binary
-  local name=$1 bin=$2 dir="$WORK/$1" endpoints before load
+run() { # name binary [extra load arguments]
+  local name=$1 bin=$2 extra=${3:-} dir="$WORK/$1" endpoints before load
   endpoints=$(start_three_nodes "$bin" "$dir")
   mapfile -t PIDS <"$dir/pids"
   sleep 4
   before=$(cpu_ticks)
   load=$("$BENCH" load --endpoints "$endpoints" --clients "$CLIENTS" --workload uncontended \
-    --duration "${SECS}s" 2>&1 | grep -v hand-off | tail -1)
+    --duration "${SECS}s" $extra 2>&1 | grep -v hand-off | tail -1)
   local after rss peak
   after=$(cpu_ticks)
   rss=$(mib VmRSS); peak=$(mib VmHWM)
@@ -61,6 +65,7 @@ PY
 for r in $(seq "$ROUNDS"); do
   if [ $((r % 2)) -eq 1 ]; then order="old new"; else order="new old"; fi
   for side in $order; do
-    if [ "$side" = old ]; then run "old-round$r" "$OLD"; else run "new-round$r" "$NEW"; fi
+    if [ "$side" = old ]; then run "old-round$r" "$OLD" "${OLD_LOAD_ARGS:-}"
+    else run "new-round$r" "$NEW" "${NEW_LOAD_ARGS:-}"; fi
   done
 done

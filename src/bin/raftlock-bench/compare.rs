@@ -204,6 +204,7 @@ pub async fn wait_ready(target: Target, endpoints: &[String]) -> Result<(), Stri
             duration: Duration::from_millis(300),
             run_id: "warmup".into(),
             timeline: false,
+            acknowledge: false,
         };
         match load::run(&spec).await {
             Ok(r) if r.grants > 0 && r.errors == 0 => return Ok(()),
@@ -487,6 +488,7 @@ pub async fn compare(args: CompareArgs) -> Result<(), String> {
                         duration: Duration::from_secs(args.seconds),
                         run_id: format!("r{run}"),
                         timeline: false,
+                        acknowledge: false,
                     };
                     let r = load::run(&spec).await?;
                     print!("round {} ", round + 1);
@@ -583,6 +585,7 @@ async fn etcd_endpoints(
                     duration: Duration::from_secs(args.seconds),
                     run_id: format!("probe-{name}"),
                     timeline: false,
+                    acknowledge: false,
                 };
                 let r = load::run(&spec).await?;
                 print!("etcd probe, clients {name}: ");

@@ -223,6 +223,7 @@ pub async fn latency(args: LatencyArgs) -> Result<(), String> {
         duration: Duration::from_secs(args.seconds),
         run_id: "latency".into(),
         timeline: false,
+        acknowledge: false,
     };
     let r = load::run(&spec).await?;
     let cpu: Vec<_> = pids

@@ -57,6 +57,8 @@ pub struct LoadSpec {
     pub run_id: String,
     /// Keep every acquire as (sent, latency) for a timeline (at most `TIMELINE_MAX` of them).
     pub timeline: bool,
+    /// RaftLock clients acknowledge the answers they received (`ackBelow`).
+    pub acknowledge: bool,
 }
 
 /// Acquires kept for a timeline, in all clients together.
@@ -157,6 +159,8 @@ impl Locker {
             Target::Raftlock => RaftLockClient::builder()
                 .endpoints(spec.endpoints.iter().cloned())
                 .client_id(format!("bench-{}-{i}", spec.run_id))
+                // The ids are this run's alone, so numbering requests is safe.
+                .acknowledge_answers(spec.acknowledge)
                 .default_ttl(TTL)
                 .request_timeout(Duration::from_secs(10))
                 .retry_policy(RetryPolicy {

@@ -80,6 +80,11 @@ enum Command {
         /// (client, sent_ms of the previous holder's release, handoff_ms).
         #[arg(long)]
         timeline: Option<std::path::PathBuf>,
+        /// RaftLock clients acknowledge the answers they received (`ackBelow`), so that the
+        /// cluster forgets them at once; without it every answer is kept for the retention and
+        /// a sustained load is paced to the exactly-once table's rate.
+        #[arg(long)]
+        acknowledge: bool,
     },
     /// Start etcd and RaftLock clusters of the same size on loopback and compare them (A B A B).
     Compare {
@@ -567,6 +572,7 @@ fn main() {
             clients,
             duration,
             timeline,
+            acknowledge,
         } => {
             let spec = load::LoadSpec {
                 target,
@@ -576,6 +582,7 @@ fn main() {
                 duration,
                 run_id: format!("{:x}", std::process::id()),
                 timeline: timeline.is_some(),
+                acknowledge,
             };
             match runtime().block_on(load::run(&spec)) {
                 Ok(r) => {

@@ -99,6 +99,7 @@ pub async fn tracing_cost(args: TracingArgs) -> Result<(), String> {
                     duration: Duration::from_secs(args.seconds),
                     run_id: format!("t{run}"),
                     timeline: false,
+                    acknowledge: false,
                 };
                 let before = receiver.spans.load(Ordering::Relaxed);
                 let r = load::run(&spec).await?;
