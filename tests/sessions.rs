@@ -11,6 +11,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
+use raftlock::server::proto::lock::lock_service_client::LockServiceClient;
+use raftlock::server::proto::lock::{AcquireLockRequest, ReleaseLockRequest};
 use serde_json::{json, Value};
 
 const LEADER_TIMEOUT: Duration = Duration::from_secs(20);
@@ -179,45 +181,17 @@ async fn a_load_above_the_tables_rate_is_paced_not_stopped() {
     );
 }
 
-fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-        .unwrap_or(f64::NAN)
-}
-
 /// A client that acknowledges its answers (`ackBelow`, request ids numbered from 1) runs on
 /// through a table that a plain client fills within seconds, through a follower too; its
 /// answers do not pile up; and a late copy of a request it acknowledged is refused with
 /// `ACKNOWLEDGED`, its lock not taken again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_acknowledges_its_answers_is_not_held_to_the_tables_rate() {
-    let cluster = Cluster::start_with(3, |_| {
-        [
-            "--max-answers",
-            "40",
-            "--dedupe-retain",
-            "60s",
-            "--session-idle",
-            "120s",
-        ]
-        .map(String::from)
-        .to_vec()
-    });
+    let cluster = cluster_with_a_small_table();
     let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
     let addr = cluster.nodes[leader as usize - 1].client_addr();
     // Acknowledgements need every member at cluster version 3.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let status = http_json(&addr, "/status").await.expect("/status");
-        if status["clusterVersion"] == 3 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "cluster version stays at {status}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_for_cluster_version(&addr, 3).await;
 
     // A plain client: within the retention the table's 40 answers run out.
     let mut ws = ws_connect(&addr).await;
@@ -262,7 +236,7 @@ async fn a_client_that_acknowledges_its_answers_is_not_held_to_the_tables_rate()
     // Its answers went as it acknowledged them: the table holds the plain client's and about
     // one of its own.
     let text = http_get(&addr, "/metrics").await.expect("/metrics").1;
-    let kept = metric(&text, "raftlock_answers_remembered");
+    let kept = metric_sum(&text, "raftlock_answers_remembered ", &[]);
     assert!(
         kept <= f64::from(60 - refused) + 2.0,
         "the table keeps {kept} answers after 300 acknowledged ones"
@@ -274,6 +248,54 @@ async fn a_client_that_acknowledges_its_answers_is_not_held_to_the_tables_rate()
     assert_eq!(error_code(&copy), "ACKNOWLEDGED", "{copy}");
     let locks = http_json(&addr, "/locks").await.expect("/locks");
     assert!(!locks.to_string().contains("\"s0\""), "{locks}");
+
+    // The same over gRPC, as another client: numbered acquires and releases that acknowledge,
+    // then a late copy of its first acquire.
+    let mut grpc = LockServiceClient::connect(format!("http://{addr}"))
+        .await
+        .expect("grpc");
+    let acquire_g = |n: u64, ack: u64| AcquireLockRequest {
+        resource_name: "g0".into(),
+        owner_id: "grpc-acker".into(),
+        client_timeout_ms: 0,
+        request_id: n.to_string(),
+        ttl_ms: 10_000,
+        ack_below: Some(ack),
+    };
+    for n in (1..=60u64).step_by(2) {
+        let got = grpc
+            .acquire_lock(acquire_g(n, n))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(got.acquired, "{got:?}");
+        let token = got.fencing_token.expect("token").value;
+        let released = grpc
+            .release_lock(ReleaseLockRequest {
+                resource_name: "g0".into(),
+                owner_id: "grpc-acker".into(),
+                fencing_token: token,
+                request_id: (n + 1).to_string(),
+                ack_below: Some(n + 1),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(released.released, "{released:?}");
+    }
+    let copy = grpc
+        .acquire_lock(acquire_g(1, 1))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!copy.acquired, "{copy:?}");
+    assert_eq!(copy.error_code, "ACKNOWLEDGED", "{copy:?}");
+    let bad = AcquireLockRequest {
+        request_id: "g-1".into(),
+        ..acquire_g(0, 1)
+    };
+    let refused = grpc.acquire_lock(bad).await.unwrap().into_inner();
+    assert_eq!(refused.error_code, "INVALID_REQUEST", "{refused:?}");
 
     // ackBelow needs a numbered request id, and cannot acknowledge the request itself.
     let mut bad = acquire("s9", "acker", "r-1");

@@ -75,6 +75,26 @@ fn new_request_id() -> String {
     )
 }
 
+/// A lock-service reply that carries an error code and message: refusing a request before it
+/// is executed fills in both.
+trait Refused {
+    fn refused(self, e: ApiError) -> Self;
+}
+
+macro_rules! refused_by_code_and_message {
+    ($($reply:ty),*) => {$(
+        impl Refused for $reply {
+            fn refused(mut self, e: ApiError) -> Self {
+                self.error_code = e.code.as_str().into();
+                self.error_message = e.message;
+                self
+            }
+        }
+    )*};
+}
+
+refused_by_code_and_message!(lpb::ReleaseLockResponse, lpb::RenewLockResponse);
+
 fn check_key(state: &AppState, key: &str, owner: &str) -> Result<(), ApiError> {
     if key.is_empty() || owner.is_empty() {
         return Err(ApiError::new(
@@ -199,9 +219,7 @@ impl lpb::lock_service_server::LockService for LockApi {
         let r = request.into_inner();
         let mut out = lpb::ReleaseLockResponse::default();
         if let Err(e) = check_key(&self.state, &r.resource_name, &r.owner_id) {
-            out.error_code = e.code.as_str().into();
-            out.error_message = e.message;
-            return Ok(Response::new(out));
+            return Ok(Response::new(out.refused(e)));
         }
         let ack_below = r.ack_below;
         let op = ClientOp::Release {
@@ -216,16 +234,10 @@ impl lpb::lock_service_server::LockService for LockApi {
         };
         let mut op = match ClientOp::sequenced(op, ack_below) {
             Ok(op) => op,
-            Err(e) => {
-                out.error_code = e.code.as_str().into();
-                out.error_message = e.message;
-                return Ok(Response::new(out));
-            }
+            Err(e) => return Ok(Response::new(out.refused(e))),
         };
         if let Err(e) = caller.authorize(&mut op) {
-            out.error_code = e.code.as_str().into();
-            out.error_message = e.message;
-            return Ok(Response::new(out));
+            return Ok(Response::new(out.refused(e)));
         }
         match super::ws::execute_traced(op, 0, &self.state, "grpc", traceparent.as_deref()).await {
             ClientReply::Released => out.released = true,
@@ -249,9 +261,7 @@ impl lpb::lock_service_server::LockService for LockApi {
         let r = request.into_inner();
         let mut out = lpb::RenewLockResponse::default();
         if let Err(e) = check_key(&self.state, &r.resource_name, &r.owner_id) {
-            out.error_code = e.code.as_str().into();
-            out.error_message = e.message;
-            return Ok(Response::new(out));
+            return Ok(Response::new(out.refused(e)));
         }
         let ack_below = r.ack_below;
         let op = ClientOp::Renew {
@@ -271,16 +281,10 @@ impl lpb::lock_service_server::LockService for LockApi {
         };
         let mut op = match ClientOp::sequenced(op, ack_below) {
             Ok(op) => op,
-            Err(e) => {
-                out.error_code = e.code.as_str().into();
-                out.error_message = e.message;
-                return Ok(Response::new(out));
-            }
+            Err(e) => return Ok(Response::new(out.refused(e))),
         };
         if let Err(e) = caller.authorize(&mut op) {
-            out.error_code = e.code.as_str().into();
-            out.error_message = e.message;
-            return Ok(Response::new(out));
+            return Ok(Response::new(out.refused(e)));
         }
         match super::ws::execute_traced(op, 0, &self.state, "grpc", traceparent.as_deref()).await {
             ClientReply::Renewed { expires_in_ms, .. } => {

@@ -251,6 +251,40 @@ pub fn metric_sum(text: &str, series: &str, labels: &[&str]) -> f64 {
         .sum()
 }
 
+/// Three nodes whose exactly-once table keeps at most 40 answers, each for a minute: a client
+/// that does not acknowledge its answers runs out of room within seconds.
+pub fn cluster_with_a_small_table() -> Cluster {
+    Cluster::start_with(3, |_| {
+        [
+            "--max-answers",
+            "40",
+            "--dedupe-retain",
+            "60s",
+            "--session-idle",
+            "120s",
+        ]
+        .map(String::from)
+        .to_vec()
+    })
+}
+
+/// Waits (at most 30 s) until the node at `addr` says its cluster runs `version`.
+pub async fn wait_for_cluster_version(addr: &str, version: u32) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let status = http_json(addr, "/status").await.expect("/status");
+        if status["clusterVersion"] == version {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the cluster version stays at {}",
+            status["clusterVersion"]
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// The node at `addr`'s `raftlock_requests_total` for `result`, summed over operations or only
 /// for `op`.
 pub async fn requests_counted(addr: &str, op: Option<&str>, result: &str) -> f64 {
