@@ -84,6 +84,10 @@ fn ws_request() {
         ("wrong-type", r#"{"commandType":"3","key":7}"#),
         ("not-json", r#"{"commandType":3,"key":"k""#),
         (
+            "acknowledging",
+            r#"{"commandType":3,"key":"k","clientId":"c","requestId":"7","ackBelow":5,"ttl":1000}"#,
+        ),
+        (
             "escapes",
             r#"{"commandType":3,"key":"\u00e9\ud83d\ude00\n","clientId":"\"c\""}"#,
         ),
@@ -103,6 +107,19 @@ fn grpc_messages() {
                 client_timeout_ms: 5_000,
                 request_id: "r-1".into(),
                 ttl_ms: 30_000,
+                ack_below: None,
+            }
+            .encode_to_vec(),
+        ),
+        (
+            "acquire-acknowledging",
+            lpb::AcquireLockRequest {
+                resource_name: "orders".into(),
+                owner_id: "worker-7".into(),
+                client_timeout_ms: 5_000,
+                request_id: "12".into(),
+                ttl_ms: 30_000,
+                ack_below: Some(11),
             }
             .encode_to_vec(),
         ),
@@ -123,6 +140,7 @@ fn grpc_messages() {
                 owner_id: "worker-7".into(),
                 fencing_token: 17,
                 request_id: "r-2".into(),
+                ack_below: None,
             }
             .encode_to_vec(),
         ),
@@ -134,6 +152,7 @@ fn grpc_messages() {
                 fencing_token: 17,
                 ttl_ms: 10_000,
                 request_id: "r-3".into(),
+                ack_below: Some(3),
             }
             .encode_to_vec(),
         ),
@@ -238,7 +257,7 @@ fn peer_messages() {
             "append-reply",
             MessageBody::AppendResponse {
                 success: false,
-                match_index: 0,
+                match_index: Default::default(),
                 rejected_index: 9,
                 recovery_index: 3,
                 recovery_term: 2,
@@ -428,6 +447,8 @@ fn peer_messages() {
                 server_id: 4,
                 server_addr: "127.0.0.1:8084".into(),
                 client_addr: "127.0.0.1:50054".into(),
+                // 0 (not said) leaves the field out, as before it existed.
+                version: 0,
             }
             .encode_to_vec(),
         ),
@@ -441,6 +462,8 @@ fn peer_messages() {
                 peer_set: vec![1, 2, 3],
                 peer_address: [(1, "127.0.0.1:8081".to_string())].into_iter().collect(),
                 client_address: [(1, "127.0.0.1:50051".to_string())].into_iter().collect(),
+                commit_index: 0,
+                match_index: Default::default(),
             }
             .encode_to_vec(),
         ),
@@ -493,6 +516,17 @@ fn token(key: &str, value: u64) -> FencingToken {
 /// Sequences of commands that reach the interesting paths: hand-off, renew, expiry, guarded
 /// writes, cancel, dedupe replays, reused request ids, limits, session ticks.
 fn command_sequences() -> Vec<(&'static str, u8, Vec<Command>)> {
+    let put = |request: &str| Command::Put {
+        key: "k".into(),
+        value: b"v".to_vec(),
+        guard: None,
+        client_id: "c".into(),
+        request_id: request.into(),
+    };
+    let sequenced = |ack_below: u64, command: Command| Command::Sequenced {
+        ack_below,
+        command: Box::new(command),
+    };
     vec![
         (
             "handoff",
@@ -611,6 +645,17 @@ fn command_sequences() -> Vec<(&'static str, u8, Vec<Command>)> {
                 acquire("k", "b", "1", None),
                 acquire("k", "c", "1", None),
                 acquire("k", "d", "1", None),
+            ],
+        ),
+        (
+            "acknowledged",
+            0,
+            vec![
+                Command::SetClusterVersion { version: 3 },
+                sequenced(1, put("1")),
+                sequenced(2, put("2")),
+                // A late copy of request 1, acknowledged by request 2.
+                sequenced(1, put("1")),
             ],
         ),
     ]

@@ -40,7 +40,7 @@ fuzz_target!(|data: &[u8]| {
             if !matches!(op, ClientOp::Get { .. }) {
                 assert!(!op.client_id().is_empty(), "{op:?}");
             }
-            match &op {
+            match op.request() {
                 ClientOp::Acquire { ttl_ms, .. } => {
                     assert!((1..=LIMITS.max_ttl_ms).contains(ttl_ms), "{op:?}")
                 }

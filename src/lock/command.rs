@@ -368,6 +368,26 @@ mod tests {
     }
 
     #[test]
+    fn a_sequenced_command_is_format_two_its_mark_then_the_plain_command() {
+        let put = Command::Put {
+            key: "k".into(),
+            value: b"v".to_vec(),
+            guard: None,
+            client_id: "c".into(),
+            request_id: "1".into(),
+        };
+        let plain = put.encode();
+        assert_eq!(plain, [1, 4, 1, b'k', 1, b'v', 0, 1, b'c', 1, b'1']);
+        let sequenced = Command::Sequenced {
+            ack_below: 300,
+            command: Box::new(put),
+        };
+        let mut expected = vec![2, 0xac, 0x02];
+        expected.extend(&plain[1..]);
+        assert_eq!(sequenced.encode(), expected);
+    }
+
+    #[test]
     fn a_sequenced_command_never_nests_in_its_encoding() {
         let acquire = Command::Acquire {
             key: "k".into(),

@@ -504,6 +504,9 @@ fn hint(message: &str) -> Option<&'static str> {
         "this client id already holds the lock: release it first, or use another --client-id"
     } else if has("REQUEST_ID_REUSED") {
         "a request id names one operation: retry with a fresh one"
+    } else if has("ACKNOWLEDGED") {
+        "the cluster had already answered this request and was told so: another process is \
+         probably numbering its requests under the same client id; give each its own --client-id"
     } else if has("invalid peer certificate") || has("UnknownIssuer") || has("NotValidForName") {
         "the node's TLS certificate is not trusted: pass --tls-ca (RAFTLOCK_TLS_CA) with the CA \
          that signed it, and dial a name or address the certificate carries"
