@@ -1,5 +1,6 @@
-//! Chaos on real processes: a three-node cluster and the data store, SDK clients and one raw
-//! WebSocket client (seed-000 style JSON, any node, its own retries) doing
+//! Chaos on real processes: a three-node cluster and the data store, SDK clients (which
+//! acknowledge their answers) and one raw WebSocket client (seed-000 style JSON, any node, its
+//! own retries) doing
 //! acquire → read the data store's counter → pause → fenced write of counter + 1 → release on one
 //! contended key, and a seeded nemesis that SIGKILLs and restarts nodes, SIGSTOPs them for
 //! longer than the lock TTL, now and then SIGKILLs the whole cluster at once, partitions the
@@ -1034,6 +1035,9 @@ async fn fenced_increments_survive_kills_and_pauses() {
         let client = RaftLockClient::builder()
             .endpoints(endpoints.clone())
             .client_id(format!("chaos-w{id}"))
+            // Each id is this worker's alone: its requests are numbered and acknowledge the
+            // answers it received, so the faults also hit acknowledged answers.
+            .acknowledge_answers(true)
             .request_timeout(Duration::from_secs(2))
             .build()
             .expect("client");
