@@ -935,7 +935,20 @@ impl LockStateMachine {
                 if let Err(refusal) = self.acknowledge(*ack_below, command) {
                     return refusal;
                 }
-                return self.apply_inner(command, events, replayed);
+                let outcome = self.apply_inner(command, events, replayed);
+                // An acknowledging request is answered once: its answer is kept even when it
+                // changed nothing (a lock found held, a stale token), or a copy delivered after
+                // that answer could act where the answer said nothing happened — a grant to a
+                // client told it was not granted. Its client's acknowledgement removes it.
+                // Refusals of bad input or of a full table are not kept: a retry is judged
+                // again.
+                let kept = outcome.is_recorded() || matches!(outcome, Outcome::Rejected { .. });
+                if !*replayed && !kept {
+                    if let Some((client, request)) = command.dedupe_id() {
+                        self.record(client, request, outcome.clone(), op_of(command));
+                    }
+                }
+                return outcome;
             }
             _ => {}
         }

@@ -75,7 +75,9 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    /// Whether the dedupe table remembers this outcome for the request that produced it.
+    /// Whether the dedupe table remembers this outcome for the request that produced it, as a
+    /// plain request (an acknowledging one, `Command::Sequenced`, has every outcome but a
+    /// rejection remembered: [`Outcome::is_remembered_for`]).
     pub fn is_recorded(&self) -> bool {
         matches!(
             self,
@@ -87,6 +89,14 @@ impl Outcome {
                 | Outcome::Stored
                 | Outcome::Deleted { .. }
         )
+    }
+
+    /// Whether the table remembers this outcome of `command` (see [`Outcome::is_recorded`]).
+    pub fn is_remembered_for(&self, command: &super::Command) -> bool {
+        match command {
+            super::Command::Sequenced { .. } => !matches!(self, Outcome::Rejected { .. }),
+            _ => self.is_recorded(),
+        }
     }
 
     pub(crate) fn rejected(code: RejectCode, message: impl Into<String>) -> Outcome {

@@ -1599,6 +1599,7 @@ fn a_session_with_only_a_mark_closes_when_idle_and_takes_its_mark_along() {
     let limits = Limits {
         dedupe_retain_ms: 1_000,
         session_idle_ms: 5_000,
+        locks_held_max: 1,
         ..Limits::default()
     };
     let mut sm = acknowledging(limits);
@@ -1607,14 +1608,14 @@ fn a_session_with_only_a_mark_closes_when_idle_and_takes_its_mark_along() {
         Outcome::Stored
     );
     // An invalid request acknowledges nothing.
-    let busy = Command::Acquire {
+    let invalid = Command::Acquire {
         key: "k".into(),
         client_id: "c".into(),
         request_id: "2".into(),
         ttl_ms: 0,
         wait_timeout_ms: Some(0),
     };
-    let out = sm.apply(3, &sequenced(2, busy)).outcome;
+    let out = sm.apply(3, &sequenced(2, invalid)).outcome;
     assert_eq!(code(&out), Some(RejectCode::InvalidRequest), "{out:?}");
     assert_eq!(sm.session_len("c"), 1);
     let held = Command::Acquire {
@@ -1628,16 +1629,17 @@ fn a_session_with_only_a_mark_closes_when_idle_and_takes_its_mark_along() {
         sm.apply(4, &held).outcome,
         Outcome::Granted { .. }
     ));
-    let try_held = Command::Acquire {
-        key: "held".into(),
+    // The one lock the limits allow is held: request 2 is refused and leaves no answer, yet it
+    // acknowledges request 1, whose answer goes; the session stays open for its mark.
+    let another = Command::Acquire {
+        key: "k2".into(),
         client_id: "c".into(),
         request_id: "2".into(),
         ttl_ms: 1_000,
         wait_timeout_ms: Some(0),
     };
-    // Busy is not an answer the table keeps: request 2 leaves no answer, yet it acknowledges
-    // request 1, whose answer goes; the session stays open for its mark.
-    assert_eq!(sm.apply(5, &sequenced(2, try_held)).outcome, Outcome::Busy);
+    let out = sm.apply(5, &sequenced(2, another)).outcome;
+    assert_eq!(code(&out), Some(RejectCode::LimitReached), "{out:?}");
     assert_eq!(sm.session_len("c"), 0);
     assert_eq!(sm.session_count(), 2, "c's session stays open for its mark");
     let copy = sm.apply(6, &sequenced(1, put("c", "1", "k"))).outcome;
@@ -1718,7 +1720,7 @@ fn acknowledged_requests_run_at_most_once_through_losses_late_copies_and_reloads
             index += 1;
             let applied = sm.apply(index, &cmd);
             let id = (c, seq);
-            if applied.outcome.is_recorded() && !applied.replayed {
+            if applied.outcome.is_remembered_for(&cmd) && !applied.replayed {
                 *runs.entry(id).or_default() += 1;
                 assert_eq!(runs[&id], 1, "seed {seed} step {step}: {id:?} ran twice");
             }
@@ -1767,4 +1769,50 @@ fn acknowledged_requests_run_at_most_once_through_losses_late_copies_and_reloads
             }
         }
     }
+}
+
+/// The simulator's seed 69 of `healthy_core_passes_targeted_schedules` (`raftlock-sim --seeds 1
+/// --start-seed 69 --nodes 5 --steps 4000 --clients-first-on-resume`): an acknowledging acquire
+/// that found the lock held was answered `WAIT_TIMEOUT`; a copy of it delivered after the holder
+/// released, before the client's next request acknowledged it, was granted — a lock held by a
+/// client told it had not got it. An acknowledging request's answer is kept whatever it was, so
+/// the copy gets the same answer.
+#[test]
+fn a_copy_of_an_acknowledging_request_gets_its_first_answer_even_if_nothing_changed() {
+    let mut sm = acknowledging(Limits::default());
+    let acquire = |client: &str, request: &str| Command::Acquire {
+        key: "k".into(),
+        client_id: client.into(),
+        request_id: request.into(),
+        ttl_ms: 10_000,
+        wait_timeout_ms: Some(0),
+    };
+    let Outcome::Granted { token, .. } = sm.apply(2, &acquire("holder", "h")).outcome else {
+        panic!("the holder's grant");
+    };
+    let attempt = sequenced(19, acquire("c", "19"));
+    assert_eq!(sm.apply(3, &attempt).outcome, Outcome::Busy);
+    let release = Command::Release {
+        key: "k".into(),
+        client_id: "holder".into(),
+        request_id: "h2".into(),
+        token,
+    };
+    assert_eq!(sm.apply(4, &release).outcome, Outcome::Released);
+    let copy = sm.apply(5, &attempt);
+    assert!(copy.replayed, "{copy:?}");
+    assert_eq!(copy.outcome, Outcome::Busy);
+    assert!(sm.holder("k").is_none());
+    // The client's next request acknowledges it, and a later copy is refused.
+    let next = sequenced(20, put("c", "20", "d"));
+    assert_eq!(sm.apply(6, &next).outcome, Outcome::Stored);
+    assert_eq!(
+        code(&sm.apply(7, &attempt).outcome),
+        Some(RejectCode::Acknowledged)
+    );
+    assert!(sm.holder("k").is_none());
+    // Rejections are not kept: bad input is judged again, and changes nothing either way.
+    let bad = sequenced(21, put("c", "21", ""));
+    assert!(sm.apply(8, &bad).outcome != Outcome::Stored);
+    assert!(!sm.apply(9, &bad).replayed);
 }

@@ -102,6 +102,7 @@ impl LockChecker {
     }
 
     fn check_step(&mut self, index: Index, command: &Command, applied: &Applied) {
+        let remembered = applied.outcome.is_remembered_for(command);
         if let Command::Sequenced {
             command: request, ..
         } = command
@@ -110,7 +111,7 @@ impl LockChecker {
             let id = request
                 .dedupe_id()
                 .map(|(c, r)| (c.to_string(), r.to_string()));
-            if let Some(id) = id.filter(|_| applied.outcome.is_recorded() && !applied.replayed) {
+            if let Some(id) = id.filter(|_| remembered && !applied.replayed) {
                 if !self.ran_sequenced.insert(id.clone()) {
                     self.fail(
                         "exactly once",
@@ -152,7 +153,7 @@ impl LockChecker {
                 }
                 return;
             }
-            if applied.outcome.is_recorded() {
+            if remembered {
                 self.recorded.insert(id);
             }
         }
