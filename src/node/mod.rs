@@ -399,6 +399,9 @@ pub struct NodeCore<S: Storage, R> {
     snapshot_in_progress: bool,
     /// A snapshot from the leader whose state is being put in place a slice per drive.
     installing: Option<Installing>,
+    /// The snapshot transfer whose chunks storage is staging as they arrive, and the bytes
+    /// staged so far (see [`NodeCore::stage_chunks`]).
+    staging: Option<(crate::raft::SnapshotMeta, u64)>,
     /// Set when storage failed: the node must stop.
     failed: bool,
     /// When this leader last proposed the cluster's limits.
@@ -481,6 +484,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             unwritten_applied: None,
             held: std::collections::VecDeque::new(),
             held_keys: 0,
+            staging: None,
             applied_written_at: now,
             snapshot_in_progress: false,
             installing: None,
@@ -1168,6 +1172,7 @@ impl<S: Storage, R> NodeCore<S, R> {
                 self.effects.push(Effect::Send(msg.clone()));
             }
         }
+        self.stage_chunks(&ready.snapshot_chunks)?;
         if let Some(snapshot) = &ready.snapshot {
             self.begin_install(snapshot)?;
         }
@@ -1209,6 +1214,31 @@ impl<S: Storage, R> NodeCore<S, R> {
         self.maybe_snapshot()
     }
 
+    /// Hands the chunks of an arriving snapshot to storage as they come, so that the install
+    /// ([`NodeCore::begin_install`]) finds its bytes already there instead of writing them all
+    /// at once (about 2 s for 155 MiB in sled, during which the node answered nothing). A chunk
+    /// that does not follow what is staged (which the Raft core's order rules out) is left out,
+    /// and the install then stages the whole snapshot itself.
+    fn stage_chunks(&mut self, chunks: &[crate::raft::SnapshotChunk]) -> Result<(), StorageError> {
+        for chunk in chunks {
+            if chunk.offset == 0 {
+                self.storage.begin_snapshot(&chunk.meta)?;
+                self.staging = Some((chunk.meta.clone(), 0));
+            }
+            let Some((meta, staged)) = self.staging.as_mut() else {
+                continue;
+            };
+            if *meta != chunk.meta || *staged != chunk.offset {
+                self.staging = None;
+                continue;
+            }
+            self.storage
+                .write_snapshot_chunk(chunk.offset, &chunk.data)?;
+            *staged += chunk.data.len() as u64;
+        }
+        Ok(())
+    }
+
     /// Starts installing a snapshot from the leader: its point moves in storage now (durable
     /// with this Ready's flush, which lets the leader learn it arrived), and its state is put in
     /// place by [`NodeCore::continue_install`], a slice per drive, while the Raft core holds
@@ -1222,7 +1252,15 @@ impl<S: Storage, R> NodeCore<S, R> {
         self.held.clear();
         self.held_keys = 0;
         // Storage checks the bytes whole before it writes anything.
-        self.storage.begin_install(&snapshot.meta, &snapshot.data)?;
+        let staged = self.staging.take().is_some_and(|(meta, staged)| {
+            meta == snapshot.meta && staged == snapshot.data.len() as u64
+        });
+        if staged {
+            self.storage
+                .begin_install_staged(&snapshot.meta, &snapshot.data)?;
+        } else {
+            self.storage.begin_install(&snapshot.meta, &snapshot.data)?;
+        }
         self.installing = Some(Installing {
             index: snapshot.meta.index,
             data: snapshot.data.clone(),

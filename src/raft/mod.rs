@@ -20,5 +20,7 @@ pub mod progress;
 
 pub use config::{Config, ConfigError};
 pub use message::{Message, MessageBody};
-pub use node::{CoreStats, InitialState, ProposeError, Raft, ReadState, Ready, Role, SoftState};
+pub use node::{
+    CoreStats, InitialState, ProposeError, Raft, ReadState, Ready, Role, SnapshotChunk, SoftState,
+};
 pub use progress::ProgressState;

@@ -51,9 +51,21 @@ pub struct ReadState {
     pub index: Index,
 }
 
+/// One chunk of an incoming snapshot that this server accepted: the bytes at `offset` of the
+/// snapshot `meta` names. Chunks of one transfer are handed out in order, the first at offset
+/// 0; a chunk at offset 0 starts a new transfer (whatever came before it is dropped).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SnapshotChunk {
+    pub meta: SnapshotMeta,
+    pub offset: u64,
+    pub data: Bytes,
+}
+
 /// Everything the driver must do next, in this order:
 /// 1. send `messages_now` (may overlap with step 2);
-/// 2. persist `snapshot` (if any), then `hard_state`, then `entries` (truncating the stored log at
+/// 2. stage `snapshot_chunks` (optional: they let a driver keep an arriving snapshot on disk as
+///    it arrives, instead of all at once when `snapshot` is handed out), persist `snapshot` (if
+///    any), then `hard_state`, then `entries` (truncating the stored log at
 ///    `entries[0].index` first); flush once if [`Ready::must_sync`];
 /// 3. send `messages`;
 /// 4. apply `snapshot`, then `committed_entries` in order; serve `read_states` once applied;
@@ -67,6 +79,9 @@ pub struct ReadState {
 pub struct Ready {
     pub soft_state: Option<SoftState>,
     pub hard_state: Option<HardState>,
+    /// Chunks of an incoming snapshot accepted since the last Ready, in order. The last chunk
+    /// of a transfer comes in the same Ready as the whole `snapshot`.
+    pub snapshot_chunks: Vec<SnapshotChunk>,
     pub snapshot: Option<Snapshot>,
     pub entries: Vec<Entry>,
     pub messages_now: Vec<Message>,
@@ -198,6 +213,8 @@ pub struct Raft {
     /// A follower needs the latest snapshot's bytes, which were let go.
     snapshot_wanted: bool,
     incoming_snapshot: Option<IncomingSnapshot>,
+    /// Chunks accepted since the last Ready (see [`Ready::snapshot_chunks`]).
+    accepted_chunks: Vec<SnapshotChunk>,
     /// A received snapshot not yet handed to the driver.
     snapshot_to_install: Option<Snapshot>,
     /// A received snapshot's state is not in place yet (handed to the driver, which may build
@@ -268,6 +285,7 @@ impl Raft {
             snapshot: initial.snapshot,
             snapshot_wanted: false,
             incoming_snapshot: None,
+            accepted_chunks: Vec::new(),
             snapshot_to_install: None,
             state_pending: false,
             prev_soft: SoftState {
@@ -698,6 +716,7 @@ impl Raft {
             || self.term_or_vote_changed()
             || self.log.has_unstable()
             || self.snapshot_to_install.is_some()
+            || !self.accepted_chunks.is_empty()
             || !self.messages_now.is_empty()
             || !self.messages.is_empty()
             || (!self.state_pending && self.log.has_next_committed())
@@ -735,6 +754,7 @@ impl Raft {
             hard_state: term_or_vote_changed.then_some(hard),
             term_or_vote_changed,
             handed_out,
+            snapshot_chunks: std::mem::take(&mut self.accepted_chunks),
             snapshot: self.snapshot_to_install.take(),
             entries,
             messages_now,
@@ -1592,6 +1612,11 @@ impl Raft {
             return;
         }
         incoming.data.extend_from_slice(&data);
+        self.accepted_chunks.push(SnapshotChunk {
+            meta: meta.clone(),
+            offset,
+            data,
+        });
         let next_offset = incoming.data.len() as u64;
         if !done {
             let body = MessageBody::InstallSnapshotResponse {

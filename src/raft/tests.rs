@@ -15,6 +15,9 @@ struct Net {
     applied: BTreeMap<NodeId, Vec<Entry>>,
     reads: BTreeMap<NodeId, Vec<ReadState>>,
     installed_snapshots: BTreeMap<NodeId, u64>,
+    /// What a driver staging `Ready::snapshot_chunks` as they come holds: the transfer's meta
+    /// and bytes.
+    staged: BTreeMap<NodeId, (SnapshotMeta, Vec<u8>)>,
     /// Messages seen, for assertions.
     log: Vec<Message>,
 }
@@ -51,6 +54,7 @@ impl Net {
             applied: BTreeMap::new(),
             reads: BTreeMap::new(),
             installed_snapshots: BTreeMap::new(),
+            staged: BTreeMap::new(),
             log: Vec::new(),
         };
         for id in 1..=n {
@@ -72,8 +76,24 @@ impl Net {
             let ready = raft.ready();
             self.queue.extend(ready.messages_now.iter().cloned());
             self.queue.extend(ready.messages.iter().cloned());
+            for chunk in &ready.snapshot_chunks {
+                if chunk.offset == 0 {
+                    self.staged.insert(id, (chunk.meta.clone(), Vec::new()));
+                }
+                let (meta, bytes) = self.staged.get_mut(&id).expect("a chunk at offset 0 first");
+                assert_eq!(*meta, chunk.meta, "node {id}: a chunk of another transfer");
+                assert_eq!(
+                    bytes.len() as u64,
+                    chunk.offset,
+                    "node {id}: chunks out of order"
+                );
+                bytes.extend_from_slice(&chunk.data);
+            }
             if let Some(s) = &ready.snapshot {
                 self.installed_snapshots.insert(id, s.meta.index);
+                // The chunks handed out are the snapshot handed out.
+                let staged = self.staged.remove(&id);
+                assert_eq!(staged, Some((s.meta.clone(), s.data.to_vec())), "node {id}");
             }
             let installed = ready.snapshot.is_some();
             self.applied

@@ -344,6 +344,13 @@ impl<S: Storage> Storage for TimedStorage<S> {
     ) -> Result<(), StorageError> {
         self.inner.begin_install(meta, data)
     }
+    fn begin_install_staged(
+        &mut self,
+        meta: &crate::raft::SnapshotMeta,
+        data: &bytes::Bytes,
+    ) -> Result<(), StorageError> {
+        self.inner.begin_install_staged(meta, data)
+    }
     fn continue_install(&mut self, max_pairs: usize) -> Result<bool, StorageError> {
         self.inner.continue_install(max_pairs)
     }

@@ -685,6 +685,55 @@ pub(crate) fn check_snapshot_install_in_slices<H: Harness>(harness: &mut H) {
     assert_eq!(recovered.applied_state, expected);
 }
 
+/// `begin_install_staged` after the transfer's chunks were staged as they arrived: the same end
+/// as `install_snapshot`, with the log kept after the point. Staged bytes that are not the whole
+/// snapshot (a transfer cut short, another snapshot's) are not taken for it.
+pub(crate) fn check_staged_snapshot_install<H: Harness + Default>(_harness: &mut H) {
+    let (pairs, meta) = forty_pair_snapshot();
+    let data = snapshot_data(&pairs);
+    let other = SnapshotMeta {
+        term: 2,
+        ..meta.clone()
+    };
+    let cut = data.len() / 3;
+    // (the transfer staged, how much of it)
+    for (staged_meta, staged_len) in [
+        (&meta, data.len()),
+        (&meta, cut),
+        (&other, data.len()),
+        (&meta, 0),
+    ] {
+        let context = format!("staged {staged_len} bytes of term {}", staged_meta.term);
+        let mut fresh = H::default();
+        let store = fresh.store();
+        store.append(&commands(1, 30, 1)).unwrap();
+        store
+            .apply(30, &[put("old/a", "1"), put("k03", "old")])
+            .unwrap();
+        store.begin_snapshot(staged_meta).unwrap();
+        let mut offset = 0;
+        for chunk in data[..staged_len].chunks(cut.max(1) / 2 + 1) {
+            store.write_snapshot_chunk(offset as u64, chunk).unwrap();
+            offset += chunk.len();
+        }
+        store.append(&commands(31, 52, 3)).unwrap();
+        store.begin_install_staged(&meta, &data).unwrap();
+        assert_eq!(store.first_index(), 51, "{context}");
+        assert_eq!(store.term(50).unwrap(), 3, "{context}");
+        let mut slices = 0;
+        while !store.continue_install(11).unwrap() {
+            slices += 1;
+            assert!(slices < 100, "the install never ends ({context})");
+        }
+        assert_eq!(store.applied_index(), 50, "{context}");
+        let recovered = recover_across_restart(&mut fresh);
+        assert_eq!(recovered.snapshot_meta, meta, "{context}");
+        assert_eq!(recovered.applied_index, 50, "{context}");
+        assert_eq!(recovered.applied_state, pairs, "{context}");
+        assert_eq!(recovered.entries, commands(51, 52, 3), "{context}");
+    }
+}
+
 /// Regression: reinstalling a snapshot at the current snapshot point with the same term must keep
 /// the log after it on both implementations (MemStorage used to drop it, sled kept it).
 pub(crate) fn check_snapshot_at_current_point_keeps_log<H: Harness>(harness: &mut H) {
@@ -1138,6 +1187,7 @@ macro_rules! all_conformance_tests {
             check_chunked_snapshot_install,
             check_snapshot_install_keeps_matching_suffix,
             check_snapshot_install_in_slices,
+            check_staged_snapshot_install,
             check_snapshot_at_current_point_keeps_log,
             check_bad_snapshot_data_changes_nothing,
             check_compaction,
@@ -1342,6 +1392,43 @@ fn sled_finishes_a_sliced_install_after_a_crash_and_keeps_the_entries_appended_m
         assert_eq!(recovered.entries, commands(51, 55, 3));
         let again = recover_across_restart(&mut harness);
         assert_eq!(again, recovered);
+    }
+}
+
+/// A crash after an install of chunks staged as they arrived has begun: the next open finishes
+/// it from those chunks (which `begin_install_staged` did not write again).
+#[test]
+fn sled_finishes_an_install_of_chunks_staged_as_they_arrived_after_a_crash() {
+    for slices in [0, 2] {
+        let mut harness = SledHarness::default();
+        let store = harness.store();
+        store.append(&commands(1, 30, 1)).unwrap();
+        store.apply(30, &[put("old/a", "1")]).unwrap();
+        store.flush().unwrap();
+        let (pairs, meta) = forty_pair_snapshot();
+        let data = snapshot_data(&pairs);
+        store.begin_snapshot(&meta).unwrap();
+        let mut offset = 0;
+        for chunk in data.chunks(100) {
+            store.write_snapshot_chunk(offset as u64, chunk).unwrap();
+            offset += chunk.len();
+        }
+        store.begin_install_staged(&meta, &data).unwrap();
+        for _ in 0..slices {
+            assert!(!store.continue_install(9).unwrap());
+        }
+        store.flush().unwrap();
+        harness.restart();
+        assert_eq!(
+            harness.store().resumed_install(),
+            Some(50),
+            "slices {slices}"
+        );
+        let recovered = harness.store().recover().unwrap();
+        assert_eq!(recovered.snapshot_meta, meta, "slices {slices}");
+        assert_eq!(recovered.applied_index, 50);
+        assert_eq!(recovered.applied_state, pairs);
+        assert!(recovered.entries.is_empty());
     }
 }
 

@@ -132,6 +132,20 @@ pub trait Storage {
         self.install_snapshot(meta, data)
     }
 
+    /// [`Storage::begin_install`] for a snapshot whose transfer the caller staged as it arrived
+    /// ([`Storage::begin_snapshot`] with `meta`, then every chunk of `data` in order with
+    /// [`Storage::write_snapshot_chunk`]): the staged bytes are taken for `data` and not written
+    /// again, so this call only checks `data` and moves the snapshot point. Where the staging
+    /// area does not hold `meta` with exactly `data.len()` bytes, `data` is staged here as
+    /// `begin_install` does. The default is `begin_install`, which ignores what is staged.
+    fn begin_install_staged(
+        &mut self,
+        meta: &SnapshotMeta,
+        data: &Bytes,
+    ) -> Result<(), StorageError> {
+        self.begin_install(meta, data)
+    }
+
     /// Writes up to `max_pairs` more keys of the install [`Storage::begin_install`] began.
     /// Returns true once it is done (or when none is under way).
     fn continue_install(&mut self, _max_pairs: usize) -> Result<bool, StorageError> {

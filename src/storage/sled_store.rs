@@ -1044,6 +1044,37 @@ impl SledStorage {
         }
     }
 
+    /// Whether `staging` holds a transfer of the snapshot `meta` with exactly `len` bytes.
+    fn holds_staged(&mut self, meta: &SnapshotMeta, len: u64) -> Result<bool, StorageError> {
+        let Some(record) = self
+            .staging
+            .get(STAGING_META)
+            .map_err(|e| StorageError::sled("reading staging", e))?
+        else {
+            return Ok(false);
+        };
+        let mut expected = encode_index_term(meta.index, meta.term);
+        expected.extend_from_slice(&encode_membership(&meta.membership));
+        if record.as_ref() != expected.as_slice() {
+            return Ok(false);
+        }
+        Ok(self.staged_len()? == len)
+    }
+
+    /// Bytes of snapshot chunks in `staging` (counted once, then kept in `staged_bytes`).
+    fn staged_len(&mut self) -> Result<u64, StorageError> {
+        if let Some(staged) = self.staged_bytes {
+            return Ok(staged);
+        }
+        let mut staged = 0u64;
+        for item in self.staging.scan_prefix(b"chunk/") {
+            let (_, v) = item.map_err(|e| StorageError::sled("reading staging", e))?;
+            staged += v.len() as u64;
+        }
+        self.staged_bytes = Some(staged);
+        Ok(staged)
+    }
+
     /// The staged snapshot: its meta and data, as `begin_snapshot` and the chunks left them.
     fn read_staged(&self) -> Result<Option<(SnapshotMeta, Vec<u8>)>, StorageError> {
         let Some(meta_record) = self
@@ -1365,6 +1396,15 @@ impl Storage for SledStorage {
         self.start_install(meta, data.clone(), false)
     }
 
+    fn begin_install_staged(
+        &mut self,
+        meta: &SnapshotMeta,
+        data: &Bytes,
+    ) -> Result<(), StorageError> {
+        let staged = self.holds_staged(meta, data.len() as u64)?;
+        self.start_install(meta, data.clone(), staged)
+    }
+
     fn continue_install(&mut self, max_pairs: usize) -> Result<bool, StorageError> {
         SledStorage::continue_install(self, max_pairs)
     }
@@ -1388,18 +1428,7 @@ impl Storage for SledStorage {
         if self.staging.get(STAGING_META).ok().flatten().is_none() {
             return Err(StorageError::NoSnapshotInProgress);
         }
-        let staged = match self.staged_bytes {
-            Some(staged) => staged,
-            None => {
-                let mut staged = 0u64;
-                for item in self.staging.scan_prefix(b"chunk/") {
-                    let (_, v) = item.map_err(|e| StorageError::sled("reading staging", e))?;
-                    staged += v.len() as u64;
-                }
-                self.staged_bytes = Some(staged);
-                staged
-            }
-        };
+        let staged = self.staged_len()?;
         if offset != staged {
             return Err(StorageError::SnapshotChunkOutOfOrder {
                 offset,
