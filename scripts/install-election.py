@@ -522,7 +522,9 @@ def trial(args, meta, k):
 
 
 def main():
+    global BIN
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bin", default=BIN, help="the lock-node to run (default: this checkout's release build)")
     ap.add_argument("--locks", type=int, default=300000)
     ap.add_argument("--trials", type=int, default=2)
     ap.add_argument("--dir", default="/tmp/install-election/run")
@@ -537,6 +539,7 @@ def main():
     ap.add_argument("--fill-limit", type=float, default=1200.0)
     ap.add_argument("--trial-limit", type=float, default=180.0)
     args = ap.parse_args()
+    BIN = args.bin
     if not os.access(BIN, os.X_OK):
         raise SystemExit(f"{BIN} not built")
     out = {"args": vars(args)}
