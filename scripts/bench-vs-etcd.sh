@@ -121,6 +121,8 @@ echo "== installing a million-lock snapshot into a new store: memory and time by
   ./target/release/raftlock-bench snapshot-install
   echo
   echo "RaftLock writes 512 keys per batch and gives sled a 64 MiB page cache (\`--storage-cache-mb\`; sled's own default is 1 GiB). Larger sled batches leave far more memory behind in sled, and a larger cache keeps more of the store resident beside the lock state, which holds all of it anyway; the other rows show how much."
+  echo
+  echo "An election while a follower installs such a snapshot: docs/bench/install-election.md (\`scripts/install-election.py\`)."
 } > docs/bench/snapshot-install.md
 
 echo "== scale"

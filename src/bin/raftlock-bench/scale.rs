@@ -931,7 +931,10 @@ fn respawn(
 }
 
 /// After a (re)start at `started`: polls a node's /status until it answers (first time) and
-/// until its applied index reaches `target` with a leader known (second time).
+/// until its applied index reaches `target` with a leader known and no snapshot install under
+/// way (second time). A follower's applied index moves to a snapshot's index when the snapshot
+/// has arrived, while its state is still being put in place a slice at a time
+/// (`installingSnapshot`); until 2026-11-29 this took the arrival for the catch-up.
 async fn time_catch_up(
     addr: &str,
     started: Instant,
@@ -944,7 +947,10 @@ async fn time_catch_up(
     while Instant::now() < deadline {
         if let Ok(s) = status(addr).await {
             first_answer.get_or_insert_with(|| started.elapsed().as_secs_f64());
-            if field(&s, "appliedIndex") >= target && field(&s, "leaderId") != 0 {
+            if field(&s, "appliedIndex") >= target
+                && field(&s, "leaderId") != 0
+                && s["installingSnapshot"].is_null()
+            {
                 let caught = started.elapsed().as_secs_f64();
                 return Ok((first_answer.unwrap_or(caught), caught, s));
             }
