@@ -1378,21 +1378,33 @@ fn sled_finishes_a_sliced_install_after_a_crash_and_keeps_the_entries_appended_m
             store.snapshot_job(),
             Err(StorageError::InstallInProgress { index: 50, .. })
         ));
-        store.flush().unwrap();
-        harness.restart();
-        assert_eq!(
-            harness.store().resumed_install(),
-            Some(50),
-            "slices {slices}"
-        );
-        let recovered = harness.store().recover().unwrap();
-        assert_eq!(recovered.snapshot_meta, meta, "slices {slices}");
-        assert_eq!(recovered.applied_index, 50);
-        assert_eq!(recovered.applied_state, pairs);
+        let recovered = crash_and_check_resumed_install(&mut harness, &meta, &pairs, slices);
         assert_eq!(recovered.entries, commands(51, 55, 3));
         let again = recover_across_restart(&mut harness);
         assert_eq!(again, recovered);
     }
+}
+
+/// Flushes, restarts (a crash for the install under way) and checks that the open finished the
+/// install of the snapshot at index 50 (`meta`, holding `pairs`). Returns what it recovered.
+fn crash_and_check_resumed_install(
+    harness: &mut SledHarness,
+    meta: &SnapshotMeta,
+    pairs: &[KvPair],
+    slices: usize,
+) -> RecoveredState {
+    harness.store().flush().unwrap();
+    harness.restart();
+    assert_eq!(
+        harness.store().resumed_install(),
+        Some(50),
+        "slices {slices}"
+    );
+    let recovered = harness.store().recover().unwrap();
+    assert_eq!(recovered.snapshot_meta, *meta, "slices {slices}");
+    assert_eq!(recovered.applied_index, 50);
+    assert_eq!(recovered.applied_state, pairs);
+    recovered
 }
 
 /// A crash after an install of chunks staged as they arrived has begun: the next open finishes
@@ -1417,17 +1429,7 @@ fn sled_finishes_an_install_of_chunks_staged_as_they_arrived_after_a_crash() {
         for _ in 0..slices {
             assert!(!store.continue_install(9).unwrap());
         }
-        store.flush().unwrap();
-        harness.restart();
-        assert_eq!(
-            harness.store().resumed_install(),
-            Some(50),
-            "slices {slices}"
-        );
-        let recovered = harness.store().recover().unwrap();
-        assert_eq!(recovered.snapshot_meta, meta, "slices {slices}");
-        assert_eq!(recovered.applied_index, 50);
-        assert_eq!(recovered.applied_state, pairs);
+        let recovered = crash_and_check_resumed_install(&mut harness, &meta, &pairs, slices);
         assert!(recovered.entries.is_empty());
     }
 }
