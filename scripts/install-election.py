@@ -440,17 +440,15 @@ def trial(args, meta, k):
                     t_detect = now
                     log(f"trial {k}: node {c} wrote {wmb:.0f} MB (read {rmb:.0f} MB): install under way, "
                         f"{now - t_c_start:.2f} s after its start")
+            lines = log_lines(c_log) if installed_at is None or t_detect is None else []
             if t_detect is None and args.install_mb <= 0:
-                for j in log_lines(c_log):
-                    if "installing a snapshot from the leader" in msg_of(j):
-                        t_detect = now
-                        log(f"trial {k}: node {c} logged its install's start, "
-                            f"{now - t_c_start:.2f} s after its start")
-                        break
-            if installed_at is None:
-                for j in log_lines(c_log):
-                    if "installed snapshot" in msg_of(j) and j.get("t"):
-                        installed_at = j["t"]
+                if any("installing a snapshot from the leader" in msg_of(j) for j in lines):
+                    t_detect = now
+                    log(f"trial {k}: node {c} logged its install's start, "
+                        f"{now - t_c_start:.2f} s after its start")
+            for j in lines:
+                if "installed snapshot" in msg_of(j) and j.get("t"):
+                    installed_at = j["t"]
             if t_detect and t_kill is None and now >= t_detect + args.delay:
                 if installed_at is not None:
                     res["error"] = "install finished before the kill; lower --delay"

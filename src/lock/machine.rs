@@ -931,21 +931,24 @@ impl LockStateMachine {
                 }
                 return Outcome::Stored;
             }
-            Command::Sequenced { ack_below, command } => {
-                if let Err(refusal) = self.acknowledge(*ack_below, command) {
+            Command::Sequenced {
+                ack_below,
+                command: inner,
+            } => {
+                if let Err(refusal) = self.acknowledge(*ack_below, inner) {
                     return refusal;
                 }
-                let outcome = self.apply_inner(command, events, replayed);
+                let outcome = self.apply_inner(inner, events, replayed);
                 // An acknowledging request is answered once: its answer is kept even when it
                 // changed nothing (a lock found held, a stale token), or a copy delivered after
                 // that answer could act where the answer said nothing happened — a grant to a
                 // client told it was not granted. Its client's acknowledgement removes it.
                 // Refusals of bad input or of a full table are not kept: a retry is judged
                 // again.
-                let kept = outcome.is_recorded() || matches!(outcome, Outcome::Rejected { .. });
-                if !*replayed && !kept {
-                    if let Some((client, request)) = command.dedupe_id() {
-                        self.record(client, request, outcome.clone(), op_of(command));
+                // The plain request recorded what `is_recorded` keeps; the rest is kept here.
+                if !*replayed && !outcome.is_recorded() && outcome.is_remembered_for(command) {
+                    if let Some((client, request)) = inner.dedupe_id() {
+                        self.record(client, request, outcome.clone(), op_of(inner));
                     }
                 }
                 return outcome;

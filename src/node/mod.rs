@@ -1251,16 +1251,11 @@ impl<S: Storage, R> NodeCore<S, R> {
         self.unwritten_applied = None;
         self.held.clear();
         self.held_keys = 0;
-        // Storage checks the bytes whole before it writes anything.
-        let staged = self.staging.take().is_some_and(|(meta, staged)| {
-            meta == snapshot.meta && staged == snapshot.data.len() as u64
-        });
-        if staged {
-            self.storage
-                .begin_install_staged(&snapshot.meta, &snapshot.data)?;
-        } else {
-            self.storage.begin_install(&snapshot.meta, &snapshot.data)?;
-        }
+        // Storage checks the bytes whole before it writes anything, and takes what
+        // `stage_chunks` staged only if it is this snapshot, whole.
+        self.staging = None;
+        self.storage
+            .begin_install_staged(&snapshot.meta, &snapshot.data)?;
         self.installing = Some(Installing {
             index: snapshot.meta.index,
             data: snapshot.data.clone(),

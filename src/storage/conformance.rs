@@ -685,6 +685,16 @@ pub(crate) fn check_snapshot_install_in_slices<H: Harness>(harness: &mut H) {
     assert_eq!(recovered.applied_state, expected);
 }
 
+/// Stages `data` as a transfer of the snapshot `meta` would arrive: `chunk` bytes at a time.
+fn stage_in_chunks(store: &mut dyn Storage, meta: &SnapshotMeta, data: &[u8], chunk: usize) {
+    store.begin_snapshot(meta).unwrap();
+    let mut offset = 0;
+    for piece in data.chunks(chunk) {
+        store.write_snapshot_chunk(offset as u64, piece).unwrap();
+        offset += piece.len();
+    }
+}
+
 /// `begin_install_staged` after the transfer's chunks were staged as they arrived: the same end
 /// as `install_snapshot`, with the log kept after the point. Staged bytes that are not the whole
 /// snapshot (a transfer cut short, another snapshot's) are not taken for it.
@@ -710,12 +720,7 @@ pub(crate) fn check_staged_snapshot_install<H: Harness + Default>(_harness: &mut
         store
             .apply(30, &[put("old/a", "1"), put("k03", "old")])
             .unwrap();
-        store.begin_snapshot(staged_meta).unwrap();
-        let mut offset = 0;
-        for chunk in data[..staged_len].chunks(cut.max(1) / 2 + 1) {
-            store.write_snapshot_chunk(offset as u64, chunk).unwrap();
-            offset += chunk.len();
-        }
+        stage_in_chunks(store, staged_meta, &data[..staged_len], cut.max(1) / 2 + 1);
         store.append(&commands(31, 52, 3)).unwrap();
         store.begin_install_staged(&meta, &data).unwrap();
         assert_eq!(store.first_index(), 51, "{context}");
@@ -1419,12 +1424,7 @@ fn sled_finishes_an_install_of_chunks_staged_as_they_arrived_after_a_crash() {
         store.flush().unwrap();
         let (pairs, meta) = forty_pair_snapshot();
         let data = snapshot_data(&pairs);
-        store.begin_snapshot(&meta).unwrap();
-        let mut offset = 0;
-        for chunk in data.chunks(100) {
-            store.write_snapshot_chunk(offset as u64, chunk).unwrap();
-            offset += chunk.len();
-        }
+        stage_in_chunks(store, &meta, &data, 100);
         store.begin_install_staged(&meta, &data).unwrap();
         for _ in 0..slices {
             assert!(!store.continue_install(9).unwrap());

@@ -70,6 +70,14 @@ const INSTALLING: &[u8] = b"installing";
 /// One insert at a time was slowest and large again (15 s, 2.7 GB). `raftlock-bench
 /// snapshot-install` repeats the comparison.
 const INSTALL_BATCH_KEYS: usize = 512;
+/// `staging`'s meta record for a transfer of the snapshot `meta`: its index and term (20
+/// bytes), then its membership.
+fn staging_meta_record(meta: &SnapshotMeta) -> Vec<u8> {
+    let mut record = encode_index_term(meta.index, meta.term);
+    record.extend_from_slice(&encode_membership(&meta.membership));
+    record
+}
+
 /// Size of the pieces a snapshot installed in one piece is staged in.
 const STAGED_CHUNK_BYTES: usize = 1 << 20;
 
@@ -1046,19 +1054,18 @@ impl SledStorage {
 
     /// Whether `staging` holds a transfer of the snapshot `meta` with exactly `len` bytes.
     fn holds_staged(&mut self, meta: &SnapshotMeta, len: u64) -> Result<bool, StorageError> {
-        let Some(record) = self
-            .staging
-            .get(STAGING_META)
-            .map_err(|e| StorageError::sled("reading staging", e))?
-        else {
-            return Ok(false);
-        };
-        let mut expected = encode_index_term(meta.index, meta.term);
-        expected.extend_from_slice(&encode_membership(&meta.membership));
-        if record.as_ref() != expected.as_slice() {
+        let record = self.staged_meta_record()?;
+        if record.as_deref() != Some(staging_meta_record(meta).as_slice()) {
             return Ok(false);
         }
         Ok(self.staged_len()? == len)
+    }
+
+    /// `staging`'s meta record, if a transfer was begun (see [`staging_meta_record`]).
+    fn staged_meta_record(&self) -> Result<Option<sled::IVec>, StorageError> {
+        self.staging
+            .get(STAGING_META)
+            .map_err(|e| StorageError::sled("reading staging", e))
     }
 
     /// Bytes of snapshot chunks in `staging` (counted once, then kept in `staged_bytes`).
@@ -1077,11 +1084,7 @@ impl SledStorage {
 
     /// The staged snapshot: its meta and data, as `begin_snapshot` and the chunks left them.
     fn read_staged(&self) -> Result<Option<(SnapshotMeta, Vec<u8>)>, StorageError> {
-        let Some(meta_record) = self
-            .staging
-            .get(STAGING_META)
-            .map_err(|e| StorageError::sled("reading staging", e))?
-        else {
+        let Some(meta_record) = self.staged_meta_record()? else {
             return Ok(None);
         };
         let (point, membership) = meta_record.split_at(meta_record.len().min(20));
@@ -1415,10 +1418,8 @@ impl Storage for SledStorage {
         self.staging
             .clear()
             .map_err(|e| StorageError::sled("clearing staging", e))?;
-        let mut record = encode_index_term(meta.index, meta.term);
-        record.extend_from_slice(&encode_membership(&meta.membership));
         self.staging
-            .insert(STAGING_META, record)
+            .insert(STAGING_META, staging_meta_record(meta))
             .map_err(|e| StorageError::sled("starting a snapshot", e))?;
         self.staged_bytes = Some(0);
         Ok(())
