@@ -82,6 +82,17 @@ def metric(addr, name, labels=None):
     return None
 
 
+def peak_rss_mib(pid):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None
+
+
 def parse_ts(ts):
     # 2026-11-29T01:09:14.481765Z
     return datetime.strptime(ts.rstrip("Z")[:26], "%Y-%m-%dT%H:%M:%S.%f").replace(
@@ -483,6 +494,9 @@ def trial(args, meta, k):
                                         for i in (other, c)}
         res["events_c_from_start"] = events_after(c_log, t_c_start, WORDS)
         res["snapshots_c"] = metric(cl.client(c), "raftlock_snapshots_total", 'kind="installed"')
+        # The behind node's peak resident memory since it started: the transfer's buffer and
+        # the install included (read once the install has ended).
+        res["c_peak_rss_mib"] = peak_rss_mib(pc.pid) if installed_at else None
         if not (new and new.get("leader")):
             return res
 
@@ -580,7 +594,8 @@ def summary(out):
               f"killed leader {r.get('leader')} {r.get('kill_after_c_start_s')} s after C start; "
               f"new leader {(r.get('install') or {}).get('leader')} after {(r.get('install') or {}).get('after_s')} s "
               f"(install ended {r.get('installed_after_kill_s')} s after the kill; leader "
-              f"{r.get('new_leader_after_installed_s')} s after the install line) {r.get('error') or ''}")
+              f"{r.get('new_leader_after_installed_s')} s after the install line); "
+              f"C's peak RSS {r.get('c_peak_rss_mib')} MiB {r.get('error') or ''}")
         turn = [e for e in r.get("events_c_from_start", []) if e["msg"] == "slow driver turn"
                 and e.get("took_ms", 0) >= 100]
         won = [e["at_s"] for ev in (r.get("events_after_kill") or {}).values() for e in ev

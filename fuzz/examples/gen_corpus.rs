@@ -285,6 +285,7 @@ fn peer_messages() {
                 offset: 0,
                 data: snapshot_data(),
                 done: true,
+                total_len: snapshot_data().len() as u64,
             },
         ),
         (
@@ -863,6 +864,7 @@ fn raft_step() {
                 offset: 0,
                 data: snapshot_data(),
                 done: true,
+                total_len: snapshot_data().len() as u64,
             },
         ))
         .encode_to_vec(),

@@ -63,11 +63,14 @@ pub enum MessageBody {
         read_seq: u64,
     },
     /// One chunk of a snapshot (§5.7, chunked as in Figure 5.12 of the dissertation).
+    /// `total_len` is the whole snapshot's size, a hint the follower sizes its buffer by (0 when
+    /// the sender did not say); the chunks themselves decide what arrives.
     InstallSnapshot {
         meta: SnapshotMeta,
         offset: u64,
         data: Bytes,
         done: bool,
+        total_len: u64,
     },
     /// `next_offset` is where the follower wants the next chunk; `done` means it has installed the
     /// whole snapshot at `snapshot_index`. `rejected` asks the leader to restart from `next_offset`.

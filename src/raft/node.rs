@@ -464,15 +464,23 @@ impl Raft {
         }
     }
 
-    /// May this server start an election? Voters may. So may a server whose own removal is
-    /// appended but not committed: it can hold the only up-to-date copy of that entry (a leader
-    /// that removed itself and then lost contact), and without it the remaining voters could never
-    /// elect anyone. Its candidacy counts only the voters of its latest configuration.
     #[cfg(test)]
     pub(crate) fn set_snapshot_chunk_bytes(&mut self, bytes: usize) {
         self.cfg.snapshot_chunk_bytes = bytes;
     }
 
+    /// The capacity of the buffer an arriving snapshot is gathered in, if one is arriving.
+    #[cfg(test)]
+    pub(crate) fn incoming_snapshot_capacity(&self) -> Option<usize> {
+        self.incoming_snapshot
+            .as_ref()
+            .map(|inc| inc.data.capacity())
+    }
+
+    /// May this server start an election? Voters may. So may a server whose own removal is
+    /// appended but not committed: it can hold the only up-to-date copy of that entry (a leader
+    /// that removed itself and then lost contact), and without it the remaining voters could never
+    /// elect anyone. Its candidacy counts only the voters of its latest configuration.
     fn promotable(&self) -> bool {
         if self.state_pending {
             return false;
@@ -904,9 +912,10 @@ impl Raft {
                 offset,
                 data,
                 done,
+                total_len,
             } => {
                 self.follow(msg.from);
-                self.handle_snapshot_chunk(msg.from, meta, offset, data, done);
+                self.handle_snapshot_chunk(msg.from, meta, offset, data, done, total_len);
             }
             MessageBody::TimeoutNow => {
                 if self.promotable() && self.role != Role::Leader {
@@ -1555,6 +1564,7 @@ impl Raft {
             offset,
             data: snapshot.data.slice(offset as usize..end as usize),
             done: end == len,
+            total_len: len,
         };
         self.send(to, body);
     }
@@ -1566,6 +1576,7 @@ impl Raft {
         offset: u64,
         data: Bytes,
         done: bool,
+        total_len: u64,
     ) {
         let snapshot_index = meta.index;
         if meta.index <= self.log.committed {
@@ -1586,9 +1597,17 @@ impl Raft {
             .as_ref()
             .is_some_and(|inc| inc.meta == meta && !inc.data.is_empty());
         if offset == 0 && !resumed {
+            // Sized once from the sender's total, so a large snapshot is not copied each time
+            // its buffer doubles. A total past the limit is not believed (the limit below turns
+            // the transfer away when the bytes get there), and memory the system will not
+            // reserve leaves the buffer to grow as the chunks come.
+            let mut data = Vec::new();
+            if total_len <= self.cfg.max_snapshot_bytes {
+                let _ = data.try_reserve_exact(usize::try_from(total_len).unwrap_or(0));
+            }
             self.incoming_snapshot = Some(IncomingSnapshot {
                 meta: meta.clone(),
-                data: Vec::new(),
+                data,
             });
         }
         let expected = match &self.incoming_snapshot {

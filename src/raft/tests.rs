@@ -661,6 +661,60 @@ fn snapshot_install_for_a_lagging_follower() {
     );
 }
 
+/// A follower sizes the buffer for an arriving snapshot from the sender's `total_len` once, and
+/// the chunks alone decide what it installs: a total that is missing (a sender before the
+/// field), past the limit, or wrong changes nothing but the buffer's first size.
+#[test]
+fn a_snapshots_total_len_sizes_the_buffer_and_decides_nothing_else() {
+    let data: Vec<u8> = (0..20u8).collect();
+    for (k, total_len) in [20, 0, u64::MAX, 7, 1 << 40].into_iter().enumerate() {
+        let mut net = Net::new(3, true);
+        net.elect(1);
+        let term = net.raft(1).term();
+        let meta = SnapshotMeta {
+            index: 50 + k as u64,
+            term,
+            membership: Membership::with_voters([1, 2, 3]),
+        };
+        for (offset, done) in [(0usize, false), (10, true)] {
+            net.raft(2).step(Message {
+                from: 1,
+                to: 2,
+                term,
+                body: MessageBody::InstallSnapshot {
+                    meta: meta.clone(),
+                    offset: offset as u64,
+                    data: Bytes::copy_from_slice(&data[offset..offset + 10]),
+                    done,
+                    total_len,
+                },
+            });
+            if !done {
+                let capacity = net.raft(2).incoming_snapshot_capacity().unwrap();
+                if total_len == 20 {
+                    assert!(capacity >= 20, "sized from the total: {capacity}");
+                } else if total_len > config(2, true).max_snapshot_bytes {
+                    assert!(
+                        capacity < 1 << 20,
+                        "a total past the limit reserved {capacity}"
+                    );
+                }
+            }
+            net.process(2);
+        }
+        assert_eq!(
+            net.installed_snapshots.get(&2),
+            Some(&meta.index),
+            "total_len {total_len}"
+        );
+        assert_eq!(
+            net.raft(2).latest_snapshot().map(|s| s.data.to_vec()),
+            Some(data.clone()),
+            "total_len {total_len}"
+        );
+    }
+}
+
 // A snapshot whose bytes were let go (to spare memory) is asked for again when a follower needs
 // it, and sent once provided; bytes a transfer is using are not let go.
 #[test]
@@ -955,6 +1009,17 @@ fn garbage_from_peers_does_not_panic() {
         MessageBody::Heartbeat {
             commit: u64::MAX,
             read_seq: u64::MAX,
+        },
+        MessageBody::InstallSnapshot {
+            meta: SnapshotMeta {
+                index: u64::MAX,
+                term: 1,
+                membership: Membership::with_voters([1, 2, 3]),
+            },
+            offset: 0,
+            data: Bytes::from_static(b"x"),
+            done: false,
+            total_len: u64::MAX,
         },
     ];
     for body in bodies {

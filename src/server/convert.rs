@@ -146,6 +146,7 @@ pub fn message_to_pb(msg: &Message) -> pb::RaftMessage {
             offset,
             data,
             done,
+            total_len,
         } => Body::InstallSnapshot(pb::InstallSnapshot {
             meta: Some(pb::SnapshotMeta {
                 index: meta.index,
@@ -155,6 +156,7 @@ pub fn message_to_pb(msg: &Message) -> pb::RaftMessage {
             offset: *offset,
             data: data.clone(),
             done: *done,
+            total_len: *total_len,
         }),
         MessageBody::InstallSnapshotResponse {
             snapshot_index,
@@ -223,6 +225,7 @@ pub fn message_from_pb(msg: pb::RaftMessage) -> Result<Message, DecodeError> {
                 offset: s.offset,
                 data: s.data,
                 done: s.done,
+                total_len: s.total_len,
             }
         }
         Body::InstallSnapshotReply(s) => MessageBody::InstallSnapshotResponse {
@@ -314,6 +317,7 @@ mod tests {
                 offset: 10,
                 data: Bytes::from_static(b"chunk"),
                 done: true,
+                total_len: 15,
             },
             MessageBody::InstallSnapshotResponse {
                 snapshot_index: 9,

@@ -439,6 +439,9 @@ impl Cluster {
             // Small, so that a snapshot's install spans several drives, with messages,
             // ticks and crashes between them.
             install_slice_keys: 2,
+            // Two of the simulator's 512-byte chunks: an arriving snapshot is flushed in
+            // parts during its transfer, with crashes between them.
+            staged_bytes_per_flush: 1024,
             configured_limits: Some(sim_lock_limits()),
             observe_log: true,
             observe_lock_events: true,

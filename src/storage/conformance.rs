@@ -1434,6 +1434,49 @@ fn sled_finishes_an_install_of_chunks_staged_as_they_arrived_after_a_crash() {
     }
 }
 
+/// A finished install's staged chunks go a few per call once the state is in place, not all
+/// in the call that moves the applied index; an open after a crash in between removes the rest.
+#[test]
+fn sled_removes_a_finished_installs_staged_chunks_a_few_at_a_time() {
+    for crash in [false, true] {
+        let mut harness = SledHarness::default();
+        let store = harness.store();
+        store.append(&commands(1, 30, 1)).unwrap();
+        store.apply(30, &[put("old/a", "1")]).unwrap();
+        store.flush().unwrap();
+        let (pairs, meta) = forty_pair_snapshot();
+        let data = snapshot_data(&pairs);
+        stage_in_chunks(store, &meta, &data, 16);
+        let chunks = store.staged_chunk_count();
+        assert!(chunks >= 10, "{chunks} chunks");
+        store.begin_install_staged(&meta, &data).unwrap();
+        // 64 keys a call: the 40 pairs and the applied index in the first, then two chunks a
+        // call.
+        assert!(!store.continue_install(64).unwrap());
+        assert_eq!(store.applied_index(), 50);
+        assert_eq!(store.staged_chunk_count(), chunks - 2);
+        if crash {
+            store.flush().unwrap();
+            harness.restart();
+            assert_eq!(harness.store().resumed_install(), None, "nothing to redo");
+        } else {
+            let mut calls = 1;
+            while !store.continue_install(64).unwrap() {
+                calls += 1;
+                assert!(calls < 100, "the chunks are never all removed");
+            }
+            assert_eq!(calls, chunks.div_ceil(2), "{chunks} chunks");
+            store.flush().unwrap();
+        }
+        assert_eq!(harness.store().staged_chunk_count(), 0, "crash {crash}");
+        let recovered = recover_across_restart(&mut harness);
+        assert_eq!(recovered.snapshot_meta, meta);
+        assert_eq!(recovered.applied_index, 50);
+        assert_eq!(recovered.applied_state, pairs);
+        assert_eq!(harness.store().staged_chunk_count(), 0);
+    }
+}
+
 #[test]
 fn sled_finishes_a_snapshot_install_interrupted_by_a_crash() {
     for (keys_written, older) in [0, 7, 40].into_iter().flat_map(|k| [(k, false), (k, true)]) {

@@ -48,6 +48,12 @@ impl MemStorage {
     }
 
     /// Loses every write since the last flush, and every flush not done.
+    /// Bytes of a snapshot transfer staged so far: in the working copy, and made durable.
+    pub fn staged_len(&self) -> (usize, usize) {
+        let len = |image: &DiskImage| image.staging.as_ref().map_or(0, |(_, data)| data.len());
+        (len(&self.current), len(&self.durable))
+    }
+
     pub fn crash(&mut self) {
         self.current = self.durable.clone();
         self.power_cut = None;
