@@ -2619,6 +2619,21 @@ mod snapshot_install {
             .any(|(to, r)| *to == reply && matches!(r, ClientReply::Granted { .. }))
     }
 
+    /// Node 3 is cut off and misses 80 grants (acquires of `k00`..`k79`, answered to 100..180),
+    /// and node 1 compacts its log past them (with `snapshot_entries` of 20).
+    fn leave_node_3_behind_a_snapshot(c: &mut Cluster) {
+        c.cut.insert(3);
+        for i in 0..80 {
+            let now = c.now;
+            c.core(1)
+                .client_request(now, acquire(&format!("k{i:02}")), 1, 100 + i);
+            c.core(1).drive().unwrap();
+            c.settle([]);
+        }
+        assert!((0..80).all(|i| granted(c, 100 + i)));
+        assert!(c.core(1).raft().snapshot_index() > c.core(3).raft().last_index());
+    }
+
     /// Node 3 misses 80 grants that node 1 then compacts into a snapshot, sent in 128-byte
     /// chunks once node 3 is back; the transfer is stopped once node 3 has staged `stop_at`
     /// bytes, before its install begins. Returns node 3's staged bytes (in its working copy,
@@ -2630,15 +2645,7 @@ mod snapshot_install {
         });
         c.elect_node_1();
         c.core(1).raft.set_snapshot_chunk_bytes(128);
-        c.cut.insert(3);
-        for i in 0..80 {
-            let now = c.now;
-            c.core(1)
-                .client_request(now, acquire(&format!("k{i:02}")), 1, 100 + i);
-            c.core(1).drive().unwrap();
-            c.settle([]);
-        }
-        assert!(c.core(1).raft().snapshot_index() > c.core(3).raft().last_index());
+        leave_node_3_behind_a_snapshot(&mut c);
         c.cut.remove(&3);
         let staged = |c: &Cluster| c.cores[&3].storage.staged_len().0 >= stop_at;
         for _ in 0..50 {
@@ -2692,17 +2699,7 @@ mod snapshot_install {
             ..NodeSettings::default()
         });
         c.elect_node_1();
-        // Node 3 misses 80 grants, and node 1 compacts its log past them.
-        c.cut.insert(3);
-        for i in 0..80 {
-            let now = c.now;
-            c.core(1)
-                .client_request(now, acquire(&format!("k{i:02}")), 1, 100 + i);
-            c.core(1).drive().unwrap();
-            c.settle([]);
-        }
-        assert!((0..80).all(|i| granted(&c, 100 + i)));
-        assert!(c.core(1).raft().snapshot_index() > c.core(3).raft().last_index());
+        leave_node_3_behind_a_snapshot(&mut c);
 
         // Node 3 is back; the leader sends it a snapshot, and its install starts.
         c.cut.remove(&3);

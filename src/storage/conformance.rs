@@ -1412,19 +1412,31 @@ fn crash_and_check_resumed_install(
     recovered
 }
 
+/// A sled store with 30 entries and an old state, flushed, into which the transfer of
+/// [`forty_pair_snapshot`] was then staged in `chunk`-byte chunks. Returns the snapshot's pairs,
+/// meta and data.
+fn sled_with_a_staged_transfer(
+    harness: &mut SledHarness,
+    chunk: usize,
+) -> (Vec<KvPair>, SnapshotMeta, Bytes) {
+    let store = harness.store();
+    store.append(&commands(1, 30, 1)).unwrap();
+    store.apply(30, &[put("old/a", "1")]).unwrap();
+    store.flush().unwrap();
+    let (pairs, meta) = forty_pair_snapshot();
+    let data = snapshot_data(&pairs);
+    stage_in_chunks(store, &meta, &data, chunk);
+    (pairs, meta, data)
+}
+
 /// A crash after an install of chunks staged as they arrived has begun: the next open finishes
 /// it from those chunks (which `begin_install_staged` did not write again).
 #[test]
 fn sled_finishes_an_install_of_chunks_staged_as_they_arrived_after_a_crash() {
     for slices in [0, 2] {
         let mut harness = SledHarness::default();
+        let (pairs, meta, data) = sled_with_a_staged_transfer(&mut harness, 100);
         let store = harness.store();
-        store.append(&commands(1, 30, 1)).unwrap();
-        store.apply(30, &[put("old/a", "1")]).unwrap();
-        store.flush().unwrap();
-        let (pairs, meta) = forty_pair_snapshot();
-        let data = snapshot_data(&pairs);
-        stage_in_chunks(store, &meta, &data, 100);
         store.begin_install_staged(&meta, &data).unwrap();
         for _ in 0..slices {
             assert!(!store.continue_install(9).unwrap());
@@ -1440,13 +1452,8 @@ fn sled_finishes_an_install_of_chunks_staged_as_they_arrived_after_a_crash() {
 fn sled_removes_a_finished_installs_staged_chunks_a_few_at_a_time() {
     for crash in [false, true] {
         let mut harness = SledHarness::default();
+        let (pairs, meta, data) = sled_with_a_staged_transfer(&mut harness, 16);
         let store = harness.store();
-        store.append(&commands(1, 30, 1)).unwrap();
-        store.apply(30, &[put("old/a", "1")]).unwrap();
-        store.flush().unwrap();
-        let (pairs, meta) = forty_pair_snapshot();
-        let data = snapshot_data(&pairs);
-        stage_in_chunks(store, &meta, &data, 16);
         let chunks = store.staged_chunk_count();
         assert!(chunks >= 10, "{chunks} chunks");
         store.begin_install_staged(&meta, &data).unwrap();
