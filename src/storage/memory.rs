@@ -47,13 +47,13 @@ impl MemStorage {
         Self::default()
     }
 
-    /// Loses every write since the last flush, and every flush not done.
     /// Bytes of a snapshot transfer staged so far: in the working copy, and made durable.
     pub fn staged_len(&self) -> (usize, usize) {
         let len = |image: &DiskImage| image.staging.as_ref().map_or(0, |(_, data)| data.len());
         (len(&self.current), len(&self.durable))
     }
 
+    /// Loses every write since the last flush, and every flush not done.
     pub fn crash(&mut self) {
         self.current = self.durable.clone();
         self.power_cut = None;

@@ -70,6 +70,7 @@ const INSTALLING: &[u8] = b"installing";
 /// One insert at a time was slowest and large again (15 s, 2.7 GB). `raftlock-bench
 /// snapshot-install` repeats the comparison.
 const INSTALL_BATCH_KEYS: usize = 512;
+
 /// `staging`'s meta record for a transfer of the snapshot `meta`: its index and term (20
 /// bytes), then its membership.
 fn staging_meta_record(meta: &SnapshotMeta) -> Vec<u8> {
@@ -1079,10 +1080,7 @@ impl SledStorage {
     /// At open: chunks in `staging` without its meta record are what a finished install left
     /// (a crash came before step 5 of [`SledStorage::install`] was done); they go now.
     fn remove_staged_garbage(&mut self) -> Result<(), StorageError> {
-        if self.staged_meta_record()?.is_some() {
-            return Ok(());
-        }
-        self.staged_garbage = true;
+        self.staged_garbage = self.staged_meta_record()?.is_none();
         while !self.remove_staged_chunks(usize::MAX)? {}
         Ok(())
     }
