@@ -307,7 +307,7 @@ async fn acquire_through_a_follower_then_release_and_kv() {
         .await
         .expect("guarded put");
     assert_eq!(c.get("cfg/a").await.expect("get").as_deref(), Some("1"));
-    // A value many times the connection's 4 KiB read buffer travels whole both ways.
+    // A value many times the connection's 1 KiB read buffer travels whole both ways.
     let big = "v".repeat(60_000);
     c.put("cfg/big", &big, Some(("orders", lock.fencing_token())))
         .await

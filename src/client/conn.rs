@@ -262,8 +262,9 @@ fn ws_request(
     Ok(request)
 }
 
-/// Read buffer of one connection (the server uses the same size).
-const READ_BUFFER_BYTES: usize = 4096;
+/// Read buffer of one connection (the server uses the same size): a lock request or answer is
+/// a few hundred bytes, and a larger message is still read whole.
+const READ_BUFFER_BYTES: usize = 1024;
 /// Bytes gathered before a write reaches the socket; every send flushes anyway.
 const WRITE_BUFFER_BYTES: usize = 4096;
 

@@ -61,8 +61,10 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// Bytes a WebSocket connection reads from its socket at a time.
-const WS_READ_BUFFER_BYTES: usize = 4096;
+/// Bytes a WebSocket connection reads from its socket at a time. A request is a few hundred
+/// bytes; the library zero-fills this much before every read and holds it for the connection's
+/// life, so a small buffer spares both (a larger message is still read whole).
+const WS_READ_BUFFER_BYTES: usize = 1024;
 /// Bytes of answers a WebSocket connection gathers before writing them to its socket.
 const WS_WRITE_BUFFER_BYTES: usize = 4096;
 
