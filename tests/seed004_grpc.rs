@@ -298,4 +298,16 @@ async fn seed004_python_client_acquires_and_releases() {
     assert_eq!(state["fencingToken"], lease_b, "{state}");
     let answer = client.release(&addr, key, &lease_b.to_string()).await;
     assert_eq!(answer["released"], true, "{answer}");
+
+    // The seed's calls carry no request id and are answered at once: the cluster keeps none of
+    // their answers, so they take no room in the exactly-once table.
+    let text = http_get(&leader_addr, "/metrics")
+        .await
+        .expect("/metrics")
+        .1;
+    assert_eq!(
+        metric_sum(&text, "raftlock_answers_remembered ", &[]),
+        0.0,
+        "the seed's calls left answers in the table"
+    );
 }

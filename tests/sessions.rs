@@ -307,3 +307,87 @@ async fn a_client_that_acknowledges_its_answers_is_not_held_to_the_tables_rate()
     let r = ws_request(&mut ws, &ahead).await;
     assert_eq!(error_code(&r), "INVALID_REQUEST", "{r}");
 }
+
+/// The leader's `raftlock_answers_remembered` once it reads `want` (bounded wait), or what it
+/// read last.
+async fn answers_remembered(addr: &str, want: f64) -> f64 {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let text = http_get(addr, "/metrics").await.expect("/metrics").1;
+        let kept = metric_sum(&text, "raftlock_answers_remembered ", &[]);
+        if kept == want || Instant::now() > deadline {
+            return kept;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Requests sent without a request id that are answered at once (releases, acquires that do not
+/// wait, over WebSocket and gRPC) leave no answer in the exactly-once table, so a client that
+/// sends them is not held to the table's rate: here five times the table's 40 answers within
+/// its retention, none refused. An acquire without an id that may wait still gets one from the
+/// node, and its answer is kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_without_ids_keep_no_answers_and_are_not_paced() {
+    let cluster = cluster_with_a_small_table();
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let addr = cluster.nodes[leader as usize - 1].client_addr();
+    let before = answers_remembered(&addr, 0.0).await;
+
+    let mut ws = ws_connect(&addr).await;
+    for n in 0..60 {
+        let key = format!("n{}", n % 5);
+        let take = json!({"commandType": 3, "key": key, "clientId": "no-ids", "ttl": 60000,
+                          "waitTimeout": 0});
+        let r = ws_request(&mut ws, &take).await;
+        assert_eq!(r["success"], true, "acquire {n}: {r}");
+        assert_eq!(r["requestId"], Value::Null, "{r}");
+        let token = r["fencingToken"]["value"].as_u64().expect("token");
+        let release = json!({"commandType": 4, "key": key, "clientId": "no-ids",
+                             "fencingToken": {"key": key, "value": token}});
+        let r = ws_request(&mut ws, &release).await;
+        assert_eq!(r["success"], true, "release {n}: {r}");
+    }
+
+    let mut grpc = LockServiceClient::connect(format!("http://{addr}"))
+        .await
+        .expect("grpc");
+    for n in 0..40 {
+        let got = grpc
+            .acquire_lock(AcquireLockRequest {
+                resource_name: "g-no-ids".into(),
+                owner_id: "grpc-no-ids".into(),
+                client_timeout_ms: 0,
+                request_id: String::new(),
+                ttl_ms: 10_000,
+                ack_below: None,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(got.acquired, "acquire {n}: {got:?}");
+        let released = grpc
+            .release_lock(ReleaseLockRequest {
+                resource_name: "g-no-ids".into(),
+                owner_id: "grpc-no-ids".into(),
+                fencing_token: got.fencing_token.expect("token").value,
+                request_id: String::new(),
+                ack_below: None,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(released.released, "release {n}: {released:?}");
+    }
+    assert_eq!(
+        answers_remembered(&addr, before).await,
+        before,
+        "200 requests without ids left answers in the table"
+    );
+
+    // An acquire without an id that may wait is tracked by an id the node gives it.
+    let wait = json!({"commandType": 3, "key": "w", "clientId": "no-ids", "ttl": 60000});
+    let r = ws_request(&mut ws, &wait).await;
+    assert_eq!(r["success"], true, "{r}");
+    assert_eq!(answers_remembered(&addr, before + 1.0).await, before + 1.0);
+}

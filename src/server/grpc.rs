@@ -65,11 +65,20 @@ pub fn timed(routes: axum::Router, timings: prometheus::HistogramVec) -> axum::R
     ))
 }
 
+/// A request id no other request uses, after a restart too: the process's start time in
+/// nanoseconds and a counter. (The process id alone repeats: in a container it is 1 after every
+/// restart, and a remembered answer to an earlier `grpc-1-1` would have answered the new one.)
 fn new_request_id() -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
+    static START: std::sync::OnceLock<u128> = std::sync::OnceLock::new();
     static NEXT: AtomicU64 = AtomicU64::new(1);
+    let start = *START.get_or_init(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    });
     format!(
-        "grpc-{}-{}",
+        "grpc-{start:x}-{}-{}",
         std::process::id(),
         NEXT.fetch_add(1, Ordering::Relaxed)
     )
@@ -159,7 +168,11 @@ impl lpb::lock_service_server::LockService for LockApi {
         let op = ClientOp::Acquire {
             key: r.resource_name,
             client_id: r.owner_id,
-            request_id: if r.request_id.is_empty() {
+            // Sent without an id, an acquire that may wait gets one of the node's: its grant
+            // comes later and finds the request by id. A request answered at once goes without,
+            // so that its answer, which no client could ask for again, is not kept in the
+            // exactly-once table nor paced by the table's bound.
+            request_id: if r.request_id.is_empty() && r.client_timeout_ms > 0 {
                 new_request_id()
             } else {
                 r.request_id
@@ -225,11 +238,9 @@ impl lpb::lock_service_server::LockService for LockApi {
         let op = ClientOp::Release {
             key: r.resource_name,
             client_id: r.owner_id,
-            request_id: if r.request_id.is_empty() {
-                new_request_id()
-            } else {
-                r.request_id
-            },
+            // Sent without an id, it goes without one: answered at once, its answer is not kept
+            // (see the acquire above).
+            request_id: r.request_id,
             token: r.fencing_token,
         };
         let mut op = match ClientOp::sequenced(op, ack_below) {
@@ -267,11 +278,9 @@ impl lpb::lock_service_server::LockService for LockApi {
         let op = ClientOp::Renew {
             key: r.resource_name,
             client_id: r.owner_id,
-            request_id: if r.request_id.is_empty() {
-                new_request_id()
-            } else {
-                r.request_id
-            },
+            // Sent without an id, it goes without one: answered at once, its answer is not kept
+            // (see the acquire above).
+            request_id: r.request_id,
             token: r.fencing_token,
             ttl_ms: if r.ttl_ms == 0 {
                 self.state.limits.default_ttl_ms

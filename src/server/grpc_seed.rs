@@ -25,8 +25,6 @@
 //! so a retried seed call is a new operation (an acquire retried after its grant answers
 //! `acquired=false` with `ALREADY_HELD` and the lease id it holds).
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::OnceLock;
 use std::time::Duration;
 
 use tokio::sync::oneshot;
@@ -49,24 +47,6 @@ pub const COMMIT_WAIT_MAX: Duration = Duration::from_secs(30);
 
 pub struct SeedLockApi {
     pub state: AppState,
-}
-
-/// A request id no other call on any node, before or after a restart, uses: the node id, the
-/// process's start time in nanoseconds, and a counter.
-fn new_request_id(node_id: u64) -> String {
-    static START: OnceLock<u128> = OnceLock::new();
-    static NEXT: AtomicU64 = AtomicU64::new(1);
-    let start = *START.get_or_init(|| {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0)
-    });
-    format!(
-        "seed004-{node_id}-{start:x}-{}-{}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    )
 }
 
 /// How long to wait for the cluster, from the seed's `client_timeout_ms`.
@@ -141,12 +121,14 @@ impl SeedLockApi {
         if r.client_timeout_ms < 0 {
             return Err("INVALID_REQUEST: client_timeout_ms must not be negative".into());
         }
-        let node_id = self.state.status.borrow().id;
         let key = r.resource_name;
         let mut op = ClientOp::Acquire {
             key: key.clone(),
             client_id: r.owner_id.clone(),
-            request_id: new_request_id(node_id),
+            // The seed has no request ids, and this acquire never waits: answered at once, it
+            // needs none, and without one its answer, which no client could ask for again, is
+            // not kept in the exactly-once table nor paced by the table's bound.
+            request_id: String::new(),
             ttl_ms: self.state.limits.default_ttl_ms,
             // The seed's acquire never queues behind the holder.
             wait_timeout_ms: Some(0),
@@ -230,7 +212,6 @@ impl SeedLockApi {
         // The seed's release names no owner; the lease id is the proof. Release as the holder
         // this node sees with that token: the state machine checks owner and token again when
         // the release applies, so a lock handed on in between is not touched.
-        let node_id = self.state.status.borrow().id;
         // With client authentication, only the identity holding the lock may release it: its
         // client ids are `<identity>` and `<identity>/…`.
         caller
@@ -245,7 +226,8 @@ impl SeedLockApi {
         let op = ClientOp::Release {
             key,
             client_id: owner,
-            request_id: new_request_id(node_id),
+            // Answered at once: no request id, no kept answer (see the acquire above).
+            request_id: String::new(),
             token: lease,
         };
         match self.execute(op, COMMIT_WAIT_DEFAULT).await? {
@@ -325,13 +307,5 @@ mod tests {
         ] {
             assert_eq!(parse_lease_id(bad), None, "{bad:?}");
         }
-    }
-
-    #[test]
-    fn request_ids_are_unique() {
-        let a = new_request_id(1);
-        let b = new_request_id(1);
-        assert_ne!(a, b);
-        assert!(a.starts_with("seed004-1-"));
     }
 }

@@ -680,9 +680,10 @@ pub async fn execute_here(op: ClientOp, conn: u64, state: &AppState) -> ClientRe
     reply
 }
 
-/// A request id for a request that came without one (seed 000's client sends none): unique per
-/// request, so any number of requests on one connection — queued on many keys, say — are each
-/// tracked and answered. Such requests are not deduplicated across retries.
+/// A request id for an acquire that came without one and may wait (seed 000's client sends
+/// none): unique per request, so any number of requests on one connection — queued on many
+/// keys, say — are each tracked and answered. Such requests are not deduplicated across
+/// retries.
 fn auto_request_id(conn: u64) -> String {
     static BOOT: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
     static NEXT: AtomicU64 = AtomicU64::new(1);
@@ -743,10 +744,20 @@ fn to_op(r: WsRequest<'_>, limits: &ClientLimits, conn: u64) -> Result<ClientOp,
     if needs_client && client_id.is_empty() {
         return Err(invalid("`clientId` is required"));
     }
+    // A request sent without an id gets one of the node's only when it needs one: an acquire
+    // that may wait is answered when it is granted, and that answer finds its request by id.
+    // Any other request is answered at once and goes without, so that its answer, which no
+    // client could ask for again, takes no room in the exactly-once table and is not paced by
+    // the table's bound.
+    let may_wait = match r.command_type {
+        LOCK_ACQUIRE => r.wait_timeout != Some(0),
+        CANCEL_WAIT => true,
+        _ => false,
+    };
     let request_id = match r.request_id {
         Some(id) if !id.is_empty() => id.into_owned(),
-        _ if r.command_type == READ => String::new(),
-        _ => auto_request_id(conn),
+        _ if may_wait || r.ack_below.is_some() => auto_request_id(conn),
+        _ => String::new(),
     };
     // A guarded write names the lock whose token guards it; other commands use the key itself.
     let guard = r.fencing_token.as_ref().map(|t| FencingToken {
