@@ -45,7 +45,7 @@ def prepare(fd, how):
         os.fsync(fd)
 
 
-def run(directory, name, flags, direct, how, sync_call, writes):
+def run(directory, flags, direct, how, sync_call, writes):
     path = os.path.join(directory, "sync-probe")
     if os.path.exists(path):
         os.unlink(path)
@@ -98,7 +98,7 @@ def main():
     print("|---|---:|---:|---:|---:|")
     for rnd in range(1, args.rounds + 1):
         for name, flags, direct, how, sync_call in MODES:
-            p50, p90, cpu = run(args.dir, name, flags, direct, how, sync_call, args.writes)
+            p50, p90, cpu = run(args.dir, flags, direct, how, sync_call, args.writes)
             print(f"| {name} | {rnd} | {p50 * 1e6:.0f} | {p90 * 1e6:.0f} | {cpu * 1e6:.0f} |",
                   flush=True)
 

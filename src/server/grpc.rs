@@ -65,18 +65,13 @@ pub fn timed(routes: axum::Router, timings: prometheus::HistogramVec) -> axum::R
     ))
 }
 
-/// A request id no other request uses, after a restart too: the process's start time in
-/// nanoseconds and a counter. (The process id alone repeats: in a container it is 1 after every
-/// restart, and a remembered answer to an earlier `grpc-1-1` would have answered the new one.)
+/// A request id no other request uses, after a restart too: the process's start stamp and a
+/// counter. (The process id alone repeats: in a container it is 1 after every restart, and a
+/// remembered answer to an earlier `grpc-1-1` would have answered the new one.)
 fn new_request_id() -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
-    static START: std::sync::OnceLock<u128> = std::sync::OnceLock::new();
     static NEXT: AtomicU64 = AtomicU64::new(1);
-    let start = *START.get_or_init(|| {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos())
-    });
+    let start = super::ws::process_start_stamp();
     format!(
         "grpc-{start:x}-{}-{}",
         std::process::id(),

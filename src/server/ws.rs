@@ -685,15 +685,22 @@ pub async fn execute_here(op: ClientOp, conn: u64, state: &AppState) -> ClientRe
 /// keys, say — are each tracked and answered. Such requests are not deduplicated across
 /// retries.
 fn auto_request_id(conn: u64) -> String {
-    static BOOT: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
     static NEXT: AtomicU64 = AtomicU64::new(1);
-    let boot = *BOOT.get_or_init(|| {
+    let boot = process_start_stamp();
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    format!("~{boot:x}.{conn}.{n}")
+}
+
+/// When this process first asked, in nanoseconds since the Unix epoch: the part of the request
+/// ids a node generates that differs after a restart (a process id does not: in a container it
+/// is 1 every time).
+pub(crate) fn process_start_stamp() -> u64 {
+    static START: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *START.get_or_init(|| {
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64)
-    });
-    let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    format!("~{boot:x}.{conn}.{n}")
+    })
 }
 
 /// What [`handle_text`] makes of a text frame before it executes anything: the operation, or
@@ -749,14 +756,16 @@ fn to_op(r: WsRequest<'_>, limits: &ClientLimits, conn: u64) -> Result<ClientOp,
     // Any other request is answered at once and goes without, so that its answer, which no
     // client could ask for again, takes no room in the exactly-once table and is not paced by
     // the table's bound.
-    let may_wait = match r.command_type {
+    // (A cancel names the acquire it cancels by id: sent without one, it gets a fresh one, which
+    // cancels nothing, as it always did.)
+    let needs_id = match r.command_type {
         LOCK_ACQUIRE => r.wait_timeout != Some(0),
         CANCEL_WAIT => true,
         _ => false,
     };
     let request_id = match r.request_id {
         Some(id) if !id.is_empty() => id.into_owned(),
-        _ if may_wait || r.ack_below.is_some() => auto_request_id(conn),
+        _ if needs_id => auto_request_id(conn),
         _ => String::new(),
     };
     // A guarded write names the lock whose token guards it; other commands use the key itself.
