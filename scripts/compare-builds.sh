@@ -8,6 +8,12 @@
 # e.g. build the old commit in a worktree first:
 #   git worktree add /tmp/old <commit> && (cd /tmp/old && CARGO_TARGET_DIR=/tmp/old-target cargo build --release --bin lock-node)
 #   scripts/compare-builds.sh /tmp/old-target/release/lock-node target/release/lock-node 8 contended 3
+#
+# Optional, from the environment: LOAD_ARGS, more arguments for every `raftlock-bench load`
+# (e.g. LOAD_ARGS="--connections 4" for many clients multiplexed on a few connections), and
+# OLD_BENCH, a raftlock-bench to drive the old build's cluster with (for a change in the SDK:
+# each side is then loaded by its own build's client; target/release/raftlock-bench drives the
+# new one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OLD=${1:?old lock-node}; NEW=${2:?new lock-node}
@@ -29,9 +35,10 @@ sleep 5
 for r in $(seq "$ROUNDS"); do
   if [ $((r % 2)) -eq 1 ]; then order="old new"; else order="new old"; fi
   for side in $order; do
-    if [ $side = old ]; then E=$A; else E=$B; fi
+    if [ $side = old ]; then E=$A; RUN=${OLD_BENCH:-$BENCH}; else E=$B; RUN=$BENCH; fi
     printf '%s round %s: ' "$side" "$r"
-    "$BENCH" load --endpoints "$E" --clients "$CLIENTS" --workload "$WORKLOAD" --duration 5s 2>&1 \
+    # shellcheck disable=SC2086 # LOAD_ARGS is a list of arguments
+    "$RUN" load --endpoints "$E" --clients "$CLIENTS" --workload "$WORKLOAD" --duration 5s ${LOAD_ARGS:-} 2>&1 \
       | grep -v hand-off | tail -1
   done
 done

@@ -678,3 +678,45 @@ async fn the_sdk_acknowledges_its_answers_and_is_not_held_to_the_tables_rate() {
         "the table keeps {kept} answers after 315 acknowledged requests"
     );
 }
+
+/// Many callers on one connection at once: clones of one client share its WebSocket, and
+/// requests that queue for it while another is being written go out together (as the node's
+/// answers to them do). Every caller gets its own answer: 300 locks on distinct keys, each
+/// granted once with its own fencing token and released, none left held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_requests_in_flight_on_one_connection_each_get_their_answer() {
+    let cluster = Cluster::start(3);
+    let leader = leader_addr(&cluster).await;
+    let shared = client(&endpoints(&cluster), "sdk-inflight");
+    let ttl = Duration::from_secs(30);
+    let tasks: Vec<_> = (0..300)
+        .map(|i| {
+            let c = shared.clone();
+            tokio::spawn(async move {
+                let key = format!("inflight/{i}");
+                let held = c
+                    .try_acquire(&key, ttl, Duration::ZERO)
+                    .await
+                    .unwrap_or_else(|e| panic!("acquire {key}: {e}"))
+                    .unwrap_or_else(|| panic!("{key} is free, yet not granted"));
+                assert_eq!(held.key(), key);
+                let token = held.fencing_token();
+                held.release()
+                    .await
+                    .unwrap_or_else(|e| panic!("release {key}: {e}"));
+                token
+            })
+        })
+        .collect();
+    let mut tokens = Vec::new();
+    for t in tasks {
+        tokens.push(t.await.expect("task"));
+    }
+    tokens.sort_unstable();
+    tokens.dedup();
+    assert_eq!(tokens.len(), 300, "every grant has its own fencing token");
+    let v = http_json(&leader, "/locks?prefix=inflight/")
+        .await
+        .expect("locks");
+    assert_eq!(v["locks"].as_array().map(Vec::len), Some(0), "{v}");
+}

@@ -195,6 +195,9 @@ const SEND_TIMEOUT: Duration = Duration::from_secs(30);
 pub(crate) struct Conn {
     pub addr: String,
     sink: Sink,
+    /// Requests waiting for the sink while another caller writes: whoever holds the sink next
+    /// writes them all and flushes once (see [`Conn::write_request`]).
+    outbox: StdMutex<Vec<Utf8Bytes>>,
     pending: Pending,
     closed: Arc<AtomicBool>,
     max_inflight: usize,
@@ -394,6 +397,7 @@ impl Conn {
         Ok(Conn {
             addr: addr.to_string(),
             sink,
+            outbox: StdMutex::new(Vec::new()),
             pending,
             closed,
             max_inflight,
@@ -430,15 +434,23 @@ impl Conn {
         let sent = if self.is_closed() {
             Ok(Err(()))
         } else {
-            let send = async {
-                let mut sink = self.sink.lock().await;
-                sink.send(Message::Text(text.clone())).await.map_err(drop)
-            };
+            let send = self.write_request(text);
             tokio::time::timeout(timeout.unwrap_or(SEND_TIMEOUT), send).await
         };
         if !matches!(sent, Ok(Ok(()))) {
             self.closed.store(true, Ordering::SeqCst);
             self.forget(request_id);
+            // Other callers' requests may have been in this write, or still be waiting for the
+            // sink: the connection is given up, so every caller hears "connection lost" now and
+            // retries elsewhere with its request id.
+            self.outbox
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clear();
+            self.pending
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clear();
             return Err(match sent {
                 Err(_) => CallError::Timeout,
                 _ => CallError::Lost(format!("connection to {} closed", self.addr)),
@@ -457,9 +469,74 @@ impl Conn {
         result.map_err(|_| CallError::Lost(format!("connection to {} lost", self.addr)))
     }
 
+    /// Writes one request to the socket, with any others that queued for the sink meanwhile.
+    /// A lone request goes out at once. Otherwise it joins the outbox, and the caller waits for
+    /// the sink; whoever gets it first writes every queued request and flushes once, so many
+    /// callers on one connection share a system call (a later caller that finds the outbox
+    /// empty has had its request written already). With other requests of this connection in
+    /// flight, the caller first lets the runtime's other ready tasks run: answers arrive in
+    /// bursts (one commit answers many requests), and the callers they wake then send their
+    /// next requests together. Ok means written, or taken by another caller's write; a write
+    /// that fails closes the connection and wakes everyone ([`Conn::call`]).
+    async fn write_request(&self, text: &Utf8Bytes) -> Result<(), ()> {
+        let lone = self.pending.lock().unwrap_or_else(|p| p.into_inner()).len() <= 1;
+        if lone {
+            if let Ok(mut sink) = self.sink.try_lock() {
+                sink.feed(Message::Text(text.clone())).await.map_err(drop)?;
+                for frame in self.take_outbox() {
+                    sink.feed(Message::Text(frame)).await.map_err(drop)?;
+                }
+                return sink.flush().await.map_err(drop);
+            }
+        }
+        self.outbox
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(text.clone());
+        // A caller that gives up before its request was taken (its timeout, or a future
+        // dropped) takes it back out: no request goes out after its caller stopped waiting.
+        let queued_here = Unqueue {
+            outbox: &self.outbox,
+            frame: text.as_str().as_ptr() as usize,
+        };
+        if !lone {
+            tokio::task::yield_now().await;
+        }
+        let mut sink = self.sink.lock().await;
+        std::mem::forget(queued_here);
+        let queued = self.take_outbox();
+        if queued.is_empty() {
+            return Ok(());
+        }
+        for frame in queued {
+            sink.feed(Message::Text(frame)).await.map_err(drop)?;
+        }
+        sink.flush().await.map_err(drop)
+    }
+
+    fn take_outbox(&self) -> Vec<Utf8Bytes> {
+        std::mem::take(&mut *self.outbox.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
     fn forget(&self, request_id: &str) {
         let mut map = self.pending.lock().unwrap_or_else(|p| p.into_inner());
         map.remove(request_id);
+    }
+}
+
+/// Removes a caller's frame from a connection's outbox if the caller stops waiting before the
+/// sink is its turn (see [`Conn::write_request`]); frames are told apart by their bytes' address.
+struct Unqueue<'a> {
+    outbox: &'a StdMutex<Vec<Utf8Bytes>>,
+    frame: usize,
+}
+
+impl Drop for Unqueue<'_> {
+    fn drop(&mut self) {
+        self.outbox
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|f| f.as_str().as_ptr() as usize != self.frame);
     }
 }
 
@@ -912,6 +989,99 @@ mod tests {
         assert!(
             conn.pending.lock().unwrap().is_empty(),
             "nothing left waiting"
+        );
+    }
+
+    /// A node that reports every text frame it reads.
+    async fn recording_node() -> (String, tokio::sync::mpsc::UnboundedReceiver<String>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let (tcp, _) = listener.accept().await.unwrap();
+            let mut ws = tokio_tungstenite::accept_async(tcp).await.unwrap();
+            while let Some(Ok(msg)) = ws.next().await {
+                if let Message::Text(t) = msg {
+                    let _ = tx.send(t.to_string());
+                }
+            }
+        });
+        (addr, rx)
+    }
+
+    /// Requests that queue while the sink is busy are all written by whoever gets it next; a
+    /// caller that stops waiting before then takes its request back, so it never goes out.
+    #[tokio::test]
+    async fn queued_requests_go_out_together_and_a_caller_that_gives_up_takes_its_back() {
+        let (addr, mut received) = recording_node().await;
+        let conn = Arc::new(
+            Conn::connect(&addr, Duration::from_secs(5), 64, 1 << 20, None, None, None)
+                .await
+                .unwrap(),
+        );
+        let busy = conn.sink.lock().await;
+        // Given up while queued: the outer timeout drops the call.
+        let abandoned: Utf8Bytes = r#"{"requestId":"abandoned"}"#.into();
+        let gave_up = tokio::time::timeout(
+            Duration::from_millis(50),
+            conn.call("abandoned", ReplyKind::Normal, &abandoned, None),
+        )
+        .await;
+        assert!(gave_up.is_err(), "the call waited for the busy sink");
+        assert!(conn.outbox.lock().unwrap().is_empty(), "{:?}", conn.outbox);
+        let waiting: Vec<_> = (0..5)
+            .map(|i| {
+                let conn = conn.clone();
+                tokio::spawn(async move {
+                    let id = format!("q{i}");
+                    let text: Utf8Bytes = format!(r#"{{"requestId":"{id}"}}"#).into();
+                    conn.call(
+                        &id,
+                        ReplyKind::Normal,
+                        &text,
+                        Some(Duration::from_millis(300)),
+                    )
+                    .await
+                })
+            })
+            .collect();
+        // All five queue behind the busy sink.
+        let queued = Instant::now();
+        while conn.outbox.lock().unwrap().len() < 5 {
+            assert!(
+                queued.elapsed() < Duration::from_secs(5),
+                "{:?}",
+                conn.outbox
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        drop(busy);
+        let mut got = Vec::new();
+        while got.len() < 5 {
+            let frame = tokio::time::timeout(Duration::from_secs(5), received.recv())
+                .await
+                .expect("the queued requests reach the node")
+                .unwrap();
+            got.push(frame);
+        }
+        got.sort();
+        let want: Vec<String> = (0..5)
+            .map(|i| format!(r#"{{"requestId":"q{i}"}}"#))
+            .collect();
+        assert_eq!(
+            got, want,
+            "each queued request once, the abandoned one never"
+        );
+        for w in waiting {
+            // No node answers here: each call ends in its own timeout, the connection intact.
+            assert!(matches!(w.await.unwrap(), Err(CallError::Timeout)));
+        }
+        assert!(!conn.is_closed());
+        assert!(
+            tokio::time::timeout(Duration::from_millis(200), received.recv())
+                .await
+                .is_err(),
+            "nothing else was written"
         );
     }
 }

@@ -201,6 +201,7 @@ pub async fn wait_ready(target: Target, endpoints: &[String]) -> Result<(), Stri
             run_id: "warmup".into(),
             timeline: false,
             acknowledge: false,
+            connections: 0,
         };
         match load::run(&spec).await {
             Ok(r) if r.grants > 0 && r.errors == 0 => return Ok(()),
@@ -485,6 +486,7 @@ pub async fn compare(args: CompareArgs) -> Result<(), String> {
                         // answer once the client has it, so the nodes run with the default
                         // bound on kept answers.
                         acknowledge: target == Target::Raftlock,
+                        connections: 0,
                     };
                     let r = load::run(&spec).await?;
                     print!("round {} ", round + 1);
@@ -582,6 +584,7 @@ async fn etcd_endpoints(
                     run_id: format!("probe-{name}"),
                     timeline: false,
                     acknowledge: false,
+                    connections: 0,
                 };
                 let r = load::run(&spec).await?;
                 print!("etcd probe, clients {name}: ");

@@ -224,6 +224,7 @@ pub async fn latency(args: LatencyArgs) -> Result<(), String> {
         run_id: "latency".into(),
         timeline: false,
         acknowledge: false,
+        connections: 0,
     };
     let r = load::run(&spec).await?;
     let cpu: Vec<_> = pids

@@ -59,6 +59,10 @@ pub struct LoadSpec {
     pub timeline: bool,
     /// RaftLock clients acknowledge the answers they received (`ackBelow`).
     pub acknowledge: bool,
+    /// RaftLock only: the clients share this many SDK clients, each one connection with many
+    /// requests in flight (client `i` uses connection `i % connections`); 0 gives every client
+    /// its own. Clients on one connection are clones of one SDK client, each its own owner.
+    pub connections: usize,
 }
 
 /// Acquires kept for a timeline, in all clients together.
@@ -234,9 +238,20 @@ enum Held {
 }
 
 pub async fn run(spec: &LoadSpec) -> Result<LoadResult, String> {
+    if spec.connections > 0 && spec.target != Target::Raftlock {
+        return Err("--connections is for RaftLock only".into());
+    }
     let mut lockers = Vec::with_capacity(spec.clients);
     for i in 0..spec.clients {
-        lockers.push(Locker::connect(spec, i).await?);
+        let shared = match spec.connections {
+            0 => None,
+            n => lockers.get(i % n),
+        };
+        let locker = match shared {
+            Some(Locker::Raftlock(client)) => Locker::Raftlock(client.clone()),
+            _ => Locker::connect(spec, i).await?,
+        };
+        lockers.push(locker);
     }
     let zipf = Arc::new(Zipf::new(1000));
     let stop = Arc::new(AtomicBool::new(false));

@@ -85,6 +85,11 @@ enum Command {
         /// a sustained load is paced to the exactly-once table's rate.
         #[arg(long)]
         acknowledge: bool,
+        /// Share this many connections among the clients, many requests in flight on each
+        /// (clones of one SDK client, each its own owner); 0, the default, gives each client its
+        /// own. RaftLock only.
+        #[arg(long, default_value_t = 0)]
+        connections: usize,
     },
     /// Start etcd and RaftLock clusters of the same size on loopback and compare them (A B A B).
     Compare {
@@ -573,6 +578,7 @@ fn main() {
             duration,
             timeline,
             acknowledge,
+            connections,
         } => {
             let spec = load::LoadSpec {
                 target,
@@ -583,6 +589,7 @@ fn main() {
                 run_id: format!("{:x}", std::process::id()),
                 timeline: timeline.is_some(),
                 acknowledge,
+                connections,
             };
             match runtime().block_on(load::run(&spec)) {
                 Ok(r) => {

@@ -100,6 +100,7 @@ pub async fn tracing_cost(args: TracingArgs) -> Result<(), String> {
                     run_id: format!("t{run}"),
                     timeline: false,
                     acknowledge: false,
+                    connections: 0,
                 };
                 let before = receiver.spans.load(Ordering::Relaxed);
                 let r = load::run(&spec).await?;
