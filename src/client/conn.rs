@@ -439,10 +439,9 @@ impl Conn {
         };
         if !matches!(sent, Ok(Ok(()))) {
             self.closed.store(true, Ordering::SeqCst);
-            self.forget(request_id);
             // Other callers' requests may have been in this write, or still be waiting for the
-            // sink: the connection is given up, so every caller hears "connection lost" now and
-            // retries elsewhere with its request id.
+            // sink: the connection is given up, so every caller (this one's entry included)
+            // hears "connection lost" now and retries elsewhere with its request id.
             self.outbox
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
@@ -480,38 +479,42 @@ impl Conn {
     /// that fails closes the connection and wakes everyone ([`Conn::call`]).
     async fn write_request(&self, text: &Utf8Bytes) -> Result<(), ()> {
         let lone = self.pending.lock().unwrap_or_else(|p| p.into_inner()).len() <= 1;
-        if lone {
-            if let Ok(mut sink) = self.sink.try_lock() {
-                sink.feed(Message::Text(text.clone())).await.map_err(drop)?;
-                for frame in self.take_outbox() {
-                    sink.feed(Message::Text(frame)).await.map_err(drop)?;
-                }
-                return sink.flush().await.map_err(drop);
-            }
-        }
-        self.outbox
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(text.clone());
-        // A caller that gives up before its request was taken (its timeout, or a future
-        // dropped) takes it back out: no request goes out after its caller stopped waiting.
-        let queued_here = Unqueue {
-            outbox: &self.outbox,
-            frame: text.as_str().as_ptr() as usize,
+        let free = if lone {
+            self.sink.try_lock().ok()
+        } else {
+            None
         };
-        if !lone {
-            tokio::task::yield_now().await;
-        }
-        let mut sink = self.sink.lock().await;
-        std::mem::forget(queued_here);
-        let queued = self.take_outbox();
-        if queued.is_empty() {
-            return Ok(());
-        }
-        for frame in queued {
+        let (mut sink, own) = match free {
+            Some(sink) => (sink, Some(text.clone())),
+            None => {
+                self.outbox
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(text.clone());
+                // A caller that gives up before its request was taken (its timeout, or a
+                // future dropped) takes it back out: no request goes out after its caller
+                // stopped waiting.
+                let queued_here = Unqueue {
+                    outbox: &self.outbox,
+                    frame: text.as_str().as_ptr() as usize,
+                };
+                if !lone {
+                    tokio::task::yield_now().await;
+                }
+                let sink = self.sink.lock().await;
+                std::mem::forget(queued_here);
+                (sink, None)
+            }
+        };
+        let mut wrote = false;
+        for frame in own.into_iter().chain(self.take_outbox()) {
             sink.feed(Message::Text(frame)).await.map_err(drop)?;
+            wrote = true;
         }
-        sink.flush().await.map_err(drop)
+        if wrote {
+            sink.flush().await.map_err(drop)?;
+        }
+        Ok(())
     }
 
     fn take_outbox(&self) -> Vec<Utf8Bytes> {

@@ -228,18 +228,19 @@ pub async fn serve_socket(socket: WebSocket, state: AppState, caller: Caller) {
                 }
                 timed_batch.extend(timed);
                 frames += 1;
-                if frames < WRITE_BATCH_FRAMES {
+                if frames == WRITE_BATCH_FRAMES {
+                    break;
+                }
+                next = out_rx.try_recv().ok();
+                // Other requests of this connection are still being answered (a burst of
+                // answers from one commit): let their tasks run first, then take what they
+                // queued, instead of a write each.
+                if next.is_none()
+                    && frames == 1
+                    && max_inflight - writer_inflight.available_permits() > 1
+                {
+                    tokio::task::yield_now().await;
                     next = out_rx.try_recv().ok();
-                    // Other requests of this connection are still being answered (a burst of
-                    // answers from one commit): let their tasks run first, then take what they
-                    // queued, instead of a write each.
-                    if next.is_none()
-                        && frames == 1
-                        && max_inflight - writer_inflight.available_permits() > 1
-                    {
-                        tokio::task::yield_now().await;
-                        next = out_rx.try_recv().ok();
-                    }
                 }
             }
             if sink.flush().await.is_err() {
