@@ -312,6 +312,23 @@ async fn peers_without_the_token_cannot_join_or_talk_raft() {
         .insert("x-raftlock-node-id", "2".parse().unwrap());
     let status = peer.raft(request).await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::Unauthenticated, "{status:?}");
+    // A plain Raft stream's hello is checked the same way, and says why it was refused.
+    for token in ["", "peer-guess"] {
+        let mut tcp = tokio::net::TcpStream::connect(node.peer_addr())
+            .await
+            .unwrap();
+        let hello = raftlock::server::proto::peer::RaftStreamHello {
+            node_id: 2,
+            cluster_token: token.into(),
+            ..Default::default()
+        };
+        match raftlock::server::peer_stream::dial(&mut tcp, &hello).await {
+            Err(raftlock::server::peer_stream::DialError::Refused(why)) => {
+                assert!(why.contains("cluster token"), "{why}")
+            }
+            other => panic!("a plain raft stream with token {token:?}: {other:?}"),
+        }
+    }
     let s = http_json(&node.client_addr(), "/status").await.unwrap();
     assert_eq!(s["voters"].as_array().unwrap().len(), 3, "{s}");
     assert!(s["learners"].as_array().is_none_or(|l| l.is_empty()), "{s}");

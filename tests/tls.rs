@@ -282,6 +282,30 @@ async fn peers_need_a_certificate_from_the_cluster_ca_naming_their_node_id() {
         .insert("x-raftlock-node-id", "2".parse().unwrap());
     let status_code = peer.raft(request).await.unwrap_err().code();
     assert_eq!(status_code, tonic::Code::PermissionDenied);
+    // Nor over a plain Raft stream; for its own id it is taken.
+    for (id, taken) in [(2, false), (5, true)] {
+        let tcp = tokio::net::TcpStream::connect(&leader_peer).await.unwrap();
+        let mut io = five
+            .tls
+            .as_ref()
+            .unwrap()
+            .dial(tcp, Some(leader))
+            .await
+            .unwrap();
+        let hello = raftlock::server::proto::peer::RaftStreamHello {
+            node_id: id,
+            ..Default::default()
+        };
+        match raftlock::server::peer_stream::dial(&mut io, &hello).await {
+            Ok(()) => assert!(taken, "node 5's certificate spoke for node {id}"),
+            Err(raftlock::server::peer_stream::DialError::Refused(why)) if !taken => {
+                assert!(why.contains("does not name node 2"), "{why}")
+            }
+            other => {
+                panic!("a plain raft stream for node {id} with node 5's certificate: {other:?}")
+            }
+        }
+    }
 
     // A real lock-node started as node 4 with node 5's certificate never gets in.
     let mut impostor = NodeProc::new(4, cluster.dir.path().join("node4"));

@@ -172,6 +172,10 @@ struct Args {
     /// Answers wait for the sync that covers them in every mode. Default auto
     #[arg(long)]
     background_flush: Option<String>,
+    /// How Raft messages travel to peers: plain (length-prefixed frames on the peer port; a
+    /// peer that does not take them gets gRPC) or grpc. Default plain
+    #[arg(long)]
+    peer_stream: Option<String>,
     /// Worker threads of the runtime that serves clients; 0 for one per CPU. Default 0
     #[arg(long)]
     io_threads: Option<usize>,
@@ -230,6 +234,7 @@ impl Args {
             storage_cache_mb,
             raft_log_engine,
             background_flush,
+            peer_stream,
             io_threads,
             log_format
         );

@@ -123,6 +123,10 @@ pub struct NodeConfig {
     /// `always` (on their own thread) or `never` (on the driver's thread). Answers wait for the
     /// flush that covers them in every mode.
     pub background_flush: String,
+    /// How Raft messages travel to peers: `plain` (length-prefixed protobuf frames on the peer
+    /// port, falling back to gRPC for a peer that does not take them) or `grpc` (the
+    /// `Peer.Raft` stream only). A node takes both kinds from its peers either way.
+    pub peer_stream: String,
     /// Worker threads of the runtime that serves clients (WebSocket, gRPC, HTTP); 0 for one
     /// per CPU. The Raft driver, the peer streams and the flush thread have threads of their
     /// own besides.
@@ -158,6 +162,7 @@ pub const DEFAULTS: &[(&str, &str)] = &[
     ("storage_cache_mb", "64"),
     ("raft_log_engine", "sled"),
     ("background_flush", "auto"),
+    ("peer_stream", "plain"),
     ("io_threads", "0"),
     ("log_format", "text"),
 ];
@@ -269,6 +274,9 @@ impl NodeConfig {
         }
         if let Err(problem) = self.background_flush.parse::<super::driver::FlushMode>() {
             return invalid("background_flush", &problem);
+        }
+        if !matches!(self.peer_stream.as_str(), "plain" | "grpc") {
+            return invalid("peer_stream", "must be plain or grpc");
         }
         if self.io_threads > 1024 {
             return invalid(
@@ -469,6 +477,22 @@ mod tests {
             .to_string();
         assert!(
             err.contains("raft_log_engine") && err.contains("rocksdb"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn peer_stream_defaults_to_plain_and_takes_grpc() {
+        assert_eq!(load_with(&[]).unwrap().peer_stream, "plain");
+        assert_eq!(
+            load_with(&[("peer_stream", "grpc")]).unwrap().peer_stream,
+            "grpc"
+        );
+        let err = load_with(&[("peer_stream", "udp")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("peer_stream") && err.contains("plain or grpc"),
             "{err}"
         );
     }

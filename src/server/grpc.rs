@@ -373,13 +373,18 @@ pub struct PeerApi {
 
 impl PeerApi {
     fn authorize<T>(&self, request: &Request<T>) -> Result<(), Status> {
-        if self.cluster_token.is_empty() {
-            return Ok(());
-        }
         let presented = request
             .metadata()
             .get(TOKEN_HEADER)
             .and_then(|v| v.to_str().ok());
+        self.check_token(presented)
+    }
+
+    /// Whether `presented` is the cluster token (anything passes when none is set).
+    pub(crate) fn check_token(&self, presented: Option<&str>) -> Result<(), Status> {
+        if self.cluster_token.is_empty() {
+            return Ok(());
+        }
         // Constant time: the comparison takes as long however much of the token was right.
         use subtle::ConstantTimeEq;
         let matches = presented
@@ -395,10 +400,18 @@ impl PeerApi {
     /// Under mutual TLS: whether the request's connection presented a certificate naming node
     /// `id` (the CA was checked in the handshake). Without TLS every id passes.
     fn speaks_for<T>(&self, request: &Request<T>, id: u64) -> Result<(), Status> {
+        self.cert_speaks_for(request.extensions().get::<super::tls::PeerCert>(), id)
+    }
+
+    /// [`PeerApi::speaks_for`] for a connection's certificate.
+    pub(crate) fn cert_speaks_for(
+        &self,
+        cert: Option<&super::tls::PeerCert>,
+        id: u64,
+    ) -> Result<(), Status> {
         let Some(tls) = &self.tls else {
             return Ok(());
         };
-        let cert = request.extensions().get::<super::tls::PeerCert>();
         match cert {
             Some(cert) if cert.speaks_for(tls, id) => Ok(()),
             _ => {
@@ -407,6 +420,93 @@ impl PeerApi {
                     "this connection's certificate does not name node {id}"
                 )))
             }
+        }
+    }
+
+    /// The start of an incoming Raft stream from node `from` (already authorized and checked
+    /// against the connection's certificate), whether gRPC or plain: tells the driver the
+    /// version the sender runs. Its messages then go through [`RaftStreamIn::deliver`].
+    pub(crate) async fn open_raft_stream(
+        &self,
+        from: u64,
+        peer_addr: String,
+        client_addr: String,
+        version: Option<u32>,
+    ) -> RaftStreamIn<'_> {
+        let mut stream = RaftStreamIn {
+            api: self,
+            from,
+            peer_addr,
+            client_addr,
+            learned: false,
+        };
+        // A stream may set only its own node's addresses, and only a member's: under TLS the
+        // certificate binds it to that node; without TLS the cluster token is the guard.
+        stream.learn_if_member();
+        // The RaftLock cluster version the sender runs (none from a RaftLock from before cluster
+        // versions): a leader raises the cluster's version only once every member has said it.
+        if let Some(version) = version {
+            let _ = self
+                .driver
+                .send(Input::PeerVersion { id: from, version })
+                .await;
+        }
+        stream
+    }
+}
+
+/// One incoming Raft stream's sender and what has been learned from it.
+pub(crate) struct RaftStreamIn<'a> {
+    api: &'a PeerApi,
+    from: u64,
+    peer_addr: String,
+    client_addr: String,
+    learned: bool,
+}
+
+impl RaftStreamIn<'_> {
+    /// A stream can open before this node knows its sender as a member (a node that has not
+    /// caught up with the configuration yet): look again with each message until it is one,
+    /// or the sender's client address would stay unknown for as long as the stream lives.
+    fn learn_if_member(&mut self) {
+        if self.learned {
+            return;
+        }
+        let member = {
+            let s = self.api.status.borrow();
+            s.voters.contains(&self.from) || s.learners.contains(&self.from)
+        };
+        if member {
+            self.api
+                .addresses
+                .learn(self.from, &self.peer_addr, &self.client_addr);
+            self.learned = true;
+        }
+    }
+
+    /// Hands one message of the stream to the driver, if it is well formed, from the stream's
+    /// node, and this node has been admitted to the cluster.
+    pub(crate) fn deliver(&mut self, next: ppb::RaftMessage) {
+        self.learn_if_member();
+        let from = self.from;
+        match message_from_pb(next) {
+            Ok(_) if !self.api.admitted.load(Ordering::Acquire) => {
+                debug!(
+                    peer = from,
+                    "dropping raft message: not admitted to the cluster yet"
+                )
+            }
+            Ok(msg) if msg.from == from => {
+                // Never block the stream on a busy driver: Raft tolerates loss.
+                super::probe::peer_message_received(&msg);
+                let _ = self.api.driver.try_send(Input::Peer(msg));
+            }
+            Ok(msg) => debug!(
+                claimed = msg.from,
+                stream = from,
+                "dropping message with a forged sender"
+            ),
+            Err(err) => debug!(peer = from, cause = %err, "dropping malformed raft message"),
         }
     }
 }
@@ -433,58 +533,18 @@ impl ppb::peer_server::Peer for PeerApi {
             )));
         }
         self.speaks_for(&request, from)?;
-        // A stream may set only its own node's addresses, and only a member's: under TLS the
-        // certificate binds it to that node; without TLS the cluster token is the guard.
-        // A stream can open before this node knows its sender as a member (a node that has not
-        // caught up with the configuration yet): look again with each message until it is one,
-        // or the sender's client address would stay unknown for as long as the stream lives.
-        let peer_addr = header(PEER_ADDR_HEADER);
-        let client_addr = header(CLIENT_ADDR_HEADER);
-        let mut learned = false;
-        let learn_if_member = |learned: &mut bool| {
-            if *learned {
-                return;
-            }
-            let member = {
-                let s = self.status.borrow();
-                s.voters.contains(&from) || s.learners.contains(&from)
-            };
-            if member {
-                self.addresses.learn(from, &peer_addr, &client_addr);
-                *learned = true;
-            }
-        };
-        learn_if_member(&mut learned);
-        // The RaftLock cluster version the sender runs (none from a RaftLock from before cluster
-        // versions): a leader raises the cluster's version only once every member has said it.
-        if let Ok(version) = header(VERSION_HEADER).parse::<u32>() {
-            let _ = self
-                .driver
-                .send(Input::PeerVersion { id: from, version })
-                .await;
-        }
+        let version = header(VERSION_HEADER).parse::<u32>().ok();
+        let mut incoming = self
+            .open_raft_stream(
+                from,
+                header(PEER_ADDR_HEADER),
+                header(CLIENT_ADDR_HEADER),
+                version,
+            )
+            .await;
         let mut stream = request.into_inner();
         while let Some(next) = stream.message().await? {
-            learn_if_member(&mut learned);
-            match message_from_pb(next) {
-                Ok(_) if !self.admitted.load(Ordering::Acquire) => {
-                    debug!(
-                        peer = from,
-                        "dropping raft message: not admitted to the cluster yet"
-                    )
-                }
-                Ok(msg) if msg.from == from => {
-                    // Never block the stream on a busy driver: Raft tolerates loss.
-                    super::probe::peer_message_received(&msg);
-                    let _ = self.driver.try_send(Input::Peer(msg));
-                }
-                Ok(msg) => debug!(
-                    claimed = msg.from,
-                    stream = from,
-                    "dropping message with a forged sender"
-                ),
-                Err(err) => debug!(peer = from, cause = %err, "dropping malformed raft message"),
-            }
+            incoming.deliver(next);
         }
         Ok(Response::new(ppb::RaftStreamClosed {}))
     }

@@ -13,6 +13,7 @@ pub mod grpc_seed;
 pub mod http;
 pub mod listener;
 pub mod node;
+pub mod peer_stream;
 pub mod probe;
 pub mod proto;
 pub mod replication_lag;

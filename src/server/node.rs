@@ -16,6 +16,7 @@ use super::driver::{Driver, DriverConfig, NodeStatus};
 use super::grpc::{LockApi, PeerApi};
 use super::grpc_seed::SeedLockApi;
 use super::http::{router, AppState, ClientLimits};
+use super::peer_stream;
 use super::proto::lock::lock_service_server::LockServiceServer;
 use super::proto::peer::peer_client::PeerClient;
 use super::proto::peer::peer_server::PeerServer;
@@ -231,7 +232,8 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
         addresses.clone(),
         metrics.clone(),
         cfg.max_message_bytes,
-    );
+    )
+    .with_plain_streams(cfg.peer_stream == "plain");
     let (input_tx, input_rx) = mpsc::channel(cfg.max_pending_requests);
     let (status_tx, status_rx) = watch::channel(NodeStatus::default());
     let watch_hub = Arc::new(super::watch::WatchHub::new(raft.applied_index()));
@@ -269,9 +271,8 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
         admitted: admitted.clone(),
         request_duration: metrics.request_duration_seconds.clone(),
     };
-    let peer_service = PeerServer::new(peer_api)
-        .max_decoding_message_size(cfg.max_message_bytes)
-        .max_encoding_message_size(cfg.max_message_bytes);
+    let peer_api = Arc::new(peer_api);
+    let peer_max_message_bytes = cfg.max_message_bytes;
     // The listener moves to the driver's runtime (below): its sockets must be registered there.
     let peer_listener = peer_listener
         .into_std()
@@ -311,7 +312,8 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
                 match serve_peers(
                     peer_listener,
                     peer_tls_for_server,
-                    peer_service,
+                    peer_api,
+                    peer_max_message_bytes,
                     peer_shutdown,
                 ) {
                     Ok(server) => {
@@ -695,12 +697,15 @@ pub fn lock_limits(cfg: &NodeConfig) -> Limits {
     }
 }
 
-/// The peer port's gRPC server on `listener`, to be spawned on the runtime this is called in
-/// (the driver's): the listener and every connection it accepts are registered there.
-fn serve_peers(
+/// The peer port's server on `listener`, to be spawned on the runtime this is called in (the
+/// driver's): the listener and every connection it accepts are registered there. A connection
+/// that opens with a plain Raft stream's magic is served by `peer_stream`; every other one by
+/// the gRPC server.
+pub(crate) fn serve_peers(
     listener: std::net::TcpListener,
     tls: Option<Arc<PeerTls>>,
-    service: PeerServer<PeerApi>,
+    api: Arc<PeerApi>,
+    max_message_bytes: usize,
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>, String> {
     let listener =
@@ -710,13 +715,17 @@ fn serve_peers(
     };
     let router = tonic::transport::Server::builder()
         .tcp_nodelay(true)
-        .add_service(service);
+        .add_service(
+            PeerServer::from_arc(api.clone())
+                .max_decoding_message_size(max_message_bytes)
+                .max_encoding_message_size(max_message_bytes),
+        );
     Ok(Box::pin(async move {
         let result = match tls {
             Some(tls) => {
-                router
-                    .serve_with_incoming_shutdown(tls.incoming(listener), stopped)
-                    .await
+                let incoming =
+                    sort_peer_connections(tls.incoming(listener), api, max_message_bytes);
+                router.serve_with_incoming_shutdown(incoming, stopped).await
             }
             // `tcp_nodelay` above applies only to listeners tonic binds itself: accepted peer
             // sockets get it here. Without it the small HTTP/2 frames this side sends (window
@@ -727,14 +736,79 @@ fn serve_peers(
                     tokio_stream::StreamExt::map(TcpListenerStream::new(listener), |conn| {
                         if let Ok(tcp) = &conn {
                             let _ = tcp.set_nodelay(true);
+                            peer_stream::watch_liveness(tcp);
                         }
                         conn
                     });
-                router.serve_with_incoming_shutdown(accepted, stopped).await
+                let incoming = sort_peer_connections(accepted, api, max_message_bytes);
+                router.serve_with_incoming_shutdown(incoming, stopped).await
             }
         };
         if let Err(err) = result {
             error!(cause = %err, "the peer server stopped");
         }
     }))
+}
+
+/// Connections whose first bytes are still being read, at most.
+const PEER_CONNECTIONS_SNIFFED: usize = 256;
+
+/// Reads the first bytes of each accepted peer connection: plain Raft streams are served
+/// here, every other connection is passed on (its bytes unread) to the gRPC server.
+fn sort_peer_connections<S, I>(
+    accepted: I,
+    api: Arc<PeerApi>,
+    max_message_bytes: usize,
+) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<peer_stream::Prefixed<S>>>
+where
+    S: tokio::io::AsyncRead
+        + tokio::io::AsyncWrite
+        + peer_stream::PresentedCert
+        + Unpin
+        + Send
+        + 'static,
+    I: futures::Stream<Item = std::io::Result<S>> + Send + 'static,
+{
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    let slots = Arc::new(tokio::sync::Semaphore::new(PEER_CONNECTIONS_SNIFFED));
+    tokio::spawn(async move {
+        let mut accepted = std::pin::pin!(accepted);
+        loop {
+            let next = tokio::select! {
+                next = futures::StreamExt::next(&mut accepted) => next,
+                _ = tx.closed() => return,
+            };
+            let conn = match next {
+                Some(Ok(conn)) => conn,
+                Some(Err(err)) => {
+                    warn!(cause = %err, "peer accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+                None => return,
+            };
+            let Ok(slot) = slots.clone().acquire_owned().await else {
+                return;
+            };
+            let tx = tx.clone();
+            let api = api.clone();
+            tokio::spawn(async move {
+                let sniffed =
+                    tokio::time::timeout(peer_stream::HANDSHAKE_DEADLINE, peer_stream::sniff(conn))
+                        .await;
+                drop(slot);
+                match sniffed {
+                    Ok(Ok(peer_stream::Sniffed::Plain(conn))) => {
+                        peer_stream::serve(api, conn, max_message_bytes).await
+                    }
+                    Ok(Ok(peer_stream::Sniffed::Other(conn))) => {
+                        let _ = tx.send(Ok(conn)).await;
+                    }
+                    Ok(Err(err)) => debug!(cause = %err, "peer connection closed unread"),
+                    Err(_) => debug!("peer connection sent nothing in time"),
+                }
+            });
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
 }

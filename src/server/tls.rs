@@ -269,6 +269,7 @@ impl PeerTls {
                     return;
                 };
                 let _ = tcp.set_nodelay(true);
+                super::peer_stream::watch_liveness(&tcp);
                 let acceptor = tokio_rustls::TlsAcceptor::from(tls.configs().accept.clone());
                 let tx = tx.clone();
                 tokio::spawn(async move {
@@ -323,23 +324,31 @@ impl PeerTls {
                     .authority()
                     .map(|a| a.as_str().to_string())
                     .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "no address"))?;
-                let configs = tls.configs();
-                let (config, name) = match expect.and_then(|id| tls.name_of(id)) {
-                    Some(name) => (configs.dial_member.clone(), name),
-                    None => (
-                        configs.dial_any.clone(),
-                        ServerName::try_from("member.raftlock.invalid")
-                            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?,
-                    ),
-                };
                 let tcp = TcpStream::connect(&authority).await?;
                 let _ = tcp.set_nodelay(true);
-                let stream = tokio_rustls::TlsConnector::from(config)
-                    .connect(name, tcp)
-                    .await?;
-                Ok(hyper_util::rt::TokioIo::new(stream))
+                Ok(hyper_util::rt::TokioIo::new(tls.dial(tcp, expect).await?))
             }
         })
+    }
+
+    /// The client side of the handshake on `tcp`; `expect`: the node id that must answer.
+    pub async fn dial(
+        &self,
+        tcp: TcpStream,
+        expect: Option<NodeId>,
+    ) -> io::Result<tokio_rustls::client::TlsStream<TcpStream>> {
+        let configs = self.configs();
+        let (config, name) = match expect.and_then(|id| self.name_of(id)) {
+            Some(name) => (configs.dial_member.clone(), name),
+            None => (
+                configs.dial_any.clone(),
+                ServerName::try_from("member.raftlock.invalid")
+                    .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?,
+            ),
+        };
+        tokio_rustls::TlsConnector::from(config)
+            .connect(name, tcp)
+            .await
     }
 }
 

@@ -12,14 +12,18 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+use bytes::BytesMut;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tonic::metadata::MetadataValue;
 use tonic::transport::{Channel, Endpoint};
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use super::convert::message_to_pb;
+use super::peer_stream;
 use super::proto::peer::peer_client::PeerClient;
-use super::proto::peer::RaftMessage;
+use super::proto::peer::{RaftMessage, RaftStreamHello};
 use super::tls::PeerTls;
 use crate::raft::{Message, NodeId};
 use crate::telemetry::NodeMetrics;
@@ -152,6 +156,9 @@ pub struct PeerTransport {
     /// driver's own thread; or, for [`PeerTransport::on_calling_runtime`], the runtime of the
     /// thread that sends.
     runtime: Option<tokio::runtime::Handle>,
+    /// Open plain Raft streams (`peer_stream`) rather than `Peer.Raft` gRPC streams, falling
+    /// back to gRPC for a peer that does not take them.
+    plain_streams: bool,
 }
 
 impl std::fmt::Debug for PeerTransport {
@@ -178,7 +185,14 @@ impl PeerTransport {
             metrics,
             max_message_bytes,
             runtime: Some(tokio::runtime::Handle::current()),
+            plain_streams: true,
         }
+    }
+
+    /// Whether to open plain Raft streams (the default) or only `Peer.Raft` gRPC streams.
+    pub fn with_plain_streams(mut self, plain: bool) -> Self {
+        self.plain_streams = plain;
+        self
     }
 
     /// A transport of its own (its own streams, one more connection per peer) whose
@@ -244,6 +258,8 @@ impl PeerTransport {
             dialer: self.dialer.clone(),
             addresses: self.addresses.clone(),
             max_message_bytes: self.max_message_bytes,
+            plain_streams: self.plain_streams,
+            metrics: self.metrics.clone(),
         };
         runtime.spawn(task.run(rx));
         Some(tx)
@@ -256,6 +272,8 @@ struct PeerSender {
     dialer: PeerDialer,
     addresses: AddressBook,
     max_message_bytes: usize,
+    plain_streams: bool,
+    metrics: NodeMetrics,
 }
 
 /// The peer's queue, shared by the successive streams of one peer sender: each stream takes
@@ -268,6 +286,10 @@ impl PeerSender {
     async fn run(self, queue: mpsc::Receiver<RaftMessage>) {
         let queue: SharedQueue = Arc::new(tokio::sync::Mutex::new(queue));
         let mut backoff = BACKOFF_MIN;
+        // Plain streams where the peer takes them; gRPC after a peer answered the plain
+        // stream's opening as a RaftLock without them does, until that stream ends (the peer
+        // may have been upgraded when it comes back).
+        let mut plain = self.plain_streams;
         loop {
             let Some(addr) = self
                 .addresses
@@ -282,9 +304,25 @@ impl PeerSender {
                 backoff = (backoff * 2).min(BACKOFF_MAX);
                 continue;
             };
-            match self.stream_once(&addr, &queue).await {
+            let streamed = if plain {
+                self.stream_plain(&addr, &queue).await
+            } else {
+                let streamed = self.stream_once(&addr, &queue).await;
+                plain = self.plain_streams;
+                streamed
+            };
+            match streamed {
                 Ok(StreamEnd::QueueClosed) => return,
                 Ok(StreamEnd::Disconnected) => backoff = BACKOFF_MIN,
+                Err(err)
+                    if matches!(
+                        err.downcast_ref::<peer_stream::DialError>(),
+                        Some(peer_stream::DialError::NotSpoken(_))
+                    ) =>
+                {
+                    info!(peer = self.to, %addr, cause = %err, "the peer takes no plain raft streams: streaming over gRPC");
+                    plain = false;
+                }
                 Err(err) => {
                     debug!(peer = self.to, %addr, cause = %err, "peer connection failed");
                     if !drain_for(&mut *queue.lock().await, backoff).await {
@@ -331,6 +369,7 @@ impl PeerSender {
             VERSION_HEADER,
             MetadataValue::from(crate::lock::CLUSTER_VERSION),
         );
+        self.opened("grpc");
         let result = client.raft(request).await;
         if queue.lock().await.is_closed() {
             return Ok(StreamEnd::QueueClosed);
@@ -339,6 +378,111 @@ impl PeerSender {
             warn!(peer = self.to, code = ?status.code(), message = status.message(), "peer closed the raft stream");
         }
         Ok(StreamEnd::Disconnected)
+    }
+}
+
+impl PeerSender {
+    /// One plain Raft stream (`peer_stream`): connects, says hello, then writes every message
+    /// the queue gives, those already queued together in one write, until the queue closes or
+    /// the connection ends.
+    async fn stream_plain(
+        &self,
+        addr: &str,
+        queue: &SharedQueue,
+    ) -> Result<StreamEnd, Box<dyn std::error::Error + Send + Sync>> {
+        let tcp = tokio::time::timeout(Duration::from_millis(500), TcpStream::connect(addr))
+            .await
+            .map_err(|_| format!("connecting to {addr} timed out"))??;
+        let _ = tcp.set_nodelay(true);
+        peer_stream::watch_liveness(&tcp);
+        match &self.dialer.tls {
+            Some(tls) => {
+                let io = tls.dial(tcp, Some(self.to)).await?;
+                self.run_plain(io, queue).await
+            }
+            None => self.run_plain(tcp, queue).await,
+        }
+    }
+
+    async fn run_plain<S>(
+        &self,
+        mut io: S,
+        queue: &SharedQueue,
+    ) -> Result<StreamEnd, Box<dyn std::error::Error + Send + Sync>>
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
+        let hello = RaftStreamHello {
+            node_id: self.identity.id,
+            peer_addr: self.identity.peer_addr.clone(),
+            client_addr: self.identity.client_addr.clone(),
+            version: crate::lock::CLUSTER_VERSION,
+            cluster_token: self.dialer.cluster_token.clone(),
+        };
+        peer_stream::dial(&mut io, &hello).await?;
+        self.opened("plain");
+        let (mut read, mut write) = tokio::io::split(io);
+        // Ends with the connection: the peer sends nothing on it, so anything read ends it.
+        let mut stray = [0u8; 1];
+        let mut queue = queue.lock().await;
+        let mut buf = BytesMut::with_capacity(16 * 1024);
+        loop {
+            let first = tokio::select! {
+                biased;
+                next = queue.recv() => next,
+                _ = read.read(&mut stray) => return Ok(StreamEnd::Disconnected),
+            };
+            let Some(first) = first else {
+                return Ok(StreamEnd::QueueClosed);
+            };
+            buf.clear();
+            self.put(&mut buf, &first);
+            while buf.len() < peer_stream::WRITE_BATCH_BYTES {
+                match queue.try_recv() {
+                    Ok(next) => self.put(&mut buf, &next),
+                    Err(_) => break,
+                }
+            }
+            if buf.is_empty() {
+                continue;
+            }
+            match tokio::time::timeout(peer_stream::WRITE_DEADLINE, write.write_all(&buf)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(err)) => {
+                    debug!(peer = self.to, cause = %err, "plain raft stream closed");
+                    return Ok(StreamEnd::Disconnected);
+                }
+                Err(_) => {
+                    warn!(
+                        peer = self.to,
+                        "the peer took no bytes for {:?}: reconnecting",
+                        peer_stream::WRITE_DEADLINE
+                    );
+                    return Ok(StreamEnd::Disconnected);
+                }
+            }
+        }
+    }
+
+    fn opened(&self, kind: &str) {
+        self.metrics
+            .peer_streams_opened_total
+            .with_label_values(&[&self.to.to_string(), kind])
+            .inc();
+    }
+
+    /// Adds one message's frame, or drops it (counted) when it is over the message limit, as
+    /// the gRPC stream would refuse to send it.
+    fn put(&self, buf: &mut BytesMut, msg: &RaftMessage) {
+        super::probe::peer_stream_took();
+        if prost::Message::encoded_len(msg) > self.max_message_bytes {
+            self.metrics
+                .peer_messages_dropped_total
+                .with_label_values(&[&self.to.to_string()])
+                .inc();
+            return;
+        }
+        peer_stream::put_frame(buf, msg);
     }
 }
 
@@ -417,5 +561,132 @@ mod tests {
         assert!(answers.peers.read().unwrap().contains_key(&2));
         // Its streams are its own: the I/O transport has none.
         assert!(transport.peers.read().unwrap().is_empty());
+    }
+}
+
+#[cfg(test)]
+mod stream_kinds {
+    use std::sync::atomic::AtomicBool;
+
+    use tokio::net::TcpListener;
+    use tokio_stream::wrappers::TcpListenerStream;
+
+    use super::*;
+    use crate::raft::MessageBody;
+    use crate::server::driver::{Input, NodeStatus};
+    use crate::server::grpc::PeerApi;
+    use crate::server::proto::peer::peer_server::PeerServer;
+
+    /// The peer side: node 2's peer API, its driver queue, and its peer port's address.
+    struct Receiver {
+        addr: String,
+        driver: mpsc::Receiver<Input>,
+        _stop: tokio::sync::watch::Sender<bool>,
+    }
+
+    /// Node 2's peer port, served as a node serves it (`sniffing`: plain streams and gRPC on
+    /// one port) or by the gRPC server alone, as a RaftLock from before plain streams does.
+    async fn receiver(sniffing: bool) -> Receiver {
+        let metrics = NodeMetrics::new();
+        let (driver_tx, driver) = mpsc::channel(64);
+        let (_status_tx, status) = tokio::sync::watch::channel(NodeStatus::default());
+        let api = Arc::new(PeerApi {
+            driver: driver_tx,
+            addresses: AddressBook::default(),
+            cluster_token: String::new(),
+            tls: None,
+            refused: metrics.peer_connections_refused_total.clone(),
+            status,
+            admitted: Arc::new(AtomicBool::new(true)),
+            request_duration: metrics.request_duration_seconds.clone(),
+        });
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        if sniffing {
+            let server = crate::server::node::serve_peers(
+                listener.into_std().unwrap(),
+                None,
+                api,
+                1 << 20,
+                stopped,
+            )
+            .unwrap();
+            tokio::spawn(server);
+        } else {
+            let server = tonic::transport::Server::builder()
+                .add_service(PeerServer::from_arc(api))
+                .serve_with_incoming(TcpListenerStream::new(listener));
+            tokio::spawn(server);
+        }
+        Receiver {
+            addr,
+            driver,
+            _stop: stop,
+        }
+    }
+
+    /// Node 1 sends node 2 a message; returns what node 2's driver got and the kind of stream
+    /// node 1 opened.
+    async fn send_one(to: &mut Receiver, plain: bool) -> (Message, Vec<&'static str>) {
+        let metrics = NodeMetrics::new();
+        let addresses = AddressBook::default();
+        addresses.learn(2, &to.addr, "");
+        let transport = PeerTransport::new(
+            LocalIdentity {
+                id: 1,
+                peer_addr: "127.0.0.1:1".into(),
+                client_addr: String::new(),
+            },
+            PeerDialer::default(),
+            addresses,
+            metrics.clone(),
+            1 << 20,
+        )
+        .with_plain_streams(plain);
+        let sent = Message {
+            from: 1,
+            to: 2,
+            term: 3,
+            body: MessageBody::HeartbeatResponse { read_seq: 7 },
+        };
+        transport.send(&sent);
+        let got = loop {
+            match tokio::time::timeout(Duration::from_secs(10), to.driver.recv()).await {
+                Ok(Some(Input::Peer(msg))) => break msg,
+                Ok(Some(_)) => continue,
+                other => panic!("node 2 got no Raft message: {}", other.is_ok()),
+            }
+        };
+        let kinds = ["plain", "grpc"]
+            .into_iter()
+            .filter(|kind| {
+                metrics
+                    .peer_streams_opened_total
+                    .with_label_values(&["2", kind])
+                    .get()
+                    > 0
+            })
+            .collect();
+        (got, kinds)
+    }
+
+    #[tokio::test]
+    async fn a_node_takes_plain_and_grpc_streams_on_its_peer_port() {
+        let mut node = receiver(true).await;
+        let (got, kinds) = send_one(&mut node, true).await;
+        assert_eq!((got.from, got.term), (1, 3));
+        assert_eq!(kinds, ["plain"]);
+        let (got, kinds) = send_one(&mut node, false).await;
+        assert_eq!((got.from, got.term), (1, 3));
+        assert_eq!(kinds, ["grpc"]);
+    }
+
+    #[tokio::test]
+    async fn a_peer_without_plain_streams_is_sent_to_over_grpc() {
+        let mut old = receiver(false).await;
+        let (got, kinds) = send_one(&mut old, true).await;
+        assert_eq!((got.from, got.term), (1, 3));
+        assert_eq!(kinds, ["grpc"]);
     }
 }

@@ -55,6 +55,7 @@ pub struct NodeMetrics {
     pub ignored_fields_total: IntCounter,
     pub requests_total: IntCounterVec,
     pub peer_messages_dropped_total: IntCounterVec,
+    pub peer_streams_opened_total: IntCounterVec,
 }
 
 impl std::fmt::Debug for NodeMetrics {
@@ -290,6 +291,13 @@ impl NodeMetrics {
                     "Raft messages dropped because a peer's send queue was full or it was down."
                 ),
                 &["peer"]
+            )),
+            peer_streams_opened_total: reg!(IntCounterVec::new(
+                Opts::new(
+                    "raftlock_peer_streams_opened_total",
+                    "Raft streams this node opened to a peer, by kind: plain (length-prefixed frames) or grpc (Peer.Raft, where the peer takes no plain streams or the node is set to grpc)."
+                ),
+                &["peer", "kind"]
             )),
             registry,
         };
