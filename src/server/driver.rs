@@ -23,7 +23,7 @@ use tracing::{error, info, warn};
 
 use super::api::{ApiError, ClientOp, ClientReply};
 use super::replication_lag::LagClock;
-use super::transport::{AddressBook, PeerTransport};
+use super::transport::{AddressBook, PeerTransport, Sent};
 use crate::lock::LockStateMachine;
 use crate::node::{Effect, Micros, NodeCore, NodeSettings, Observation};
 use crate::raft::{Message, MessageBody, NodeId, Raft, Snapshot};
@@ -601,8 +601,10 @@ impl Driver {
                 return false;
             }
             let _span = replicate_span(msg, raft.last_index());
-            early.send(msg);
-            sent.store(true, Ordering::Relaxed);
+            // Written at once (a plain stream over TCP) needs no yield before the flush.
+            if early.send(msg) == Sent::Queued {
+                sent.store(true, Ordering::Relaxed);
+            }
             true
         }));
         // A follower's acknowledgements leave as soon as its flush is done, before it applies
@@ -616,8 +618,9 @@ impl Driver {
                 return false;
             }
             super::probe::ack_sent();
-            flushed.send(msg);
-            sent.store(true, Ordering::Relaxed);
+            if flushed.send(msg) == Sent::Queued {
+                sent.store(true, Ordering::Relaxed);
+            }
             true
         }));
         Driver {

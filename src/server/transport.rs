@@ -149,7 +149,7 @@ pub struct PeerTransport {
     identity: LocalIdentity,
     dialer: PeerDialer,
     addresses: AddressBook,
-    peers: Arc<RwLock<BTreeMap<NodeId, mpsc::Sender<RaftMessage>>>>,
+    peers: Arc<RwLock<BTreeMap<NodeId, PeerQueue>>>,
     metrics: NodeMetrics,
     max_message_bytes: usize,
     /// Where peer connections run: the I/O runtime, even when `send` is called from the Raft
@@ -213,21 +213,38 @@ impl PeerTransport {
         &self.addresses
     }
 
-    /// Queues `msg` for its peer, starting the peer's sender task on first use. Never blocks.
-    pub fn send(&self, msg: &Message) {
+    /// Sends `msg` to its peer, starting the peer's sender task on first use: written to the
+    /// peer's socket at once where it can be (a plain stream over TCP with nothing waiting
+    /// ahead of it, on a transport [`on_calling_runtime`](PeerTransport::on_calling_runtime)),
+    /// otherwise queued for the sender task. Never blocks.
+    pub fn send(&self, msg: &Message) -> Sent {
         let to = msg.to;
         let pb = message_to_pb(msg);
-        let sender = self.peers.read().ok().and_then(|p| p.get(&to).cloned());
-        let sender = match sender {
-            Some(s) if !s.is_closed() => Some(s),
+        let peer = self.peers.read().ok().and_then(|p| p.get(&to).cloned());
+        let peer = match peer {
+            Some(p) if !p.tx.is_closed() => Some(p),
             _ => self.start_peer(to),
         };
-        if sender.is_none_or(|sender| sender.try_send(pb).is_err()) {
+        let sent = match peer {
+            Some(peer) => match peer.line.as_ref().and_then(|line| {
+                // Straight to the socket only when nothing queued could be overtaken.
+                let idle = peer.tx.capacity() == peer.tx.max_capacity();
+                idle.then(|| line.send(&pb, self.max_message_bytes))
+                    .flatten()
+            }) {
+                Some(sent) => sent,
+                None if peer.tx.try_send(pb).is_ok() => Sent::Queued,
+                None => Sent::Dropped,
+            },
+            None => Sent::Dropped,
+        };
+        if sent == Sent::Dropped {
             self.metrics
                 .peer_messages_dropped_total
                 .with_label_values(&[&to.to_string()])
                 .inc();
         }
+        sent
     }
 
     /// Stops sending to peers that are no longer members.
@@ -239,7 +256,7 @@ impl PeerTransport {
 
     /// None when there is no runtime to run the peer's connection on (only a transport
     /// [`on_calling_runtime`](PeerTransport::on_calling_runtime) called from outside one).
-    fn start_peer(&self, to: NodeId) -> Option<mpsc::Sender<RaftMessage>> {
+    fn start_peer(&self, to: NodeId) -> Option<PeerQueue> {
         let runtime = match &self.runtime {
             Some(runtime) => runtime.clone(),
             None => tokio::runtime::Handle::try_current().ok()?,
@@ -249,8 +266,16 @@ impl PeerTransport {
         self.metrics
             .peer_messages_dropped_total
             .with_label_values(&[&to.to_string()]);
+        // Writing from the sending thread needs the stream's task on that thread (so that
+        // the two never write at once), and a socket it can write to without TLS.
+        let line = (self.runtime.is_none() && self.plain_streams && self.dialer.tls.is_none())
+            .then(Arc::default);
+        let peer = PeerQueue {
+            tx,
+            line: line.clone(),
+        };
         if let Ok(mut peers) = self.peers.write() {
-            peers.insert(to, tx.clone());
+            peers.insert(to, peer.clone());
         }
         let task = PeerSender {
             to,
@@ -260,9 +285,10 @@ impl PeerTransport {
             max_message_bytes: self.max_message_bytes,
             plain_streams: self.plain_streams,
             metrics: self.metrics.clone(),
+            line,
         };
         runtime.spawn(task.run(rx));
-        Some(tx)
+        Some(peer)
     }
 }
 
@@ -274,6 +300,88 @@ struct PeerSender {
     max_message_bytes: usize,
     plain_streams: bool,
     metrics: NodeMetrics,
+    /// Where `send` writes straight to the socket of this peer's plain TCP stream.
+    line: Option<Arc<Line>>,
+}
+
+/// What [`PeerTransport::send`] did with a message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sent {
+    /// Written to the peer's socket.
+    Written,
+    /// Queued for the peer's sender task, which writes it when its runtime runs it.
+    Queued,
+    /// Dropped (counted): the queue was full, there was no runtime to run a stream on, or
+    /// the message was over the size limit.
+    Dropped,
+}
+
+#[derive(Clone)]
+struct PeerQueue {
+    tx: mpsc::Sender<RaftMessage>,
+    line: Option<Arc<Line>>,
+}
+
+/// A plain TCP stream's socket, shared by its sender task and [`PeerTransport::send`]. Every
+/// frame waiting to be written is in `pending`, in order: the task moves queued messages there
+/// before writing, and `send` writes straight to the socket only when nothing is pending or
+/// queued, so no message overtakes another.
+#[derive(Default)]
+struct Line {
+    state: std::sync::Mutex<LineState>,
+    /// Wakes the task when `send` left bytes in `pending`.
+    wake: tokio::sync::Notify,
+}
+
+#[derive(Default)]
+struct LineState {
+    /// The stream's socket while it is up (after its handshake).
+    socket: Option<Arc<TcpStream>>,
+    pending: BytesMut,
+}
+
+impl Line {
+    /// Writes `msg` to the socket, leaving to the task what the socket does not take at
+    /// once. None when there is no stream up (queue it instead).
+    fn send(&self, msg: &RaftMessage, max_message_bytes: usize) -> Option<Sent> {
+        let mut state = self.state.lock().ok()?;
+        let socket = state.socket.clone()?;
+        super::probe::peer_stream_took();
+        if prost::Message::encoded_len(msg) > max_message_bytes {
+            return Some(Sent::Dropped);
+        }
+        if !state.pending.is_empty() {
+            if state.pending.len() >= peer_stream::WRITE_BATCH_BYTES * 4 {
+                return Some(Sent::Dropped);
+            }
+            peer_stream::put_frame(&mut state.pending, msg);
+            self.wake.notify_one();
+            return Some(Sent::Queued);
+        }
+        peer_stream::put_frame(&mut state.pending, msg);
+        // An error is left for the task to find (its read side ends, or its own write fails).
+        let _ = write_some(&socket, &mut state.pending);
+        if state.pending.is_empty() {
+            Some(Sent::Written)
+        } else {
+            self.wake.notify_one();
+            Some(Sent::Queued)
+        }
+    }
+}
+
+/// Writes what the socket takes without waiting; an error only for a broken connection.
+fn write_some(socket: &TcpStream, pending: &mut BytesMut) -> std::io::Result<()> {
+    use bytes::Buf;
+    while !pending.is_empty() {
+        match socket.try_write(pending) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => pending.advance(n),
+            Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
+            Err(err) => return Err(err),
+        }
+    }
+    Ok(())
 }
 
 /// The peer's queue, shared by the successive streams of one peer sender: each stream takes
@@ -384,7 +492,8 @@ impl PeerSender {
 impl PeerSender {
     /// One plain Raft stream (`peer_stream`): connects, says hello, then writes every message
     /// the queue gives, those already queued together in one write, until the queue closes or
-    /// the connection ends.
+    /// the connection ends. Over TLS [`PeerSender::run_plain`] writes them; over TCP
+    /// [`PeerSender::run_plain_tcp`].
     async fn stream_plain(
         &self,
         addr: &str,
@@ -400,10 +509,96 @@ impl PeerSender {
                 let io = tls.dial(tcp, Some(self.to)).await?;
                 self.run_plain(io, queue).await
             }
-            None => self.run_plain(tcp, queue).await,
+            None => self.run_plain_tcp(tcp, queue).await,
         }
     }
 
+    fn hello(&self) -> RaftStreamHello {
+        RaftStreamHello {
+            node_id: self.identity.id,
+            peer_addr: self.identity.peer_addr.clone(),
+            client_addr: self.identity.client_addr.clone(),
+            version: crate::lock::CLUSTER_VERSION,
+            cluster_token: self.dialer.cluster_token.clone(),
+        }
+    }
+
+    /// A plain stream over TCP: every frame goes through the line's `pending` bytes, which
+    /// [`PeerTransport::send`] may also write to the socket directly (see [`Line`]).
+    async fn run_plain_tcp(
+        &self,
+        mut tcp: TcpStream,
+        queue: &SharedQueue,
+    ) -> Result<StreamEnd, Box<dyn std::error::Error + Send + Sync>> {
+        peer_stream::dial(&mut tcp, &self.hello()).await?;
+        self.opened("plain");
+        let socket = Arc::new(tcp);
+        let line = self.line.clone().unwrap_or_default();
+        if let Ok(mut state) = line.state.lock() {
+            state.pending.clear();
+            state.socket = Some(socket.clone());
+        }
+        // However the stream ends, `send` stops writing to its socket.
+        struct Down(Arc<Line>);
+        impl Drop for Down {
+            fn drop(&mut self) {
+                if let Ok(mut state) = self.0.state.lock() {
+                    state.socket = None;
+                    state.pending.clear();
+                }
+            }
+        }
+        let _down = Down(line.clone());
+        let mut queue = queue.lock().await;
+        let mut stray = [0u8; 1];
+        let mut progress = tokio::time::Instant::now();
+        loop {
+            let waiting = {
+                let Ok(mut state) = line.state.lock() else {
+                    return Ok(StreamEnd::Disconnected);
+                };
+                while state.pending.len() < peer_stream::WRITE_BATCH_BYTES {
+                    match queue.try_recv() {
+                        Ok(next) => self.put(&mut state.pending, &next),
+                        Err(_) => break,
+                    }
+                }
+                let before = state.pending.len();
+                if let Err(err) = write_some(&socket, &mut state.pending) {
+                    debug!(peer = self.to, cause = %err, "plain raft stream closed");
+                    return Ok(StreamEnd::Disconnected);
+                }
+                if state.pending.len() < before || state.pending.is_empty() {
+                    progress = tokio::time::Instant::now();
+                }
+                !state.pending.is_empty()
+            };
+            tokio::select! {
+                biased;
+                next = queue.recv() => {
+                    let Some(next) = next else {
+                        return Ok(StreamEnd::QueueClosed);
+                    };
+                    if let Ok(mut state) = line.state.lock() {
+                        self.put(&mut state.pending, &next);
+                    }
+                }
+                _ = line.wake.notified() => {}
+                _ = socket.writable(), if waiting => {}
+                _ = tokio::time::sleep_until(progress + peer_stream::WRITE_DEADLINE), if waiting => {
+                    warn!(peer = self.to, "the peer took no bytes for {:?}: reconnecting", peer_stream::WRITE_DEADLINE);
+                    return Ok(StreamEnd::Disconnected);
+                }
+                // The peer sends nothing on this stream: anything read, or its end, ends it.
+                _ = socket.readable() => match socket.try_read(&mut stray) {
+                    Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => {}
+                    _ => return Ok(StreamEnd::Disconnected),
+                },
+            }
+        }
+    }
+
+    /// A plain stream over TLS: the task writes every message.
     async fn run_plain<S>(
         &self,
         mut io: S,
@@ -412,14 +607,7 @@ impl PeerSender {
     where
         S: AsyncRead + AsyncWrite + Unpin,
     {
-        let hello = RaftStreamHello {
-            node_id: self.identity.id,
-            peer_addr: self.identity.peer_addr.clone(),
-            client_addr: self.identity.client_addr.clone(),
-            version: crate::lock::CLUSTER_VERSION,
-            cluster_token: self.dialer.cluster_token.clone(),
-        };
-        peer_stream::dial(&mut io, &hello).await?;
+        peer_stream::dial(&mut io, &self.hello()).await?;
         self.opened("plain");
         let (mut read, mut write) = tokio::io::split(io);
         // Ends with the connection: the peer sends nothing on it, so anything read ends it.
@@ -588,7 +776,7 @@ mod stream_kinds {
     /// one port) or by the gRPC server alone, as a RaftLock from before plain streams does.
     async fn receiver(sniffing: bool) -> Receiver {
         let metrics = NodeMetrics::new();
-        let (driver_tx, driver) = mpsc::channel(64);
+        let (driver_tx, driver) = mpsc::channel(4096);
         let (_status_tx, status) = tokio::sync::watch::channel(NodeStatus::default());
         let api = Arc::new(PeerApi {
             driver: driver_tx,
@@ -626,12 +814,11 @@ mod stream_kinds {
         }
     }
 
-    /// Node 1 sends node 2 a message; returns what node 2's driver got and the kind of stream
-    /// node 1 opened.
-    async fn send_one(to: &mut Receiver, plain: bool) -> (Message, Vec<&'static str>) {
+    /// Node 1's transport to node 2 (at `addr`), and its metrics.
+    fn transport_to(addr: &str, plain: bool) -> (PeerTransport, NodeMetrics) {
         let metrics = NodeMetrics::new();
         let addresses = AddressBook::default();
-        addresses.learn(2, &to.addr, "");
+        addresses.learn(2, addr, "");
         let transport = PeerTransport::new(
             LocalIdentity {
                 id: 1,
@@ -644,6 +831,81 @@ mod stream_kinds {
             1 << 20,
         )
         .with_plain_streams(plain);
+        (transport, metrics)
+    }
+
+    /// Message `seq` of a run, with `pad` bytes of entry so that a run can fill the socket.
+    fn numbered(seq: u64, pad: usize) -> Message {
+        Message {
+            from: 1,
+            to: 2,
+            term: seq,
+            body: MessageBody::Append {
+                prev_log_index: seq,
+                prev_log_term: 0,
+                entries: vec![crate::raft::Entry {
+                    term: seq,
+                    index: seq + 1,
+                    payload: crate::raft::EntryPayload::Command(bytes::Bytes::from(vec![7u8; pad])),
+                }],
+                leader_commit: 0,
+            },
+        }
+    }
+
+    /// A transport on the sending thread's runtime writes straight to a plain stream's socket
+    /// when nothing waits ahead, and leaves the rest to the stream's task when the socket is
+    /// full: every message arrives once, in the order sent, or is counted as dropped.
+    #[tokio::test]
+    async fn messages_written_from_the_sending_thread_keep_their_order() {
+        let mut node = receiver(true).await;
+        let (io, metrics) = transport_to(&node.addr, true);
+        let on_thread = io.on_calling_runtime();
+        // The stream opens with the first message; until it is up, messages are queued.
+        assert_eq!(on_thread.send(&numbered(1, 10)), Sent::Queued);
+        let mut got = Vec::new();
+        let mut written = 0;
+        let mut seq = 1;
+        for burst in 0..20 {
+            // Small bursts go out at once; large ones fill the socket, and what does not fit
+            // waits in the stream's pending bytes.
+            let (pad, count) = if burst % 2 == 0 {
+                (16, 16)
+            } else {
+                (64 * 1024, 96)
+            };
+            for _ in 0..count {
+                seq += 1;
+                if on_thread.send(&numbered(seq, pad)) == Sent::Written {
+                    written += 1;
+                }
+            }
+            while let Ok(Some(Input::Peer(msg))) =
+                tokio::time::timeout(Duration::from_millis(200), node.driver.recv()).await
+            {
+                got.push(msg.term);
+            }
+        }
+        let dropped = metrics
+            .peer_messages_dropped_total
+            .with_label_values(&["2"])
+            .get();
+        assert!(written > 0, "nothing was written from the sending thread");
+        assert!(
+            got.windows(2).all(|w| w[0] < w[1]),
+            "messages arrived out of order: {got:?}"
+        );
+        assert_eq!(
+            got.len() as u64 + dropped,
+            seq,
+            "lost without being counted"
+        );
+    }
+
+    /// Node 1 sends node 2 a message; returns what node 2's driver got and the kind of stream
+    /// node 1 opened.
+    async fn send_one(to: &mut Receiver, plain: bool) -> (Message, Vec<&'static str>) {
+        let (transport, metrics) = transport_to(&to.addr, plain);
         let sent = Message {
             from: 1,
             to: 2,
