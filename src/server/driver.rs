@@ -609,8 +609,8 @@ impl Driver {
         }));
         // A follower's acknowledgements leave as soon as its flush is done, before it applies
         // what the same append committed (the leader waits for them; it does not wait for the
-        // apply).
-        // They are written when the turn ends (`run` yields to them).
+        // apply). On a plain stream over TCP `send` writes them to the socket itself;
+        // what it queued is written when the turn ends (`run` yields to it).
         let answers_sent = Arc::new(AtomicBool::new(false));
         let (flushed, sent) = (on_thread.clone(), answers_sent.clone());
         core.send_after_flush_with(Box::new(move |msg: &Message, _: &Raft| {

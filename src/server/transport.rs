@@ -1,9 +1,12 @@
-//! Peer transport: one long-lived gRPC stream per peer carrying Raft messages, with reconnect and
-//! backoff, plus the server side that feeds incoming messages to the node driver.
+//! Peer transport: one long-lived stream per peer carrying Raft messages — a plain stream of
+//! length-prefixed frames (`peer_stream`), or the `Peer.Raft` gRPC stream where the peer takes
+//! no plain ones or `--peer-stream grpc` says so — with reconnect and backoff, plus the server
+//! side that feeds incoming messages to the node driver.
 //!
 //! ```text
-//!   driver ─send(msg)─► per-peer bounded queue ─► sender task ─► Peer.Raft stream ─► peer
-//!   peer ─► Peer.Raft stream ─► PeerService ─► driver input queue
+//!   driver ─send(msg)─► per-peer bounded queue ─► sender task ─► plain or Peer.Raft stream ─► peer
+//!          └─(plain TCP stream on the driver's thread, nothing waiting)─► socket, at once
+//!   peer ─► stream ─► PeerApi ─► driver input queue
 //! ```
 //! A full queue or a peer that is down drops messages: Raft retransmits what matters. Nothing here
 //! blocks the driver.
