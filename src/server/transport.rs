@@ -556,7 +556,7 @@ impl PeerSender {
         let mut stray = [0u8; 1];
         let mut progress = tokio::time::Instant::now();
         loop {
-            let waiting = {
+            let (waiting, full) = {
                 let Ok(mut state) = line.state.lock() else {
                     return Ok(StreamEnd::Disconnected);
                 };
@@ -574,11 +574,16 @@ impl PeerSender {
                 if state.pending.len() < before || state.pending.is_empty() {
                     progress = tokio::time::Instant::now();
                 }
-                !state.pending.is_empty()
+                (
+                    !state.pending.is_empty(),
+                    state.pending.len() >= peer_stream::WRITE_BATCH_BYTES,
+                )
             };
             tokio::select! {
                 biased;
-                next = queue.recv() => {
+                // While the socket is behind, messages wait in the bounded queue (which drops
+                // beyond its bound), not in ever more pending bytes.
+                next = queue.recv(), if !full => {
                     let Some(next) = next else {
                         return Ok(StreamEnd::QueueClosed);
                     };
