@@ -431,7 +431,7 @@ impl PeerSender {
                         Some(peer_stream::DialError::NotSpoken(_))
                     ) =>
                 {
-                    info!(peer = self.to, %addr, cause = %err, "the peer takes no plain raft streams: streaming over gRPC");
+                    info!(peer = self.to, %addr, cause = %err, "no plain raft stream taken there (a RaftLock without them, or a node that went away while answering): trying gRPC");
                     plain = false;
                 }
                 Err(err) => {
