@@ -4,7 +4,8 @@
 #   ws_request     a WebSocket text frame -> the request parser (src/server/ws.rs parse_text)
 #   grpc_messages  a gRPC body -> raftlock.lock.v1 and seed 004 api.LockService requests
 #   peer_messages  Raft stream messages -> the core's Message (src/server/convert.rs), forwarded
-#                  client operations and replies (JSON), membership and data RPC bodies
+#                  client operations and replies (JSON), membership and data RPC bodies, and the
+#                  bytes of a peer connection read as a plain Raft stream (src/server/peer_stream.rs)
 #   command_apply  log entries -> Command::decode -> sequences applied to a LockStateMachine
 #   storage_codec  records read back from disk and snapshot data (src/storage/codec.rs), snapshot
 #                  data rebuilt into a LockStateMachine

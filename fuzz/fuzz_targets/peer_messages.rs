@@ -10,7 +10,10 @@
 //! - 3: bare `reply_json` of a `ForwardClientReply`, which the forwarding follower decodes as a
 //!   `ClientReply`;
 //! - 4: a membership or data RPC body (`JoinCluster`, `FetchPeerList`, `RemoveServer`,
-//!   `AppendData`, requests and replies), decoded as each.
+//!   `AppendData`, requests and replies, a plain Raft stream's hello and accept), decoded as each;
+//! - 5: the bytes of a connection to the peer port, read as the port reads them: its first bytes
+//!   sniffed for a plain Raft stream, then (if it is one) a hello frame and `RaftMessage` frames
+//!   (`raftlock::server::peer_stream`), each converted as in 0, with a 1 KiB frame limit.
 //!
 //! Never panics.
 
@@ -47,11 +50,38 @@ fn op_json(bytes: &[u8]) {
     }
 }
 
+/// Reads `bytes` as a connection to the peer port. A byte slice never makes a read wait, so each
+/// future finishes on its first poll.
+fn plain_stream(bytes: &[u8]) {
+    use raftlock::server::peer_stream::{sniff, FrameReader, Sniffed};
+    fn now<F: std::future::Future>(f: F) -> F::Output {
+        let mut f = std::pin::pin!(f);
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        match f.as_mut().poll(&mut cx) {
+            std::task::Poll::Ready(out) => out,
+            std::task::Poll::Pending => unreachable!("a byte slice never waits"),
+        }
+    }
+    let Ok(Sniffed::Plain(rest)) = now(sniff(bytes)) else {
+        return;
+    };
+    let mut frames = FrameReader::new(rest, 1024);
+    if !matches!(now(frames.next::<pb::RaftStreamHello>()), Ok(Some(_))) {
+        return;
+    }
+    while let Ok(Some(raw)) = now(frames.next::<pb::RaftMessage>()) {
+        if let Ok(msg) = message_from_pb(raw) {
+            let again = message_from_pb(message_to_pb(&msg)).expect("converted back");
+            assert_eq!(again, msg);
+        }
+    }
+}
+
 fuzz_target!(|data: &[u8]| {
     let Some((&which, body)) = data.split_first() else {
         return;
     };
-    match which % 5 {
+    match which % 6 {
         0 => {
             let Some(raw) = decode::<pb::RaftMessage>(body) else {
                 return;
@@ -79,6 +109,7 @@ fuzz_target!(|data: &[u8]| {
                 let _ = serde_json::from_slice::<ClientReply>(&r.reply_json);
             }
         }
+        5 => plain_stream(body),
         _ => {
             decode::<pb::JoinClusterRequest>(body);
             decode::<pb::JoinClusterReply>(body);
@@ -89,6 +120,8 @@ fuzz_target!(|data: &[u8]| {
             decode::<pb::AppendDataRequest>(body);
             decode::<pb::AppendDataReply>(body);
             decode::<pb::RaftStreamClosed>(body);
+            decode::<pb::RaftStreamHello>(body);
+            decode::<pb::RaftStreamAccept>(body);
         }
     }
 });
