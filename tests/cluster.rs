@@ -1,6 +1,7 @@
 //! Three real `lock-node` processes on 127.0.0.1: locks over WebSocket and gRPC, redirects, FIFO
 //! hand-off with increasing tokens, TTL expiry, SIGKILL of the leader, joining and removing a
-//! node, bad input, and the timing of WebSocket requests in `/metrics`.
+//! node, bad input, the timing of WebSocket requests in `/metrics`, and plain and gRPC Raft
+//! streams in one cluster.
 
 mod common;
 
@@ -1000,4 +1001,55 @@ async fn the_cluster_version_is_raised_once_every_member_runs_it() {
         status["learners"].as_array().unwrap().is_empty(),
         "{status}"
     );
+}
+
+/// A node set to `--peer-stream grpc` in a cluster whose other nodes use plain Raft streams (the
+/// default): it sends its Raft messages over `Peer.Raft`, the others send to it and to each other
+/// over plain streams on the same peer ports, and locks work through every node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_and_grpc_raft_streams_mix_in_one_cluster() {
+    let cluster = Cluster::start_with(3, |n| {
+        if n.id == 2 {
+            vec!["--peer-stream".into(), "grpc".into()]
+        } else {
+            Vec::new()
+        }
+    });
+    cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    for node in &cluster.nodes {
+        let client = raftlock::client::RaftLockClient::builder()
+            .endpoints([node.client_addr()])
+            .client_id(format!("mixed-{}", node.id))
+            .prefer_leader(false)
+            .build()
+            .unwrap();
+        let held = client.acquire("mixed/k").await.expect("acquire");
+        assert!(held.fencing_token() > 0);
+        held.release().await.expect("release");
+    }
+    for node in &cluster.nodes {
+        let (_, text) = http_get(&node.client_addr(), "/metrics")
+            .await
+            .expect("metrics");
+        let opened = |kind: &str| {
+            metric_sum(
+                &text,
+                &format!("raftlock_peer_streams_opened_total{{kind=\"{kind}\""),
+                &[],
+            )
+        };
+        let (plain, grpc) = (opened("plain"), opened("grpc"));
+        if node.id == 2 {
+            assert!(
+                grpc > 0.0 && plain == 0.0,
+                "node 2: plain {plain}, grpc {grpc}"
+            );
+        } else {
+            assert!(
+                plain > 0.0 && grpc == 0.0,
+                "node {}: plain {plain}, grpc {grpc}",
+                node.id
+            );
+        }
+    }
 }
