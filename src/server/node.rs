@@ -763,7 +763,7 @@ fn sort_peer_connections<S, I>(
 where
     S: tokio::io::AsyncRead
         + tokio::io::AsyncWrite
-        + peer_stream::PresentedCert
+        + peer_stream::ConnectionCert
         + Unpin
         + Send
         + 'static,

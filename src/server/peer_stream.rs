@@ -50,11 +50,20 @@ pub const WRITE_DEADLINE: Duration = Duration::from_secs(10);
 
 /// Appends `msg` as one frame.
 pub fn put_frame(buf: &mut BytesMut, msg: &impl prost::Message) {
+    put_frame_within(buf, msg, u32::MAX as usize);
+}
+
+/// Appends `msg` as one frame if it is at most `max` bytes; false (nothing appended) if not.
+pub fn put_frame_within(buf: &mut BytesMut, msg: &impl prost::Message, max: usize) -> bool {
     let len = msg.encoded_len();
+    if len > max {
+        return false;
+    }
     buf.reserve(4 + len);
     buf.put_u32(len as u32);
     // A BytesMut grows as needed, so encoding into it cannot run out of room.
     let _ = msg.encode(buf);
+    true
 }
 
 fn invalid(reason: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> io::Error {
@@ -272,17 +281,17 @@ impl<S: tonic::transport::server::Connected> tonic::transport::server::Connected
 }
 
 /// A peer connection's certificate, where it has one.
-pub trait PresentedCert {
+pub trait ConnectionCert {
     fn presented_cert(&self) -> Option<PeerCert>;
 }
 
-impl PresentedCert for TcpStream {
+impl ConnectionCert for TcpStream {
     fn presented_cert(&self) -> Option<PeerCert> {
         None
     }
 }
 
-impl PresentedCert for super::tls::PeerTlsStream {
+impl ConnectionCert for super::tls::PeerTlsStream {
     fn presented_cert(&self) -> Option<PeerCert> {
         Some(tonic::transport::server::Connected::connect_info(self))
     }
@@ -292,7 +301,7 @@ impl PresentedCert for super::tls::PeerTlsStream {
 /// checks its metadata, answers, then hands its messages to the driver until it ends.
 pub async fn serve<S>(api: Arc<PeerApi>, io: S, max_message_bytes: usize)
 where
-    S: AsyncRead + AsyncWrite + PresentedCert + Unpin,
+    S: AsyncRead + AsyncWrite + ConnectionCert + Unpin,
 {
     let cert = io.presented_cert();
     let mut reader = FrameReader::new(io, HANDSHAKE_FRAME_MAX);

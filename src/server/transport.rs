@@ -350,20 +350,18 @@ impl Line {
         let mut state = self.state.lock().ok()?;
         let socket = state.socket.clone()?;
         super::probe::peer_stream_took();
-        if prost::Message::encoded_len(msg) > max_message_bytes {
+        // With bytes already pending the task writes them, this frame after them.
+        let behind = !state.pending.is_empty();
+        if behind && state.pending.len() >= peer_stream::WRITE_BATCH_BYTES * 4
+            || !peer_stream::put_frame_within(&mut state.pending, msg, max_message_bytes)
+        {
             return Some(Sent::Dropped);
         }
-        if !state.pending.is_empty() {
-            if state.pending.len() >= peer_stream::WRITE_BATCH_BYTES * 4 {
-                return Some(Sent::Dropped);
-            }
-            peer_stream::put_frame(&mut state.pending, msg);
-            self.wake.notify_one();
-            return Some(Sent::Queued);
+        if !behind {
+            // An error is left for the task to find (its read side ends, or its own write
+            // fails).
+            let _ = write_some(&socket, &mut state.pending);
         }
-        peer_stream::put_frame(&mut state.pending, msg);
-        // An error is left for the task to find (its read side ends, or its own write fails).
-        let _ = write_some(&socket, &mut state.pending);
         if state.pending.is_empty() {
             Some(Sent::Written)
         } else {
@@ -671,14 +669,12 @@ impl PeerSender {
     /// the gRPC stream would refuse to send it.
     fn put(&self, buf: &mut BytesMut, msg: &RaftMessage) {
         super::probe::peer_stream_took();
-        if prost::Message::encoded_len(msg) > self.max_message_bytes {
+        if !peer_stream::put_frame_within(buf, msg, self.max_message_bytes) {
             self.metrics
                 .peer_messages_dropped_total
                 .with_label_values(&[&self.to.to_string()])
                 .inc();
-            return;
         }
-        peer_stream::put_frame(buf, msg);
     }
 }
 
