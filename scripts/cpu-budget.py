@@ -209,6 +209,16 @@ STAGES = [
      [r"^<hyper::proto::h2::client::H2ClientFuture<B,T,E> as core::future::future::Future>::poll$"]),
     ("peers: incoming gRPC streams (read, HTTP/2, decode)",
      [r"^tonic::transport::server::serve_connection::\{\{closure\}\}$"]),
+    # Plain Raft streams (`--peer-stream plain`, the default): the peer port's connection task
+    # reads, decodes and hands each message to the driver; the streams' own tasks write what
+    # was queued (and heartbeats); the driver's thread frames and writes the rest itself, inside
+    # the driver stages above (the row after these, not added to the total again).
+    ("peers: incoming plain Raft streams (read, decode, hand to the driver)",
+     [r"^raftlock::server::node::sort_peer_connections::\{\{closure\}\}::\{\{closure\}\}$"]),
+    ("peers: outgoing stream tasks (queued messages, heartbeats)",
+     [r"^raftlock::server::transport::PeerSender::run::\{\{closure\}\}$"]),
+    ("  of the driver stages: Raft messages framed and written on the driver's thread",
+     [r"^raftlock::server::transport::PeerTransport::send$"]),
     ("storage: sled background threads", [r"^sled::threadpool::perform_work$"]),
 ]
 
@@ -281,7 +291,7 @@ def markdown(results, baseline, args):
                 if then:
                     cells.append(num(then[section][i].get(row)))
                 cells.append(num(now[section][i].get(row)))
-            name = row.replace("  of which", "&nbsp;&nbsp;of which")
+            name = "&nbsp;&nbsp;" + row[2:] if row.startswith("  ") else row
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         cells = []
         for i, _ in enumerate(cols):
