@@ -168,6 +168,15 @@ def dashboard():
                  "switches {{instance}}")],
                description="1 while a node's flushes run on its flush thread (--background-flush; "
                            "auto uses it while the node is busy), and how often auto switched."),
+        series("Raft streams opened",
+               [(f"sum by (instance, kind) (raftlock_peer_streams_opened_total{{{SEL}}})",
+                 "{{kind}} from {{instance}}")],
+               description="Raft message streams each node opened to its peers since it started, "
+                           "by kind: plain (length-prefixed frames, the default) or grpc "
+                           "(--peer-stream grpc, or the fallback for a peer that does not take "
+                           "plain streams). A line that keeps climbing means streams keep "
+                           "breaking; a grpc line still climbing after an upgrade means an older "
+                           "node is still in the cluster."),
     )
     L.row("Locks")
     L.line(
