@@ -81,6 +81,13 @@ python3 scripts/cpu-budget.py --cycles "$BUDGET_CYCLES" --json docs/bench/cpu-bu
   --label "now" > /dev/null
 
 echo "== one client's cycle against the nodes' own timings"
+# What follows the marker in latency.md is written by hand (findings measured otherwise) and
+# is kept as it is below the regenerated tables.
+MARKER='<!-- written by hand below: scripts/bench-vs-etcd.sh keeps what follows -->'
+KEPT=""
+if grep -qxF "$MARKER" docs/bench/latency.md 2>/dev/null; then
+  KEPT="$(awk -v m="$MARKER" 'found { print } $0 == m { found = 1 }' docs/bench/latency.md)"
+fi
 {
   echo "# Where one client's lock cycle goes"
   echo
@@ -101,7 +108,11 @@ echo "== one client's cycle against the nodes' own timings"
   echo "the request reached the leader's driver queue (the clocks of processes on one machine agree)."
   echo
   scripts/latency-timeline.sh 10
-} > docs/bench/latency.md
+  echo
+  echo "$MARKER"
+  if [ -n "$KEPT" ]; then printf '%s\n' "$KEPT"; fi
+} > docs/bench/latency.md.new
+mv docs/bench/latency.md.new docs/bench/latency.md
 
 echo "== the log's storage: sled, segment files and a plain append-only file, latency and CPU per flush"
 {
