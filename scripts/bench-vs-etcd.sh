@@ -85,9 +85,7 @@ echo "== one client's cycle against the nodes' own timings"
 # is kept as it is below the regenerated tables.
 MARKER='<!-- written by hand below: scripts/bench-vs-etcd.sh keeps what follows -->'
 KEPT=""
-if grep -qxF "$MARKER" docs/bench/latency.md 2>/dev/null; then
-  KEPT="$(awk -v m="$MARKER" 'found { print } $0 == m { found = 1 }' docs/bench/latency.md)"
-fi
+[ -f docs/bench/latency.md ] && KEPT="$(awk -v m="$MARKER" 'found { print } $0 == m { found = 1 }' docs/bench/latency.md)"
 {
   echo "# Where one client's lock cycle goes"
   echo
