@@ -3,6 +3,8 @@
 #
 #   scripts/make-base-images.sh            # builds both if missing
 #   scripts/make-base-images.sh --force    # rebuilds both
+#   scripts/make-base-images.sh --runtime-only [--force]   # only the runtime image (enough for
+#                                          # scripts/build-image.sh --from-binaries)
 #
 # Images made (the Dockerfile's build arguments name them):
 #   raftlock-base/debian:bookworm-slim   a minimal Debian 12 (debootstrap --variant=minbase)
@@ -19,7 +21,14 @@
 set -euo pipefail
 
 FORCE=0
-[ "${1:-}" = "--force" ] && FORCE=1
+RUNTIME_ONLY=0
+for arg in "$@"; do
+  case $arg in
+    --force) FORCE=1 ;;
+    --runtime-only) RUNTIME_ONLY=1 ;;
+    *) echo "usage: scripts/make-base-images.sh [--force] [--runtime-only]" >&2; exit 2 ;;
+  esac
+done
 MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 SUITE=bookworm
 RUNTIME_TAG=raftlock-base/debian:bookworm-slim
@@ -67,7 +76,7 @@ if [ "$FORCE" = 1 ] || ! have "$RUNTIME_TAG"; then
   $SUDO rm -rf "$dir"
 fi
 
-if [ "$FORCE" = 1 ] || ! have "$BUILD_TAG"; then
+if [ "$RUNTIME_ONLY" = 0 ] && { [ "$FORCE" = 1 ] || ! have "$BUILD_TAG"; }; then
   dir="$WORK/build"
   $SUDO rm -rf "$dir"
   mkdir -p "$dir"
