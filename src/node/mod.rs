@@ -64,6 +64,9 @@ struct Installing {
     stored: bool,
 }
 
+/// Expiries and cancels the leader proposes per tick at most (see `NodeCore::leader_duties`).
+pub const HOUSEKEEPING_PER_TICK: usize = 4096;
+
 /// Settings of the node logic.
 #[derive(Clone, Debug)]
 pub struct NodeSettings {
@@ -1139,6 +1142,22 @@ impl<S: Storage, R> NodeCore<S, R> {
             }
             return;
         }
+        // What the log has no room for now is refused as busy, and the rest proposed: a batch
+        // larger than the room would otherwise be refused whole.
+        let mut batch = batch;
+        let room = self.raft.proposal_room();
+        if batch.len() > room {
+            let busy = self.propose_error(ProposeError::Busy);
+            for (_, p) in batch.split_off(room) {
+                self.observe(Observation::ProposalFailed);
+                if let Some(r) = p.reply {
+                    self.refuse(p.op, r, busy.clone());
+                }
+            }
+            if batch.is_empty() {
+                return;
+            }
+        }
         let count = batch.len() as u64;
         let encoded: Vec<Bytes> = batch
             .iter()
@@ -1986,8 +2005,15 @@ impl<S: Storage, R> NodeCore<S, R> {
             self.propose_cluster_version();
         }
         self.advance_log_clock();
-        // Only the leases and waiters that are due are read (`TimedMap::due`), in key order.
-        for (key, lease) in self.leases.due(now) {
+        // One proposal carries no more than the log takes now: one larger than the bound on
+        // uncommitted entries would be refused as busy on every tick, and nothing would expire
+        // again (simulator seed 1008370: seven due with room for six). Nor more than
+        // `HOUSEKEEPING_PER_TICK`, which bounds a tick's work when many leases run out at once
+        // (a million locks whose clients went away). What does not fit stays due for the next
+        // ticks, those that fell due first going first and expiries before cancels.
+        let limit = self.raft.proposal_room().min(HOUSEKEEPING_PER_TICK);
+        // Only the leases and waiters that are due are read (`TimedMap::due_first`), in key order.
+        for (key, lease) in self.leases.due_first(now, limit) {
             if lease.deadline <= now && due(lease.expiry_proposed_at) {
                 commands.push(if only_token {
                     Command::Expire {
@@ -2004,7 +2030,8 @@ impl<S: Storage, R> NodeCore<S, R> {
             }
         }
         let expiries = commands.len();
-        for ((client_id, request_id), d) in self.wait_deadlines.due(now) {
+        let left = limit - commands.len();
+        for ((client_id, request_id), d) in self.wait_deadlines.due_first(now, left) {
             if d.at <= now && due(d.cancel_proposed_at) {
                 commands.push(Command::CancelWait {
                     key: d.key.clone(),
@@ -2329,13 +2356,20 @@ mod drive_halves {
         }
 
         pub(super) fn with_settings(settings: NodeSettings) -> Cluster {
+            Cluster::with_configs(settings, |_| {})
+        }
+
+        /// As [`Cluster::with_settings`], with `raft` changing each node's Raft configuration.
+        pub(super) fn with_configs(settings: NodeSettings, raft: impl Fn(&mut Config)) -> Cluster {
             let cores = (1..=3)
                 .map(|id| {
                     let initial = InitialState {
                         initial_membership: Membership::with_voters(1..=3),
                         ..Default::default()
                     };
-                    let raft = Raft::new(Config::new(id, 7 + id), initial).unwrap();
+                    let mut cfg = Config::new(id, 7 + id);
+                    raft(&mut cfg);
+                    let raft = Raft::new(cfg, initial).unwrap();
                     let sm = LockStateMachine::new(Limits::default());
                     (
                         id,
@@ -2934,5 +2968,60 @@ mod cluster_version {
             other => panic!("expected the node to stop at entry {index}, got {other:?}"),
         }
         assert!(versions(&c).iter().all(|v| *v <= CLUSTER_VERSION));
+    }
+}
+
+/// The leader's housekeeping proposals fit in what the log takes: more leases due at once than
+/// the bound on uncommitted entries expire over a few ticks, instead of a proposal of all of them
+/// refused as busy on every tick and none ever expiring (simulator seed 1008370: seven due, room
+/// for six).
+#[cfg(test)]
+mod housekeeping_room {
+    use super::drive_halves::Cluster;
+    use super::*;
+
+    fn short_acquire(i: u64) -> ClientOp {
+        ClientOp::Acquire {
+            key: format!("k{i:02}"),
+            client_id: format!("c{i}"),
+            request_id: format!("r{i}"),
+            ttl_ms: 1_000,
+            wait_timeout_ms: Some(0),
+        }
+    }
+
+    #[test]
+    fn more_leases_due_than_the_log_takes_all_expire() {
+        let mut c = Cluster::with_configs(NodeSettings::default(), |cfg| {
+            cfg.max_uncommitted_entries = 3;
+        });
+        c.elect_node_1();
+        for i in 0..10 {
+            let now = c.now;
+            c.core(1).client_request(now, short_acquire(i), 1, 100 + i);
+            c.core(1).drive().unwrap();
+            c.settle([]);
+        }
+        assert_eq!(c.core(1).state_machine().held_locks().len(), 10);
+        assert!(c
+            .replies
+            .iter()
+            .all(|(_, r)| matches!(r, ClientReply::Granted { .. })));
+        // Every lease ran out (1 s) by the same tick; within 1 s more all must have expired.
+        for _ in 0..200 {
+            c.tick(1);
+        }
+        let held: Vec<String> = c
+            .core(1)
+            .state_machine()
+            .held_locks()
+            .into_iter()
+            .map(|h| h.key)
+            .collect();
+        assert!(
+            held.is_empty(),
+            "still held 2 s after their leases ran out: {held:?}"
+        );
+        assert!(c.core(1).raft().is_leader());
     }
 }

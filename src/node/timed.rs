@@ -133,11 +133,14 @@ impl<K: Ord + Clone, V: Deadline> TimedMap<K, V> {
     }
 
     /// The entries due at `now`, in key order; reads only those.
-    pub fn due(&self, now: Micros) -> Vec<(&K, &V)> {
+    ///
+    /// At most `limit` of them: those that fell due first.
+    pub fn due_first(&self, now: Micros, limit: usize) -> Vec<(&K, &V)> {
         let mut out: Vec<(&K, &V)> = self
             .due
             .iter()
             .take_while(|(at, _)| *at <= now)
+            .take(limit)
             .filter_map(|(_, k)| self.map.get_key_value(k))
             .collect();
         out.sort_by(|a, b| a.0.cmp(b.0));
@@ -172,7 +175,10 @@ mod tests {
     }
 
     fn keys(m: &TimedMap<&'static str, E>, now: Micros) -> Vec<&'static str> {
-        m.due(now).into_iter().map(|(k, _)| *k).collect()
+        m.due_first(now, usize::MAX)
+            .into_iter()
+            .map(|(k, _)| *k)
+            .collect()
     }
 
     /// Agrees with the scan it replaces: `deadline <= now` and not proposed within `retry`.
@@ -198,6 +204,26 @@ mod tests {
         assert_eq!(m.len(), 1);
         m.clear();
         assert_eq!(keys(&m, 1000), Vec::<&str>::new());
+    }
+
+    /// A bounded read takes those that fell due first, and still hands them in key order.
+    #[test]
+    fn due_first_takes_the_earliest() {
+        let mut m = TimedMap::new(100, false);
+        m.insert("d", e(10));
+        m.insert("a", e(40));
+        m.insert("c", e(20));
+        m.insert("b", e(30));
+        let first = |limit| -> Vec<&str> {
+            m.due_first(35, limit)
+                .into_iter()
+                .map(|(k, _)| *k)
+                .collect()
+        };
+        assert_eq!(first(2), vec!["c", "d"]);
+        assert_eq!(first(3), vec!["b", "c", "d"]);
+        assert_eq!(first(10), vec!["b", "c", "d"]);
+        assert_eq!(first(0), Vec::<&str>::new());
     }
 
     #[test]

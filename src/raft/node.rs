@@ -393,6 +393,12 @@ impl Raft {
     pub fn uncommitted_entries(&self) -> u64 {
         self.log.last_index().saturating_sub(self.log.committed)
     }
+    /// How many entries one proposal may carry now without being refused as [`ProposeError::Busy`]
+    /// (the `max_uncommitted_entries` bound less what is uncommitted).
+    pub fn proposal_room(&self) -> usize {
+        (self.cfg.max_uncommitted_entries as u64).saturating_sub(self.uncommitted_entries())
+            as usize
+    }
     /// The snapshot the core sends to lagging followers (its `data` empty while released).
     pub fn latest_snapshot(&self) -> Option<&Snapshot> {
         self.snapshot.as_ref()

@@ -241,6 +241,15 @@ fn snapshot_results_are_not_handed_into_a_crashed_step() {
     }
 }
 
+/// Regression: the leader proposed every due expiry and cancel in one proposal, and this seed had
+/// seven due with room for six uncommitted entries (`max_uncommitted_entries` 6): the proposal
+/// was refused as busy on every tick, and no lease expired again ("leases expire": client-3 still
+/// held key-0 1.5 s after the clients stopped). Housekeeping now proposes what fits.
+#[test]
+fn housekeeping_larger_than_the_log_room_still_expires() {
+    run_clean(&SimConfig::new(1_008_370, 3));
+}
+
 /// The targeted schedules of the mutation tests pass with a healthy core.
 #[test]
 fn healthy_core_passes_targeted_schedules() {
@@ -480,8 +489,9 @@ fn caught_read_index_without_heartbeat() {
     // targeted schedule lets a resumed node handle (and answer) waiting client requests first.
     assert_caught_with(
         "read_index_without_heartbeat",
-        // Caught at seed 85 on 3 nodes.
-        200,
+        // Caught at seed 218 on 3 nodes (at seed 85 until the leader's proposals were fitted to
+        // the log's room, 2026-12-02, which changed the runs).
+        400,
         Schedule {
             clients_first_on_resume: true,
             ..Schedule::default()
