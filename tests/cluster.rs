@@ -587,7 +587,6 @@ async fn log_is_compacted_by_bytes() {
         snapshots(&metrics, "taken") >= 1.0,
         "log not compacted:\n{metrics}"
     );
-    let encoded_before = snapshots(&metrics, "encoded");
     // The follower that stayed up compacts its log too, and encodes nothing for that: no
     // follower of its own needs a snapshot.
     let other = cluster
@@ -623,9 +622,14 @@ async fn log_is_compacted_by_bytes() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // The leader encodes a snapshot for the stopped follower either when it compacts past it
+    // (it knows that follower needs one) or when the follower comes back, depending on how far
+    // its appends to the stopped follower had got: counted after the catch-up, it is one or
+    // more either way. (The follower that stayed up, which compacted too and needs none, encoded
+    // nothing, above.)
     let (_, metrics) = http_get(&addr, "/metrics").await.unwrap();
     assert!(
-        snapshots(&metrics, "encoded") > encoded_before,
+        snapshots(&metrics, "encoded") >= 1.0,
         "no snapshot encoded for the follower:\n{metrics}"
     );
     let (_, metrics) = http_get(&f_addr, "/metrics").await.unwrap();
