@@ -44,21 +44,19 @@ if [ -n "$bindir" ]; then
       "update scripts/build-image.sh --from-binaries to match it" >&2
     exit 1
   fi
-  echo "building $tag from $bindir (revision $revision)"
-  docker build \
-    --build-arg RUNTIME_IMAGE=raftlock-base/debian:bookworm-slim \
-    --build-arg VERSION="$version" \
-    --build-arg REVISION="$revision" \
-    -t "$tag" "$ctx"
-  docker image ls "$tag"
-  exit 0
+  context=$ctx
+  from="from $bindir "
+  args=()
+else
+  scripts/make-base-images.sh
+  context=.
+  from=""
+  args=(--build-arg BUILD_IMAGE=raftlock-base/rust:bookworm)
 fi
-scripts/make-base-images.sh
-echo "building $tag (revision $revision)"
-docker build \
-  --build-arg BUILD_IMAGE=raftlock-base/rust:bookworm \
+echo "building $tag ${from}(revision $revision)"
+docker build "${args[@]}" \
   --build-arg RUNTIME_IMAGE=raftlock-base/debian:bookworm-slim \
   --build-arg VERSION="$version" \
   --build-arg REVISION="$revision" \
-  -t "$tag" .
+  -t "$tag" "$context"
 docker image ls "$tag"

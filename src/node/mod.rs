@@ -1132,7 +1132,7 @@ impl<S: Storage, R> NodeCore<S, R> {
         if self.batch.is_empty() {
             return;
         }
-        let batch = std::mem::take(&mut self.batch);
+        let mut batch = std::mem::take(&mut self.batch);
         if !self.raft.is_leader() {
             let err = self.not_leader_error();
             for (_, p) in batch {
@@ -1144,7 +1144,6 @@ impl<S: Storage, R> NodeCore<S, R> {
         }
         // What the log has no room for now is refused as busy, and the rest proposed: a batch
         // larger than the room would otherwise be refused whole.
-        let mut batch = batch;
         let room = self.raft.proposal_room();
         if batch.len() > room {
             let busy = self.propose_error(ProposeError::Busy);
@@ -2010,9 +2009,9 @@ impl<S: Storage, R> NodeCore<S, R> {
         // again (simulator seed 1008370: seven due with room for six). Nor more than
         // `HOUSEKEEPING_PER_TICK`, which bounds a tick's work when many leases run out at once
         // (a million locks whose clients went away). What does not fit stays due for the next
-        // ticks, those that fell due first going first and expiries before cancels.
+        // ticks, those that fell due first going first and expiries before cancels. Only the
+        // leases and waiters that are due are read (`TimedMap::due_first`), in key order.
         let limit = self.raft.proposal_room().min(HOUSEKEEPING_PER_TICK);
-        // Only the leases and waiters that are due are read (`TimedMap::due_first`), in key order.
         for (key, lease) in self.leases.due_first(now, limit) {
             if lease.deadline <= now && due(lease.expiry_proposed_at) {
                 commands.push(if only_token {

@@ -175,7 +175,11 @@ mod tests {
     }
 
     fn keys(m: &TimedMap<&'static str, E>, now: Micros) -> Vec<&'static str> {
-        m.due_first(now, usize::MAX)
+        first_keys(m, now, usize::MAX)
+    }
+
+    fn first_keys(m: &TimedMap<&'static str, E>, now: Micros, limit: usize) -> Vec<&'static str> {
+        m.due_first(now, limit)
             .into_iter()
             .map(|(k, _)| *k)
             .collect()
@@ -214,16 +218,10 @@ mod tests {
         m.insert("a", e(40));
         m.insert("c", e(20));
         m.insert("b", e(30));
-        let first = |limit| -> Vec<&str> {
-            m.due_first(35, limit)
-                .into_iter()
-                .map(|(k, _)| *k)
-                .collect()
-        };
-        assert_eq!(first(2), vec!["c", "d"]);
-        assert_eq!(first(3), vec!["b", "c", "d"]);
-        assert_eq!(first(10), vec!["b", "c", "d"]);
-        assert_eq!(first(0), Vec::<&str>::new());
+        assert_eq!(first_keys(&m, 35, 2), vec!["c", "d"]);
+        assert_eq!(first_keys(&m, 35, 3), vec!["b", "c", "d"]);
+        assert_eq!(first_keys(&m, 35, 10), vec!["b", "c", "d"]);
+        assert_eq!(first_keys(&m, 35, 0), Vec::<&str>::new());
     }
 
     #[test]
