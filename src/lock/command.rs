@@ -132,6 +132,20 @@ pub enum Command {
         ack_below: u64,
         command: Box<Command>,
     },
+    /// Names the cluster (needs cluster version 4): proposed once by a cluster's first leader
+    /// (or, in a cluster from before cluster ids, by the leader once every member understands
+    /// it). Applies only while the state has no cluster id: a cluster's id never changes.
+    /// `forced_by`: the operator's one-shot `--force-new-cluster` value that started this
+    /// cluster, empty when it formed by itself.
+    SetClusterId { id: u128, forced_by: String },
+    /// Records (`Some`) or forgets (`None`) where member `id` is reached and which incarnation of
+    /// it (the random id its data directory was created with) is the member (needs cluster
+    /// version 4). Every node reads the table from its own storage at start, so a cluster whose
+    /// every node restarts at once knows where its members are.
+    SetMember {
+        id: u64,
+        info: Option<crate::lock::MemberInfo>,
+    },
 }
 
 /// Why bytes could not be turned into a command, a snapshot or a state machine.
@@ -188,7 +202,9 @@ impl Command {
             Command::SetLimits { .. }
             | Command::SetLimitsV1 { .. }
             | Command::Tick { .. }
-            | Command::SetClusterVersion { .. } => "",
+            | Command::SetClusterVersion { .. }
+            | Command::SetClusterId { .. }
+            | Command::SetMember { .. } => "",
             Command::Sequenced { command, .. } => command.key(),
         }
     }

@@ -62,6 +62,10 @@ const META_CLOCK: &str = "meta/clock";
 /// The cluster version (see [`CLUSTER_VERSION`]); absent while it is 1, so that a state that
 /// never had it raised stays readable by a RaftLock from before cluster versions.
 const META_CLUSTER_VERSION: &str = "meta/cluster_version";
+/// The cluster's identity ([`ClusterIdentity`]); absent until a leader names the cluster.
+const META_CLUSTER: &str = "meta/cluster";
+/// The member table (`BTreeMap<node id, MemberInfo>`); absent while empty.
+const META_MEMBERS: &str = "meta/members";
 
 /// The cluster version this RaftLock understands: the log commands and state keys every member
 /// can apply and read. 1: everything before cluster versions existed. 2: [`Command::SetClusterVersion`]
@@ -70,7 +74,34 @@ const META_CLUSTER_VERSION: &str = "meta/cluster_version";
 /// a node refuses to apply an entry that raises the version above its own: a node that cannot
 /// apply the log stops instead of going on with a state that differs from the others'.
 /// 3: [`Command::Sequenced`] (clients acknowledging answers) and the `meta/ack/` keys.
-pub const CLUSTER_VERSION: u32 = 3;
+/// 4: [`Command::SetClusterId`] and [`Command::SetMember`], the `meta/cluster` and
+/// `meta/members` keys.
+pub const CLUSTER_VERSION: u32 = 4;
+
+/// The cluster version [`Command::SetClusterId`] and [`Command::SetMember`] need.
+pub const LIFECYCLE_VERSION: u32 = 4;
+
+/// Longest peer or client address a member table entry keeps (bytes).
+pub const MEMBER_ADDR_MAX: usize = 256;
+/// Most entries the member table keeps (a cluster has at most a few dozen members).
+pub const MEMBERS_MAX: usize = 256;
+
+/// Where a member is reached and which incarnation of it is the member.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberInfo {
+    pub peer_addr: String,
+    pub client_addr: String,
+    /// The random id the member's data directory was created with (0: not known).
+    pub incarnation: u64,
+}
+
+/// The cluster's identity, set once by [`Command::SetClusterId`].
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterIdentity {
+    pub id: u128,
+    /// The `--force-new-cluster` value that started the cluster (empty: formed by itself).
+    pub forced_by: String,
+}
 
 /// The cluster version [`Command::Sequenced`] needs.
 pub const SEQUENCED_VERSION: u32 = 3;
@@ -88,13 +119,17 @@ const DIRTY_DEDUPE_NEXT: u8 = 4;
 const DIRTY_LIMITS: u8 = 8;
 const DIRTY_CLOCK: u8 = 16;
 const DIRTY_CLUSTER_VERSION: u8 = 32;
-const DIRTY_META_KEYS: [(u8, &str); 6] = [
+const DIRTY_CLUSTER: u8 = 64;
+const DIRTY_MEMBERS: u8 = 128;
+const DIRTY_META_KEYS: [(u8, &str); 8] = [
     (DIRTY_SEQ, META_SEQ),
     (DIRTY_APPLIED, META_APPLIED),
     (DIRTY_DEDUPE_NEXT, META_DEDUPE_NEXT),
     (DIRTY_LIMITS, META_LIMITS),
     (DIRTY_CLOCK, META_CLOCK),
     (DIRTY_CLUSTER_VERSION, META_CLUSTER_VERSION),
+    (DIRTY_CLUSTER, META_CLUSTER),
+    (DIRTY_MEMBERS, META_MEMBERS),
 ];
 /// Longest step one `Tick` may advance the log clock by: a leader that was paused (and has not
 /// noticed it lost leadership) cannot age every session at once.
@@ -628,7 +663,9 @@ fn op_of(command: &Command) -> (u8, &str) {
         | Command::SetLimits { .. }
         | Command::SetLimitsV1 { .. }
         | Command::Tick { .. }
-        | Command::SetClusterVersion { .. } => 0,
+        | Command::SetClusterVersion { .. }
+        | Command::SetClusterId { .. }
+        | Command::SetMember { .. } => 0,
         Command::Sequenced { command, .. } => return op_of(command),
     };
     (kind, command.key())
@@ -676,6 +713,10 @@ pub struct LockStateMachine {
     clock_ms: u64,
     /// The cluster version as raised by `SetClusterVersion` (0 or 1: never raised, version 1).
     cluster_version: u32,
+    /// The cluster's identity, once a leader named the cluster.
+    cluster: Option<ClusterIdentity>,
+    /// Where each member is reached, and its incarnation.
+    members: BTreeMap<u64, MemberInfo>,
     locks_held: usize,
     waiters: usize,
     /// State keys changed since the last `take_changes`, besides the meta keys of `dirty_meta`.
@@ -761,6 +802,21 @@ impl LockStateMachine {
     /// [`CLUSTER_VERSION`]).
     pub fn cluster_version(&self) -> u32 {
         self.cluster_version.max(1)
+    }
+
+    /// The cluster's identity (`None` until a leader named the cluster).
+    pub fn cluster_identity(&self) -> Option<&ClusterIdentity> {
+        self.cluster.as_ref()
+    }
+
+    /// The cluster id (`None` until a leader named the cluster).
+    pub fn cluster_id(&self) -> Option<u128> {
+        self.cluster.as_ref().map(|c| c.id)
+    }
+
+    /// The member table: where each member is reached and its incarnation.
+    pub fn members(&self) -> &BTreeMap<u64, MemberInfo> {
+        &self.members
     }
 
     pub fn get(&self, key: &str) -> Option<&[u8]> {
@@ -931,6 +987,40 @@ impl LockStateMachine {
                 }
                 return Outcome::Stored;
             }
+            Command::SetClusterId { id, forced_by } => {
+                if self.cluster.is_none() && *id != 0 {
+                    self.cluster = Some(ClusterIdentity {
+                        id: *id,
+                        forced_by: forced_by.chars().take(MEMBER_ADDR_MAX).collect(),
+                    });
+                    self.dirty_meta |= DIRTY_CLUSTER;
+                }
+                return Outcome::Stored;
+            }
+            Command::SetMember { id, info } => {
+                match info {
+                    None => {
+                        if self.members.remove(id).is_some() {
+                            self.dirty_meta |= DIRTY_MEMBERS;
+                        }
+                    }
+                    Some(info)
+                        if *id != 0
+                            && info.peer_addr.len() <= MEMBER_ADDR_MAX
+                            && info.client_addr.len() <= MEMBER_ADDR_MAX
+                            && (self.members.len() < MEMBERS_MAX
+                                || self.members.contains_key(id)) =>
+                    {
+                        if self.members.get(id) != Some(info) {
+                            self.members.insert(*id, info.clone());
+                            self.dirty_meta |= DIRTY_MEMBERS;
+                        }
+                    }
+                    // Every replica refuses the same entries (the bounds are constants).
+                    Some(_) => {}
+                }
+                return Outcome::Stored;
+            }
             Command::Sequenced {
                 ack_below,
                 command: inner,
@@ -1020,6 +1110,8 @@ impl LockStateMachine {
             | Command::SetLimitsV1 { .. }
             | Command::Tick { .. }
             | Command::SetClusterVersion { .. }
+            | Command::SetClusterId { .. }
+            | Command::SetMember { .. }
             | Command::Sequenced { .. } => {
                 Outcome::rejected(RejectCode::InvalidRequest, "unreachable")
             }
@@ -1109,6 +1201,8 @@ impl LockStateMachine {
             | Command::SetLimitsV1 { .. }
             | Command::Tick { .. }
             | Command::SetClusterVersion { .. }
+            | Command::SetClusterId { .. }
+            | Command::SetMember { .. }
             | Command::Sequenced { .. } => &[],
         };
         if ids.iter().any(|id| id.len() > l.id_bytes_max) {
@@ -1168,6 +1262,8 @@ impl LockStateMachine {
             | Command::SetLimitsV1 { .. }
             | Command::Tick { .. }
             | Command::SetClusterVersion { .. }
+            | Command::SetClusterId { .. }
+            | Command::SetMember { .. }
             | Command::Sequenced { .. } => {}
         }
         Ok(())
@@ -1844,6 +1940,8 @@ impl LockStateMachine {
                 (self.cluster_version() > 1).then(|| self.cluster_version.to_be_bytes().to_vec())
             }
             META_LIMITS => self.limits_replicated.then(|| encode_plain(&self.limits)),
+            META_CLUSTER => self.cluster.as_ref().map(encode_plain),
+            META_MEMBERS => (!self.members.is_empty()).then(|| encode_plain(&self.members)),
             _ => None,
         }
     }
@@ -1932,6 +2030,8 @@ impl LockStateMachine {
                 META_LIMITS,
                 META_CLOCK,
                 META_CLUSTER_VERSION,
+                META_CLUSTER,
+                META_MEMBERS,
             ]
             .map(String::from),
         );
@@ -2254,6 +2354,8 @@ impl StateLoader {
                     })?;
                     sm.cluster_version = u32::from_be_bytes(bytes);
                 }
+                META_CLUSTER => sm.cluster = Some(decode_plain(value)?),
+                META_MEMBERS => sm.members = decode_plain(value)?,
                 META_LIMITS => {
                     sm.limits = match decode_plain(value) {
                         Ok(limits) => limits,

@@ -25,6 +25,7 @@
 //! whoever proposed them, and a replayed answer from the dedupe table moves nothing.
 
 pub mod api;
+pub mod lifecycle;
 pub mod events;
 pub mod pacing;
 mod timed;
@@ -36,9 +37,10 @@ use bytes::Bytes;
 
 use self::api::{AnswerKind, ApiError, ClientOp, ClientReply, ErrorCode, QueuedInfo};
 use self::timed::{Deadline, TimedMap};
+use self::lifecycle::{info_current, merged_info, JoinOutcome};
 use crate::lock::{
-    Command, Event, FencingToken, LockStateMachine, Outcome, RejectCode, StateLoader,
-    CLUSTER_VERSION,
+    Command, Event, FencingToken, LockStateMachine, MemberInfo, Outcome, RejectCode, StateLoader,
+    CLUSTER_VERSION, LIFECYCLE_VERSION, MEMBERS_MAX, MEMBER_ADDR_MAX,
 };
 use crate::raft::{
     EntryPayload, Index, MembershipChange, Message, NodeId, ProposeError, Raft, Ready, Role,
@@ -116,6 +118,18 @@ pub struct NodeSettings {
     /// Emit [`Observation::LockEvents`] for every applied command that changed a lock (the
     /// watch stream; lock-node turns it on).
     pub observe_lock_events: bool,
+    /// This node's own peer and client address and incarnation, which the leader records in
+    /// the member table (`Command::SetMember`).
+    pub identity: MemberInfo,
+    /// The id this node gives a cluster it leads that has none yet (random, drawn by the shell).
+    pub new_cluster_id: u128,
+    /// The `--force-new-cluster` value this node started its cluster with (empty: none).
+    pub forced_by: String,
+    /// A voter not heard from for this long is removed by the leader (`None`: never), while
+    /// at least `min_voters` voters stay.
+    pub dead_member_us: Option<Micros>,
+    /// Voters the leader never goes below when it removes dead members.
+    pub min_voters: usize,
     /// Known bugs, switched on by simulator tests (and, in a lock-node built with the
     /// `mutations` feature, by `RAFTLOCK_MUTATION`) to show the checkers catch them.
     #[cfg(any(test, feature = "mutations"))]
@@ -140,6 +154,11 @@ impl Default for NodeSettings {
             configured_limits: None,
             observe_log: false,
             observe_lock_events: false,
+            identity: MemberInfo::default(),
+            new_cluster_id: 0,
+            forced_by: String::new(),
+            dead_member_us: None,
+            min_voters: 3,
             #[cfg(any(test, feature = "mutations"))]
             bugs: NodeBugs::default(),
         }
@@ -164,6 +183,12 @@ pub struct NodeBugs {
     /// A Ready's answers leave, and its entries apply, as soon as its flush is started rather
     /// than done (with flushes that complete in the background).
     pub finish_before_flush_done: bool,
+    /// A node with an empty data directory starts a new cluster when its peers do not answer
+    /// (instead of only when every one answered that it has no data).
+    pub bootstrap_when_unreachable: bool,
+    /// The leader takes a voter's join as from the member it knows, whatever its incarnation
+    /// (a member that lost its data goes on voting with an empty log).
+    pub incarnation_ignored: bool,
 }
 
 impl NodeBugs {
@@ -178,6 +203,8 @@ impl NodeBugs {
             "no_lease_wait_after_election" => bugs.no_lease_wait_after_election = true,
             "housekeeping_never_retried" => bugs.housekeeping_never_retried = true,
             "finish_before_flush_done" => bugs.finish_before_flush_done = true,
+            "bootstrap_when_unreachable" => bugs.bootstrap_when_unreachable = true,
+            "incarnation_ignored" => bugs.incarnation_ignored = true,
             _ => return None,
         }
         Some(bugs)
@@ -211,6 +238,11 @@ impl<R> std::fmt::Debug for Effect<R> {
 /// What happened, for metrics, logs and the simulator's checkers.
 #[derive(Clone, Debug)]
 pub enum Observation {
+    /// This leader removed voter `id`'s old incarnation: a new one, without its data, asked to
+    /// join.
+    MemberReplaced { id: NodeId },
+    /// This leader removed voter `id`, not heard from for the dead-member timeout.
+    DeadMemberRemoved { id: NodeId },
     BecameLeader {
         term: u64,
     },
@@ -443,6 +475,18 @@ pub struct NodeCore<S: Storage, R> {
     /// Leader only: the requests it proposed that leave an answer, per second, to pace new work
     /// below the exactly-once table's bound (see [`pacing`]).
     pacer: pacing::AnswerPacer,
+    /// What members (and nodes asking to join) said of themselves: addresses and incarnation
+    /// (see [`NodeCore::peer_info`]); the leader records it in the member table.
+    said_info: BTreeMap<NodeId, MemberInfo>,
+    /// When this leader last proposed cluster id or member table changes.
+    lifecycle_proposed_at: Option<Micros>,
+    /// A node with an empty log that asked to join: it takes no Raft message until the leader
+    /// accepted it ([`NodeCore::set_joining`]), so it never votes with a log it does not have.
+    joining: bool,
+    /// Leader only: when each other member was last heard from (dead member removal).
+    last_heard: BTreeMap<NodeId, Micros>,
+    /// Leader only: when this node became leader.
+    led_since: Option<Micros>,
 }
 
 /// Readies written and waiting for background flushes at most. A leader whose own disk stalls
@@ -511,6 +555,11 @@ impl<S: Storage, R> NodeCore<S, R> {
             in_flight: VecDeque::new(),
             overlapped: 0,
             pacer: pacing::AnswerPacer::default(),
+            said_info: BTreeMap::new(),
+            lifecycle_proposed_at: None,
+            joining: false,
+            last_heard: BTreeMap::new(),
+            led_since: None,
         }
     }
 
@@ -635,7 +684,66 @@ impl<S: Storage, R> NodeCore<S, R> {
     /// A message from a peer.
     pub fn step(&mut self, now: Micros, msg: Message) {
         self.advance_clock(now);
+        if self.joining {
+            return;
+        }
+        if self.raft.is_leader() {
+            self.last_heard.insert(msg.from, now);
+        }
         self.raft.step(msg);
+    }
+
+    /// A node with an empty log that asks to join takes no Raft message until the leader has
+    /// accepted it (`joining` false again).
+    pub fn set_joining(&mut self, joining: bool) {
+        self.joining = joining;
+    }
+
+    pub fn is_joining(&self) -> bool {
+        self.joining
+    }
+
+    /// What member `id` says of itself (from its peer connection's hello or its join request):
+    /// the leader records it in the member table. Empty fields and incarnation 0 say nothing.
+    pub fn peer_info(&mut self, id: NodeId, info: MemberInfo) {
+        if id == 0 || id == self.raft.id() {
+            return;
+        }
+        if info.peer_addr.len() > MEMBER_ADDR_MAX || info.client_addr.len() > MEMBER_ADDR_MAX {
+            return;
+        }
+        if !self.said_info.contains_key(&id) && self.said_info.len() >= MEMBERS_MAX {
+            return;
+        }
+        let merged = merged_info(self.said_info.get(&id), &info);
+        self.said_info.insert(id, merged);
+    }
+
+    /// Every member this node knows of from its own storage, with its addresses and
+    /// incarnation: the applied member table, with the `SetMember` entries of the log that are
+    /// not applied yet laid over it (a node that restarts knows its members before it learns
+    /// the commit index). What the shell dials.
+    pub fn known_members(&self) -> BTreeMap<NodeId, MemberInfo> {
+        let mut members = self.sm.members().clone();
+        let mut index = self.raft.applied_index() + 1;
+        while index <= self.raft.last_index() {
+            if let Some(entry) = self.raft.entry(index) {
+                if let EntryPayload::Command(bytes) = &entry.payload {
+                    if let Ok(Command::SetMember { id, info }) = Command::decode(bytes) {
+                        match info {
+                            Some(info) => {
+                                members.insert(id, info);
+                            }
+                            None => {
+                                members.remove(&id);
+                            }
+                        }
+                    }
+                }
+            }
+            index += 1;
+        }
+        members
     }
 
     /// One clock tick: Raft timers and the leader's lease and wait deadlines.
@@ -855,31 +963,67 @@ impl<S: Storage, R> NodeCore<S, R> {
         }
     }
 
-    /// A server asks to join (through this node). Ok when it is, or is becoming, a member.
-    pub fn join(&mut self, id: NodeId) -> Result<(), String> {
+    /// A server asks to join (through this node), saying where it is reached and its
+    /// incarnation. `Accepted` when it is, or is becoming, a member; `Replacing` when it is a
+    /// new incarnation of a voter (its data is gone) whose old incarnation the leader now removes
+    /// — the joiner asks again and is added as a learner, caught up from a snapshot and
+    /// promoted. The removal needs every other voter healthy (heard from recently): they must
+    /// form the new configuration's majority by themselves.
+    pub fn join(&mut self, id: NodeId, info: MemberInfo) -> Result<JoinOutcome, String> {
         if !self.raft.is_leader() {
             return Err("not the leader".into());
         }
-        let membership = self.raft.membership();
-        if membership.voters.contains(&id) {
-            // Only a server with an empty log asks to join: a voter that lost its data must not
-            // vote again as if it remembered its term and log.
+        let me = self.raft.id();
+        if id == me {
             return Err(format!(
-                "node {id} is already a voter; if it lost its data, remove it first \
-                 (lockctl members remove --id {id}) and let it join again"
+                "node {id} is this cluster's leader: a second process with its id cannot join"
             ));
+        }
+        self.peer_info(id, info.clone());
+        let membership = self.raft.membership().clone();
+        if membership.voters.contains(&id) {
+            let recorded = self.sm.members().get(&id).map_or(0, |m| m.incarnation);
+            if (recorded != 0 && recorded == info.incarnation)
+                || self.bug(|b| b.incarnation_ignored)
+            {
+                // The incarnation that is the member asks again (its first answer was lost).
+                return Ok(JoinOutcome::Accepted);
+            }
+            // Only a node with an empty log asks to join: this one lost its data, and must not
+            // count as the voter that acknowledged entries it no longer has.
+            let unhealthy: Vec<NodeId> = membership
+                .voters
+                .iter()
+                .copied()
+                .filter(|&v| v != id && v != me && !self.recently_heard(v))
+                .collect();
+            if !unhealthy.is_empty() || membership.voters.len() < 2 {
+                return Err(lifecycle::replacement_blocked(id, &unhealthy));
+            }
+            self.promote_when_caught_up.retain(|&n| n != id);
+            self.raft
+                .propose_membership(MembershipChange::RemoveServer(id))
+                .map_err(|e| format!("cannot remove node {id}'s old incarnation yet: {e}"))?;
+            self.observe(Observation::MemberReplaced { id });
+            return Ok(JoinOutcome::Replacing);
         }
         if membership.contains(id) {
             if membership.learners.contains(&id) && !self.promote_when_caught_up.contains(&id) {
                 self.promote_when_caught_up.push(id);
             }
-            return Ok(());
+            return Ok(JoinOutcome::Accepted);
         }
         self.raft
             .propose_membership(MembershipChange::AddLearner(id))
             .map_err(|e| e.to_string())?;
         self.promote_when_caught_up.push(id);
-        Ok(())
+        Ok(JoinOutcome::Accepted)
+    }
+
+    /// Leader only: whether voter `id` was heard from within the current check-quorum window
+    /// (or, just elected, since the election).
+    fn recently_heard(&self, id: NodeId) -> bool {
+        self.raft.is_recently_active(id)
     }
 
     /// Removes a member (the leader may remove itself).
@@ -1355,6 +1499,9 @@ impl<S: Storage, R> NodeCore<S, R> {
             self.rebuild_deadlines();
             self.limits_proposed_at = None;
             self.version_proposed_at = None;
+            self.lifecycle_proposed_at = None;
+            self.led_since = Some(self.now);
+            self.last_heard.clear();
             self.clock_ticked_at = Some(self.now);
             self.propose_limits_if_unset();
         } else if !is_leader && self.was_leader {
@@ -1367,6 +1514,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             self.rebuild = None;
             self.promote_when_caught_up.clear();
             self.clock_ticked_at = None;
+            self.led_since = None;
             self.fail_all(
                 ErrorCode::Unavailable,
                 "leadership changed; retry with the same request id",
@@ -2003,6 +2151,10 @@ impl<S: Storage, R> NodeCore<S, R> {
         if self.version_proposed_at.is_none_or(|at| now >= at + retry) {
             self.propose_cluster_version();
         }
+        if self.lifecycle_proposed_at.is_none_or(|at| now >= at + retry) {
+            self.propose_lifecycle();
+        }
+        self.remove_dead_members();
         self.advance_log_clock();
         // One proposal carries no more than the log takes now: one larger than the bound on
         // uncommitted entries would be refused as busy on every tick, and nothing would expire
@@ -2167,6 +2319,102 @@ impl<S: Storage, R> NodeCore<S, R> {
         };
         if self.raft.propose(vec![Bytes::from(cmd.encode())]).is_ok() {
             self.version_proposed_at = Some(self.now);
+        }
+    }
+
+    /// Names the cluster, and keeps the member table in step with the configuration and with
+    /// what members say of themselves, once every member understands those entries (cluster
+    /// version 4; until then "no id yet" is not "another cluster").
+    fn propose_lifecycle(&mut self) {
+        if !self.raft.is_leader() || self.sm.cluster_version() < LIFECYCLE_VERSION {
+            return;
+        }
+        let mut commands = Vec::new();
+        if self.sm.cluster_id().is_none() && self.cfg.new_cluster_id != 0 {
+            commands.push(Command::SetClusterId {
+                id: self.cfg.new_cluster_id,
+                forced_by: self.cfg.forced_by.clone(),
+            });
+        }
+        let me = self.raft.id();
+        let membership = self.raft.membership().clone();
+        let table = self.sm.members();
+        for id in membership.members() {
+            let said = if id == me {
+                &self.cfg.identity
+            } else {
+                match self.said_info.get(&id) {
+                    Some(said) => said,
+                    None => continue,
+                }
+            };
+            if !info_current(table.get(&id), said) {
+                commands.push(Command::SetMember {
+                    id,
+                    info: Some(merged_info(table.get(&id), said)),
+                });
+            }
+        }
+        for id in table.keys().filter(|id| !membership.contains(**id)) {
+            commands.push(Command::SetMember {
+                id: *id,
+                info: None,
+            });
+        }
+        if commands.is_empty() || commands.len() > self.raft.proposal_room() {
+            return;
+        }
+        let encoded = commands.iter().map(|c| Bytes::from(c.encode())).collect();
+        if self.raft.propose(encoded).is_ok() {
+            self.lifecycle_proposed_at = Some(self.now);
+        }
+    }
+
+    /// Removes a voter not heard from for `dead_member_us` (a pod scaled away, a machine gone
+    /// for good) while at least `min_voters` voters stay, one at a time: a cluster scaled down
+    /// without removing its members first keeps its failure tolerance. Never the leader itself,
+    /// and only when every voter left is healthy.
+    fn remove_dead_members(&mut self) {
+        let Some(dead_after) = self.cfg.dead_member_us else {
+            return;
+        };
+        if !self.raft.is_leader() {
+            return;
+        }
+        let me = self.raft.id();
+        let now = self.now;
+        let led_since = self.led_since.unwrap_or(now);
+        let membership = self.raft.membership().clone();
+        if membership.voters.len() <= self.cfg.min_voters.max(1) {
+            return;
+        }
+        // A voter counts as dead only after this leader has led for the whole timeout without
+        // hearing from it (a new leader knows nothing older).
+        let heard = |id: NodeId| self.last_heard.get(&id).copied().unwrap_or(led_since);
+        let dead: Vec<NodeId> = membership
+            .voters
+            .iter()
+            .copied()
+            .filter(|&v| v != me && now >= heard(v) + dead_after)
+            .collect();
+        let Some(&victim) = dead.first() else {
+            return;
+        };
+        // Only with every other voter healthy, so the configuration left has a working majority.
+        if membership
+            .voters
+            .iter()
+            .any(|&v| v != me && v != victim && !self.recently_heard(v))
+        {
+            return;
+        }
+        if self
+            .raft
+            .propose_membership(MembershipChange::RemoveServer(victim))
+            .is_ok()
+        {
+            self.last_heard.remove(&victim);
+            self.observe(Observation::DeadMemberRemoved { id: victim });
         }
     }
 

@@ -49,6 +49,18 @@ struct Args {
     /// and no --join peer knows of one; every other node joins (same flags on every pod).
     #[arg(long)]
     bootstrap_id: Option<u64>,
+    /// One-shot override for a lost cluster: with an empty data directory, start a new cluster
+    /// even though some --join peers do not answer (never when one belongs to a cluster). Give
+    /// a new value each time; it is recorded in the new cluster. Not for a standing config.
+    #[arg(long, value_name = "NONCE")]
+    force_new_cluster: Option<String>,
+    /// A voter not heard from for this long is removed by the leader while more than
+    /// --min-voters voters remain (a pod scaled away). `0s` turns it off. Default 60s
+    #[arg(long)]
+    dead_member_timeout: Option<String>,
+    /// The leader never removes dead members below this many voters. Default 3
+    #[arg(long)]
+    min_voters: Option<usize>,
     /// Shared secret peers must present (x-raftlock-cluster-token). Required when the peer
     /// listener is not on loopback, unless --insecure.
     #[arg(long)]
@@ -201,6 +213,9 @@ impl Args {
             initial_cluster,
             join,
             bootstrap_id,
+            force_new_cluster,
+            dead_member_timeout,
+            min_voters,
             cluster_token,
             peer_tls_cert,
             peer_tls_key,

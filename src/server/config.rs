@@ -41,6 +41,18 @@ pub struct NodeConfig {
     /// joins. Lets every pod of a StatefulSet run with the same flags. 0 disables.
     #[serde(default)]
     pub bootstrap_id: NodeId,
+    /// A one-shot operator override: a node with an empty data directory starts a new cluster
+    /// even though some `join` peers do not answer (never when one answers that it belongs to a
+    /// cluster). The value is recorded in the new cluster; use a new value each time. Never a
+    /// standing setting.
+    #[serde(default)]
+    pub force_new_cluster: String,
+    /// A voter not heard from for this long is removed by the leader, while at least
+    /// `min_voters` voters stay (`0s`: never).
+    #[serde(deserialize_with = "duration")]
+    pub dead_member_timeout: Duration,
+    /// The leader removes dead members only while more voters than this remain.
+    pub min_voters: usize,
     /// Shared secret every peer must present; empty disables the check, which is allowed only
     /// when the peer listener is on loopback or `insecure` is set.
     #[serde(default)]
@@ -165,6 +177,8 @@ pub const DEFAULTS: &[(&str, &str)] = &[
     ("peer_stream", "plain"),
     ("io_threads", "0"),
     ("log_format", "text"),
+    ("dead_member_timeout", "60s"),
+    ("min_voters", "3"),
 ];
 
 fn default_node_name() -> String {

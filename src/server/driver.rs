@@ -47,6 +47,8 @@ pub enum Input {
         id: NodeId,
         peer_addr: String,
         client_addr: String,
+        /// The joiner's incarnation (0: not said, a RaftLock from before incarnations).
+        incarnation: u64,
         reply: oneshot::Sender<JoinReply>,
     },
     Remove {
@@ -65,6 +67,13 @@ pub enum Input {
         id: NodeId,
         version: u32,
     },
+    /// A peer's Raft stream said where it is reached and which incarnation it is.
+    PeerInfo {
+        id: NodeId,
+        info: crate::lock::MemberInfo,
+    },
+    /// The leader accepted this node's join: it takes Raft messages from now on.
+    Admitted,
 }
 
 #[derive(Clone, Debug)]
@@ -96,6 +105,12 @@ pub struct NodeStatus {
     pub waiters: u64,
     /// The cluster version in the applied state (see `lock::CLUSTER_VERSION`).
     pub cluster_version: u32,
+    /// The cluster's id (32 hex digits), once its leader named it; empty before.
+    pub cluster_id: String,
+    /// The `--force-new-cluster` value that started the cluster, if one did.
+    pub forced_by: String,
+    /// This node's data holds a log or a snapshot (it is, or was, a member of a cluster).
+    pub has_data: bool,
     /// The index of the snapshot from the leader whose state is being installed, if any: the
     /// lock counts are the state before it until it is done.
     pub installing_snapshot: Option<u64>,
@@ -156,6 +171,17 @@ pub struct DriverConfig {
     pub limits: crate::lock::Limits,
     /// Where applied lock events go for watchers.
     pub watch: Arc<super::watch::WatchHub>,
+    /// This node's addresses and incarnation, for the member table.
+    pub identity: crate::lock::MemberInfo,
+    /// The id this node gives a cluster it leads that has none (random).
+    pub new_cluster_id: u128,
+    /// The `--force-new-cluster` value this node started its cluster with (empty: none).
+    pub forced_by: String,
+    /// Dead-member removal: after how long (`None`: never), and the voters always kept.
+    pub dead_member: Option<Duration>,
+    pub min_voters: usize,
+    /// A new node asking to join: no Raft message until the leader accepted it.
+    pub joining: bool,
 }
 
 /// Storage that times its flushes for `raftlock_fsync_duration_seconds`.
@@ -465,6 +491,12 @@ pub struct Driver {
     snapshot_job: Option<std::sync::mpsc::Receiver<Result<Snapshot, StorageError>>>,
     /// When the snapshot being installed from the leader began (for the log line at its end).
     install_started: Option<Instant>,
+    /// The member table last copied into the address book.
+    members_seen: std::collections::BTreeMap<NodeId, crate::lock::MemberInfo>,
+    /// The cluster id last published.
+    cluster_seen: Option<u128>,
+    /// Where the transport reads the cluster id for its streams' hellos.
+    cluster_id_cell: Arc<std::sync::RwLock<String>>,
     /// Per peer: when the heartbeat being timed was sent (for `raftlock_peer_rtt_seconds`).
     heartbeat_sent: HashMap<NodeId, Instant>,
     /// While leading: each other member's replication-lag gauges (entries, seconds).
@@ -541,6 +573,7 @@ impl Driver {
         status: watch::Sender<NodeStatus>,
     ) -> Self {
         let addresses = transport.addresses().clone();
+        let cluster_id_cell = transport.cluster_id_cell();
         let settings = NodeSettings {
             snapshot_entries: cfg.snapshot_entries,
             snapshot_bytes: cfg.snapshot_bytes,
@@ -549,6 +582,11 @@ impl Driver {
             observe_lock_events: true,
             // One Ready per drive: the loop in `run` takes more while its turn budget lasts.
             readies_per_drive: 1,
+            identity: cfg.identity.clone(),
+            new_cluster_id: cfg.new_cluster_id,
+            forced_by: cfg.forced_by.clone(),
+            dead_member_us: cfg.dead_member.map(|d| d.as_micros() as Micros),
+            min_voters: cfg.min_voters,
             ..NodeSettings::default()
         };
         // A lock-node built with the `mutations` feature runs with the named bug switched on:
@@ -585,6 +623,14 @@ impl Driver {
             };
         let storage = TimedStorage::new(storage, metrics.clone(), background, cfg.flush_mode);
         let mut core = NodeCore::new(raft, storage, sm, settings, 0);
+        core.set_joining(cfg.joining);
+        // Every member this node's own storage knows of, so that a node (or a whole cluster)
+        // that restarts reaches its peers before it hears from any of them.
+        for (id, m) in core.known_members() {
+            if id != core.raft().id() {
+                addresses.learn_member(id, &m.peer_addr, &m.client_addr, m.incarnation);
+            }
+        }
         // The leader's appends and a follower's answers to them go through streams of their own
         // that run on the driver's runtime (one more connection per pair of nodes): this thread
         // writes them to the socket when it yields, instead of handing them to an I/O worker
@@ -646,6 +692,9 @@ impl Driver {
             snapshot_started: None,
             lag_clock: None,
             last_heard: HashMap::new(),
+            members_seen: Default::default(),
+            cluster_seen: None,
+            cluster_id_cell,
             logged_stats: Default::default(),
             leader_seen: 0,
         }
@@ -859,6 +908,7 @@ impl Driver {
                     id,
                     peer_addr,
                     client_addr,
+                    incarnation,
                     reply,
                 } => {
                     let raft = self.core.raft();
@@ -877,10 +927,27 @@ impl Driver {
                     if raft.is_leader() {
                         self.addresses.learn(id, &peer_addr, &client_addr);
                     }
-                    match self.core.join(id) {
-                        Ok(()) => {
+                    let info = crate::lock::MemberInfo {
+                        peer_addr: peer_addr.clone(),
+                        client_addr,
+                        incarnation,
+                    };
+                    match self.core.join(id, info) {
+                        Ok(crate::node::lifecycle::JoinOutcome::Accepted) => {
                             info!(node = id, addr = %peer_addr, "adding learner");
                             answer.success = true;
+                        }
+                        Ok(crate::node::lifecycle::JoinOutcome::Replacing) => {
+                            warn!(
+                                node = id,
+                                incarnation,
+                                "node {id} joins with a new incarnation (its data is gone): \
+                                 removing its old incarnation; it is added as a learner when it \
+                                 asks again"
+                            );
+                            answer.error = format!(
+                                "replacing node {id}'s old incarnation; ask again to be added"
+                            );
                         }
                         Err(err) => answer.error = err,
                     }
@@ -897,6 +964,12 @@ impl Driver {
                     let _ = reply.send(self.core.transfer_leadership().is_some());
                 }
                 Input::PeerVersion { id, version } => self.core.peer_version(id, version),
+                Input::PeerInfo { id, info } => self.core.peer_info(id, info),
+                Input::Admitted => {
+                    if self.core.is_joining() {
+                        self.core.set_joining(false);
+                    }
+                }
             }
         }
     }
@@ -1068,6 +1141,13 @@ impl Driver {
             Observation::Undecodable { index } => {
                 error!(index, "undecodable command in the log; skipped")
             }
+            Observation::MemberReplaced { id } => {
+                warn!(node = id, "removed node {id}'s old incarnation: it lost its data")
+            }
+            Observation::DeadMemberRemoved { id } => warn!(
+                node = id,
+                "removed node {id}: not heard from for the dead-member timeout"
+            ),
             Observation::Housekeeping { .. }
             | Observation::MemberRemoved { .. }
             | Observation::Persisted(_)
@@ -1113,6 +1193,28 @@ impl Driver {
         let locks_held = sm.locks_held() as u64;
         let waiters = sm.waiter_count() as u64;
         let cluster_version = sm.cluster_version();
+        let cluster_changed = sm.cluster_id() != self.cluster_seen;
+        if cluster_changed {
+            self.cluster_seen = sm.cluster_id();
+            if let Some(c) = sm.cluster_identity() {
+                if let Ok(mut cell) = self.cluster_id_cell.write() {
+                    *cell = format!("{:032x}", c.id);
+                }
+                info!(cluster_id = %format!("{:032x}", c.id), "this cluster's id");
+                self.metrics
+                    .cluster_info
+                    .with_label_values(&[&format!("{:032x}", c.id)])
+                    .set(1);
+            }
+        }
+        let has_data = raft.last_index() > 0 || raft.snapshot_index() > 0 || term > 0;
+        if sm.members() != &self.members_seen {
+            self.members_seen = sm.members().clone();
+            for (id, m) in &self.members_seen {
+                self.addresses
+                    .learn_member(*id, &m.peer_addr, &m.client_addr, m.incarnation);
+            }
+        }
         let installing_snapshot = self.core.installing_snapshot();
         let m = &self.metrics;
         m.term.set(term as i64);
@@ -1260,6 +1362,8 @@ impl Driver {
                 || old.locks_held != locks_held
                 || old.waiters != waiters
                 || old.cluster_version != cluster_version
+                || cluster_changed
+                || old.has_data != has_data
                 || old.installing_snapshot != installing_snapshot
                 || old.replication != replication;
             if changed {
@@ -1287,6 +1391,13 @@ impl Driver {
                 old.locks_held = locks_held;
                 old.waiters = waiters;
                 old.cluster_version = cluster_version;
+                old.has_data = has_data;
+                if cluster_changed {
+                    if let Some(c) = sm.cluster_identity() {
+                        old.cluster_id = format!("{:032x}", c.id);
+                        old.forced_by.clone_from(&c.forced_by);
+                    }
+                }
                 old.installing_snapshot = installing_snapshot;
                 if old.replication != replication {
                     old.replication.clone_from(&replication);

@@ -14,7 +14,7 @@ use super::http::AppState;
 use super::proto::lock as lpb;
 use super::proto::peer as ppb;
 use super::transport::{
-    AddressBook, CLIENT_ADDR_HEADER, NODE_ID_HEADER, PEER_ADDR_HEADER, TOKEN_HEADER, VERSION_HEADER,
+    AddressBook, CLIENT_ADDR_HEADER, CLUSTER_ID_HEADER, INCARNATION_HEADER, NODE_ID_HEADER, PEER_ADDR_HEADER, TOKEN_HEADER, VERSION_HEADER,
 };
 
 pub struct LockApi {
@@ -367,6 +367,8 @@ pub struct PeerApi {
     /// old id cannot be fed the log (and vote) as if it remembered its term — the leader refuses
     /// its join until an operator removes the old member.
     pub admitted: Arc<AtomicBool>,
+    /// This node's incarnation (the random id its data directory was created with).
+    pub incarnation: u64,
     /// `raftlock_request_duration_seconds` for requests forwarded here by other nodes.
     pub request_duration: prometheus::HistogramVec,
 }
@@ -395,6 +397,33 @@ impl PeerApi {
             self.refused.with_label_values(&["token"]).inc();
             Err(Status::unauthenticated("missing or wrong cluster token"))
         }
+    }
+
+    /// Whether a Raft stream from node `from` (saying `incarnation` and `cluster_id`) may feed
+    /// this node: never from another cluster, and never from an incarnation of a member that
+    /// the member table no longer names (a second process under a replaced member's id).
+    pub(crate) fn check_sender(
+        &self,
+        from: u64,
+        incarnation: u64,
+        cluster_id: &str,
+    ) -> Result<(), Status> {
+        let ours = self.status.borrow().cluster_id.clone();
+        if !cluster_id.is_empty() && !ours.is_empty() && cluster_id != ours {
+            self.refused.with_label_values(&["cluster_id"]).inc();
+            return Err(Status::permission_denied(format!(
+                "node {from} belongs to cluster {cluster_id}, this node to cluster {ours}"
+            )));
+        }
+        let recorded = self.addresses.get(from).map_or(0, |a| a.incarnation);
+        if incarnation != 0 && recorded != 0 && incarnation != recorded {
+            self.refused.with_label_values(&["incarnation"]).inc();
+            return Err(Status::permission_denied(format!(
+                "node {from}'s incarnation {incarnation:016x} is not the member's \
+                 ({recorded:016x}): its data was replaced"
+            )));
+        }
+        Ok(())
     }
 
     /// Under mutual TLS: whether the request's connection presented a certificate naming node
@@ -432,6 +461,7 @@ impl PeerApi {
         peer_addr: String,
         client_addr: String,
         version: Option<u32>,
+        incarnation: u64,
     ) -> RaftStreamIn<'_> {
         let mut stream = RaftStreamIn {
             api: self,
@@ -451,6 +481,17 @@ impl PeerApi {
                 .send(Input::PeerVersion { id: from, version })
                 .await;
         }
+        let _ = self
+            .driver
+            .send(Input::PeerInfo {
+                id: from,
+                info: crate::lock::MemberInfo {
+                    peer_addr: stream.peer_addr.clone(),
+                    client_addr: stream.client_addr.clone(),
+                    incarnation,
+                },
+            })
+            .await;
         stream
     }
 }
@@ -533,6 +574,8 @@ impl ppb::peer_server::Peer for PeerApi {
             )));
         }
         self.speaks_for(&request, from)?;
+        let incarnation: u64 = header(INCARNATION_HEADER).parse().unwrap_or(0);
+        self.check_sender(from, incarnation, &header(CLUSTER_ID_HEADER))?;
         let version = header(VERSION_HEADER).parse::<u32>().ok();
         let mut incoming = self
             .open_raft_stream(
@@ -540,6 +583,7 @@ impl ppb::peer_server::Peer for PeerApi {
                 header(PEER_ADDR_HEADER),
                 header(CLIENT_ADDR_HEADER),
                 version,
+                incarnation,
             )
             .await;
         let mut stream = request.into_inner();
@@ -566,10 +610,22 @@ impl ppb::peer_server::Peer for PeerApi {
         // data then stops it at the first state it cannot read; or `lockctl members add`,
         // which speaks for another node).
         let version = r.version;
-        let (cluster_version, leader_id) = {
+        let (cluster_version, leader_id, cluster_id) = {
             let s = self.status.borrow();
-            (s.cluster_version, s.leader_id)
+            (s.cluster_version, s.leader_id, s.cluster_id.clone())
         };
+        if !r.cluster_id.is_empty() && !cluster_id.is_empty() && r.cluster_id != cluster_id {
+            self.refused.with_label_values(&["cluster_id"]).inc();
+            return Ok(Response::new(ppb::JoinClusterReply {
+                success: false,
+                leader_id,
+                error: format!(
+                    "node {} belongs to cluster {}, this is cluster {cluster_id}",
+                    r.server_id, r.cluster_id
+                ),
+                ..Default::default()
+            }));
+        }
         if version > 0 && version < cluster_version {
             return Ok(Response::new(ppb::JoinClusterReply {
                 success: false,
@@ -596,6 +652,7 @@ impl ppb::peer_server::Peer for PeerApi {
             id: r.server_id,
             peer_addr: r.server_addr,
             client_addr: r.client_addr,
+            incarnation: r.incarnation,
             reply: tx,
         };
         self.driver
@@ -646,6 +703,11 @@ impl ppb::peer_server::Peer for PeerApi {
                 .map(|r| (r.id, r.match_index))
                 .collect(),
             commit_index: s.commit_index,
+            node_id: s.id,
+            has_data: s.has_data,
+            cluster_id: s.cluster_id.clone(),
+            forced_by: s.forced_by.clone(),
+            incarnation: self.incarnation,
         }))
     }
 

@@ -25,6 +25,7 @@ use super::proto::seed004::lock_service_server::LockServiceServer as SeedLockSer
 use super::tls::{ClientTls, PeerTls, TlsFiles};
 use super::transport::{AddressBook, LocalIdentity, PeerDialer, PeerTransport};
 use crate::lock::{Limits, LockStateMachine};
+use crate::node::lifecycle::{decide_start, PeerAnswer, StartDecision};
 use crate::raft::{Config, InitialState, Membership, NodeId, Raft};
 use crate::storage::{SledStorage, Storage};
 use crate::telemetry::NodeMetrics;
@@ -168,13 +169,25 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
     if fresh && !cfg.bootstrap && initial_members.len() > 1 {
         refuse_if_data_lost(&cfg, &dialer, &initial_members).await?;
     }
+    let incarnation = load_incarnation(&cfg.data_dir, fresh)?;
+    if !fresh && !cfg.force_new_cluster.is_empty() {
+        warn!("--force-new-cluster is ignored: this node has data (it starts no new cluster)");
+    }
 
     // A StatefulSet runs every pod with the same flags: the pod named by `bootstrap_id` starts
-    // the cluster, but only when no peer already belongs to one (its volume was lost, say).
+    // the cluster, but only once every other peer answered that it has no data (a peer that
+    // does not answer may hold the cluster: its volume was lost while the others are down,
+    // say), or when the operator forces it once.
     let bootstrap = cfg.bootstrap
         || (fresh
             && cfg.bootstrap_id == cfg.node_id
-            && !cluster_exists(&cfg, &dialer, &shutdown).await);
+            && decide_bootstrap(&cfg, &dialer, &client_listener, &shutdown).await);
+    let forced_by = if bootstrap && fresh && !cfg.force_new_cluster.is_empty() {
+        record_forced(&cfg.data_dir, &cfg.force_new_cluster)?;
+        cfg.force_new_cluster.clone()
+    } else {
+        String::new()
+    };
 
     let addresses = AddressBook::default();
     addresses.learn(cfg.node_id, &cfg.advertise_peer, &cfg.advertise_client);
@@ -227,6 +240,8 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
             id: cfg.node_id,
             peer_addr: cfg.advertise_peer.clone(),
             client_addr: cfg.advertise_client.clone(),
+            incarnation,
+            cluster_id: Default::default(),
         },
         dialer.clone(),
         addresses.clone(),
@@ -252,6 +267,16 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
             flush_mode: cfg.background_flush.parse().map_err(NodeError::Config)?,
             limits: lock_limits(&cfg),
             watch: watch_hub.clone(),
+            identity: crate::lock::MemberInfo {
+                peer_addr: cfg.advertise_peer.clone(),
+                client_addr: cfg.advertise_client.clone(),
+                incarnation,
+            },
+            new_cluster_id: rand::random::<u128>().max(1),
+            forced_by,
+            dead_member: (!cfg.dead_member_timeout.is_zero()).then_some(cfg.dead_member_timeout),
+            min_voters: cfg.min_voters,
+            joining: fresh && !bootstrap && !cfg.join_peers().is_empty(),
         },
         input_rx,
         status_tx,
@@ -269,6 +294,7 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
         refused: metrics.peer_connections_refused_total.clone(),
         status: status_rx.clone(),
         admitted: admitted.clone(),
+        incarnation,
         request_duration: metrics.request_duration_seconds.clone(),
     };
     let peer_api = Arc::new(peer_api);
@@ -429,12 +455,15 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
         let join_admitted = admitted.clone();
         let join_addresses = addresses.clone();
         let join_dialer = dialer.clone();
+        let join_driver = input_tx.clone();
         tokio::spawn(async move {
             join_cluster(
                 join_cfg,
+                incarnation,
                 join_dialer,
                 join_addresses,
                 join_admitted,
+                join_driver,
                 join_shutdown,
             )
             .await
@@ -460,9 +489,11 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
 /// starting, or an operator must first remove the member it replaces); it stays unready meanwhile.
 async fn join_cluster(
     cfg: NodeConfig,
+    incarnation: u64,
     dialer: PeerDialer,
     addresses: AddressBook,
     admitted: Arc<AtomicBool>,
+    driver: mpsc::Sender<super::driver::Input>,
     shutdown: watch::Receiver<bool>,
 ) {
     let peers = other_join_peers(&cfg);
@@ -474,9 +505,10 @@ async fn join_cluster(
         for start in &peers {
             let mut target = start.clone();
             for hop in 0..5 {
-                match ask_to_join(&cfg, &dialer, &target).await {
+                match ask_to_join(&cfg, incarnation, &dialer, &target).await {
                     Ok(reply) if reply.success => {
                         admitted.store(true, Ordering::Release);
+                        let _ = driver.send(super::driver::Input::Admitted).await;
                         info!(via = %target, hop, "joined the cluster as a learner");
                         // Learn every member's addresses now: if the leader fails before this
                         // node hears from the others, it must still reach them to elect a new one.
@@ -517,38 +549,173 @@ fn other_join_peers(cfg: &NodeConfig) -> Vec<String> {
         .collect()
 }
 
-/// Asks the `join` peers (other than this node) whether any of them belongs to a cluster, for a
-/// few rounds. Unreachable peers and peers without members count as "no cluster".
-async fn cluster_exists(
+/// Asks every other `join` peer about itself until [`decide_start`] decides: true to start a
+/// new cluster, false to join the one that exists. While it waits it says why in its log and on
+/// `/readyz` (a small server on the client port until the node starts), and retries every two
+/// seconds until the node shuts down.
+async fn decide_bootstrap(
     cfg: &NodeConfig,
     dialer: &PeerDialer,
+    client_listener: &TcpListener,
     shutdown: &watch::Receiver<bool>,
 ) -> bool {
     let peers = other_join_peers(cfg);
-    for round in 0..3 {
+    let force = (!cfg.force_new_cluster.is_empty()).then_some(cfg.force_new_cluster.as_str());
+    let waiting = Arc::new(std::sync::RwLock::new(String::from(
+        "deciding whether to start a new cluster",
+    )));
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let probe = serve_while_starting(client_listener, waiting.clone(), stop_rx);
+    let mut round = 0u64;
+    let decision = loop {
         if *shutdown.borrow() {
-            return false;
+            break false;
         }
+        let mut answers = Vec::with_capacity(peers.len());
         for peer in &peers {
-            match fetch_peer_list(dialer, peer).await {
-                Ok(reply) if !reply.peer_set.is_empty() => {
-                    info!(via = %peer, members = ?reply.peer_set, "a cluster exists; joining it");
-                    return true;
+            let answer = match fetch_peer_list(dialer, peer).await {
+                Ok(reply) if reply.has_data || !reply.peer_set.is_empty() => PeerAnswer::Member {
+                    cluster_id: u128::from_str_radix(&reply.cluster_id, 16).ok(),
+                    forced_by: (!reply.forced_by.is_empty()).then_some(reply.forced_by),
+                },
+                Ok(_) => PeerAnswer::Empty,
+                Err(err) => {
+                    debug!(via = %peer, cause = %err, "peer not reachable");
+                    PeerAnswer::Unreachable
                 }
-                Ok(_) => debug!(via = %peer, "peer belongs to no cluster yet"),
-                Err(err) => debug!(via = %peer, cause = %err, "peer not reachable"),
+            };
+            answers.push((peer.clone(), answer));
+        }
+        match decide_start(&answers, force, false) {
+            StartDecision::Bootstrap => {
+                if force.is_some() {
+                    warn!(answers = ?answers, "--force-new-cluster: starting a new cluster");
+                } else {
+                    info!(peers = ?peers, "every peer answered that it has no data; starting a new cluster");
+                }
+                break true;
+            }
+            StartDecision::Join => {
+                info!(answers = ?answers, "a cluster exists; joining it");
+                break false;
+            }
+            StartDecision::Wait(why) => {
+                if round % 15 == 0 {
+                    warn!(round, "{why}");
+                }
+                if let Ok(mut w) = waiting.write() {
+                    *w = why;
+                }
             }
         }
-        if round < 2 {
-            tokio::time::sleep(Duration::from_secs(1)).await;
+        round += 1;
+        let mut shutdown = shutdown.clone();
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs(2)) => {}
+            _ = shutdown.wait_for(|s| *s) => {}
+        }
+    };
+    let _ = stop_tx.send(true);
+    if let Some(probe) = probe {
+        let _ = probe.await;
+    }
+    decision
+}
+
+/// While a node decides how to start, its client port answers `/healthz` (alive) and `/readyz`
+/// (503 with the reason it waits) on a copy of the listener; stopped before the node serves.
+fn serve_while_starting(
+    listener: &TcpListener,
+    waiting: Arc<std::sync::RwLock<String>>,
+    mut stop: watch::Receiver<bool>,
+) -> Option<tokio::task::JoinHandle<()>> {
+    let std_listener = listener
+        .local_addr()
+        .ok()
+        .and_then(|_| socket2_clone(listener))?;
+    let listener = TcpListener::from_std(std_listener).ok()?;
+    let app = axum::Router::new()
+        .route("/healthz", axum::routing::get(|| async { "ok" }))
+        .route(
+            "/readyz",
+            axum::routing::get(move || {
+                let why = waiting.read().map(|w| w.clone()).unwrap_or_default();
+                async move {
+                    (
+                        axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                        format!("not ready: {why}"),
+                    )
+                }
+            }),
+        );
+    Some(tokio::spawn(async move {
+        let _ = axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = stop.wait_for(|s| *s).await;
+            })
+            .await;
+    }))
+}
+
+/// A second handle on the same listening socket.
+fn socket2_clone(listener: &TcpListener) -> Option<std::net::TcpListener> {
+    use std::os::fd::{AsFd, BorrowedFd};
+    let fd: BorrowedFd<'_> = listener.as_fd();
+    let owned = fd.try_clone_to_owned().ok()?;
+    let std_listener = std::net::TcpListener::from(owned);
+    std_listener.set_nonblocking(true).ok()?;
+    Some(std_listener)
+}
+
+/// This node's incarnation: a random id minted when its data directory is created (kept in
+/// `incarnation` beside the store). A node whose data was lost comes back as a new incarnation
+/// of its id, which the leader can tell from the member that acknowledged the log.
+fn load_incarnation(data_dir: &std::path::Path, fresh: bool) -> Result<u64, NodeError> {
+    let path = data_dir.join("incarnation");
+    if !fresh {
+        if let Ok(text) = std::fs::read_to_string(&path) {
+            if let Ok(v) = u64::from_str_radix(text.trim(), 16) {
+                if v != 0 {
+                    return Ok(v);
+                }
+            }
         }
     }
-    info!(peers = ?peers, "no peer knows of a cluster; bootstrapping a new one");
-    false
+    let v = rand::random::<u64>().max(1);
+    write_synced(&path, format!("{v:016x}\n").as_bytes())?;
+    info!(incarnation = %format!("{v:016x}"), "this data directory's incarnation");
+    Ok(v)
+}
+
+/// Records the `--force-new-cluster` value a new cluster was started with.
+fn record_forced(data_dir: &std::path::Path, value: &str) -> Result<(), NodeError> {
+    write_synced(
+        &data_dir.join("forced-new-cluster"),
+        format!("{value}\n").as_bytes(),
+    )
+}
+
+fn write_synced(path: &std::path::Path, bytes: &[u8]) -> Result<(), NodeError> {
+    let write = || -> std::io::Result<()> {
+        let tmp = path.with_extension("tmp");
+        {
+            use std::io::Write;
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(bytes)?;
+            f.sync_all()?;
+        }
+        std::fs::rename(&tmp, path)?;
+        if let Some(dir) = path.parent() {
+            std::fs::File::open(dir)?.sync_all()?;
+        }
+        Ok(())
+    };
+    write().map_err(|e| NodeError::Config(format!("cannot write {}: {e}", path.display())))
 }
 
 async fn ask_to_join(
     cfg: &NodeConfig,
+    incarnation: u64,
     dialer: &PeerDialer,
     target: &str,
 ) -> Result<super::proto::peer::JoinClusterReply, Box<dyn std::error::Error + Send + Sync>> {
@@ -561,6 +728,8 @@ async fn ask_to_join(
         server_addr: cfg.advertise_peer.clone(),
         client_addr: cfg.advertise_client.clone(),
         version: crate::lock::CLUSTER_VERSION,
+        incarnation,
+        cluster_id: String::new(),
     });
     Ok(client.join_cluster(request).await?.into_inner())
 }

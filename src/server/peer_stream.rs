@@ -330,7 +330,8 @@ where
                 Ok(())
             }
         })
-        .and_then(|()| api.cert_speaks_for(cert.as_ref(), hello.node_id));
+        .and_then(|()| api.cert_speaks_for(cert.as_ref(), hello.node_id))
+        .and_then(|()| api.check_sender(hello.node_id, hello.incarnation, &hello.cluster_id));
     let refused = match &verdict {
         Ok(()) => String::new(),
         Err(status) => status.message().to_string(),
@@ -347,7 +348,13 @@ where
     }
     let version = (hello.version != 0).then_some(hello.version);
     let mut incoming = api
-        .open_raft_stream(hello.node_id, hello.peer_addr, hello.client_addr, version)
+        .open_raft_stream(
+            hello.node_id,
+            hello.peer_addr,
+            hello.client_addr,
+            version,
+            hello.incarnation,
+        )
         .await;
     reader.set_max(max_message_bytes);
     loop {

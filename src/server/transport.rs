@@ -37,6 +37,10 @@ pub const PEER_ADDR_HEADER: &str = "x-raftlock-peer-addr";
 pub const CLIENT_ADDR_HEADER: &str = "x-raftlock-client-addr";
 /// The RaftLock cluster version the sending node runs (`lock::CLUSTER_VERSION`).
 pub const VERSION_HEADER: &str = "x-raftlock-version";
+/// The sending node's incarnation (see `RaftStreamHello.incarnation`).
+pub const INCARNATION_HEADER: &str = "x-raftlock-incarnation";
+/// The sending node's cluster id (see `RaftStreamHello.cluster_id`).
+pub const CLUSTER_ID_HEADER: &str = "x-raftlock-cluster-id";
 
 /// Messages queued per peer before new ones are dropped.
 const PEER_QUEUE_MESSAGES: usize = 4096;
@@ -48,6 +52,8 @@ const BACKOFF_MAX: Duration = Duration::from_secs(1);
 pub struct MemberAddrs {
     pub peer: String,
     pub client: String,
+    /// The member's incarnation as the member table records it (0: not known).
+    pub incarnation: u64,
 }
 
 /// The addresses this node knows, learned from configuration, joins and peers' stream headers.
@@ -86,6 +92,16 @@ impl AddressBook {
             }
             if !client.is_empty() {
                 entry.client = client.to_string();
+            }
+        }
+    }
+
+    /// Records a member table entry: addresses as [`AddressBook::learn`], and its incarnation.
+    pub fn learn_member(&self, id: NodeId, peer: &str, client: &str, incarnation: u64) {
+        self.learn(id, peer, client);
+        if incarnation != 0 {
+            if let Ok(mut map) = self.inner.write() {
+                map.entry(id).or_default().incarnation = incarnation;
             }
         }
     }
@@ -144,6 +160,16 @@ pub struct LocalIdentity {
     pub id: NodeId,
     pub peer_addr: String,
     pub client_addr: String,
+    /// The random id this node's data directory was created with.
+    pub incarnation: u64,
+    /// The cluster id once known (32 hex digits), set by the driver.
+    pub cluster_id: Arc<RwLock<String>>,
+}
+
+impl LocalIdentity {
+    pub fn cluster_id(&self) -> String {
+        self.cluster_id.read().map(|c| c.clone()).unwrap_or_default()
+    }
 }
 
 /// Sends Raft messages to peers over long-lived streams.
@@ -169,6 +195,14 @@ impl std::fmt::Debug for PeerTransport {
         f.debug_struct("PeerTransport")
             .field("id", &self.identity.id)
             .finish()
+    }
+}
+
+impl PeerTransport {
+    /// Where the driver writes the cluster id once the cluster has one (streams opened after
+    /// that carry it in their hello).
+    pub fn cluster_id_cell(&self) -> Arc<RwLock<String>> {
+        self.identity.cluster_id.clone()
     }
 }
 
@@ -478,6 +512,13 @@ impl PeerSender {
             VERSION_HEADER,
             MetadataValue::from(crate::lock::CLUSTER_VERSION),
         );
+        md.insert(
+            INCARNATION_HEADER,
+            MetadataValue::from(self.identity.incarnation),
+        );
+        if let Ok(v) = self.identity.cluster_id().parse() {
+            md.insert(CLUSTER_ID_HEADER, v);
+        }
         self.opened("grpc");
         let result = client.raft(request).await;
         if queue.lock().await.is_closed() {
@@ -521,6 +562,8 @@ impl PeerSender {
             client_addr: self.identity.client_addr.clone(),
             version: crate::lock::CLUSTER_VERSION,
             cluster_token: self.dialer.cluster_token.clone(),
+            incarnation: self.identity.incarnation,
+            cluster_id: self.identity.cluster_id(),
         }
     }
 

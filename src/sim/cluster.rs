@@ -17,7 +17,7 @@
 //! messages that may leave before the flush and loses everything unflushed, exactly as lock-node
 //! would on a power cut.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use rand::seq::IndexedRandom;
 use rand::{Rng, SeedableRng};
@@ -29,6 +29,7 @@ use super::locks::LockChecker;
 use super::network::{Network, NetworkFaults};
 use crate::lock::{Limits, LockStateMachine, CLUSTER_VERSION};
 use crate::node::api::{ClientOp, ClientReply};
+use crate::node::lifecycle::{JoinOutcome, PeerAnswer, StartDecision};
 use crate::node::{Effect, NodeCore, NodeSettings, Observation};
 use crate::raft::{Config, Index, InitialState, Membership, Message, NodeId, Raft, Term};
 use crate::storage::{MemStorage, Storage, StorageError};
@@ -77,6 +78,12 @@ pub struct SimConfig {
     /// random after each of its steps, and at its next tick at the latest); a crash loses
     /// every flush not done.
     pub background_flushes: bool,
+    /// Lifecycle faults (drawn from a stream of their own, so the other faults' schedule
+    /// stays as it was up to the first of them): every node stopped and started at once, and a
+    /// node's storage wiped, after which it starts as a new incarnation through the same
+    /// start decision lock-node makes (node 1, the bootstrap node, asks its peers; every other
+    /// node joins).
+    pub lifecycle: bool,
     #[cfg(test)]
     pub bugs: crate::raft::config::Bugs,
     #[cfg(any(test, feature = "mutations"))]
@@ -100,6 +107,7 @@ impl SimConfig {
             crash_intensity: 1,
             trace: false,
             background_flushes: false,
+            lifecycle: true,
             #[cfg(test)]
             bugs: Default::default(),
             #[cfg(any(test, feature = "mutations"))]
@@ -141,6 +149,16 @@ pub struct SimStats {
     /// raises it once every member said it runs it, and every simulated member does).
     pub nodes_up: u64,
     pub nodes_at_version: u64,
+    /// Lifecycle faults: every node stopped and started at once; a node's storage wiped (and
+    /// how many of those were the bootstrap node with its peers down); the starts a node with
+    /// an empty disk put off because a peer did not answer; members replaced by a new
+    /// incarnation; nodes admitted after asking to join.
+    pub restarts_all: u64,
+    pub wipes: u64,
+    pub wipes_bootstrap_alone: u64,
+    pub bootstrap_waits: u64,
+    pub replacements: u64,
+    pub joins: u64,
 }
 
 impl SimStats {
@@ -171,6 +189,12 @@ impl SimStats {
         self.overlapped_readies += other.overlapped_readies;
         self.nodes_up += other.nodes_up;
         self.nodes_at_version += other.nodes_at_version;
+        self.restarts_all += other.restarts_all;
+        self.wipes += other.wipes;
+        self.wipes_bootstrap_alone += other.wipes_bootstrap_alone;
+        self.bootstrap_waits += other.bootstrap_waits;
+        self.replacements += other.replacements;
+        self.joins += other.joins;
     }
 }
 
@@ -280,6 +304,13 @@ struct SimNode {
     next_apply: u64,
     /// Applied index at which this node's lock state was last compared with the replicas'.
     state_checked_at: u64,
+    /// The random id of this node's current disk (a wiped disk gets a new one).
+    incarnation: u64,
+    /// A node started on a wiped disk that asked to join and was not accepted yet.
+    joining: bool,
+    /// The bootstrap node on a wiped disk that has not decided how to start (it waits while
+    /// a peer does not answer).
+    undecided: bool,
 }
 
 impl SimNode {
@@ -321,9 +352,15 @@ pub struct Cluster {
     /// The Figure 8 schedule's phase (unused unless `cfg.figure8`).
     figure8: Figure8,
     figure8_rounds: u64,
+    /// Draws the lifecycle faults (see [`SimConfig::lifecycle`]).
+    lifecycle_rng: ChaCha8Rng,
+    /// The cluster ids seen in any node's state: one per run.
+    cluster_ids: BTreeSet<u128>,
 }
 
 const MAX_MEMBERS: usize = 7;
+/// The node that may start a cluster on an empty disk (lock-node's `--bootstrap-id`).
+const BOOTSTRAP_ID: NodeId = 1;
 
 impl Cluster {
     pub fn new(cfg: SimConfig) -> Self {
@@ -345,6 +382,7 @@ impl Cluster {
         let max_inflight_appends = *[1, 2, 4, 16].choose(&mut rng).expect("non-empty");
         let max_batch_bytes = *[1, 100, 512, 4096].choose(&mut rng).expect("non-empty");
         let max_uncommitted_entries = *[6, 24, 100_000].choose(&mut rng).expect("non-empty");
+        let lifecycle_rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ 0x6c69_6665_6379_636c);
         let mut clients = SimClients::new(4, 3, 1, &mut rng);
         clients.trace = cfg.trace;
         let mut cluster = Cluster {
@@ -354,6 +392,8 @@ impl Cluster {
             write_index: BTreeMap::new(),
             figure8: Figure8::Settle { since: 0 },
             figure8_rounds: 0,
+            lifecycle_rng,
+            cluster_ids: BTreeSet::new(),
             healed_at: None,
             marker_done: false,
             max_inflight_appends,
@@ -398,6 +438,9 @@ impl Cluster {
             last_commit: 0,
             next_apply: 0,
             state_checked_at: 0,
+            incarnation: self.lifecycle_rng.random::<u64>().max(1),
+            joining: false,
+            undecided: false,
         };
         self.nodes.insert(id, node);
         self.start_node(id);
@@ -422,8 +465,19 @@ impl Cluster {
         cfg
     }
 
-    fn node_settings(&self) -> NodeSettings {
+    fn node_settings(&self, id: NodeId) -> NodeSettings {
+        let incarnation = self.nodes.get(&id).map_or(0, |n| n.incarnation);
         NodeSettings {
+            identity: crate::lock::MemberInfo {
+                peer_addr: format!("sim-{id}:peer"),
+                client_addr: format!("sim-{id}:client"),
+                incarnation,
+            },
+            // Different for every node and disk, the same in every replay of the seed.
+            new_cluster_id: (u128::from(self.cfg.seed) << 64 | u128::from(incarnation)).max(1),
+            forced_by: String::new(),
+            dead_member_us: None,
+            min_voters: 3,
             snapshot_entries: self.cfg.snapshot_every,
             snapshot_bytes: u64::MAX,
             waiter_reclaim_us: 500_000,
@@ -455,7 +509,7 @@ impl Cluster {
     fn start_node(&mut self, id: NodeId) {
         let incarnation_seed = self.rng.random();
         let raft_cfg = self.raft_config(id, incarnation_seed);
-        let settings = self.node_settings();
+        let settings = self.node_settings(id);
         let now = self.now_us;
         let node = self.nodes.get_mut(&id).expect("node exists");
         let mut storage = node.disk.take().unwrap_or_default();
@@ -482,7 +536,9 @@ impl Cluster {
                 },
             };
             let raft = Raft::new(raft_cfg, initial).map_err(|e| e.to_string())?;
-            Ok(NodeCore::new(raft, storage, sm, settings, node.local(now)))
+            let mut core = NodeCore::new(raft, storage, sm, settings, node.local(now));
+            core.set_joining(node.joining);
+            Ok(core)
         })();
         match started {
             Ok(core) => {
@@ -682,6 +738,13 @@ impl Cluster {
         let now = self.now_us;
         let node = self.nodes.get_mut(&id).expect("exists");
         node.next_tick_us = now + node.tick_us;
+        if node.retire_at.is_some_and(|at| at <= now) && self.member_again(id) {
+            // Removed (as an old incarnation) and added again since: it stays.
+            if let Some(node) = self.nodes.get_mut(&id) {
+                node.retire_at = None;
+            }
+        }
+        let node = self.nodes.get_mut(&id).expect("exists");
         if node.retire_at.is_some_and(|at| at <= now) {
             // An operator shuts a removed server down a while after its removal committed.
             node.decommissioned = true;
@@ -705,12 +768,23 @@ impl Cluster {
             let result = core.drive();
             self.after_core(id, result);
         }
+        if self.nodes[&id].joining && self.lifecycle_rng.random_bool(0.2) {
+            self.ask_to_join(id);
+        }
+        let senders: BTreeSet<NodeId> = self.nodes[&id].inbox.iter().map(|m| m.from).collect();
+        let said: Vec<(NodeId, crate::lock::MemberInfo)> = senders
+            .into_iter()
+            .filter_map(|from| self.nodes.get(&from).map(|n| (from, sim_identity(from, n.incarnation))))
+            .collect();
         let node = self.nodes.get_mut(&id).expect("exists");
         let inbox = std::mem::take(&mut node.inbox);
         let client_inbox = std::mem::take(&mut node.client_inbox);
         let Some(core) = node.core.as_mut() else {
             return;
         };
+        for (from, info) in said {
+            core.peer_info(from, info);
+        }
         for msg in inbox {
             core.peer_version(msg.from, CLUSTER_VERSION);
             core.step(local, msg);
@@ -1001,7 +1075,12 @@ impl Cluster {
                 }
                 let delay = self.rng.random_range(0..500_000);
                 if let Some(node) = self.nodes.get_mut(&gone) {
-                    if node.retire_at.is_none() && !node.decommissioned {
+                    // Not the new incarnation of a replaced member, still asking to join.
+                    if node.retire_at.is_none()
+                        && !node.decommissioned
+                        && !node.joining
+                        && !node.undecided
+                    {
                         node.retire_at = Some(self.now_us + delay);
                     }
                 }
@@ -1131,6 +1210,208 @@ impl Cluster {
             Some(Action::Transfer) => self.transfer_leadership(),
             None => {}
         }
+        self.inject_lifecycle();
+    }
+
+    // ----- lifecycle faults --------------------------------------------------------------------
+
+    fn inject_lifecycle(&mut self) {
+        if !self.cfg.lifecycle || !self.cfg.faults {
+            return;
+        }
+        let roll: u32 = self.lifecycle_rng.random_range(0..1_000_000);
+        if roll < 250 {
+            self.restart_all();
+        } else if roll < 600 {
+            self.wipe_random();
+        }
+    }
+
+    /// Every node stopped at once (a power cut, a node-pool upgrade, every pod deleted) and
+    /// started again from its disk.
+    fn restart_all(&mut self) {
+        let ids = self.alive_ids();
+        if ids.is_empty() {
+            return;
+        }
+        self.stats.restarts_all += 1;
+        if self.cfg.trace {
+            eprintln!("t={} every node restarts: {ids:?}", self.now_us);
+        }
+        for &id in &ids {
+            self.crash_node(id);
+        }
+        for id in ids {
+            self.start_or_decide(id);
+        }
+    }
+
+    /// A member's disk is lost (its volume deleted, its machine gone): it starts again on an
+    /// empty disk as a new incarnation. One at a time: no other node is still on its way back,
+    /// so the other members' disks hold every committed entry. The bootstrap node, half of the
+    /// time, comes back while every other node is down.
+    fn wipe_random(&mut self) {
+        if self.nodes.values().any(|n| n.joining || n.undecided) {
+            return;
+        }
+        let Some(leader) = self.leader() else { return };
+        let membership = self.nodes[&leader]
+            .core
+            .as_ref()
+            .expect("leader")
+            .raft()
+            .membership()
+            .clone();
+        let members: Vec<NodeId> = membership
+            .members()
+            .filter(|id| {
+                self.nodes
+                    .get(id)
+                    .is_some_and(|n| !n.decommissioned && n.retire_at.is_none())
+            })
+            .collect();
+        let Some(&id) = members.choose(&mut self.lifecycle_rng) else {
+            return;
+        };
+        self.stats.wipes += 1;
+        self.crash_node(id);
+        let incarnation = self.lifecycle_rng.random::<u64>().max(1);
+        let alone = id == BOOTSTRAP_ID && self.lifecycle_rng.random_bool(0.5);
+        if self.cfg.trace {
+            eprintln!(
+                "t={} node {id}'s disk is wiped (new incarnation {incarnation:x}){}",
+                self.now_us,
+                if alone { ", every other node down" } else { "" }
+            );
+        }
+        if alone {
+            self.stats.wipes_bootstrap_alone += 1;
+            for other in self.alive_ids() {
+                self.crash_node(other);
+            }
+        }
+        let node = self.nodes.get_mut(&id).expect("exists");
+        node.disk = Some(MemStorage::new());
+        node.incarnation = incarnation;
+        if id == BOOTSTRAP_ID {
+            node.undecided = true;
+        } else {
+            node.joining = true;
+            node.initial_membership = Membership::default();
+        }
+        self.start_or_decide(id);
+    }
+
+    /// Starts a node; the bootstrap node on an empty disk first decides how, as lock-node does
+    /// (`lifecycle::decide_start` over what each other node would answer), and stays down while
+    /// it must wait.
+    fn start_or_decide(&mut self, id: NodeId) {
+        if self.nodes.get(&id).is_some_and(|n| n.undecided) {
+            let answers = self.start_answers(id);
+            #[cfg(any(test, feature = "mutations"))]
+            let bug = self.cfg.node_bugs.bootstrap_when_unreachable;
+            #[cfg(not(any(test, feature = "mutations")))]
+            let bug = false;
+            let decision = crate::node::lifecycle::decide_start(&answers, None, bug);
+            if self.cfg.trace {
+                eprintln!("t={} node {id} decides {decision:?} from {answers:?}", self.now_us);
+            }
+            let node = self.nodes.get_mut(&id).expect("exists");
+            match decision {
+                StartDecision::Bootstrap => {
+                    node.undecided = false;
+                    node.initial_membership = Membership::with_voters([id]);
+                }
+                StartDecision::Join => {
+                    node.undecided = false;
+                    node.joining = true;
+                    node.initial_membership = Membership::default();
+                }
+                StartDecision::Wait(_) => {
+                    self.stats.bootstrap_waits += 1;
+                    return;
+                }
+            }
+        }
+        self.start_node(id);
+    }
+
+    /// What every other node would answer node `id` asking about itself.
+    fn start_answers(&self, id: NodeId) -> Vec<(String, PeerAnswer)> {
+        self.nodes
+            .values()
+            .filter(|n| n.id != id && !n.decommissioned)
+            .map(|n| {
+                let answer = match &n.core {
+                    None => PeerAnswer::Unreachable,
+                    Some(_)
+                        if self.network.is_blocked(id, n.id)
+                            || self.network.is_blocked(n.id, id) =>
+                    {
+                        PeerAnswer::Unreachable
+                    }
+                    Some(core) => {
+                        let raft = core.raft();
+                        let empty = raft.last_index() == 0
+                            && raft.snapshot_index() == 0
+                            && raft.term() == 0
+                            && raft.membership().is_empty();
+                        if empty {
+                            PeerAnswer::Empty
+                        } else {
+                            PeerAnswer::Member {
+                                cluster_id: core.state_machine().cluster_id(),
+                                forced_by: None,
+                            }
+                        }
+                    }
+                };
+                (format!("sim-{}:peer", n.id), answer)
+            })
+            .collect()
+    }
+
+    /// A node on a wiped disk asks the leader to join, as lock-node's join loop does.
+    fn ask_to_join(&mut self, id: NodeId) {
+        let Some(leader) = self.leader() else { return };
+        if self.network.is_blocked(id, leader) || self.network.is_blocked(leader, id) {
+            return;
+        }
+        if self.nodes.get(&id).is_none_or(|n| n.core.is_none()) {
+            return;
+        }
+        let info = sim_identity(id, self.nodes[&id].incarnation);
+        let Some(core) = self.nodes.get_mut(&leader).and_then(|n| n.core.as_mut()) else {
+            return;
+        };
+        let outcome = core.join(id, info);
+        let result = core.drive();
+        self.after_core(leader, result);
+        if self.cfg.trace {
+            eprintln!("t={} node {id} asks leader {leader} to join: {outcome:?}", self.now_us);
+        }
+        match outcome {
+            Ok(JoinOutcome::Accepted) => {
+                self.stats.joins += 1;
+                if let Some(node) = self.nodes.get_mut(&id) {
+                    node.joining = false;
+                    node.retire_at = None;
+                    if let Some(core) = node.core.as_mut() {
+                        core.set_joining(false);
+                    }
+                }
+            }
+            Ok(JoinOutcome::Replacing) => self.stats.replacements += 1,
+            Err(_) => {}
+        }
+    }
+
+    /// Whether `id` is a member of the current leader's configuration.
+    fn member_again(&self, id: NodeId) -> bool {
+        self.leader()
+            .and_then(|l| self.nodes[&l].core.as_ref())
+            .is_some_and(|c| c.raft().membership().contains(id))
+            && self.nodes.get(&id).is_some_and(|n| !n.joining)
     }
 
     fn start_partition(&mut self) {
@@ -1206,7 +1487,7 @@ impl Cluster {
             .map(|n| n.id)
             .collect();
         if let Some(&id) = down.choose(&mut self.rng) {
-            self.start_node(id);
+            self.start_or_decide(id);
         }
     }
 
@@ -1249,7 +1530,9 @@ impl Cluster {
         let result = match choice {
             0 if live_members < MAX_MEMBERS && new_id < 64 => {
                 let (_, core) = self.leader_core().expect("leader");
-                core.join(new_id).map(|()| Some(new_id)).map_err(|_| ())
+                core.join(new_id, sim_identity(new_id, 0))
+                    .map(|_| Some(new_id))
+                    .map_err(|_| ())
             }
             1 if membership.voters.len() > self.min_voters => {
                 let followers: Vec<NodeId> = membership
@@ -1357,14 +1640,16 @@ impl Cluster {
 
     /// Starts every node that is down (crashed, not removed from the cluster).
     fn restart_down_nodes(&mut self) {
-        let down: Vec<NodeId> = self
+        let mut down: Vec<NodeId> = self
             .nodes
             .values()
             .filter(|n| n.core.is_none() && !n.decommissioned)
             .map(|n| n.id)
             .collect();
+        // The bootstrap node on an empty disk decides last, once the others answer.
+        down.sort_by_key(|id| self.nodes[id].undecided);
         for id in down {
-            self.start_node(id);
+            self.start_or_decide(id);
         }
     }
 
@@ -1539,6 +1824,21 @@ impl Cluster {
                 self.checker.check_logs_match(ra, rb);
             }
         }
+        // One cluster per run: a node that started a second one (on an empty disk, while its
+        // peers did not answer) names it differently.
+        for &id in &alive {
+            if let Some(cid) = self.nodes[&id].core.as_ref().and_then(|c| c.state_machine().cluster_id()) {
+                if self.cluster_ids.insert(cid) && self.cluster_ids.len() > 1 {
+                    self.checker.violations.push(Violation {
+                        invariant: "one cluster",
+                        detail: format!(
+                            "node {id} belongs to cluster {cid:032x}; cluster ids seen: {:032x?}",
+                            self.cluster_ids
+                        ),
+                    });
+                }
+            }
+        }
     }
 
     /// After every fault heals: a leader commits a new entry within the budget; then, with the
@@ -1689,6 +1989,15 @@ impl Cluster {
             });
         }
         self.check_all_logs();
+    }
+}
+
+/// What simulated node `id` says of itself (its addresses never change in the simulator).
+fn sim_identity(id: NodeId, incarnation: u64) -> crate::lock::MemberInfo {
+    crate::lock::MemberInfo {
+        peer_addr: format!("sim-{id}:peer"),
+        client_addr: format!("sim-{id}:client"),
+        incarnation,
     }
 }
 

@@ -56,6 +56,7 @@ pub struct NodeMetrics {
     pub requests_total: IntCounterVec,
     pub peer_messages_dropped_total: IntCounterVec,
     pub peer_streams_opened_total: IntCounterVec,
+    pub cluster_info: IntGaugeVec,
 }
 
 impl std::fmt::Debug for NodeMetrics {
@@ -266,11 +267,21 @@ impl NodeMetrics {
                 ),
                 &["port", "result"]
             )),
+            cluster_info: reg!(IntGaugeVec::new(
+                Opts::new(
+                    "raftlock_cluster_info",
+                    "1, labelled with the id of the cluster this node belongs to (once its \
+                     leader named it)."
+                ),
+                &["cluster_id"]
+            )),
             peer_connections_refused_total: reg!(IntCounterVec::new(
                 Opts::new(
                     "raftlock_peer_requests_refused_total",
                     "Peer-port requests refused: no or wrong cluster token (token), or a \
-                     certificate that does not name the node id the request speaks for (identity)."
+                     certificate that does not name the node id the request speaks for (identity), a \
+                     sender from another cluster (cluster_id), or an incarnation of a member \
+                     that is no longer the member (incarnation)."
                 ),
                 &["reason"]
             )),

@@ -904,6 +904,8 @@ async fn members(args: &Args, action: &MembersCmd, json_out: bool) -> ExitCode {
                     client_addr: client_addr.clone(),
                     // Said by the node itself when it joins; lockctl speaks for it.
                     version: 0,
+                    incarnation: 0,
+                    cluster_id: String::new(),
                 };
                 let reply = match peer_client(&dialer, &target).await {
                     Ok(mut c) => c.join_cluster(dialer.request(req)).await,
