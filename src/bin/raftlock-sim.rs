@@ -48,6 +48,9 @@ struct Args {
     /// instead of inside the Ready that starts them.
     #[arg(long)]
     background_flushes: bool,
+    /// Disable the lifecycle faults (every node restarted at once, a node's disk wiped).
+    #[arg(long)]
+    no_lifecycle: bool,
 }
 
 fn main() -> ExitCode {
@@ -64,6 +67,7 @@ fn main() -> ExitCode {
         cfg.membership_changes = !args.no_membership;
         cfg.crash_intensity = args.crash_intensity;
         cfg.background_flushes = args.background_flushes;
+        cfg.lifecycle = !args.no_lifecycle;
         cfg.trace = std::env::var_os("RAFTLOCK_SIM_TRACE").is_some();
         let outcome = run_seed(cfg.clone());
         total.add(&outcome.stats);
@@ -78,7 +82,7 @@ fn main() -> ExitCode {
         }
     }
     println!(
-        "sim: seeds={} violations={} elections={} leader_changes={} partitions={} crashes={} pauses={} membership_changes={} committed={} grants={} expiries={} snapshots={} compactions={} transfers={} history_ops={} hold_intervals_checked={} reads_checked={} linearizability_checks={} lin_unchecked={} client_expiries={} redirects={} retries={} log_ticks={} acknowledging={} acknowledged_refusals={} overlapped_readies={} nodes_at_cluster_version={}/{}",
+        "sim: seeds={} violations={} elections={} leader_changes={} partitions={} crashes={} pauses={} membership_changes={} committed={} grants={} expiries={} snapshots={} compactions={} transfers={} history_ops={} hold_intervals_checked={} reads_checked={} linearizability_checks={} lin_unchecked={} client_expiries={} redirects={} retries={} log_ticks={} acknowledging={} acknowledged_refusals={} overlapped_readies={} nodes_at_cluster_version={}/{} restarts_all={} wipes={} wipes_bootstrap_alone={} bootstrap_waits={} replacements={} joins={}",
         args.seeds,
         violations,
         total.elections,
@@ -107,6 +111,12 @@ fn main() -> ExitCode {
         total.overlapped_readies,
         total.nodes_at_version,
         total.nodes_up,
+        total.restarts_all,
+        total.wipes,
+        total.wipes_bootstrap_alone,
+        total.bootstrap_waits,
+        total.replacements,
+        total.joins,
     );
     if violations == 0 {
         ExitCode::SUCCESS

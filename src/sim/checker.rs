@@ -207,6 +207,12 @@ impl Checker {
     }
 
     /// After a restart the recovered term must not be below any term the node already used.
+    /// A node's disk was wiped: its next incarnation starts at term 0 and learns the term anew
+    /// (it takes no Raft message until it is a member again, so it votes in no term it saw).
+    pub fn on_wipe(&mut self, node: NodeId) {
+        self.max_term_sent.remove(&node);
+    }
+
     pub fn on_restart(&mut self, node: NodeId, term: Term) {
         let sent = self.max_term_sent.get(&node).copied().unwrap_or(0);
         if term < sent {

@@ -738,10 +738,21 @@ impl Cluster {
         let now = self.now_us;
         let node = self.nodes.get_mut(&id).expect("exists");
         node.next_tick_us = now + node.tick_us;
-        if node.retire_at.is_some_and(|at| at <= now) && self.member_again(id) {
-            // Removed (as an old incarnation) and added again since: it stays.
-            if let Some(node) = self.nodes.get_mut(&id) {
-                node.retire_at = None;
+        if node.retire_at.is_some_and(|at| at <= now) {
+            match self.member_again(id) {
+                // Removed (as an old incarnation) and added again since: it stays.
+                Some(true) => {
+                    if let Some(node) = self.nodes.get_mut(&id) {
+                        node.retire_at = None;
+                    }
+                }
+                // No leader to ask: the operator looks again later.
+                None if self.cfg.lifecycle => {
+                    if let Some(node) = self.nodes.get_mut(&id) {
+                        node.retire_at = Some(now + 100_000);
+                    }
+                }
+                _ => {}
             }
         }
         let node = self.nodes.get_mut(&id).expect("exists");
@@ -1074,7 +1085,12 @@ impl Cluster {
                     );
                 }
                 let delay = self.rng.random_range(0..500_000);
-                if let Some(node) = self.nodes.get_mut(&gone) {
+                // Added again since (a replaced member's new incarnation): it stays.
+                let again = self.nodes[&id]
+                    .core
+                    .as_ref()
+                    .is_some_and(|c| c.raft().membership().contains(gone));
+                if let Some(node) = self.nodes.get_mut(&gone).filter(|_| !again) {
                     // Not the new incarnation of a replaced member, still asking to join.
                     if node.retire_at.is_none()
                         && !node.decommissioned
@@ -1270,6 +1286,18 @@ impl Cluster {
                     .is_some_and(|n| !n.decommissioned && n.retire_at.is_none())
             })
             .collect();
+        // Only where the others still hold a majority of intact disks in every node's view of
+        // the configuration (a two-voter configuration that loses one disk has lost its data).
+        let smallest = self
+            .nodes
+            .values()
+            .filter_map(|n| n.core.as_ref())
+            .map(|c| c.raft().membership().voters.len())
+            .min()
+            .unwrap_or(0);
+        if smallest < 3 {
+            return;
+        }
         let Some(&id) = members.choose(&mut self.lifecycle_rng) else {
             return;
         };
@@ -1290,6 +1318,7 @@ impl Cluster {
                 self.crash_node(other);
             }
         }
+        self.checker.on_wipe(id);
         let node = self.nodes.get_mut(&id).expect("exists");
         node.disk = Some(MemStorage::new());
         node.incarnation = incarnation;
@@ -1406,12 +1435,11 @@ impl Cluster {
         }
     }
 
-    /// Whether `id` is a member of the current leader's configuration.
-    fn member_again(&self, id: NodeId) -> bool {
-        self.leader()
-            .and_then(|l| self.nodes[&l].core.as_ref())
-            .is_some_and(|c| c.raft().membership().contains(id))
-            && self.nodes.get(&id).is_some_and(|n| !n.joining)
+    /// Whether `id` is a member of the current leader's configuration (`None`: no leader).
+    fn member_again(&self, id: NodeId) -> Option<bool> {
+        let leader = self.leader()?;
+        let core = self.nodes[&leader].core.as_ref()?;
+        Some(core.raft().membership().contains(id))
     }
 
     fn start_partition(&mut self) {

@@ -47,6 +47,9 @@ pub fn replay_command(cfg: &SimConfig) -> String {
     if cfg.background_flushes {
         cmd.push_str(" --background-flushes");
     }
+    if !cfg.lifecycle {
+        cmd.push_str(" --no-lifecycle");
+    }
     if cfg.crash_intensity != 1 {
         cmd.push_str(&format!(" --crash-intensity {}", cfg.crash_intensity));
     }
