@@ -59,8 +59,179 @@ fn statefulset_nodes(dir: &std::path::Path, n: u64) -> Vec<NodeProc> {
     nodes
 }
 
+fn acquire(key: &str, client: &str, request: &str, ttl: u64) -> Value {
+    serde_json::json!({"commandType": 3, "key": key, "clientId": client, "requestId": request,
+                       "ttl": ttl})
+}
+
+fn token_of(reply: &Value) -> u64 {
+    reply["fencingToken"]["value"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no token in {reply}"))
+}
+
+/// The node that leads, once one does (and every node that answers agrees).
+async fn wait_leader(nodes: &[NodeProc], timeout: Duration) -> usize {
+    let deadline = Instant::now() + timeout;
+    loop {
+        for (i, node) in nodes.iter().enumerate() {
+            if let Ok(s) = http_json(&node.client_addr(), "/status").await {
+                if s["role"] == "leader" && s["leaderId"].as_u64() == Some(node.id) {
+                    return i;
+                }
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no leader within {timeout:?}; node 1's log:\n{}",
+            std::fs::read_to_string(nodes[0].data_dir.with_extension("log")).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The holder and token of `key` as the leader lists it.
+async fn held(nodes: &[NodeProc], key: &str) -> Option<(String, u64)> {
+    let leader = wait_leader(nodes, Duration::from_secs(30)).await;
+    let locks = http_json(&nodes[leader].client_addr(), "/locks")
+        .await
+        .ok()?;
+    locks
+        .as_array()?
+        .iter()
+        .find(|l| l["key"] == key)
+        .and_then(|l| {
+            Some((
+                l["holder"].as_str()?.to_string(),
+                l["fencingToken"].as_u64()?,
+            ))
+        })
+}
+
+async fn grant(nodes: &[NodeProc], key: &str, client: &str, request: &str) -> u64 {
+    let leader = wait_leader(nodes, Duration::from_secs(30)).await;
+    let mut ws = ws_connect(&nodes[leader].client_addr()).await;
+    let reply = ws_request(&mut ws, &acquire(key, client, request, 300_000)).await;
+    assert_eq!(reply["success"], true, "{reply}");
+    token_of(&reply)
+}
+
+fn log_of(node: &NodeProc) -> String {
+    std::fs::read_to_string(node.data_dir.with_extension("log")).unwrap_or_default()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn same_flags_on_every_node_form_one_cluster_and_a_wiped_voter_cannot_rejoin_unremoved() {
+async fn every_node_killed_and_started_at_once_elects_and_keeps_its_locks() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut nodes = statefulset_nodes(dir.path(), 3);
+    for node in &mut nodes {
+        node.start();
+    }
+    for node in &nodes {
+        wait_voters(node, &[1, 2, 3], Duration::from_secs(60)).await;
+    }
+    // The member table (addresses and incarnations) is committed once the cluster's version
+    // allows it; wait until every node has it in its storage.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut named = 0;
+        for node in &nodes {
+            let s = http_json(&node.client_addr(), "/status").await.unwrap();
+            if s["clusterId"].as_str().is_some_and(|c| !c.is_empty()) {
+                named += 1;
+            }
+        }
+        if named == 3 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the cluster was never named");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let token = grant(&nodes, "batch", "settler", "r1").await;
+    let ids: Vec<String> = {
+        let mut v = Vec::new();
+        for node in &nodes {
+            let s = http_json(&node.client_addr(), "/status").await.unwrap();
+            v.push(s["clusterId"].as_str().unwrap().to_string());
+        }
+        v
+    };
+    assert!(ids.iter().all(|c| *c == ids[0]), "{ids:?}");
+
+    // A power cut: SIGKILL every node, then start them all again on their data.
+    for node in &mut nodes {
+        node.kill();
+    }
+    for node in &mut nodes {
+        node.start();
+    }
+    let started = Instant::now();
+    wait_leader(&nodes, Duration::from_secs(20)).await;
+    println!("a leader {:?} after the restart", started.elapsed());
+    assert_eq!(
+        held(&nodes, "batch").await,
+        Some(("settler".to_string(), token)),
+        "the held lock did not survive the restart"
+    );
+    for node in &nodes {
+        let s = wait_voters(node, &[1, 2, 3], Duration::from_secs(30)).await;
+        assert_eq!(s["clusterId"].as_str(), Some(ids[0].as_str()), "{s}");
+    }
+    // New grants carry larger tokens.
+    assert!(grant(&nodes, "next", "other", "r2").await > token);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bootstrap_node_on_an_empty_volume_with_its_peers_down_grants_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut nodes = statefulset_nodes(dir.path(), 3);
+    for node in &mut nodes {
+        node.start();
+    }
+    for node in &nodes {
+        wait_voters(node, &[1, 2, 3], Duration::from_secs(60)).await;
+    }
+    let token = grant(&nodes, "batch", "settler", "r1").await;
+    // Let the member table commit before the power cut.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    // Every pod goes away; pod 1 comes back first, on an empty volume.
+    for node in &mut nodes {
+        node.kill();
+    }
+    std::fs::remove_dir_all(&nodes[0].data_dir).unwrap();
+    nodes[0].start();
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let s = http_json(&nodes[0].client_addr(), "/status").await;
+    assert!(
+        s.is_err() || ids(s.as_ref().unwrap(), "voters").is_empty(),
+        "node 1 started a cluster alone: {s:?}"
+    );
+    let (code, body) = http_get(&nodes[0].client_addr(), "/readyz").await.unwrap();
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("not starting a new cluster"), "{body}");
+    let log = log_of(&nodes[0]);
+    assert!(!log.contains("starting a new cluster\""), "{log}");
+    assert!(!log.contains("bootstrapped"), "{log}");
+
+    // Its peers return: one cluster again, node 1 replaced by its new incarnation, the lock
+    // still held with its token, and tokens go on increasing.
+    nodes[1].start();
+    nodes[2].start();
+    for node in &nodes {
+        wait_voters(node, &[1, 2, 3], Duration::from_secs(90)).await;
+    }
+    assert_eq!(
+        held(&nodes, "batch").await,
+        Some(("settler".to_string(), token))
+    );
+    assert!(grant(&nodes, "next", "other", "r2").await > token);
+    let log = log_of(&nodes[0]);
+    assert!(log.contains("a cluster exists; joining it"), "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_flags_on_every_node_form_one_cluster_and_a_wiped_voter_comes_back_by_itself() {
     let dir = tempfile::tempdir().unwrap();
     let mut nodes = statefulset_nodes(dir.path(), 3);
     // All at once, as a Parallel StatefulSet starts its pods.
@@ -70,54 +241,29 @@ async fn same_flags_on_every_node_form_one_cluster_and_a_wiped_voter_cannot_rejo
     for node in &nodes {
         wait_voters(node, &[1, 2, 3], Duration::from_secs(60)).await;
     }
-    let log1 = std::fs::read_to_string(nodes[0].data_dir.with_extension("log")).unwrap();
-    assert!(log1.contains("bootstrapping a new one"), "{log1}");
-
-    // Node 1 loses its volume and starts again with the same flags: it must find the running
-    // cluster instead of bootstrapping a second one, and, being a voter already, be refused.
-    nodes[0].kill();
-    std::fs::remove_dir_all(&nodes[0].data_dir).unwrap();
-    nodes[0].start();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let log = std::fs::read_to_string(nodes[0].data_dir.with_extension("log")).unwrap();
-        if log.contains("already a voter") {
-            assert!(log.contains("a cluster exists; joining it"), "{log}");
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the wiped voter was not refused: {log}\n--- node 2:\n{}",
-            std::fs::read_to_string(nodes[1].data_dir.with_extension("log")).unwrap_or_default()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    let s = http_json(&nodes[0].client_addr(), "/status").await.unwrap();
-    assert!(ids(&s, "voters").is_empty(), "it started a cluster: {s}");
-    let (code, _) = http_get(&nodes[0].client_addr(), "/readyz").await.unwrap();
-    assert_eq!(code, 503);
-    // The others still form the cluster, with a leader among 2 and 3.
-    let s = wait_voters(&nodes[1], &[1, 2, 3], Duration::from_secs(30)).await;
-    assert_ne!(s["leaderId"], 1, "{s}");
-
-    // The operator removes the lost member; the node, still retrying, then joins afresh.
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_lockctl"))
-        .args([
-            "members",
-            "remove",
-            "--id",
-            "1",
-            "--via",
-            &nodes[1].peer_addr(),
-        ])
-        .output()
-        .unwrap();
+    let log1 = log_of(&nodes[0]);
     assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+        log1.contains("every peer answered that it has no data"),
+        "{log1}"
     );
+    let token = grant(&nodes, "batch", "settler", "r1").await;
+
+    // Node 2 loses its volume and starts again with the same flags while the others run: it
+    // joins, the leader replaces its old incarnation, and it is a voter again.
+    nodes[1].kill();
+    std::fs::remove_dir_all(&nodes[1].data_dir).unwrap();
+    nodes[1].start();
     for node in &nodes {
-        wait_voters(node, &[1, 2, 3], Duration::from_secs(60)).await;
+        wait_voters(node, &[1, 2, 3], Duration::from_secs(90)).await;
     }
+    let leader = wait_leader(&nodes, Duration::from_secs(30)).await;
+    let leader_log = log_of(&nodes[leader]);
+    assert!(
+        nodes[leader].id == 2 || leader_log.contains("old incarnation"),
+        "{leader_log}"
+    );
+    assert_eq!(
+        held(&nodes, "batch").await,
+        Some(("settler".to_string(), token))
+    );
 }

@@ -117,6 +117,22 @@ pub enum Command {
     /// Proposed by a leader only once every member of the configuration has said it runs a
     /// RaftLock of at least `version` (see `lock::CLUSTER_VERSION`); never lowers it.
     SetClusterVersion { version: u32 },
+    // New variants go here, before `Sequenced`: serde numbers the variants it encodes by their
+    // place in the enum but decodes by their place among the variants it does not skip.
+    /// Names the cluster (needs cluster version 4): proposed once by a cluster's first leader
+    /// (or, in a cluster from before cluster ids, by the leader once every member understands
+    /// it). Applies only while the state has no cluster id: a cluster's id never changes.
+    /// `forced_by`: the operator's one-shot `--force-new-cluster` value that started this
+    /// cluster, empty when it formed by itself.
+    SetClusterId { id: u128, forced_by: String },
+    /// Records (`Some`) or forgets (`None`) where member `id` is reached and which incarnation of
+    /// it (the random id its data directory was created with) is the member (needs cluster
+    /// version 4). Every node reads the table from its own storage at start, so a cluster whose
+    /// every node restarts at once knows where its members are.
+    SetMember {
+        id: u64,
+        info: Option<crate::lock::MemberInfo>,
+    },
     /// A client request that acknowledges earlier answers (needs cluster version 3). Its
     /// `command`'s request id is the request's sequence number in its client's session (decimal,
     /// from 1), and `ack_below` says the client has the answer of every request of its session
@@ -131,20 +147,6 @@ pub enum Command {
     Sequenced {
         ack_below: u64,
         command: Box<Command>,
-    },
-    /// Names the cluster (needs cluster version 4): proposed once by a cluster's first leader
-    /// (or, in a cluster from before cluster ids, by the leader once every member understands
-    /// it). Applies only while the state has no cluster id: a cluster's id never changes.
-    /// `forced_by`: the operator's one-shot `--force-new-cluster` value that started this
-    /// cluster, empty when it formed by itself.
-    SetClusterId { id: u128, forced_by: String },
-    /// Records (`Some`) or forgets (`None`) where member `id` is reached and which incarnation of
-    /// it (the random id its data directory was created with) is the member (needs cluster
-    /// version 4). Every node reads the table from its own storage at start, so a cluster whose
-    /// every node restarts at once knows where its members are.
-    SetMember {
-        id: u64,
-        info: Option<crate::lock::MemberInfo>,
     },
 }
 

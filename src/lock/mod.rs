@@ -16,8 +16,8 @@ mod tests;
 pub use command::{Command, DecodeError, FencingToken};
 pub use limits::{Limits, LimitsV1};
 pub use machine::{
-    sequence_number, stored_to_snapshot_pairs, HeldLock, LockStateMachine, StateLoader,
-    StoredToSnapshot, WaiterInfo, ClusterIdentity, MemberInfo, CLUSTER_VERSION, DEDUPE_BLOCK,
+    sequence_number, stored_to_snapshot_pairs, ClusterIdentity, HeldLock, LockStateMachine,
+    MemberInfo, StateLoader, StoredToSnapshot, WaiterInfo, CLUSTER_VERSION, DEDUPE_BLOCK,
     LIFECYCLE_VERSION, MEMBERS_MAX, MEMBER_ADDR_MAX, SEQUENCED_VERSION,
 };
 pub use outcome::{Applied, Event, Outcome, RejectCode};

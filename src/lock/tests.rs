@@ -404,7 +404,9 @@ impl Model {
                 self.tick(*elapsed_ms);
                 Outcome::Stored
             }
-            Command::SetClusterVersion { .. } => Outcome::Stored,
+            Command::SetClusterVersion { .. }
+            | Command::SetClusterId { .. }
+            | Command::SetMember { .. } => Outcome::Stored,
             Command::Sequenced { .. } => unreachable!("the model's commands acknowledge nothing"),
             Command::Expire { key, token } => match self.holders.get(key) {
                 Some(h) if h.token == *token => {
@@ -511,6 +513,8 @@ fn model_op(cmd: &Command) -> ModelOp {
         | Command::SetLimitsV1 { .. }
         | Command::Tick { .. }
         | Command::SetClusterVersion { .. }
+        | Command::SetClusterId { .. }
+        | Command::SetMember { .. }
         | Command::Sequenced { .. } => "",
     };
     (kind, cmd.key().to_string())
@@ -1815,4 +1819,74 @@ fn a_copy_of_an_acknowledging_request_gets_its_first_answer_even_if_nothing_chan
     let bad = sequenced(21, put("c", "21", ""));
     assert!(sm.apply(8, &bad).outcome != Outcome::Stored);
     assert!(!sm.apply(9, &bad).replayed);
+}
+
+#[test]
+fn cluster_id_is_set_once_and_the_member_table_round_trips() {
+    let mut sm = LockStateMachine::new(Limits::default());
+    assert_eq!(sm.cluster_id(), None);
+    sm.apply(
+        1,
+        &Command::SetClusterId {
+            id: 0xabc,
+            forced_by: String::new(),
+        },
+    );
+    // A second id never replaces the first: a cluster's id never changes.
+    sm.apply(
+        2,
+        &Command::SetClusterId {
+            id: 0xdef,
+            forced_by: "again".into(),
+        },
+    );
+    assert_eq!(sm.cluster_id(), Some(0xabc));
+    let info = crate::lock::MemberInfo {
+        peer_addr: "node-1:7000".into(),
+        client_addr: "node-1:50050".into(),
+        incarnation: 42,
+    };
+    sm.apply(
+        3,
+        &Command::SetMember {
+            id: 1,
+            info: Some(info.clone()),
+        },
+    );
+    // Over-long addresses are refused the same way by every replica.
+    let long = crate::lock::MemberInfo {
+        peer_addr: "x".repeat(crate::lock::MEMBER_ADDR_MAX + 1),
+        ..info.clone()
+    };
+    sm.apply(
+        4,
+        &Command::SetMember {
+            id: 2,
+            info: Some(long),
+        },
+    );
+    assert_eq!(sm.members().len(), 1);
+    let changes = sm.take_changes();
+    assert!(changes.iter().any(|(k, _)| k == b"meta/cluster"));
+    assert!(changes.iter().any(|(k, _)| k == b"meta/members"));
+    let reread = LockStateMachine::from_kv(sm.to_kv()).unwrap();
+    assert_eq!(reread.cluster_id(), Some(0xabc));
+    assert_eq!(reread.members().get(&1), Some(&info));
+    // Forgetting a member.
+    sm.apply(5, &Command::SetMember { id: 1, info: None });
+    assert!(sm.members().is_empty());
+    let reread = LockStateMachine::from_kv(sm.to_kv()).unwrap();
+    assert!(reread.members().is_empty());
+    for cmd in [
+        Command::SetClusterId {
+            id: 7,
+            forced_by: "n".into(),
+        },
+        Command::SetMember {
+            id: 3,
+            info: Some(info),
+        },
+    ] {
+        assert_eq!(Command::decode(&cmd.encode()).unwrap(), cmd);
+    }
 }

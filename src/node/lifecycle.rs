@@ -175,7 +175,10 @@ mod tests {
     #[test]
     fn forcing_bootstraps_past_unreachable_peers() {
         let a = answers(&[PeerAnswer::Unreachable, PeerAnswer::Unreachable]);
-        assert_eq!(decide_start(&a, Some("n1"), false), StartDecision::Bootstrap);
+        assert_eq!(
+            decide_start(&a, Some("n1"), false),
+            StartDecision::Bootstrap
+        );
     }
 
     #[test]

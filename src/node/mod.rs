@@ -25,8 +25,8 @@
 //! whoever proposed them, and a replayed answer from the dedupe table moves nothing.
 
 pub mod api;
-pub mod lifecycle;
 pub mod events;
+pub mod lifecycle;
 pub mod pacing;
 mod timed;
 
@@ -36,8 +36,8 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use self::api::{AnswerKind, ApiError, ClientOp, ClientReply, ErrorCode, QueuedInfo};
-use self::timed::{Deadline, TimedMap};
 use self::lifecycle::{info_current, merged_info, JoinOutcome};
+use self::timed::{Deadline, TimedMap};
 use crate::lock::{
     Command, Event, FencingToken, LockStateMachine, MemberInfo, Outcome, RejectCode, StateLoader,
     CLUSTER_VERSION, LIFECYCLE_VERSION, MEMBERS_MAX, MEMBER_ADDR_MAX,
@@ -240,9 +240,13 @@ impl<R> std::fmt::Debug for Effect<R> {
 pub enum Observation {
     /// This leader removed voter `id`'s old incarnation: a new one, without its data, asked to
     /// join.
-    MemberReplaced { id: NodeId },
+    MemberReplaced {
+        id: NodeId,
+    },
     /// This leader removed voter `id`, not heard from for the dead-member timeout.
-    DeadMemberRemoved { id: NodeId },
+    DeadMemberRemoved {
+        id: NodeId,
+    },
     BecameLeader {
         term: u64,
     },
@@ -979,7 +983,6 @@ impl<S: Storage, R> NodeCore<S, R> {
                 "node {id} is this cluster's leader: a second process with its id cannot join"
             ));
         }
-        self.peer_info(id, info.clone());
         let membership = self.raft.membership().clone();
         if membership.voters.contains(&id) {
             let recorded = self.sm.members().get(&id).map_or(0, |m| m.incarnation);
@@ -987,6 +990,7 @@ impl<S: Storage, R> NodeCore<S, R> {
                 || self.bug(|b| b.incarnation_ignored)
             {
                 // The incarnation that is the member asks again (its first answer was lost).
+                self.peer_info(id, info);
                 return Ok(JoinOutcome::Accepted);
             }
             // Only a node with an empty log asks to join: this one lost its data, and must not
@@ -1011,11 +1015,13 @@ impl<S: Storage, R> NodeCore<S, R> {
             if membership.learners.contains(&id) && !self.promote_when_caught_up.contains(&id) {
                 self.promote_when_caught_up.push(id);
             }
+            self.peer_info(id, info);
             return Ok(JoinOutcome::Accepted);
         }
         self.raft
             .propose_membership(MembershipChange::AddLearner(id))
             .map_err(|e| e.to_string())?;
+        self.peer_info(id, info);
         self.promote_when_caught_up.push(id);
         Ok(JoinOutcome::Accepted)
     }
@@ -2151,7 +2157,10 @@ impl<S: Storage, R> NodeCore<S, R> {
         if self.version_proposed_at.is_none_or(|at| now >= at + retry) {
             self.propose_cluster_version();
         }
-        if self.lifecycle_proposed_at.is_none_or(|at| now >= at + retry) {
+        if self
+            .lifecycle_proposed_at
+            .is_none_or(|at| now >= at + retry)
+        {
             self.propose_lifecycle();
         }
         self.remove_dead_members();
@@ -2348,6 +2357,16 @@ impl<S: Storage, R> NodeCore<S, R> {
                     None => continue,
                 }
             };
+            let recorded = table.get(&id).map_or(0, |m| m.incarnation);
+            if membership.voters.contains(&id)
+                && recorded != 0
+                && said.incarnation != 0
+                && said.incarnation != recorded
+            {
+                // A voter's incarnation changes only by replacement (`join`): another
+                // incarnation under its id is not the voter that acknowledged the log.
+                continue;
+            }
             if !info_current(table.get(&id), said) {
                 commands.push(Command::SetMember {
                     id,
@@ -3175,7 +3194,7 @@ mod cluster_version {
                 0,
             ),
         );
-        c.core(1).join(4).unwrap();
+        c.core(1).join(4, MemberInfo::default()).unwrap();
         tick_leader(&mut c, 10);
         let membership = c.core(1).raft().membership().clone();
         assert!(membership.learners.contains(&4), "{membership:?}");

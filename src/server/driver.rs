@@ -1142,7 +1142,10 @@ impl Driver {
                 error!(index, "undecodable command in the log; skipped")
             }
             Observation::MemberReplaced { id } => {
-                warn!(node = id, "removed node {id}'s old incarnation: it lost its data")
+                warn!(
+                    node = id,
+                    "removed node {id}'s old incarnation: it lost its data"
+                )
             }
             Observation::DeadMemberRemoved { id } => warn!(
                 node = id,

@@ -14,7 +14,8 @@ use super::http::AppState;
 use super::proto::lock as lpb;
 use super::proto::peer as ppb;
 use super::transport::{
-    AddressBook, CLIENT_ADDR_HEADER, CLUSTER_ID_HEADER, INCARNATION_HEADER, NODE_ID_HEADER, PEER_ADDR_HEADER, TOKEN_HEADER, VERSION_HEADER,
+    AddressBook, CLIENT_ADDR_HEADER, CLUSTER_ID_HEADER, INCARNATION_HEADER, NODE_ID_HEADER,
+    PEER_ADDR_HEADER, TOKEN_HEADER, VERSION_HEADER,
 };
 
 pub struct LockApi {

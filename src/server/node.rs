@@ -443,6 +443,7 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
 
     tokio::spawn(refresh_addresses(
         cfg.clone(),
+        incarnation,
         dialer.clone(),
         status_rx.clone(),
         addresses.clone(),
@@ -742,18 +743,46 @@ const ADDRESS_REFRESH_INTERVAL: Duration = Duration::from_secs(2);
 /// member's address is missing, this asks the leader (`FetchPeerList`) every couple of seconds.
 async fn refresh_addresses(
     cfg: NodeConfig,
+    incarnation: u64,
     dialer: PeerDialer,
     status: watch::Receiver<NodeStatus>,
     addresses: AddressBook,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    let mut leaderless_since: Option<std::time::Instant> = None;
     loop {
         tokio::select! {
             _ = tokio::time::sleep(ADDRESS_REFRESH_INTERVAL) => {}
             _ = shutdown.wait_for(|s| *s) => return,
         }
         let s = status.borrow().clone();
-        if s.leader_id == 0 || s.leader_id == cfg.node_id {
+        if s.leader_id == 0 {
+            // No leader known: a member whose address this node's storage does not hold (a
+            // cluster from before the member table, say) is looked up through the `--join`
+            // peers, each of which says its own id.
+            let book = addresses.all();
+            let missing = s
+                .voters
+                .iter()
+                .any(|id| *id != cfg.node_id && book.get(id).is_none_or(|a| a.peer.is_empty()));
+            let since = *leaderless_since.get_or_insert_with(std::time::Instant::now);
+            if s.has_data && since.elapsed() >= REJOIN_AFTER {
+                rejoin_if_removed(&cfg, incarnation, &dialer, &s).await;
+            }
+            if missing {
+                for peer in other_join_peers(&cfg) {
+                    if let Ok(reply) = fetch_peer_list(&dialer, &peer).await {
+                        if reply.node_id != 0 && reply.node_id != cfg.node_id {
+                            addresses.learn(reply.node_id, &peer, "");
+                        }
+                        learn_peer_list(&addresses, reply);
+                    }
+                }
+            }
+            continue;
+        }
+        leaderless_since = None;
+        if s.leader_id == cfg.node_id {
             continue;
         }
         let book = addresses.all();
@@ -773,6 +802,50 @@ async fn refresh_addresses(
                 debug!(leader = %leader_peer, cause = %err, "could not fetch the peer list")
             }
         }
+    }
+}
+
+/// How long a node with data hears from no leader before it checks whether the cluster removed
+/// it.
+const REJOIN_AFTER: Duration = Duration::from_secs(10);
+
+/// A node with data that hears from no leader may have been removed while it was away (scaled
+/// down, or found dead): when a `--join` peer names a leader of this node's cluster whose
+/// configuration lacks this node, it asks to join again, as a learner whose stale log the
+/// leader replaces (a snapshot when it is too far behind), promoted once caught up.
+async fn rejoin_if_removed(
+    cfg: &NodeConfig,
+    incarnation: u64,
+    dialer: &PeerDialer,
+    s: &NodeStatus,
+) {
+    for peer in other_join_peers(cfg) {
+        let Ok(reply) = fetch_peer_list(dialer, &peer).await else {
+            continue;
+        };
+        if reply.leader_id == 0 || reply.leader_addr.is_empty() {
+            continue;
+        }
+        if !s.cluster_id.is_empty()
+            && !reply.cluster_id.is_empty()
+            && s.cluster_id != reply.cluster_id
+        {
+            warn!(via = %peer, theirs = %reply.cluster_id, ours = %s.cluster_id, "a peer of another cluster; not joining it");
+            continue;
+        }
+        if reply.peer_set.contains(&cfg.node_id) {
+            return;
+        }
+        info!(
+            leader = reply.leader_id,
+            "this node is not a member of the cluster (removed while away): asking to join again"
+        );
+        match ask_to_join(cfg, incarnation, dialer, &reply.leader_addr).await {
+            Ok(r) if r.success => info!("joined again as a learner"),
+            Ok(r) => warn!(error = %r.error, "join refused"),
+            Err(err) => debug!(cause = %err, "join attempt failed"),
+        }
+        return;
     }
 }
 

@@ -168,7 +168,10 @@ pub struct LocalIdentity {
 
 impl LocalIdentity {
     pub fn cluster_id(&self) -> String {
-        self.cluster_id.read().map(|c| c.clone()).unwrap_or_default()
+        self.cluster_id
+            .read()
+            .map(|c| c.clone())
+            .unwrap_or_default()
     }
 }
 
@@ -770,6 +773,8 @@ mod tests {
             id: 1,
             peer_addr: "127.0.0.1:1".into(),
             client_addr: String::new(),
+            incarnation: 1,
+            cluster_id: Default::default(),
         };
         let transport = io.block_on(async {
             PeerTransport::new(
@@ -833,6 +838,7 @@ mod stream_kinds {
             refused: metrics.peer_connections_refused_total.clone(),
             status,
             admitted: Arc::new(AtomicBool::new(true)),
+            incarnation: 1,
             request_duration: metrics.request_duration_seconds.clone(),
         });
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -871,6 +877,8 @@ mod stream_kinds {
                 id: 1,
                 peer_addr: "127.0.0.1:1".into(),
                 client_addr: String::new(),
+                incarnation: 1,
+                cluster_id: Default::default(),
             },
             PeerDialer::default(),
             addresses,

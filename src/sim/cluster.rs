@@ -785,7 +785,11 @@ impl Cluster {
         let senders: BTreeSet<NodeId> = self.nodes[&id].inbox.iter().map(|m| m.from).collect();
         let said: Vec<(NodeId, crate::lock::MemberInfo)> = senders
             .into_iter()
-            .filter_map(|from| self.nodes.get(&from).map(|n| (from, sim_identity(from, n.incarnation))))
+            .filter_map(|from| {
+                self.nodes
+                    .get(&from)
+                    .map(|n| (from, sim_identity(from, n.incarnation)))
+            })
             .collect();
         let node = self.nodes.get_mut(&id).expect("exists");
         let inbox = std::mem::take(&mut node.inbox);
@@ -1343,7 +1347,10 @@ impl Cluster {
             let bug = false;
             let decision = crate::node::lifecycle::decide_start(&answers, None, bug);
             if self.cfg.trace {
-                eprintln!("t={} node {id} decides {decision:?} from {answers:?}", self.now_us);
+                eprintln!(
+                    "t={} node {id} decides {decision:?} from {answers:?}",
+                    self.now_us
+                );
             }
             let node = self.nodes.get_mut(&id).expect("exists");
             match decision {
@@ -1417,7 +1424,10 @@ impl Cluster {
         let result = core.drive();
         self.after_core(leader, result);
         if self.cfg.trace {
-            eprintln!("t={} node {id} asks leader {leader} to join: {outcome:?}", self.now_us);
+            eprintln!(
+                "t={} node {id} asks leader {leader} to join: {outcome:?}",
+                self.now_us
+            );
         }
         match outcome {
             Ok(JoinOutcome::Accepted) => {
@@ -1855,7 +1865,11 @@ impl Cluster {
         // One cluster per run: a node that started a second one (on an empty disk, while its
         // peers did not answer) names it differently.
         for &id in &alive {
-            if let Some(cid) = self.nodes[&id].core.as_ref().and_then(|c| c.state_machine().cluster_id()) {
+            if let Some(cid) = self.nodes[&id]
+                .core
+                .as_ref()
+                .and_then(|c| c.state_machine().cluster_id())
+            {
                 if self.cluster_ids.insert(cid) && self.cluster_ids.len() > 1 {
                     self.checker.violations.push(Violation {
                         invariant: "one cluster",

@@ -569,3 +569,70 @@ fn linearizability_check_catches_expiry_that_checks_only_the_token() {
         &["linearizable"],
     );
 }
+
+#[test]
+fn caught_bootstrap_when_peers_do_not_answer() {
+    // The bootstrap node back on an empty disk while its peers are down starts a second
+    // cluster: a second cluster id, a second leader of a term, a log that does not match.
+    assert_node_bug_caught(
+        "bootstrap_when_unreachable",
+        200,
+        NodeBugs {
+            bootstrap_when_unreachable: true,
+            ..NodeBugs::default()
+        },
+        &[
+            "one cluster",
+            "election safety",
+            "log matching",
+            "one holder at a time",
+            "tokens grow in real time",
+            "state machine safety",
+        ],
+    );
+}
+
+#[test]
+fn caught_incarnation_ignored() {
+    // A member that lost its data taken back as the voter it was: it votes with an empty log.
+    assert_node_bug_caught(
+        "incarnation_ignored",
+        400,
+        NodeBugs {
+            incarnation_ignored: true,
+            ..NodeBugs::default()
+        },
+        &[
+            "committed entries stay on a majority",
+            "leader completeness",
+            "state machine safety",
+            "log matching",
+            "one holder at a time",
+            "exactly once",
+        ],
+    );
+}
+
+#[test]
+fn lifecycle_faults_run_and_pass() {
+    // Every node restarted at once, disks wiped (the bootstrap node's with its peers down
+    // too): the cluster stays one cluster and available, and wiped members come back.
+    let mut totals = crate::sim::SimStats::default();
+    for seed in 0..60 {
+        let outcome = run_clean(&SimConfig::new(seed, 3));
+        totals.add(&outcome.stats);
+    }
+    assert!(totals.restarts_all > 0, "no whole-cluster restart ran");
+    assert!(
+        totals.wipes > 0 && totals.wipes_bootstrap_alone > 0,
+        "no wipe ran"
+    );
+    assert!(
+        totals.bootstrap_waits > 0,
+        "the bootstrap node never had to wait"
+    );
+    assert!(
+        totals.replacements > 0 && totals.joins > 0,
+        "no member was replaced"
+    );
+}
