@@ -987,6 +987,7 @@ async fn the_cluster_version_is_raised_once_every_member_runs_it() {
             server_addr: "127.0.0.1:1".into(),
             client_addr: "127.0.0.1:2".into(),
             version: expected - 1,
+            ..Default::default()
         })
         .await
         .unwrap()

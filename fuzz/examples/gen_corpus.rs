@@ -450,6 +450,7 @@ fn peer_messages() {
                 client_addr: "127.0.0.1:50054".into(),
                 // 0 (not said) leaves the field out, as before it existed.
                 version: 0,
+                ..Default::default()
             }
             .encode_to_vec(),
         ),
@@ -465,6 +466,7 @@ fn peer_messages() {
                 client_address: [(1, "127.0.0.1:50051".to_string())].into_iter().collect(),
                 commit_index: 0,
                 match_index: Default::default(),
+                ..Default::default()
             }
             .encode_to_vec(),
         ),

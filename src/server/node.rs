@@ -601,7 +601,7 @@ async fn decide_bootstrap(
                 break false;
             }
             StartDecision::Wait(why) => {
-                if round % 15 == 0 {
+                if round.is_multiple_of(15) {
                     warn!(round, "{why}");
                 }
                 if let Ok(mut w) = waiting.write() {
