@@ -3,7 +3,9 @@
 //! own retries) doing
 //! acquire → read the data store's counter → pause → fenced write of counter + 1 → release on one
 //! contended key, and a seeded nemesis that SIGKILLs and restarts nodes, SIGSTOPs them for
-//! longer than the lock TTL, now and then SIGKILLs the whole cluster at once, partitions the
+//! longer than the lock TTL, now and then SIGKILLs the whole cluster at once or wipes one node's
+//! data directory (it comes back with --join as a new incarnation and must be a voter again
+//! within 45 s), partitions the
 //! network (one node from another both ways or one way, the leader from everyone, or a bridge:
 //! two nodes that reach only the third) and jumps nodes' wall clocks by up to ten minutes either
 //! way. Every operation is recorded; the checker then requires:
@@ -31,7 +33,7 @@
 //! runs with it preloaded and only the wall clock faked (`DONT_FAKE_MONOTONIC=1`), since leases run
 //! on the monotonic clock, which a wall-clock step must not move.
 //!
-//! The run ends with one line, `chaos: seed=… ops=… partitions=… kills=… pauses=…
+//! The run ends with one line, `chaos: seed=… ops=… partitions=… kills=… wipes=… pauses=…
 //! clock_jumps=… violations=…`. Bounded: 20 s of faults by default. Long form:
 //! `RAFTLOCK_CHAOS_SECONDS=600 RAFTLOCK_CHAOS_SEED=7 cargo test --release --test chaos -- --nocapture`.
 //! The seed fixes the nemesis schedule (which node, which fault, how long); process timing is
@@ -631,9 +633,51 @@ impl Clocks {
 #[derive(Default)]
 struct Faults {
     kills: usize,
+    wipes: usize,
     pauses: usize,
     partitions: usize,
     clock_jumps: usize,
+}
+
+/// Kills node `id`, deletes its data directory and starts it again with `--join` the others'
+/// peer addresses in place of `--initial-cluster` (a member of a static cluster that lost its
+/// data comes back that way).
+async fn wipe_and_rejoin(cluster: &mut Cluster, id: u64) {
+    let peers: Vec<String> = cluster
+        .nodes
+        .iter()
+        .filter(|n| n.id != id)
+        .map(|n| n.peer_addr())
+        .collect();
+    let node = cluster.node(id);
+    node.kill();
+    let _ = std::fs::remove_dir_all(&node.data_dir);
+    if let Some(at) = node
+        .extra_args
+        .iter()
+        .position(|a| a == "--initial-cluster")
+    {
+        node.extra_args
+            .splice(at..at + 2, ["--join".to_string(), peers.join(",")]);
+    }
+    node.start();
+}
+
+/// Whether the leader's configuration has all three nodes as voters and no learner.
+async fn voters_everywhere(cluster: &Cluster) -> bool {
+    let Some(leader) = current_leader(cluster).await else {
+        return false;
+    };
+    let Ok(Ok(status)) = tokio::time::timeout(
+        Duration::from_secs(1),
+        http_json(&cluster.client_addr_of(leader), "/status"),
+    )
+    .await
+    else {
+        return false;
+    };
+    status["voters"].as_array().map_or(0, |v| v.len()) == 3
+        && status["learners"].as_array().is_none_or(|l| l.is_empty())
 }
 
 /// The node that says it leads, if one does within a second.
@@ -812,6 +856,34 @@ async fn nemesis(
             tokio::time::sleep(down).await;
             for id in 1..=3 {
                 cluster.node(id).start();
+            }
+        } else if dice < 10 {
+            // A lost volume: the node starts again on an empty data directory with --join, as
+            // a new incarnation of its id; the leader replaces the old one and the node is a
+            // voter again. One at a time: the next fault waits until it is back.
+            log.push(format!(
+                "{at}ms: wipe node {id}'s data directory and restart it"
+            ));
+            wipe_and_rejoin(cluster, id).await;
+            faults.wipes += 1;
+            let back = Instant::now() + Duration::from_secs(45);
+            loop {
+                if voters_everywhere(cluster).await {
+                    log.push(format!(
+                        "{}ms: node {id} is a voter again",
+                        started.elapsed().as_millis()
+                    ));
+                    break;
+                }
+                assert!(
+                    Instant::now() < back,
+                    "node {id} did not become a voter again within 45 s after its volume was \
+                     wiped; schedule so far:\n{}\nits log:\n{}",
+                    log.join("\n"),
+                    std::fs::read_to_string(cluster.node(id).data_dir.with_extension("log"))
+                        .unwrap_or_default()
+                );
+                tokio::time::sleep(Duration::from_millis(250)).await;
             }
         } else if dice < 32 {
             let down = Duration::from_millis(rng.random_range(200..1500));
@@ -1158,10 +1230,11 @@ async fn fenced_increments_survive_kills_and_pauses() {
         Ok(())
     });
     println!(
-        "chaos: seed={seed} ops={} partitions={} kills={} pauses={} clock_jumps={} violations={}",
+        "chaos: seed={seed} ops={} partitions={} kills={} wipes={} pauses={} clock_jumps={} violations={}",
         history.ops,
         faults.partitions,
         faults.kills,
+        faults.wipes,
         faults.pauses,
         faults.clock_jumps,
         usize::from(verdict.is_err())

@@ -2392,7 +2392,7 @@ impl<S: Storage, R> NodeCore<S, R> {
     /// Removes a voter not heard from for `dead_member_us` (a pod scaled away, a machine gone
     /// for good) while at least `min_voters` voters stay, one at a time: a cluster scaled down
     /// without removing its members first keeps its failure tolerance. Never the leader itself,
-    /// and only when every voter left is healthy.
+    /// and only while the voters left have a healthy majority.
     fn remove_dead_members(&mut self) {
         let Some(dead_after) = self.cfg.dead_member_us else {
             return;
@@ -2419,12 +2419,20 @@ impl<S: Storage, R> NodeCore<S, R> {
         let Some(&victim) = dead.first() else {
             return;
         };
-        // Only with every other voter healthy, so the configuration left has a working majority.
-        if membership
+        // Only while the voters left have a healthy majority of their own configuration (with
+        // two of five gone, the first removal leaves four with three healthy, the second three
+        // with three).
+        let left: Vec<NodeId> = membership
             .voters
             .iter()
-            .any(|&v| v != me && v != victim && !self.recently_heard(v))
-        {
+            .copied()
+            .filter(|&v| v != victim)
+            .collect();
+        let healthy = left
+            .iter()
+            .filter(|&&v| v == me || self.recently_heard(v))
+            .count();
+        if healthy < left.len() / 2 + 1 {
             return;
         }
         if self
@@ -3289,5 +3297,134 @@ mod housekeeping_room {
             "still held 2 s after their leases ran out: {held:?}"
         );
         assert!(c.core(1).raft().is_leader());
+    }
+}
+
+#[cfg(test)]
+mod lifecycle_in_the_node {
+    use super::drive_halves::Cluster;
+    use super::*;
+
+    fn tick_leader(c: &mut Cluster, times: usize) {
+        for _ in 0..times {
+            c.now += 100_000;
+            let now = c.now;
+            // Followers answer heartbeats: the leader hears from every node not cut off.
+            c.core(1).tick(now).unwrap();
+            c.settle([]);
+        }
+    }
+
+    fn info(id: NodeId, incarnation: u64) -> MemberInfo {
+        MemberInfo {
+            peer_addr: format!("node-{id}:7000"),
+            client_addr: format!("node-{id}:50050"),
+            incarnation,
+        }
+    }
+
+    /// Node 1 leads a three-node cluster at the current version whose member table knows
+    /// nodes 2 and 3 as incarnations 2 and 3.
+    fn named_cluster(settings: NodeSettings) -> Cluster {
+        let mut c = Cluster::with_settings(settings);
+        c.elect_node_1();
+        c.core(1).peer_version(2, CLUSTER_VERSION);
+        c.core(1).peer_version(3, CLUSTER_VERSION);
+        c.core(1).peer_info(2, info(2, 2));
+        c.core(1).peer_info(3, info(3, 3));
+        tick_leader(&mut c, 30);
+        c
+    }
+
+    #[test]
+    fn the_leader_names_the_cluster_and_records_its_members() {
+        let settings = NodeSettings {
+            new_cluster_id: 0x5eed,
+            identity: info(1, 1),
+            ..NodeSettings::default()
+        };
+        let mut c = named_cluster(settings);
+        for id in 1..=3 {
+            let core = c.core(id);
+            assert_eq!(core.state_machine().cluster_id(), Some(0x5eed), "node {id}");
+            let members = core.known_members();
+            for m in 1..=3 {
+                assert_eq!(
+                    members.get(&m),
+                    Some(&info(m, m)),
+                    "node {id} on member {m}"
+                );
+            }
+        }
+        // A member's new address goes through the log; its incarnation does not change that way.
+        c.core(1).peer_info(2, info(9, 2));
+        c.core(1).peer_info(3, info(3, 77));
+        tick_leader(&mut c, 30);
+        let members = c.core(3).known_members();
+        assert_eq!(members[&2].peer_addr, "node-9:7000");
+        assert_eq!(
+            members[&3].incarnation, 3,
+            "a voter's incarnation changed without replacement"
+        );
+    }
+
+    #[test]
+    fn a_voter_that_lost_its_data_is_replaced_by_its_new_incarnation() {
+        let mut c = named_cluster(NodeSettings::default());
+        // Its own incarnation asking again is the member.
+        assert_eq!(c.core(1).join(3, info(3, 3)), Ok(JoinOutcome::Accepted));
+        // A new incarnation: the old one is removed first.
+        assert_eq!(c.core(1).join(3, info(3, 33)), Ok(JoinOutcome::Replacing));
+        tick_leader(&mut c, 10);
+        assert!(!c.core(1).raft().membership().contains(3));
+        // Asked again: a learner now, recorded as the new incarnation.
+        assert_eq!(c.core(1).join(3, info(3, 33)), Ok(JoinOutcome::Accepted));
+        tick_leader(&mut c, 10);
+        assert!(c.core(1).raft().membership().learners.contains(&3));
+        assert_eq!(c.core(1).known_members()[&3].incarnation, 33);
+    }
+
+    #[test]
+    fn no_replacement_while_another_voter_is_not_heard_from() {
+        let mut c = named_cluster(NodeSettings::default());
+        c.cut.insert(2);
+        tick_leader(&mut c, 30);
+        let refused = c.core(1).join(3, info(3, 33));
+        assert!(
+            matches!(&refused, Err(why) if why.contains("[2]")),
+            "{refused:?}"
+        );
+        assert!(c.core(1).raft().membership().voters.contains(&3));
+    }
+
+    #[test]
+    fn a_dead_voter_is_removed_only_above_min_voters() {
+        let settings = NodeSettings {
+            dead_member_us: Some(1_000_000),
+            min_voters: 3,
+            ..NodeSettings::default()
+        };
+        let mut c = named_cluster(settings.clone());
+        c.cut.insert(3);
+        tick_leader(&mut c, 40);
+        assert!(
+            c.core(1).raft().membership().voters.contains(&3),
+            "went below min_voters"
+        );
+
+        let settings = NodeSettings {
+            min_voters: 2,
+            ..settings
+        };
+        let mut c = named_cluster(settings);
+        c.cut.insert(3);
+        tick_leader(&mut c, 5);
+        assert!(
+            c.core(1).raft().membership().voters.contains(&3),
+            "removed before the timeout"
+        );
+        tick_leader(&mut c, 40);
+        assert!(!c.core(1).raft().membership().voters.contains(&3));
+        assert_eq!(c.core(1).raft().membership().voters.len(), 2);
     }
 }

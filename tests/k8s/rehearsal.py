@@ -401,6 +401,23 @@ class Cluster:
         self.pods.kill(self.pod(ordinal))
         self.up.discard(ordinal)
 
+    def delete_volumes(self, ordinal):
+        """Deletes the pod's PVCs (the pod must be gone): its next start gets empty volumes."""
+        for c in self.claims:
+            vol = f"{self.pods.prefix}-{c}-{self.pod(ordinal)}"
+            run(["docker", "volume", "rm", "-f", vol])
+            self.pods.volumes.discard(vol)
+
+    def readyz(self, ordinal):
+        """(status, body) of the pod's readiness endpoint; (0, error) when it does not answer."""
+        try:
+            with urlopen(self.url(ordinal, self.ready_path), timeout=3) as r:
+                return r.status, r.read().decode(errors="replace")
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode(errors="replace")
+        except (urllib.error.URLError, OSError, Failure) as e:
+            return 0, str(e)
+
     def url(self, ordinal, path):
         scheme = "https" if SECURE else "http"
         return f"{scheme}://{self.pods.ip(self.pod(ordinal))}:{self.client_port}{path}"
@@ -847,6 +864,27 @@ def rehearse(pods, docs3, docs5, workers, n_workers):
     cluster.up = cluster5.up
     check_held("scale to 5")
 
+    log("kubectl scale to 3, no hook: pods 4 and 3 deleted together with their volumes")
+    for o in (4, 3):
+        cluster5.kill(o)
+        cluster5.delete_volumes(o)
+    cluster.up = set(cluster5.up)
+    t0 = time.time()
+    view = cluster.wait_voters([1, 2, 3], timeout=180)
+    log(f"  the leader removed the dead members in {time.time() - t0:.0f}s: "
+        f"members {[m['id'] for m in view['members']]}")
+    check_held("kubectl scale to 3")
+
+    log("kubectl scale back to 5: pods 3 and 4 start on new volumes and join")
+    cluster5.up = set(cluster.up)
+    for o in (3, 4):
+        cluster5.start(o)
+    cluster5.wait_ready(range(5), timeout=180)
+    view = cluster5.wait_voters([1, 2, 3, 4, 5], timeout=180)
+    log(f"  members {[m['id'] for m in view['members']]}, all voters")
+    cluster.up = cluster5.up
+    check_held("kubectl scale back to 5")
+
     log("scale to 3: the pre-upgrade hook removes members 4 and 5, then pods 4 and 3 stop")
     hooks = find(docs3, "Job", lambda d: is_hook(d, "pre-upgrade"))
     if len(hooks) != 1:
@@ -873,6 +911,34 @@ def rehearse(pods, docs3, docs5, workers, n_workers):
     cluster.wait_ready(range(3))
     cluster.wait_voters([1, 2, 3])
     check_held("pod deleted and restarted")
+
+    log("every pod deleted at once (SIGKILL) and started again on its volume")
+    for o in (0, 1, 2):
+        cluster.kill(o)
+    t0 = time.time()
+    for o in (0, 1, 2):
+        cluster.start(o)
+    cluster.wait_ready(range(3))
+    cluster.wait_voters([1, 2, 3])
+    log(f"  ready again after {time.time() - t0:.1f}s")
+    check_held("every pod deleted at once")
+
+    log(f"{cluster.pod(0)}'s volume deleted while pods 1 and 2 are stopped")
+    for o in (1, 2, 0):
+        cluster.kill(o)
+    cluster.delete_volumes(0)
+    cluster.start(0)
+    time.sleep(8)
+    status, body = cluster.readyz(0)
+    if status == 200 or "not starting a new cluster" not in body:
+        raise Failure(f"{cluster.pod(0)} on an empty volume with its peers down answers "
+                      f"{status} {body!r}; its log ends:\n{pods.logs(cluster.pod(0))}")
+    log(f"  {cluster.pod(0)} waits: {body.strip()[:160]}")
+    for o in (1, 2):
+        cluster.start(o)
+    cluster.wait_ready(range(3), timeout=180)
+    cluster.wait_voters([1, 2, 3], timeout=180)
+    check_held(f"{cluster.pod(0)}'s volume deleted")
 
     log("rolling update: every pod, highest ordinal first")
     for o in (2, 1, 0):
