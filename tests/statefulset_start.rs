@@ -266,3 +266,44 @@ async fn same_flags_on_every_node_form_one_cluster_and_a_wiped_voter_comes_back_
         Some(("settler".to_string(), token))
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_member_is_removed_and_comes_back_with_its_data_as_a_learner() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut nodes = statefulset_nodes(dir.path(), 3);
+    for node in &mut nodes {
+        node.extra_args.extend([
+            "--dead-member-timeout".into(),
+            "3s".into(),
+            "--min-voters".into(),
+            "2".into(),
+        ]);
+        node.start();
+    }
+    for node in &nodes {
+        wait_voters(node, &[1, 2, 3], Duration::from_secs(60)).await;
+    }
+    let token = grant(&nodes, "batch", "settler", "r1").await;
+    // Node 3 goes away (a pod scaled down without the hook, a machine gone): the leader removes
+    // it after the dead-member timeout, keeping two voters.
+    let leader = wait_leader(&nodes, Duration::from_secs(30)).await;
+    let victim = if leader == 2 { 1 } else { 2 };
+    nodes[victim].kill();
+    let survivors: Vec<u64> = (1..=3).filter(|&id| id != nodes[victim].id).collect();
+    wait_voters(&nodes[leader], &survivors, Duration::from_secs(30)).await;
+    // It comes back with its old data (a retained volume): it finds it was removed and joins
+    // again as a learner, and is promoted once caught up.
+    nodes[victim].start();
+    for node in &nodes {
+        wait_voters(node, &[1, 2, 3], Duration::from_secs(60)).await;
+    }
+    assert!(
+        log_of(&nodes[victim]).contains("asking to join again"),
+        "{}",
+        log_of(&nodes[victim])
+    );
+    assert_eq!(
+        held(&nodes, "batch").await,
+        Some(("settler".to_string(), token))
+    );
+}

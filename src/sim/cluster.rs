@@ -1555,6 +1555,9 @@ impl Cluster {
 
     fn change_membership(&mut self) {
         let Some(leader) = self.leader() else { return };
+        // No operator removes members while a lost volume is still on its way back: that would
+        // take the configuration below a majority of intact disks.
+        let volume_lost = self.nodes.values().any(|n| n.joining || n.undecided);
         let membership = self.nodes[&leader]
             .core
             .as_ref()
@@ -1572,7 +1575,7 @@ impl Cluster {
                     .map(|_| Some(new_id))
                     .map_err(|_| ())
             }
-            1 if membership.voters.len() > self.min_voters => {
+            1 if membership.voters.len() > self.min_voters && !volume_lost => {
                 let followers: Vec<NodeId> = membership
                     .voters
                     .iter()
@@ -1585,7 +1588,7 @@ impl Cluster {
                 let (_, core) = self.leader_core().expect("leader");
                 core.remove(f).map(|()| None).map_err(|_| ())
             }
-            2 if membership.voters.len() > self.min_voters => {
+            2 if membership.voters.len() > self.min_voters && !volume_lost => {
                 let (_, core) = self.leader_core().expect("leader");
                 core.remove(leader).map(|()| None).map_err(|_| ())
             }
