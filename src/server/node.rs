@@ -181,7 +181,15 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
     let bootstrap = cfg.bootstrap
         || (fresh
             && cfg.bootstrap_id == cfg.node_id
-            && decide_bootstrap(&cfg, &dialer, &client_listener, &shutdown).await);
+            && decide_bootstrap(
+                &cfg,
+                &dialer,
+                &client_listener,
+                client_tls.clone(),
+                &metrics,
+                &shutdown,
+            )
+            .await);
     let forced_by = if bootstrap && fresh && !cfg.force_new_cluster.is_empty() {
         record_forced(&cfg.data_dir, &cfg.force_new_cluster)?;
         cfg.force_new_cluster.clone()
@@ -558,6 +566,8 @@ async fn decide_bootstrap(
     cfg: &NodeConfig,
     dialer: &PeerDialer,
     client_listener: &TcpListener,
+    client_tls: Option<Arc<ClientTls>>,
+    metrics: &NodeMetrics,
     shutdown: &watch::Receiver<bool>,
 ) -> bool {
     let peers = other_join_peers(cfg);
@@ -566,7 +576,13 @@ async fn decide_bootstrap(
         "deciding whether to start a new cluster",
     )));
     let (stop_tx, stop_rx) = watch::channel(false);
-    let probe = serve_while_starting(client_listener, waiting.clone(), stop_rx);
+    let probe = serve_while_starting(
+        client_listener,
+        client_tls,
+        metrics.client_connections_refused_total.clone(),
+        waiting.clone(),
+        stop_rx,
+    );
     let mut round = 0u64;
     let decision = loop {
         if *shutdown.borrow() {
@@ -624,9 +640,12 @@ async fn decide_bootstrap(
 }
 
 /// While a node decides how to start, its client port answers `/healthz` (alive) and `/readyz`
-/// (503 with the reason it waits) on a copy of the listener; stopped before the node serves.
+/// (503 with the reason it waits) on a copy of the listener, over client TLS when it is on, as
+/// the probes expect; stopped before the node serves.
 fn serve_while_starting(
     listener: &TcpListener,
+    tls: Option<Arc<ClientTls>>,
+    refused: prometheus::IntCounterVec,
     waiting: Arc<std::sync::RwLock<String>>,
     mut stop: watch::Receiver<bool>,
 ) -> Option<tokio::task::JoinHandle<()>> {
@@ -649,6 +668,13 @@ fn serve_while_starting(
                 }
             }),
         );
+    let listener = super::listener::ClientListener::new(
+        listener,
+        64,
+        super::listener::REQUEST_HEAD_DEADLINE,
+        refused,
+        tls,
+    );
     Some(tokio::spawn(async move {
         let _ = axum::serve(listener, app)
             .with_graceful_shutdown(async move {
