@@ -579,6 +579,14 @@ class Workload(threading.Thread):
         self.writes_accepted = 0
         self.writes_refused = 0
         self.puts = {}            # key -> value, acknowledged
+        # (from, until) on this process's monotonic clock: from the grant's answer until the
+        # release was sent or the lease, counted from the acquire's sending and shortened by a
+        # fifth for clock rates, could have run out, whichever came first. The holder believed
+        # it held the lock in between: no two such intervals may overlap.
+        self.holds = []
+        # Fenced writes refused as stale although their whole round trip fell inside such an
+        # interval: another holder's token had reached the data store while this one held.
+        self.stale_while_held = []
         self.error = None
 
     def run(self):
@@ -586,8 +594,13 @@ class Workload(threading.Thread):
         try:
             while not self.stop.is_set():
                 n += 1
+                sent = time.monotonic()
                 r = self.client.call({"commandType": 3, "key": self.KEY, "ttl": 5000,
                                       "waitTimeout": 20000})
+                granted = time.monotonic()
+                # The client retries: the lease may have started at the first attempt's apply,
+                # never before `sent`.
+                believed_until = sent + 5.0 * 0.8
                 if not r.get("success"):
                     code = r["error"]["code"]
                     if code == "WAIT_TIMEOUT":
@@ -597,12 +610,16 @@ class Workload(threading.Thread):
                 self.grants.append(token)
                 status = self.write(token, f"worker {self.index} write {n}",
                                     r["fencingToken"].get("mac"))
+                written = time.monotonic()
+                if status != 200 and written < believed_until:
+                    self.stale_while_held.append((token, status, written - sent))
                 if status == 200:
                     self.writes_accepted += 1
                 else:
                     # A stale token can only mean this worker's lease lapsed (it paused longer
                     # than the TTL while the cluster moved on); the data store did its job.
                     self.writes_refused += 1
+                self.holds.append((granted, min(time.monotonic(), believed_until), token))
                 r = self.client.call({"commandType": 4, "key": self.KEY,
                                       "fencingToken": {"key": self.KEY, "value": token}})
                 if not r.get("success") and r["error"]["code"] not in ("STALE_TOKEN", "NOT_HOLDER"):
@@ -970,6 +987,20 @@ def rehearse(pods, docs3, docs5, workers, n_workers):
         all_grants += w.grants
     if len(set(all_grants)) != len(all_grants):
         raise Failure("two grants carried the same token")
+
+    # Mutual exclusion, as the holders saw it: no two believed holds overlap, and no holder's
+    # fenced write was refused as stale while it believed it held the lock.
+    holds = sorted(h for w in workers for h in w.holds)
+    latest = None  # the hold that is believed longest among those granted so far
+    for hold in holds:
+        if latest is not None and hold[0] < latest[1]:
+            raise Failure(f"token {hold[2]} was granted {latest[1] - hold[0]:.3f}s before the "
+                          f"holder of token {latest[2]} stopped believing it held the lock")
+        if latest is None or hold[1] > latest[1]:
+            latest = hold
+    stale = [s for w in workers for s in w.stale_while_held]
+    if stale:
+        raise Failure(f"fenced writes refused while their holder held the lock: {stale[:5]}")
     if not all_grants:
         raise Failure("the workload got no grant at all")
 
@@ -994,7 +1025,8 @@ def rehearse(pods, docs3, docs5, workers, n_workers):
     if not r.get("success"):
         raise Failure(f"releasing rehearsal/held failed: {r}")
     retries = sum(w.client.retries for w in workers) + holder.retries + reader.retries
-    log(f"checked: {len(all_grants)} grants with increasing tokens, {seen_accepted} fenced writes "
+    log(f"checked: {len(all_grants)} grants with increasing tokens, {len(holds)} believed holds "
+        f"that never overlap, {seen_accepted} fenced writes "
         f"accepted ({sum(w.writes_refused for w in workers)} refused as stale), "
         f"{len(puts)} acknowledged puts read back, held lock token {held_token} intact; "
         f"client retries {retries}")
