@@ -514,7 +514,7 @@ async fn join_cluster(
         for start in &peers {
             let mut target = start.clone();
             for hop in 0..5 {
-                match ask_to_join(&cfg, incarnation, &dialer, &target).await {
+                match ask_to_join(&cfg, incarnation, "", &dialer, &target).await {
                     Ok(reply) if reply.success => {
                         admitted.store(true, Ordering::Release);
                         let _ = driver.send(super::driver::Input::Admitted).await;
@@ -743,6 +743,7 @@ fn write_synced(path: &std::path::Path, bytes: &[u8]) -> Result<(), NodeError> {
 async fn ask_to_join(
     cfg: &NodeConfig,
     incarnation: u64,
+    cluster_id: &str,
     dialer: &PeerDialer,
     target: &str,
 ) -> Result<super::proto::peer::JoinClusterReply, Box<dyn std::error::Error + Send + Sync>> {
@@ -756,7 +757,7 @@ async fn ask_to_join(
         client_addr: cfg.advertise_client.clone(),
         version: crate::lock::CLUSTER_VERSION,
         incarnation,
-        cluster_id: String::new(),
+        cluster_id: cluster_id.to_string(),
     });
     Ok(client.join_cluster(request).await?.into_inner())
 }
@@ -866,7 +867,7 @@ async fn rejoin_if_removed(
             leader = reply.leader_id,
             "this node is not a member of the cluster (removed while away): asking to join again"
         );
-        match ask_to_join(cfg, incarnation, dialer, &reply.leader_addr).await {
+        match ask_to_join(cfg, incarnation, &s.cluster_id, dialer, &reply.leader_addr).await {
             Ok(r) if r.success => info!("joined again as a learner"),
             Ok(r) => warn!(error = %r.error, "join refused"),
             Err(err) => debug!(cause = %err, "join attempt failed"),
