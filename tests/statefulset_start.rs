@@ -307,3 +307,77 @@ async fn a_dead_member_is_removed_and_comes_back_with_its_data_as_a_learner() {
         Some(("settler".to_string(), token))
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_process_under_a_members_id_replaces_it_and_the_first_no_longer_counts() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut nodes = statefulset_nodes(dir.path(), 3);
+    for node in &mut nodes {
+        node.start();
+    }
+    for node in &nodes {
+        wait_voters(node, &[1, 2, 3], Duration::from_secs(60)).await;
+    }
+    let token = grant(&nodes, "batch", "settler", "r1").await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // A force-deleted pod's replacement starts on a new volume while the old process still
+    // runs: node 2 again, with the same flags, its own ports and an empty data directory.
+    let mut second = NodeProc::new(2, dir.path().join("node2-again"));
+    second.extra_args = nodes[1].extra_args.clone();
+    second.start();
+    // The new incarnation becomes the member; the old process's Raft messages are refused.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let s = http_json(&second.client_addr(), "/status").await;
+        if let Ok(s) = &s {
+            if ids(s, "voters") == [1, 2, 3] && s["leaderId"].as_u64().unwrap_or(0) != 0 {
+                break;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the second process under id 2 did not become the member: {s:?}\n{}",
+            log_of(&second)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let leader = wait_leader(&nodes, Duration::from_secs(30)).await;
+    assert_ne!(leader, 1, "the old process of node 2 leads");
+    // The old process, removed and replaced, keeps campaigning over the streams it opened while
+    // it was the member; the others refuse what it sends as from an incarnation that is no
+    // longer the member. (The new process's own streams, refused until the leader replaced the
+    // old incarnation, are taken since: what is refused from here on is the old process's.)
+    let refused = |text: &str| {
+        metric_sum(
+            text,
+            "raftlock_peer_requests_refused_total",
+            &["reason=\"incarnation\""],
+        )
+    };
+    let (_, text) = http_get(&nodes[leader].client_addr(), "/metrics")
+        .await
+        .unwrap();
+    let before = refused(&text);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let (_, text) = http_get(&nodes[leader].client_addr(), "/metrics")
+            .await
+            .unwrap();
+        if refused(&text) > before {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the old incarnation's messages were never refused (still {before})"
+        );
+    }
+    let s = wait_voters(&second, &[1, 2, 3], Duration::from_secs(10)).await;
+    assert_eq!(s["leaderId"].as_u64(), Some(nodes[leader].id), "{s}");
+    assert_eq!(
+        held(&nodes, "batch").await,
+        Some(("settler".to_string(), token))
+    );
+    assert!(grant(&nodes, "next", "other", "r2").await > token);
+    nodes[1].kill();
+}

@@ -938,6 +938,7 @@ impl Driver {
                             answer.success = true;
                         }
                         Ok(crate::node::lifecycle::JoinOutcome::Replacing) => {
+                            self.addresses.set_incarnation(id, incarnation);
                             warn!(
                                 node = id,
                                 incarnation,

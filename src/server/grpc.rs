@@ -470,6 +470,7 @@ impl PeerApi {
             peer_addr,
             client_addr,
             learned: false,
+            incarnation,
         };
         // A stream may set only its own node's addresses, and only a member's: under TLS the
         // certificate binds it to that node; without TLS the cluster token is the guard.
@@ -504,6 +505,8 @@ pub(crate) struct RaftStreamIn<'a> {
     peer_addr: String,
     client_addr: String,
     learned: bool,
+    /// The incarnation the stream's hello said (0: not said).
+    incarnation: u64,
 }
 
 impl RaftStreamIn<'_> {
@@ -536,6 +539,18 @@ impl RaftStreamIn<'_> {
                 debug!(
                     peer = from,
                     "dropping raft message: not admitted to the cluster yet"
+                )
+            }
+            // Streams live long: a member replaced since this one opened (a force-deleted pod
+            // still running beside its replacement) must not go on counting as the member.
+            Ok(_)
+                if self.incarnation != 0
+                    && !self.api.addresses.incarnation_is(from, self.incarnation) =>
+            {
+                self.api.refused.with_label_values(&["incarnation"]).inc();
+                debug!(
+                    peer = from,
+                    "dropping raft message: from an incarnation that is no longer the member"
                 )
             }
             Ok(msg) if msg.from == from => {

@@ -96,6 +96,28 @@ impl AddressBook {
         }
     }
 
+    /// Whether `id`'s recorded incarnation is `incarnation`, or none is recorded (reads without
+    /// copying: asked for every message of a Raft stream).
+    pub fn incarnation_is(&self, id: NodeId, incarnation: u64) -> bool {
+        match self.inner.read() {
+            Ok(map) => map
+                .get(&id)
+                .is_none_or(|a| a.incarnation == 0 || a.incarnation == incarnation),
+            Err(_) => true,
+        }
+    }
+
+    /// The leader replaces member `id` by a new incarnation: from now on only that one speaks
+    /// for it here, whatever the member table says yet.
+    pub fn set_incarnation(&self, id: NodeId, incarnation: u64) {
+        if id == 0 || incarnation == 0 {
+            return;
+        }
+        if let Ok(mut map) = self.inner.write() {
+            map.entry(id).or_default().incarnation = incarnation;
+        }
+    }
+
     /// Records a member table entry: addresses as [`AddressBook::learn`], and its incarnation.
     pub fn learn_member(&self, id: NodeId, peer: &str, client: &str, incarnation: u64) {
         self.learn(id, peer, client);
