@@ -59,6 +59,18 @@ fn statefulset_nodes(dir: &std::path::Path, n: u64) -> Vec<NodeProc> {
     nodes
 }
 
+/// Three nodes with the chart's flags, started at once, once they form one cluster.
+async fn formed_cluster(dir: &std::path::Path) -> Vec<NodeProc> {
+    let mut nodes = statefulset_nodes(dir, 3);
+    for node in &mut nodes {
+        node.start();
+    }
+    for node in &nodes {
+        wait_voters(node, &[1, 2, 3], Duration::from_secs(60)).await;
+    }
+    nodes
+}
+
 fn acquire(key: &str, client: &str, request: &str, ttl: u64) -> Value {
     serde_json::json!({"commandType": 3, "key": key, "clientId": client, "requestId": request,
                        "ttl": ttl})
@@ -121,13 +133,7 @@ fn log_of(node: &NodeProc) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_node_killed_and_started_at_once_elects_and_keeps_its_locks() {
     let dir = tempfile::tempdir().unwrap();
-    let mut nodes = statefulset_nodes(dir.path(), 3);
-    for node in &mut nodes {
-        node.start();
-    }
-    for node in &nodes {
-        wait_voters(node, &[1, 2, 3], Duration::from_secs(60)).await;
-    }
+    let mut nodes = formed_cluster(dir.path()).await;
     // The member table (addresses and incarnations) is committed once the cluster's version
     // allows it; wait until every node has it in its storage.
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -182,13 +188,7 @@ async fn every_node_killed_and_started_at_once_elects_and_keeps_its_locks() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_bootstrap_node_on_an_empty_volume_with_its_peers_down_grants_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let mut nodes = statefulset_nodes(dir.path(), 3);
-    for node in &mut nodes {
-        node.start();
-    }
-    for node in &nodes {
-        wait_voters(node, &[1, 2, 3], Duration::from_secs(60)).await;
-    }
+    let mut nodes = formed_cluster(dir.path()).await;
     let token = grant(&nodes, "batch", "settler", "r1").await;
     // Let the member table commit before the power cut.
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -232,14 +232,8 @@ async fn the_bootstrap_node_on_an_empty_volume_with_its_peers_down_grants_nothin
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn same_flags_on_every_node_form_one_cluster_and_a_wiped_voter_comes_back_by_itself() {
     let dir = tempfile::tempdir().unwrap();
-    let mut nodes = statefulset_nodes(dir.path(), 3);
     // All at once, as a Parallel StatefulSet starts its pods.
-    for node in &mut nodes {
-        node.start();
-    }
-    for node in &nodes {
-        wait_voters(node, &[1, 2, 3], Duration::from_secs(60)).await;
-    }
+    let mut nodes = formed_cluster(dir.path()).await;
     let log1 = log_of(&nodes[0]);
     assert!(
         log1.contains("every peer answered that it has no data"),
@@ -311,13 +305,7 @@ async fn a_dead_member_is_removed_and_comes_back_with_its_data_as_a_learner() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_process_under_a_members_id_replaces_it_and_the_first_no_longer_counts() {
     let dir = tempfile::tempdir().unwrap();
-    let mut nodes = statefulset_nodes(dir.path(), 3);
-    for node in &mut nodes {
-        node.start();
-    }
-    for node in &nodes {
-        wait_voters(node, &[1, 2, 3], Duration::from_secs(60)).await;
-    }
+    let mut nodes = formed_cluster(dir.path()).await;
     let token = grant(&nodes, "batch", "settler", "r1").await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     // A force-deleted pod's replacement starts on a new volume while the old process still

@@ -23,6 +23,26 @@ pub enum PeerAnswer {
     },
 }
 
+impl PeerAnswer {
+    /// A peer's answer about itself: whether it has data (a RaftLock from before `has_data`
+    /// says only its members), the members it knows, its cluster id (hex; empty: none yet) and
+    /// the `--force-new-cluster` value that started its cluster (empty: none).
+    pub fn answered(
+        has_data: bool,
+        members: &[NodeId],
+        cluster_id: &str,
+        forced_by: &str,
+    ) -> PeerAnswer {
+        if !has_data && members.is_empty() {
+            return PeerAnswer::Empty;
+        }
+        PeerAnswer::Member {
+            cluster_id: u128::from_str_radix(cluster_id, 16).ok(),
+            forced_by: (!forced_by.is_empty()).then(|| forced_by.to_string()),
+        }
+    }
+}
+
 /// What a node with an empty data directory does.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum StartDecision {
@@ -71,6 +91,42 @@ pub fn decide_start(
          --force-new-cluster <a new value>",
         unreachable.join(", ")
     ))
+}
+
+/// Whether two cluster ids (as hex text; empty: not named yet) name different clusters. "No id
+/// yet" is not "another cluster": a cluster from before cluster ids, or one whose leader has not
+/// named it, takes part as before.
+pub fn other_cluster(ours: &str, theirs: &str) -> bool {
+    !ours.is_empty() && !theirs.is_empty() && ours != theirs
+}
+
+/// What a node with data that hears from no leader makes of one `--join` peer's answer
+/// (`FetchPeerList`): it may have been removed while it was away.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RejoinVerdict {
+    /// The peer knows no leader, or belongs to another cluster: ask the next peer.
+    AskAnother,
+    /// The leader's configuration has this node: nothing to do.
+    Member,
+    /// The leader's configuration lacks this node: ask the leader to join again, as a learner
+    /// whose stale log the leader replaces.
+    Removed,
+}
+
+pub fn rejoin_verdict(
+    me: NodeId,
+    our_cluster: &str,
+    leader_known: bool,
+    their_cluster: &str,
+    their_members: &[NodeId],
+) -> RejoinVerdict {
+    if !leader_known || other_cluster(our_cluster, their_cluster) {
+        RejoinVerdict::AskAnother
+    } else if their_members.contains(&me) {
+        RejoinVerdict::Member
+    } else {
+        RejoinVerdict::Removed
+    }
 }
 
 /// The leader's answer to a join request, as [`crate::node::NodeCore::join`] gives it.
@@ -179,6 +235,16 @@ mod tests {
             decide_start(&a, Some("n1"), false),
             StartDecision::Bootstrap
         );
+    }
+
+    #[test]
+    fn a_removed_node_asks_to_join_only_a_leader_of_its_own_cluster() {
+        use RejoinVerdict::*;
+        assert_eq!(rejoin_verdict(3, "ab", true, "ab", &[1, 2]), Removed);
+        assert_eq!(rejoin_verdict(3, "ab", true, "", &[1, 2]), Removed);
+        assert_eq!(rejoin_verdict(3, "ab", true, "ab", &[1, 2, 3]), Member);
+        assert_eq!(rejoin_verdict(3, "ab", true, "cd", &[1, 2]), AskAnother);
+        assert_eq!(rejoin_verdict(3, "ab", false, "ab", &[1, 2]), AskAnother);
     }
 
     #[test]

@@ -691,7 +691,7 @@ impl<S: Storage, R> NodeCore<S, R> {
         if self.joining {
             return;
         }
-        if self.raft.is_leader() {
+        if self.cfg.dead_member_us.is_some() && self.raft.is_leader() {
             self.last_heard.insert(msg.from, now);
         }
         self.raft.step(msg);
@@ -2659,6 +2659,17 @@ mod drive_halves {
             }
         }
 
+        /// Ticks node 1 (the leader) `times` times, 100 ms apart, delivering what follows
+        /// (followers answer its heartbeats: it hears from every node not cut off).
+        pub(super) fn tick_leader(&mut self, times: usize) {
+            for _ in 0..times {
+                self.now += 100_000;
+                let now = self.now;
+                self.core(1).tick(now).unwrap();
+                self.settle([]);
+            }
+        }
+
         pub(super) fn core(&mut self, id: NodeId) -> &mut Core {
             self.cores.get_mut(&id).unwrap()
         }
@@ -3118,16 +3129,6 @@ mod cluster_version {
     use super::drive_halves::Cluster;
     use super::*;
 
-    /// Ticks node 1 (the leader) a few times, delivering what follows.
-    fn tick_leader(c: &mut Cluster, times: usize) {
-        for _ in 0..times {
-            c.now += 100_000;
-            let now = c.now;
-            c.core(1).tick(now).unwrap();
-            c.settle([]);
-        }
-    }
-
     fn versions(c: &Cluster) -> Vec<u32> {
         c.cores
             .values()
@@ -3139,19 +3140,19 @@ mod cluster_version {
     fn the_leader_raises_the_version_only_once_every_member_said_it_runs_it() {
         let mut c = Cluster::new();
         c.elect_node_1();
-        tick_leader(&mut c, 5);
+        c.tick_leader(5);
         assert_eq!(versions(&c), [1, 1, 1], "nobody said anything yet");
 
         // One member of three said it; the other could be an older RaftLock.
         c.core(1).peer_version(2, CLUSTER_VERSION);
         c.core(1).peer_version(3, 1);
-        tick_leader(&mut c, 5);
+        c.tick_leader(5);
         assert_eq!(versions(&c), [1, 1, 1]);
 
         // Both did (node 3 restarted with this RaftLock): the version is raised on every node,
         // and written with the rest of the applied state.
         c.core(1).peer_version(3, CLUSTER_VERSION);
-        tick_leader(&mut c, 5);
+        c.tick_leader(5);
         assert_eq!(versions(&c), [CLUSTER_VERSION; 3]);
         let kv = c.core(2).state_machine().to_kv();
         assert!(kv
@@ -3162,7 +3163,7 @@ mod cluster_version {
 
         // Proposed once: more ticks add no entry.
         let last = c.core(1).raft().last_index();
-        tick_leader(&mut c, 5);
+        c.tick_leader(5);
         let now_last = c.core(1).raft().last_index();
         let entries = c.core(1).storage().entries(last + 1, now_last + 1);
         let raised = entries
@@ -3182,7 +3183,7 @@ mod cluster_version {
         c.elect_node_1();
         c.core(1).peer_version(2, CLUSTER_VERSION);
         c.core(1).peer_version(3, CLUSTER_VERSION);
-        tick_leader(&mut c, 5);
+        c.tick_leader(5);
         assert_eq!(versions(&c), [CLUSTER_VERSION; 3]);
 
         // Node 4 joins with an empty log and catches up as a learner, but has said nothing.
@@ -3203,14 +3204,14 @@ mod cluster_version {
             ),
         );
         c.core(1).join(4, MemberInfo::default()).unwrap();
-        tick_leader(&mut c, 10);
+        c.tick_leader(10);
         let membership = c.core(1).raft().membership().clone();
         assert!(membership.learners.contains(&4), "{membership:?}");
         assert_eq!(c.core(4).state_machine().cluster_version(), CLUSTER_VERSION);
 
         // Once it said so (its stream's header), it is promoted.
         c.core(1).peer_version(4, CLUSTER_VERSION);
-        tick_leader(&mut c, 10);
+        c.tick_leader(10);
         let membership = c.core(1).raft().membership().clone();
         assert!(membership.voters.contains(&4), "{membership:?}");
     }
@@ -3305,16 +3306,6 @@ mod lifecycle_in_the_node {
     use super::drive_halves::Cluster;
     use super::*;
 
-    fn tick_leader(c: &mut Cluster, times: usize) {
-        for _ in 0..times {
-            c.now += 100_000;
-            let now = c.now;
-            // Followers answer heartbeats: the leader hears from every node not cut off.
-            c.core(1).tick(now).unwrap();
-            c.settle([]);
-        }
-    }
-
     fn info(id: NodeId, incarnation: u64) -> MemberInfo {
         MemberInfo {
             peer_addr: format!("node-{id}:7000"),
@@ -3332,7 +3323,7 @@ mod lifecycle_in_the_node {
         c.core(1).peer_version(3, CLUSTER_VERSION);
         c.core(1).peer_info(2, info(2, 2));
         c.core(1).peer_info(3, info(3, 3));
-        tick_leader(&mut c, 30);
+        c.tick_leader(30);
         c
     }
 
@@ -3359,7 +3350,7 @@ mod lifecycle_in_the_node {
         // A member's new address goes through the log; its incarnation does not change that way.
         c.core(1).peer_info(2, info(9, 2));
         c.core(1).peer_info(3, info(3, 77));
-        tick_leader(&mut c, 30);
+        c.tick_leader(30);
         let members = c.core(3).known_members();
         assert_eq!(members[&2].peer_addr, "node-9:7000");
         assert_eq!(
@@ -3375,11 +3366,11 @@ mod lifecycle_in_the_node {
         assert_eq!(c.core(1).join(3, info(3, 3)), Ok(JoinOutcome::Accepted));
         // A new incarnation: the old one is removed first.
         assert_eq!(c.core(1).join(3, info(3, 33)), Ok(JoinOutcome::Replacing));
-        tick_leader(&mut c, 10);
+        c.tick_leader(10);
         assert!(!c.core(1).raft().membership().contains(3));
         // Asked again: a learner now, recorded as the new incarnation.
         assert_eq!(c.core(1).join(3, info(3, 33)), Ok(JoinOutcome::Accepted));
-        tick_leader(&mut c, 10);
+        c.tick_leader(10);
         // (This harness's node 3 kept its log, so it is caught up and promoted at once.)
         assert!(c.core(1).raft().membership().contains(3));
         assert_eq!(c.core(1).known_members()[&3].incarnation, 33);
@@ -3389,7 +3380,7 @@ mod lifecycle_in_the_node {
     fn no_replacement_while_another_voter_is_not_heard_from() {
         let mut c = named_cluster(NodeSettings::default());
         c.cut.insert(2);
-        tick_leader(&mut c, 30);
+        c.tick_leader(30);
         let refused = c.core(1).join(3, info(3, 33));
         assert!(
             matches!(&refused, Err(why) if why.contains("[2]")),
@@ -3407,7 +3398,7 @@ mod lifecycle_in_the_node {
         };
         let mut c = named_cluster(settings.clone());
         c.cut.insert(3);
-        tick_leader(&mut c, 40);
+        c.tick_leader(40);
         assert!(
             c.core(1).raft().membership().voters.contains(&3),
             "went below min_voters"
@@ -3419,12 +3410,12 @@ mod lifecycle_in_the_node {
         };
         let mut c = named_cluster(settings);
         c.cut.insert(3);
-        tick_leader(&mut c, 5);
+        c.tick_leader(5);
         assert!(
             c.core(1).raft().membership().voters.contains(&3),
             "removed before the timeout"
         );
-        tick_leader(&mut c, 40);
+        c.tick_leader(40);
         assert!(!c.core(1).raft().membership().voters.contains(&3));
         assert_eq!(c.core(1).raft().membership().voters.len(), 2);
     }

@@ -1201,14 +1201,12 @@ impl Driver {
         if cluster_changed {
             self.cluster_seen = sm.cluster_id();
             if let Some(c) = sm.cluster_identity() {
+                let id = format!("{:032x}", c.id);
+                info!(cluster_id = %id, "this cluster's id");
+                self.metrics.cluster_info.with_label_values(&[&id]).set(1);
                 if let Ok(mut cell) = self.cluster_id_cell.write() {
-                    *cell = format!("{:032x}", c.id);
+                    *cell = id;
                 }
-                info!(cluster_id = %format!("{:032x}", c.id), "this cluster's id");
-                self.metrics
-                    .cluster_info
-                    .with_label_values(&[&format!("{:032x}", c.id)])
-                    .set(1);
             }
         }
         let has_data = raft.last_index() > 0 || raft.snapshot_index() > 0 || term > 0;

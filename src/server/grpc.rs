@@ -410,7 +410,7 @@ impl PeerApi {
         cluster_id: &str,
     ) -> Result<(), Status> {
         let ours = self.status.borrow().cluster_id.clone();
-        if !cluster_id.is_empty() && !ours.is_empty() && cluster_id != ours {
+        if crate::node::lifecycle::other_cluster(&ours, cluster_id) {
             self.refused.with_label_values(&["cluster_id"]).inc();
             return Err(Status::permission_denied(format!(
                 "node {from} belongs to cluster {cluster_id}, this node to cluster {ours}"
@@ -630,7 +630,7 @@ impl ppb::peer_server::Peer for PeerApi {
             let s = self.status.borrow();
             (s.cluster_version, s.leader_id, s.cluster_id.clone())
         };
-        if !r.cluster_id.is_empty() && !cluster_id.is_empty() && r.cluster_id != cluster_id {
+        if crate::node::lifecycle::other_cluster(&cluster_id, &r.cluster_id) {
             self.refused.with_label_values(&["cluster_id"]).inc();
             return Ok(Response::new(ppb::JoinClusterReply {
                 success: false,

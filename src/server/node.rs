@@ -25,7 +25,9 @@ use super::proto::seed004::lock_service_server::LockServiceServer as SeedLockSer
 use super::tls::{ClientTls, PeerTls, TlsFiles};
 use super::transport::{AddressBook, LocalIdentity, PeerDialer, PeerTransport};
 use crate::lock::{Limits, LockStateMachine};
-use crate::node::lifecycle::{decide_start, PeerAnswer, StartDecision};
+use crate::node::lifecycle::{
+    decide_start, rejoin_verdict, PeerAnswer, RejoinVerdict, StartDecision,
+};
 use crate::raft::{Config, InitialState, Membership, NodeId, Raft};
 use crate::storage::{SledStorage, Storage};
 use crate::telemetry::NodeMetrics;
@@ -591,11 +593,12 @@ async fn decide_bootstrap(
         let mut answers = Vec::with_capacity(peers.len());
         for peer in &peers {
             let answer = match fetch_peer_list(dialer, peer).await {
-                Ok(reply) if reply.has_data || !reply.peer_set.is_empty() => PeerAnswer::Member {
-                    cluster_id: u128::from_str_radix(&reply.cluster_id, 16).ok(),
-                    forced_by: (!reply.forced_by.is_empty()).then_some(reply.forced_by),
-                },
-                Ok(_) => PeerAnswer::Empty,
+                Ok(reply) => PeerAnswer::answered(
+                    reply.has_data,
+                    &reply.peer_set,
+                    &reply.cluster_id,
+                    &reply.forced_by,
+                ),
                 Err(err) => {
                     debug!(via = %peer, cause = %err, "peer not reachable");
                     PeerAnswer::Unreachable
@@ -649,11 +652,7 @@ fn serve_while_starting(
     waiting: Arc<std::sync::RwLock<String>>,
     mut stop: watch::Receiver<bool>,
 ) -> Option<tokio::task::JoinHandle<()>> {
-    let std_listener = listener
-        .local_addr()
-        .ok()
-        .and_then(|_| socket2_clone(listener))?;
-    let listener = TcpListener::from_std(std_listener).ok()?;
+    let listener = TcpListener::from_std(listener_copy(listener)?).ok()?;
     let app = axum::Router::new()
         .route("/healthz", axum::routing::get(|| async { "ok" }))
         .route(
@@ -685,10 +684,9 @@ fn serve_while_starting(
 }
 
 /// A second handle on the same listening socket.
-fn socket2_clone(listener: &TcpListener) -> Option<std::net::TcpListener> {
-    use std::os::fd::{AsFd, BorrowedFd};
-    let fd: BorrowedFd<'_> = listener.as_fd();
-    let owned = fd.try_clone_to_owned().ok()?;
+fn listener_copy(listener: &TcpListener) -> Option<std::net::TcpListener> {
+    use std::os::fd::AsFd;
+    let owned = listener.as_fd().try_clone_to_owned().ok()?;
     let std_listener = std::net::TcpListener::from(owned);
     std_listener.set_nonblocking(true).ok()?;
     Some(std_listener)
@@ -850,18 +848,22 @@ async fn rejoin_if_removed(
         let Ok(reply) = fetch_peer_list(dialer, &peer).await else {
             continue;
         };
-        if reply.leader_id == 0 || reply.leader_addr.is_empty() {
-            continue;
-        }
-        if !s.cluster_id.is_empty()
-            && !reply.cluster_id.is_empty()
-            && s.cluster_id != reply.cluster_id
-        {
-            warn!(via = %peer, theirs = %reply.cluster_id, ours = %s.cluster_id, "a peer of another cluster; not joining it");
-            continue;
-        }
-        if reply.peer_set.contains(&cfg.node_id) {
-            return;
+        let leader_known = reply.leader_id != 0 && !reply.leader_addr.is_empty();
+        match rejoin_verdict(
+            cfg.node_id,
+            &s.cluster_id,
+            leader_known,
+            &reply.cluster_id,
+            &reply.peer_set,
+        ) {
+            RejoinVerdict::AskAnother => {
+                if leader_known {
+                    warn!(via = %peer, theirs = %reply.cluster_id, ours = %s.cluster_id, "a peer of another cluster; not joining it");
+                }
+                continue;
+            }
+            RejoinVerdict::Member => return,
+            RejoinVerdict::Removed => {}
         }
         info!(
             leader = reply.leader_id,

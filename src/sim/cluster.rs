@@ -1271,17 +1271,11 @@ impl Cluster {
     /// so the other members' disks hold every committed entry. The bootstrap node, half of the
     /// time, comes back while every other node is down.
     fn wipe_random(&mut self) {
-        if self.nodes.values().any(|n| n.joining || n.undecided) {
+        if self.volume_on_its_way_back() {
             return;
         }
         let Some(leader) = self.leader() else { return };
-        let membership = self.nodes[&leader]
-            .core
-            .as_ref()
-            .expect("leader")
-            .raft()
-            .membership()
-            .clone();
+        let membership = self.membership_of(leader);
         let members: Vec<NodeId> = membership
             .members()
             .filter(|id| {
@@ -1445,6 +1439,22 @@ impl Cluster {
         }
     }
 
+    /// A node started on a wiped disk that is not a member again yet.
+    fn volume_on_its_way_back(&self) -> bool {
+        self.nodes.values().any(|n| n.joining || n.undecided)
+    }
+
+    /// The configuration as node `id` (running) sees it.
+    fn membership_of(&self, id: NodeId) -> Membership {
+        self.nodes[&id]
+            .core
+            .as_ref()
+            .expect("running")
+            .raft()
+            .membership()
+            .clone()
+    }
+
     /// Whether `id` is a member of the current leader's configuration (`None`: no leader).
     fn member_again(&self, id: NodeId) -> Option<bool> {
         let leader = self.leader()?;
@@ -1557,14 +1567,8 @@ impl Cluster {
         let Some(leader) = self.leader() else { return };
         // No operator removes members while a lost volume is still on its way back: that would
         // take the configuration below a majority of intact disks.
-        let volume_lost = self.nodes.values().any(|n| n.joining || n.undecided);
-        let membership = self.nodes[&leader]
-            .core
-            .as_ref()
-            .expect("leader")
-            .raft()
-            .membership()
-            .clone();
+        let volume_lost = self.volume_on_its_way_back();
+        let membership = self.membership_of(leader);
         let live_members = membership.voters.len() + membership.learners.len();
         let choice = self.rng.random_range(0..3);
         let new_id = self.next_node_id;

@@ -870,16 +870,20 @@ def rehearse(pods, docs3, docs5, workers, n_workers):
     time.sleep(3)
     check_held("install")
 
-    log("scale to 5: pods 3 and 4 start with the 5-replica template")
     cluster5 = Cluster(pods, docs5)
-    cluster5.up = set(cluster.up)
-    for o in (3, 4):
-        cluster5.start(o)
-    cluster5.wait_ready(range(5), timeout=180)
-    view = cluster5.wait_voters([1, 2, 3, 4, 5], timeout=180)
-    log(f"  members {[m['id'] for m in view['members']]}, all voters")
-    cluster.up = cluster5.up
-    check_held("scale to 5")
+
+    def scale_to_5(step):
+        cluster5.up = set(cluster.up)
+        for o in (3, 4):
+            cluster5.start(o)
+        cluster5.wait_ready(range(5), timeout=180)
+        view = cluster5.wait_voters([1, 2, 3, 4, 5], timeout=180)
+        log(f"  members {[m['id'] for m in view['members']]}, all voters")
+        cluster.up = cluster5.up
+        check_held(step)
+
+    log("scale to 5: pods 3 and 4 start with the 5-replica template")
+    scale_to_5("scale to 5")
 
     log("kubectl scale to 3, no hook: pods 4 and 3 deleted together with their volumes")
     for o in (4, 3):
@@ -893,14 +897,7 @@ def rehearse(pods, docs3, docs5, workers, n_workers):
     check_held("kubectl scale to 3")
 
     log("kubectl scale back to 5: pods 3 and 4 start on new volumes and join")
-    cluster5.up = set(cluster.up)
-    for o in (3, 4):
-        cluster5.start(o)
-    cluster5.wait_ready(range(5), timeout=180)
-    view = cluster5.wait_voters([1, 2, 3, 4, 5], timeout=180)
-    log(f"  members {[m['id'] for m in view['members']]}, all voters")
-    cluster.up = cluster5.up
-    check_held("kubectl scale back to 5")
+    scale_to_5("kubectl scale back to 5")
 
     log("scale to 3: the pre-upgrade hook removes members 4 and 5, then pods 4 and 3 stop")
     hooks = find(docs3, "Job", lambda d: is_hook(d, "pre-upgrade"))
