@@ -76,6 +76,11 @@ fn dialer(dir: &Path, cert: &str) -> PeerDialer {
     PeerDialer {
         cluster_token: String::new(),
         tls: Some(PeerTls::load(files, DEFAULT_NODE_NAME, None).unwrap()),
+        // A node's certificate speaks for that node.
+        from_node: cert
+            .strip_prefix("node-")
+            .and_then(|id| id.parse().ok())
+            .unwrap_or(0),
     }
 }
 

@@ -133,6 +133,10 @@ pub enum Command {
         id: u64,
         info: Option<crate::lock::MemberInfo>,
     },
+    /// Sets the byte budgets and per-identity quotas every replica applies commands with
+    /// (needs cluster version 5). Proposed by a leader whose configured quotas differ from the
+    /// replicated ones: the leader's flags win, so a rolling restart with new flags changes them.
+    SetQuotas { quotas: super::limits::Quotas },
     /// A client request that acknowledges earlier answers (needs cluster version 3). Its
     /// `command`'s request id is the request's sequence number in its client's session (decimal,
     /// from 1), and `ack_below` says the client has the answer of every request of its session
@@ -206,7 +210,8 @@ impl Command {
             | Command::Tick { .. }
             | Command::SetClusterVersion { .. }
             | Command::SetClusterId { .. }
-            | Command::SetMember { .. } => "",
+            | Command::SetMember { .. }
+            | Command::SetQuotas { .. } => "",
             Command::Sequenced { command, .. } => command.key(),
         }
     }
@@ -372,6 +377,9 @@ mod tests {
             },
             Command::Tick { elapsed_ms: 1_000 },
             Command::SetClusterVersion { version: 2 },
+            Command::SetQuotas {
+                quotas: crate::lock::limits::Quotas::default(),
+            },
             Command::Sequenced {
                 ack_below: 6,
                 command: Box::new(Command::Acquire {

@@ -94,3 +94,65 @@ impl From<LimitsV1> for Limits {
         }
     }
 }
+
+/// Byte budgets and per-identity quotas (cluster version 5, [`super::QUOTAS_VERSION`]):
+/// replicated state like [`Limits`], set through the log by [`super::Command::SetQuotas`], so
+/// every replica refuses the same commands. Until a `SetQuotas` entry applies none of them is
+/// enforced (a cluster in the middle of a rolling upgrade has replicas that would not).
+///
+/// An identity is the part of a client id before its first `/`: with client authentication on,
+/// a node makes every client id `<identity>` or `<identity>/<clientId>` before proposing, so
+/// the identity is the authenticated one. Without authentication a client id is chosen by the
+/// client and proves nothing: `by_identity` is then false and every client shares the global
+/// bounds.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Quotas {
+    /// Bytes of keys and values in the replicated key-value data, in all.
+    pub data_bytes_max: u64,
+    /// Bytes of lock state in all: keys and ids of held locks and queued waiters (with
+    /// [`LOCK_ENTRY_OVERHEAD`] each).
+    pub lock_bytes_max: u64,
+    /// Whether the per-identity quotas below apply (client authentication is on).
+    pub by_identity: bool,
+    /// Locks one identity may hold and wait for, together.
+    pub identity_locks_max: u64,
+    /// Acquires one identity may have queued.
+    pub identity_waiters_max: u64,
+    /// Client sessions one identity may have open.
+    pub identity_sessions_max: u64,
+}
+
+/// Bytes counted for a held lock or a queued waiter besides its key and ids: about what the
+/// state machine's maps and boxes take for one.
+pub const LOCK_ENTRY_OVERHEAD: u64 = 96;
+
+impl Default for Quotas {
+    fn default() -> Self {
+        Quotas {
+            data_bytes_max: 64 << 20,
+            lock_bytes_max: 256 << 20,
+            by_identity: false,
+            identity_locks_max: 250_000,
+            identity_waiters_max: 250_000,
+            identity_sessions_max: 2_500,
+        }
+    }
+}
+
+impl Quotas {
+    /// Whether these quotas can be applied (every bound positive).
+    pub fn is_sane(&self) -> bool {
+        self.data_bytes_max > 0
+            && self.lock_bytes_max > 0
+            && self.identity_locks_max > 0
+            && self.identity_waiters_max > 0
+            && self.identity_sessions_max > 0
+    }
+}
+
+/// The identity a client id belongs to: the part before its first `/`.
+pub fn identity_of(client_id: &str) -> &str {
+    client_id
+        .split_once('/')
+        .map_or(client_id, |(identity, _)| identity)
+}

@@ -37,7 +37,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use super::command::{decode_plain, encode_plain, Command, DecodeError, FencingToken};
-use super::limits::Limits;
+use super::limits::{identity_of, Limits, Quotas, LOCK_ENTRY_OVERHEAD};
 use super::outcome::{Applied, Event, Outcome, RejectCode};
 
 const LOCK_PREFIX: &str = "lock/";
@@ -66,6 +66,8 @@ const META_CLUSTER_VERSION: &str = "meta/cluster_version";
 const META_CLUSTER: &str = "meta/cluster";
 /// The member table (`BTreeMap<node id, MemberInfo>`); absent while empty.
 const META_MEMBERS: &str = "meta/members";
+/// The byte budgets and per-identity quotas ([`Quotas`]); absent until a leader set them.
+const META_QUOTAS: &str = "meta/quotas";
 
 /// The cluster version this RaftLock understands: the log commands and state keys every member
 /// can apply and read. 1: everything before cluster versions existed. 2: [`Command::SetClusterVersion`]
@@ -76,7 +78,11 @@ const META_MEMBERS: &str = "meta/members";
 /// 3: [`Command::Sequenced`] (clients acknowledging answers) and the `meta/ack/` keys.
 /// 4: [`Command::SetClusterId`] and [`Command::SetMember`], the `meta/cluster` and
 /// `meta/members` keys.
-pub const CLUSTER_VERSION: u32 = 4;
+/// 5: [`Command::SetQuotas`] and the `meta/quotas` key.
+pub const CLUSTER_VERSION: u32 = 5;
+
+/// The cluster version [`Command::SetQuotas`] needs.
+pub const QUOTAS_VERSION: u32 = 5;
 
 /// The cluster version [`Command::SetClusterId`] and [`Command::SetMember`] need.
 pub const LIFECYCLE_VERSION: u32 = 4;
@@ -113,15 +119,16 @@ const ACK_SCAN_MAX: usize = 256;
 /// The meta keys nearly every command changes, each marked changed by one bit of
 /// `LockStateMachine::dirty_meta` rather than by a string in `dirty` (an allocation and an
 /// ordered insert per command, on every node).
-const DIRTY_SEQ: u8 = 1;
-const DIRTY_APPLIED: u8 = 2;
-const DIRTY_DEDUPE_NEXT: u8 = 4;
-const DIRTY_LIMITS: u8 = 8;
-const DIRTY_CLOCK: u8 = 16;
-const DIRTY_CLUSTER_VERSION: u8 = 32;
-const DIRTY_CLUSTER: u8 = 64;
-const DIRTY_MEMBERS: u8 = 128;
-const DIRTY_META_KEYS: [(u8, &str); 8] = [
+const DIRTY_SEQ: u16 = 1;
+const DIRTY_APPLIED: u16 = 2;
+const DIRTY_DEDUPE_NEXT: u16 = 4;
+const DIRTY_LIMITS: u16 = 8;
+const DIRTY_CLOCK: u16 = 16;
+const DIRTY_CLUSTER_VERSION: u16 = 32;
+const DIRTY_CLUSTER: u16 = 64;
+const DIRTY_MEMBERS: u16 = 128;
+const DIRTY_QUOTAS: u16 = 256;
+const DIRTY_META_KEYS: [(u16, &str); 9] = [
     (DIRTY_SEQ, META_SEQ),
     (DIRTY_APPLIED, META_APPLIED),
     (DIRTY_DEDUPE_NEXT, META_DEDUPE_NEXT),
@@ -130,6 +137,7 @@ const DIRTY_META_KEYS: [(u8, &str); 8] = [
     (DIRTY_CLUSTER_VERSION, META_CLUSTER_VERSION),
     (DIRTY_CLUSTER, META_CLUSTER),
     (DIRTY_MEMBERS, META_MEMBERS),
+    (DIRTY_QUOTAS, META_QUOTAS),
 ];
 /// Longest step one `Tick` may advance the log clock by: a leader that was paused (and has not
 /// noticed it lost leadership) cannot age every session at once.
@@ -665,10 +673,52 @@ fn op_of(command: &Command) -> (u8, &str) {
         | Command::Tick { .. }
         | Command::SetClusterVersion { .. }
         | Command::SetClusterId { .. }
-        | Command::SetMember { .. } => 0,
+        | Command::SetMember { .. }
+        | Command::SetQuotas { .. } => 0,
         Command::Sequenced { command, .. } => return op_of(command),
     };
     (kind, command.key())
+}
+
+/// What one identity holds and waits for (see [`Quotas`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct IdentityUse {
+    held: u64,
+    waiting: u64,
+}
+
+/// Bytes a held lock or a queued waiter counts against `Quotas::lock_bytes_max`.
+fn lock_cost(key: &str, client_id: &str, request_id: &str) -> u64 {
+    (key.len() + client_id.len() + request_id.len()) as u64 + LOCK_ENTRY_OVERHEAD
+}
+
+/// Bytes a data entry counts against `Quotas::data_bytes_max`.
+fn data_cost(key: &str, value: &[u8]) -> u64 {
+    (key.len() + value.len()) as u64
+}
+
+/// A refusal by a byte budget or a quota: `BUSY` on the wire, its message naming the limit
+/// (`[limit: <name>]`, which the node counts by).
+fn limit_refusal(limit: &str, detail: String) -> Outcome {
+    Outcome::rejected(
+        RejectCode::LimitReached,
+        format!("{detail} [limit: {limit}]"),
+    )
+}
+
+/// Adds `held` and `waiting` to the use of `client_id`'s identity (dropping identities that
+/// use nothing).
+fn count_use(uses: &mut BTreeMap<Box<str>, IdentityUse>, client_id: &str, held: i64, waiting: i64) {
+    let identity = identity_of(client_id);
+    let used = match uses.get_mut(identity) {
+        Some(used) => used,
+        None => uses.entry(Box::from(identity)).or_default(),
+    };
+    used.held = used.held.saturating_add_signed(held);
+    used.waiting = used.waiting.saturating_add_signed(waiting);
+    if used.held == 0 && used.waiting == 0 {
+        uses.remove(identity);
+    }
 }
 
 /// A held lock, as the leader needs it to rebuild lease deadlines.
@@ -719,13 +769,22 @@ pub struct LockStateMachine {
     members: BTreeMap<u64, MemberInfo>,
     locks_held: usize,
     waiters: usize,
+    /// Byte budgets and per-identity quotas, once set through the log (`SetQuotas`).
+    quotas: Option<Quotas>,
+    /// Bytes of keys and values in `data` (what `Quotas::data_bytes_max` bounds).
+    data_bytes: u64,
+    /// Bytes of held locks and queued waiters (what `Quotas::lock_bytes_max` bounds).
+    lock_bytes: u64,
+    /// Locks held and acquires queued per identity, kept while `by_identity` quotas apply
+    /// (derived: rebuilt at load and when the quotas change).
+    identity_use: BTreeMap<Box<str>, IdentityUse>,
     /// State keys changed since the last `take_changes`, besides the meta keys of `dirty_meta`.
     dirty: BTreeSet<String>,
     /// Reused to build a key for `dirty` before it is known to be new (not state: empty or
     /// the last key built).
     dirty_scratch: String,
     /// The meta keys changed since the last `take_changes` (`DIRTY_META_KEYS`).
-    dirty_meta: u8,
+    dirty_meta: u16,
     /// Dedupe blocks changed since the last `take_changes`.
     dirty_blocks: BTreeSet<u64>,
     /// Sessions whose acknowledgement mark changed since the last `take_changes`.
@@ -997,6 +1056,7 @@ impl LockStateMachine {
                 }
                 return Outcome::Stored;
             }
+            Command::SetQuotas { quotas } => return self.set_quotas(quotas),
             Command::SetMember { id, info } => {
                 match info {
                     None => {
@@ -1112,6 +1172,7 @@ impl LockStateMachine {
             | Command::SetClusterVersion { .. }
             | Command::SetClusterId { .. }
             | Command::SetMember { .. }
+            | Command::SetQuotas { .. }
             | Command::Sequenced { .. } => {
                 Outcome::rejected(RejectCode::InvalidRequest, "unreachable")
             }
@@ -1203,6 +1264,7 @@ impl LockStateMachine {
             | Command::SetClusterVersion { .. }
             | Command::SetClusterId { .. }
             | Command::SetMember { .. }
+            | Command::SetQuotas { .. }
             | Command::Sequenced { .. } => &[],
         };
         if ids.iter().any(|id| id.len() > l.id_bytes_max) {
@@ -1264,6 +1326,7 @@ impl LockStateMachine {
             | Command::SetClusterVersion { .. }
             | Command::SetClusterId { .. }
             | Command::SetMember { .. }
+            | Command::SetQuotas { .. }
             | Command::Sequenced { .. } => {}
         }
         Ok(())
@@ -1288,7 +1351,10 @@ impl LockStateMachine {
     ) -> Outcome {
         let exists = self.locks.contains_key(key);
         if !exists && self.locks.len() >= self.limits.locks_held_max {
-            return Outcome::rejected(RejectCode::LimitReached, "too many locks in use");
+            return limit_refusal("locks_held", "too many locks in use".into());
+        }
+        if let Err(refusal) = self.check_lock_quotas(key, client_id, request_id, wait_timeout_ms) {
+            return refusal;
         }
         let waiters_max = self.limits.waiters_per_key_max;
         let entry = self.locks.entry(Box::from(key)).or_default();
@@ -1304,6 +1370,8 @@ impl LockStateMachine {
                     lease_index: self.applied_index,
                 });
                 self.locks_held += 1;
+                self.lock_bytes += lock_cost(key, client_id, request_id);
+                self.count_identity(client_id, 1, 0);
                 self.mark_lock(key);
                 self.dirty_meta |= DIRTY_SEQ;
                 Outcome::Granted {
@@ -1348,6 +1416,8 @@ impl LockStateMachine {
                 });
                 let position = entry.waiters.len() as u32;
                 self.waiters += 1;
+                self.lock_bytes += lock_cost(key, client_id, request_id);
+                self.count_identity(client_id, 0, 1);
                 self.mark_lock(key);
                 Outcome::Queued { position }
             }
@@ -1440,11 +1510,21 @@ impl LockStateMachine {
         let Some(entry) = self.locks.get_mut(key) else {
             return;
         };
-        if entry.holder.take().is_some() {
+        if let Some(old) = entry.holder.take() {
             self.locks_held -= 1;
+            self.lock_bytes =
+                self.lock_bytes
+                    .saturating_sub(lock_cost(key, &old.client_id, &old.request_id));
+            if self.quotas.as_ref().is_some_and(|q| q.by_identity) {
+                count_use(&mut self.identity_use, &old.client_id, -1, 0);
+            }
         }
         if let Some(next) = entry.waiters.pop_front() {
             self.waiters -= 1;
+            // The waiter's bytes now count as the holder's.
+            if self.quotas.as_ref().is_some_and(|q| q.by_identity) {
+                count_use(&mut self.identity_use, &next.client_id, 1, -1);
+            }
             self.fencing_seq += 1;
             let token = self.fencing_seq;
             entry.holder = Some(Holder {
@@ -1494,6 +1574,10 @@ impl LockStateMachine {
         };
         entry.waiters.remove(pos);
         self.waiters -= 1;
+        self.lock_bytes = self
+            .lock_bytes
+            .saturating_sub(lock_cost(key, client_id, request_id));
+        self.count_identity(client_id, 0, -1);
         self.mark_lock(key);
         self.update_record(client_id, request_id, Outcome::WaitCancelled);
         events.push(Event::WaiterRemoved {
@@ -1523,8 +1607,20 @@ impl LockStateMachine {
             return refusal;
         }
         if !self.data.contains_key(key) && self.data.len() >= self.limits.data_entries_max {
-            return Outcome::rejected(RejectCode::LimitReached, "too many data keys");
+            return limit_refusal("data_entries", "too many data keys".into());
         }
+        let old = self.data.get(key).map_or(0, |v| data_cost(key, v));
+        let total = self.data_bytes.saturating_sub(old) + data_cost(key, value);
+        if let Some(q) = self.quotas.as_ref().filter(|q| total > q.data_bytes_max) {
+            return limit_refusal(
+                "data_bytes",
+                format!(
+                    "the key-value data would pass its budget of {} bytes",
+                    q.data_bytes_max
+                ),
+            );
+        }
+        self.data_bytes = total;
         self.data.insert(key.to_string(), value.to_vec());
         self.mark_dirty(DATA_PREFIX, key);
         Outcome::Stored
@@ -1534,11 +1630,158 @@ impl LockStateMachine {
         if let Err(refusal) = self.guard_holds(guard) {
             return refusal;
         }
-        let existed = self.data.remove(key).is_some();
-        if existed {
+        let removed = self.data.remove(key);
+        let existed = removed.is_some();
+        if let Some(value) = removed {
+            self.data_bytes = self.data_bytes.saturating_sub(data_cost(key, &value));
             self.mark_dirty(DATA_PREFIX, key);
         }
         Outcome::Deleted { existed }
+    }
+
+    /// `SetQuotas`: takes the quotas (when every bound is positive) and rebuilds what the
+    /// per-identity quotas count.
+    fn set_quotas(&mut self, quotas: &Quotas) -> Outcome {
+        if !quotas.is_sane() {
+            return Outcome::rejected(RejectCode::InvalidRequest, "quotas must all be positive");
+        }
+        if self.quotas.as_ref() != Some(quotas) {
+            self.quotas = Some(quotas.clone());
+            self.dirty_meta |= DIRTY_QUOTAS;
+            self.recount();
+        }
+        Outcome::Stored
+    }
+
+    /// The quotas in force (None until a `SetQuotas` entry applied).
+    pub fn quotas(&self) -> Option<&Quotas> {
+        self.quotas.as_ref()
+    }
+
+    /// Bytes of key-value data and of lock state, as the byte budgets count them.
+    pub fn bytes_used(&self) -> (u64, u64) {
+        (self.data_bytes, self.lock_bytes)
+    }
+
+    /// What the byte counts and the per-identity use say against a recount of the state, when
+    /// they differ (the simulator checks this after every applied index).
+    pub fn accounting_mismatch(&self) -> Option<String> {
+        let mut fresh = LockStateMachine {
+            quotas: self.quotas.clone(),
+            locks: self.locks.clone(),
+            data: self.data.clone(),
+            ..Default::default()
+        };
+        fresh.recount();
+        let kept = (self.data_bytes, self.lock_bytes, &self.identity_use);
+        let counted = (fresh.data_bytes, fresh.lock_bytes, &fresh.identity_use);
+        (kept != counted).then(|| {
+            format!("kept (data, lock bytes, use by identity) {kept:?}, recounted {counted:?}")
+        })
+    }
+
+    /// Rebuilds the byte counts and the per-identity use from the state.
+    fn recount(&mut self) {
+        self.data_bytes = self.data.iter().map(|(k, v)| data_cost(k, v)).sum();
+        let by_identity = self.quotas.as_ref().is_some_and(|q| q.by_identity);
+        let mut lock_bytes = 0;
+        let mut uses = BTreeMap::new();
+        for (key, entry) in &self.locks {
+            if let Some(h) = &entry.holder {
+                lock_bytes += lock_cost(key, &h.client_id, &h.request_id);
+                if by_identity {
+                    count_use(&mut uses, &h.client_id, 1, 0);
+                }
+            }
+            for w in entry.waiters.iter() {
+                lock_bytes += lock_cost(key, &w.client_id, &w.request_id);
+                if by_identity {
+                    count_use(&mut uses, &w.client_id, 0, 1);
+                }
+            }
+        }
+        self.lock_bytes = lock_bytes;
+        self.identity_use = uses;
+    }
+
+    /// Counts a lock taken or given back (`held`) and an acquire queued or leaving the queue
+    /// (`waiting`) against `client_id`'s identity, while per-identity quotas apply.
+    fn count_identity(&mut self, client_id: &str, held: i64, waiting: i64) {
+        if self.quotas.as_ref().is_some_and(|q| q.by_identity) {
+            count_use(&mut self.identity_use, client_id, held, waiting);
+        }
+    }
+
+    /// Sessions open for `identity`, counted up to `max`.
+    fn identity_sessions(&self, identity: &str, max: u64) -> u64 {
+        let upper = format!("{identity}0");
+        self.sessions
+            .range::<str, _>((
+                std::ops::Bound::Included(identity),
+                std::ops::Bound::Excluded(upper.as_str()),
+            ))
+            .filter(|(client, _)| identity_of(client) == identity)
+            .take(max as usize)
+            .count() as u64
+    }
+
+    /// The byte budget and per-identity quotas for an acquire of `key` that would take the
+    /// lock or join its queue (an acquire that would be answered from the state without
+    /// taking anything is not checked).
+    fn check_lock_quotas(
+        &self,
+        key: &str,
+        client_id: &str,
+        request_id: &str,
+        wait_timeout_ms: Option<u64>,
+    ) -> Result<(), Outcome> {
+        let Some(q) = &self.quotas else {
+            return Ok(());
+        };
+        let queue = match self
+            .locks
+            .get(key)
+            .and_then(|e| e.holder.as_ref().map(|h| (e, h)))
+        {
+            None => false,
+            Some((_, h)) if *h.client_id == *client_id => return Ok(()),
+            Some(_) if wait_timeout_ms == Some(0) => return Ok(()),
+            Some((e, _)) if e.waiters.iter().any(|w| *w.client_id == *client_id) => return Ok(()),
+            Some(_) => true,
+        };
+        if self.lock_bytes + lock_cost(key, client_id, request_id) > q.lock_bytes_max {
+            return Err(limit_refusal(
+                "lock_bytes",
+                format!(
+                    "held locks and queued acquires would pass their budget of {} bytes",
+                    q.lock_bytes_max
+                ),
+            ));
+        }
+        if !q.by_identity {
+            return Ok(());
+        }
+        let identity = identity_of(client_id);
+        let used = self.identity_use.get(identity).copied().unwrap_or_default();
+        if used.held + used.waiting >= q.identity_locks_max {
+            return Err(limit_refusal(
+                "identity_locks",
+                format!(
+                    "identity {identity:?} holds and waits for {} locks",
+                    q.identity_locks_max
+                ),
+            ));
+        }
+        if queue && used.waiting >= q.identity_waiters_max {
+            return Err(limit_refusal(
+                "identity_waiters",
+                format!(
+                    "identity {identity:?} has {} acquires queued",
+                    q.identity_waiters_max
+                ),
+            ));
+        }
+        Ok(())
     }
 
     fn set_replicated_limits(&mut self, limits: &Limits) -> Outcome {
@@ -1728,9 +1971,25 @@ impl LockStateMachine {
         let (sessions_max, per_session, total) =
             (l.sessions_max, l.session_entries_max, l.dedupe_entries_max);
         let retain = l.dedupe_retain_ms;
+        if !self.sessions.contains_key(client_id) {
+            if let Some(q) = self.quotas.as_ref().filter(|q| q.by_identity) {
+                let max = q.identity_sessions_max;
+                if self.identity_sessions(identity_of(client_id), max) >= max {
+                    return Err(limit_refusal(
+                        "identity_sessions",
+                        format!(
+                            "identity {:?} has {max} client sessions open; a session closes \
+                             after {} ms without requests from its client — retry later",
+                            identity_of(client_id),
+                            self.limits.session_idle_ms
+                        ),
+                    ));
+                }
+            }
+        }
         if !self.sessions.contains_key(client_id) && self.sessions.len() >= sessions_max {
-            return Err(Outcome::rejected(
-                RejectCode::LimitReached,
+            return Err(limit_refusal(
+                "sessions",
                 format!(
                     "{sessions_max} client sessions are open; a session closes after {} ms \
                      without requests from its client — retry later",
@@ -1748,8 +2007,8 @@ impl LockStateMachine {
                     self.remove_record(n);
                 }
                 None => {
-                    return Err(Outcome::rejected(
-                        RejectCode::LimitReached,
+                    return Err(limit_refusal(
+                        "session_answers",
                         format!(
                             "client {client_id:?} has {per_session} answered requests younger \
                              than {retain} ms; retry later"
@@ -1855,6 +2114,14 @@ impl LockStateMachine {
         let client: Arc<str> = match self.sessions.get_key_value(client_id) {
             Some((client, _)) => client.clone(),
             None if self.sessions.len() >= self.limits.sessions_max => return,
+            None if self.quotas.as_ref().is_some_and(|q| {
+                q.by_identity
+                    && self.identity_sessions(identity_of(client_id), q.identity_sessions_max)
+                        >= q.identity_sessions_max
+            }) =>
+            {
+                return
+            }
             None => client_id.into(),
         };
         let clock = self.clock_ms;
@@ -1942,6 +2209,7 @@ impl LockStateMachine {
             META_LIMITS => self.limits_replicated.then(|| encode_plain(&self.limits)),
             META_CLUSTER => self.cluster.as_ref().map(encode_plain),
             META_MEMBERS => (!self.members.is_empty()).then(|| encode_plain(&self.members)),
+            META_QUOTAS => self.quotas.as_ref().map(encode_plain),
             _ => None,
         }
     }
@@ -2032,6 +2300,7 @@ impl LockStateMachine {
                 META_CLUSTER_VERSION,
                 META_CLUSTER,
                 META_MEMBERS,
+                META_QUOTAS,
             ]
             .map(String::from),
         );
@@ -2356,6 +2625,7 @@ impl StateLoader {
                 }
                 META_CLUSTER => sm.cluster = Some(decode_plain(value)?),
                 META_MEMBERS => sm.members = decode_plain(value)?,
+                META_QUOTAS => sm.quotas = Some(decode_plain(value)?),
                 META_LIMITS => {
                     sm.limits = match decode_plain(value) {
                         Ok(limits) => limits,
@@ -2378,7 +2648,8 @@ impl StateLoader {
 
     /// The state the pairs describe, checked as a whole.
     pub fn finish(self) -> Result<LockStateMachine, DecodeError> {
-        let sm = self.sm;
+        let mut sm = self.sm;
+        sm.recount();
         let max_token = sm
             .locks
             .values()

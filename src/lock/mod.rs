@@ -14,10 +14,10 @@ mod outcome;
 mod tests;
 
 pub use command::{Command, DecodeError, FencingToken};
-pub use limits::{Limits, LimitsV1};
+pub use limits::{identity_of, Limits, LimitsV1, Quotas};
 pub use machine::{
     sequence_number, stored_to_snapshot_pairs, ClusterIdentity, HeldLock, LockStateMachine,
     MemberInfo, StateLoader, StoredToSnapshot, WaiterInfo, CLUSTER_VERSION, DEDUPE_BLOCK,
-    LIFECYCLE_VERSION, MEMBERS_MAX, MEMBER_ADDR_MAX, SEQUENCED_VERSION,
+    LIFECYCLE_VERSION, MEMBERS_MAX, MEMBER_ADDR_MAX, QUOTAS_VERSION, SEQUENCED_VERSION,
 };
 pub use outcome::{Applied, Event, Outcome, RejectCode};

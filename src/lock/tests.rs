@@ -406,7 +406,8 @@ impl Model {
             }
             Command::SetClusterVersion { .. }
             | Command::SetClusterId { .. }
-            | Command::SetMember { .. } => Outcome::Stored,
+            | Command::SetMember { .. }
+            | Command::SetQuotas { .. } => Outcome::Stored,
             Command::Sequenced { .. } => unreachable!("the model's commands acknowledge nothing"),
             Command::Expire { key, token } => match self.holders.get(key) {
                 Some(h) if h.token == *token => {
@@ -515,6 +516,7 @@ fn model_op(cmd: &Command) -> ModelOp {
         | Command::SetClusterVersion { .. }
         | Command::SetClusterId { .. }
         | Command::SetMember { .. }
+        | Command::SetQuotas { .. }
         | Command::Sequenced { .. } => "",
     };
     (kind, cmd.key().to_string())

@@ -40,7 +40,7 @@ use self::lifecycle::{info_current, merged_info, JoinOutcome};
 use self::timed::{Deadline, TimedMap};
 use crate::lock::{
     Command, Event, FencingToken, LockStateMachine, MemberInfo, Outcome, RejectCode, StateLoader,
-    CLUSTER_VERSION, LIFECYCLE_VERSION, MEMBERS_MAX, MEMBER_ADDR_MAX,
+    CLUSTER_VERSION, LIFECYCLE_VERSION, MEMBERS_MAX, MEMBER_ADDR_MAX, QUOTAS_VERSION,
 };
 use crate::raft::{
     EntryPayload, Index, MembershipChange, Message, NodeId, ProposeError, Raft, Ready, Role,
@@ -99,6 +99,9 @@ pub struct NodeSettings {
     /// The limits this node proposes for the cluster when it leads one whose limits were never
     /// set through the log (`Command::SetLimits`). Apply always uses the replicated limits.
     pub configured_limits: Option<crate::lock::Limits>,
+    /// The byte budgets and per-identity quotas this node proposes when it leads a cluster of
+    /// version 5 or later whose replicated quotas differ (`Command::SetQuotas`).
+    pub configured_quotas: Option<crate::lock::Quotas>,
     /// Readies processed per [`NodeCore::drive`] (the simulator takes one at a time, to crash a
     /// node between two of them).
     pub readies_per_drive: usize,
@@ -152,6 +155,7 @@ impl Default for NodeSettings {
             install_slice_keys: 256,
             staged_bytes_per_flush: 16 << 20,
             configured_limits: None,
+            configured_quotas: None,
             observe_log: false,
             observe_lock_events: false,
             identity: MemberInfo::default(),
@@ -238,6 +242,11 @@ impl<R> std::fmt::Debug for Effect<R> {
 /// What happened, for metrics, logs and the simulator's checkers.
 #[derive(Clone, Debug)]
 pub enum Observation {
+    /// This leader refused a client request at a limit or quota (`BUSY`), named as in the
+    /// refusal's message (`waiters_per_key`, `locks_held`, `data_bytes`, `identity_locks`, …).
+    LimitRefused {
+        limit: String,
+    },
     /// This leader removed voter `id`'s old incarnation: a new one, without its data, asked to
     /// join.
     MemberReplaced {
@@ -2088,6 +2097,18 @@ impl<S: Storage, R> NodeCore<S, R> {
                 ),
             ),
             Outcome::Rejected { code, message } => {
+                if matches!(code, RejectCode::QueueFull | RejectCode::LimitReached) {
+                    let limit = match code {
+                        RejectCode::QueueFull => "waiters_per_key",
+                        _ => message
+                            .rsplit_once("[limit: ")
+                            .and_then(|(_, rest)| rest.strip_suffix(']'))
+                            .unwrap_or("other"),
+                    };
+                    self.observe(Observation::LimitRefused {
+                        limit: limit.to_string(),
+                    });
+                }
                 let code = match code {
                     RejectCode::RequestIdReused => ErrorCode::RequestIdReused,
                     RejectCode::Acknowledged => ErrorCode::Acknowledged,
@@ -2292,16 +2313,31 @@ impl<S: Storage, R> NodeCore<S, R> {
 
     /// A leader of a cluster whose limits were never set through the log proposes its own.
     fn propose_limits_if_unset(&mut self) {
-        let Some(limits) = &self.cfg.configured_limits else {
-            return;
-        };
-        if self.sm.limits_replicated() || !self.raft.is_leader() {
+        if !self.raft.is_leader() {
             return;
         }
-        let cmd = Command::SetLimits {
-            limits: limits.clone(),
-        };
-        if self.raft.propose(vec![Bytes::from(cmd.encode())]).is_ok() {
+        let mut commands = Vec::new();
+        if let Some(limits) = &self.cfg.configured_limits {
+            if !self.sm.limits_replicated() {
+                commands.push(Command::SetLimits {
+                    limits: limits.clone(),
+                });
+            }
+        }
+        // Quotas: the leader's configuration wins, so a rolling restart with new flags
+        // changes them; only once every member applies them the same way.
+        if let Some(quotas) = &self.cfg.configured_quotas {
+            if self.sm.cluster_version() >= QUOTAS_VERSION && self.sm.quotas() != Some(quotas) {
+                commands.push(Command::SetQuotas {
+                    quotas: quotas.clone(),
+                });
+            }
+        }
+        if commands.is_empty() {
+            return;
+        }
+        let encoded = commands.iter().map(|c| Bytes::from(c.encode())).collect();
+        if self.raft.propose(encoded).is_ok() {
             self.limits_proposed_at = Some(self.now);
         }
     }

@@ -112,6 +112,18 @@ struct AuthFile {
 pub struct AuthTable {
     identities: Vec<Arc<Identity>>,
     jwt: Option<jsonwebtoken::DecodingKey>,
+    rules: JwtRules,
+}
+
+/// What a JWT must say besides its signature, `sub` and `exp`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct JwtRules {
+    /// The `iss` it must carry.
+    pub issuer: Option<String>,
+    /// An `aud` it must name; None: `aud` is not checked.
+    pub audience: Option<String>,
+    /// How far ahead of now its `exp` may be, in seconds.
+    pub max_lifetime_s: Option<u64>,
 }
 
 impl std::fmt::Debug for AuthTable {
@@ -238,6 +250,7 @@ impl AuthTable {
         Ok(AuthTable {
             identities,
             jwt: None,
+            rules: JwtRules::default(),
         })
     }
 
@@ -249,6 +262,12 @@ impl AuthTable {
         Ok(self)
     }
 
+    /// With these rules for JWTs.
+    pub fn with_jwt_rules(mut self, rules: JwtRules) -> AuthTable {
+        self.rules = rules;
+        self
+    }
+
     /// The identity of a JWT signed with the key, or why it is not one.
     fn identify_jwt(&self, token: &str) -> Result<Arc<Identity>, &'static str> {
         let key = self
@@ -258,7 +277,19 @@ impl AuthTable {
         let mut validation = jsonwebtoken::Validation::new(jsonwebtoken::Algorithm::HS256);
         validation.validate_nbf = true;
         validation.leeway = 5;
-        validation.set_required_spec_claims(&["exp", "sub"]);
+        let mut required = vec!["exp", "sub"];
+        match &self.rules.audience {
+            Some(aud) => {
+                validation.set_audience(&[aud]);
+                required.push("aud");
+            }
+            None => validation.validate_aud = false,
+        }
+        if let Some(iss) = &self.rules.issuer {
+            validation.set_issuer(&[iss]);
+            required.push("iss");
+        }
+        validation.set_required_spec_claims(&required);
         let data =
             jsonwebtoken::decode::<JwtClaims>(token, key, &validation).map_err(|e| {
                 match e.kind() {
@@ -268,10 +299,27 @@ impl AuthTable {
                     jsonwebtoken::errors::ErrorKind::ImmatureSignature => {
                         "the bearer token is not valid yet (nbf)"
                     }
+                    jsonwebtoken::errors::ErrorKind::InvalidAudience => {
+                        "the bearer token is not for this cluster (aud)"
+                    }
+                    jsonwebtoken::errors::ErrorKind::InvalidIssuer => {
+                        "the bearer token's issuer (iss) is not the one this cluster trusts"
+                    }
+                    jsonwebtoken::errors::ErrorKind::MissingRequiredClaim(_) => {
+                        "the bearer token lacks a claim this cluster requires (exp, sub, iss, aud)"
+                    }
                     _ => "the bearer token is not valid on this cluster",
                 }
             })?;
         let claims = data.claims;
+        if let Some(max) = self.rules.max_lifetime_s {
+            if claims.exp > unix_now().saturating_add(max) {
+                return Err(
+                    "the bearer token lives longer than this cluster allows: ask for one \
+                     that expires sooner",
+                );
+            }
+        }
         let rights = claims.raftlock;
         if !valid_name(&claims.sub) {
             return Err(
@@ -328,10 +376,51 @@ pub fn read_jwt_key(path: &Path) -> Result<Vec<u8>, String> {
 /// The client port's security settings.
 #[derive(Debug, Default)]
 pub struct ClientSecurity {
-    /// Identities; `None`: the client port is open.
-    pub auth: Option<AuthTable>,
+    /// Identities, replaced when their files change; `None`: the client port is open.
+    auth: Option<std::sync::RwLock<Arc<AuthTable>>>,
+    /// Where `auth` comes from, and the bytes it was last read from.
+    sources: AuthSources,
     /// Fencing-token MACs for the data store; `None`: tokens carry no MAC.
     pub fencing_key: Option<crate::fencing::FencingKey>,
+}
+
+#[derive(Debug, Default)]
+struct AuthSources {
+    auth_file: String,
+    jwt_key_file: String,
+    rules: JwtRules,
+    last: std::sync::Mutex<Vec<u8>>,
+}
+
+impl AuthSources {
+    /// The files' bytes, one after the other (what a change is told by).
+    fn read(&self) -> Result<Vec<u8>, String> {
+        let mut bytes = Vec::new();
+        for path in [&self.auth_file, &self.jwt_key_file] {
+            if !path.is_empty() {
+                let content =
+                    std::fs::read(path).map_err(|e| format!("cannot read {path}: {e}"))?;
+                bytes.extend_from_slice(&(content.len() as u64).to_be_bytes());
+                bytes.extend_from_slice(&content);
+            }
+        }
+        Ok(bytes)
+    }
+
+    /// The table the files describe (None when both names are empty).
+    fn table(&self) -> Result<Option<AuthTable>, String> {
+        let table = match (self.auth_file.is_empty(), self.jwt_key_file.is_empty()) {
+            (true, true) => return Ok(None),
+            (false, _) => AuthTable::from_file(Path::new(&self.auth_file))?,
+            (true, false) => AuthTable::default(),
+        };
+        let table = if self.jwt_key_file.is_empty() {
+            table
+        } else {
+            table.with_jwt_key_file(Path::new(&self.jwt_key_file))?
+        };
+        Ok(Some(table.with_jwt_rules(self.rules.clone())))
+    }
 }
 
 impl ClientSecurity {
@@ -341,17 +430,32 @@ impl ClientSecurity {
         client_jwt_key_file: &str,
         fencing_key_file: &str,
     ) -> Result<ClientSecurity, String> {
-        let auth = match (client_auth_file.is_empty(), client_jwt_key_file.is_empty()) {
-            (true, true) => None,
-            (false, _) => Some(AuthTable::from_file(Path::new(client_auth_file))?),
-            (true, false) => Some(AuthTable::default()),
+        Self::load_with(
+            client_auth_file,
+            client_jwt_key_file,
+            JwtRules::default(),
+            fencing_key_file,
+        )
+    }
+
+    /// [`ClientSecurity::load`] with rules for JWTs.
+    pub fn load_with(
+        client_auth_file: &str,
+        client_jwt_key_file: &str,
+        rules: JwtRules,
+        fencing_key_file: &str,
+    ) -> Result<ClientSecurity, String> {
+        let sources = AuthSources {
+            auth_file: client_auth_file.to_string(),
+            jwt_key_file: client_jwt_key_file.to_string(),
+            rules,
+            last: Default::default(),
         };
-        let auth = match auth {
-            Some(table) if !client_jwt_key_file.is_empty() => {
-                Some(table.with_jwt_key_file(Path::new(client_jwt_key_file))?)
-            }
-            other => other,
-        };
+        let bytes = sources.read()?;
+        let auth = sources
+            .table()?
+            .map(|t| std::sync::RwLock::new(Arc::new(t)));
+        *sources.last.lock().unwrap_or_else(|e| e.into_inner()) = bytes;
         let fencing_key = if fencing_key_file.is_empty() {
             None
         } else {
@@ -360,13 +464,47 @@ impl ClientSecurity {
                     .map_err(|e| e.to_string())?,
             )
         };
-        Ok(ClientSecurity { auth, fencing_key })
+        Ok(ClientSecurity {
+            auth,
+            sources,
+            fencing_key,
+        })
+    }
+
+    /// Whether clients must authenticate.
+    pub fn authenticates(&self) -> bool {
+        self.auth.is_some()
+    }
+
+    /// Reads the identity file and the JWT key file again; true when they changed and the new
+    /// table was taken. A file that cannot be read or parsed is refused with the reason, and the
+    /// table in use stays (as with certificates). Open connections keep the identity they had.
+    pub fn reload_if_changed(&self) -> Result<bool, String> {
+        let Some(current) = &self.auth else {
+            return Ok(false);
+        };
+        let bytes = self.sources.read()?;
+        let mut last = self.sources.last.lock().unwrap_or_else(|e| e.into_inner());
+        if *last == bytes {
+            return Ok(false);
+        }
+        // Taken as seen even when refused: a broken file is reported once, not every check.
+        *last = bytes;
+        let Some(table) = self.sources.table()? else {
+            return Ok(false);
+        };
+        *current.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(table);
+        Ok(true)
     }
 
     /// The caller behind an `Authorization` header value and/or an `access_token` parameter.
     pub fn caller(&self, authorization: Option<&str>, access_token: Option<&str>) -> Caller {
         let token = authorization.and_then(bearer).or(access_token);
-        Caller::from_token(self.auth.as_ref(), token)
+        let table = self
+            .auth
+            .as_ref()
+            .map(|t| t.read().unwrap_or_else(|e| e.into_inner()).clone());
+        Caller::from_token(table.as_deref(), token)
     }
 }
 
@@ -412,6 +550,21 @@ impl Caller {
                 }
                 None => Caller::Refused("the bearer token is not valid on this cluster"),
             },
+        }
+    }
+
+    /// Checks only that the caller is authenticated (or that authentication is off): a refused
+    /// or expired token is `UNAUTHENTICATED`. Used at the WebSocket upgrade, before a
+    /// connection slot is taken.
+    pub fn check_authenticated(&self) -> Result<(), ApiError> {
+        match self {
+            Caller::Open => Ok(()),
+            Caller::Refused(reason) => Err(ApiError::new(ErrorCode::Unauthenticated, *reason)),
+            Caller::Authenticated(identity) if identity.expired() => Err(ApiError::new(
+                ErrorCode::Unauthenticated,
+                "the bearer token has expired: reconnect with a fresh one",
+            )),
+            Caller::Authenticated(_) => Ok(()),
         }
     }
 

@@ -80,6 +80,10 @@ struct Args {
     /// node-{id}.raftlock
     #[arg(long)]
     peer_tls_node_name: Option<String>,
+    /// The DNS name an operator's certificate carries (membership changes and the peer list,
+    /// never a node's powers). Default operator.raftlock
+    #[arg(long)]
+    peer_tls_operator_name: Option<String>,
     /// Client-port TLS: certificate chain (PEM), with --client-tls-key; reloaded on change.
     #[arg(long)]
     client_tls_cert: Option<String>,
@@ -98,6 +102,15 @@ struct Args {
     /// `lockctl token` makes them. Alone or with --client-auth-file.
     #[arg(long)]
     client_jwt_key_file: Option<String>,
+    /// Signed client tokens must carry this issuer (`iss`).
+    #[arg(long)]
+    client_jwt_issuer: Option<String>,
+    /// Signed client tokens must name this audience (`aud`); without it `aud` is not checked.
+    #[arg(long)]
+    client_jwt_audience: Option<String>,
+    /// Refuse signed client tokens that expire further ahead than this (e.g. 24h).
+    #[arg(long)]
+    client_jwt_max_lifetime: Option<String>,
     /// Identities, their bearer tokens and rights on the client port (JSON; see the README's
     /// security section). Without it the client port takes requests from anyone.
     #[arg(long)]
@@ -127,6 +140,26 @@ struct Args {
     /// Maximum client connections. Default 10000
     #[arg(long)]
     max_connections: Option<usize>,
+    /// Maximum client connections from one source address. Default 2500
+    #[arg(long)]
+    max_connections_per_address: Option<usize>,
+    /// Bytes of keys and values the key-value data may hold, in all (replicated). Default
+    /// 67108864 (64 MiB)
+    #[arg(long)]
+    max_data_bytes: Option<u64>,
+    /// Bytes held locks and queued acquires may take, in all (replicated). Default 268435456
+    /// (256 MiB)
+    #[arg(long)]
+    max_lock_bytes: Option<u64>,
+    /// With client authentication: locks one identity may hold and wait for. Default 250000
+    #[arg(long)]
+    identity_max_locks: Option<u64>,
+    /// With client authentication: acquires one identity may have queued. Default 250000
+    #[arg(long)]
+    identity_max_waiters: Option<u64>,
+    /// With client authentication: client sessions one identity may have open. Default 2500
+    #[arg(long)]
+    identity_max_sessions: Option<u64>,
     /// Maximum requests in flight per client connection. Default 1024
     #[arg(long)]
     max_inflight_per_connection: Option<usize>,
@@ -221,11 +254,15 @@ impl Args {
             peer_tls_key,
             peer_tls_ca,
             peer_tls_node_name,
+            peer_tls_operator_name,
             client_tls_cert,
             client_tls_key,
             client_tls_ca,
             client_auth_file,
             client_jwt_key_file,
+            client_jwt_issuer,
+            client_jwt_audience,
+            client_jwt_max_lifetime,
             fencing_key_file,
             tick,
             election_ticks,
@@ -234,6 +271,12 @@ impl Args {
             snapshot_bytes,
             waiter_reclaim,
             max_connections,
+            max_connections_per_address,
+            max_data_bytes,
+            max_lock_bytes,
+            identity_max_locks,
+            identity_max_waiters,
+            identity_max_sessions,
             max_inflight_per_connection,
             max_message_bytes,
             max_key_bytes,

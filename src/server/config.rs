@@ -76,6 +76,11 @@ pub struct NodeConfig {
     /// for its node id: a peer may speak only for the ids its certificate names.
     #[serde(default = "default_node_name")]
     pub peer_tls_node_name: String,
+    /// The DNS name an operator's certificate carries (the scale-down hook, `lockctl
+    /// members`): under peer TLS it may change membership and read the peer list, but never
+    /// speak for a node.
+    #[serde(default = "default_operator_name")]
+    pub peer_tls_operator_name: String,
     /// Client-port TLS: certificate chain and key (PEM, reloaded when they change); with
     /// `client_tls_ca`, clients must also present a certificate from that CA.
     #[serde(default)]
@@ -87,6 +92,16 @@ pub struct NodeConfig {
     /// File holding the HS256 key of signed client tokens (JWTs); empty: no JWTs.
     #[serde(default)]
     pub client_jwt_key_file: String,
+    /// When set, a JWT must carry this `iss`.
+    #[serde(default)]
+    pub client_jwt_issuer: String,
+    /// When set, a JWT must carry this `aud` (among others); when not, a JWT's `aud` is not
+    /// checked.
+    #[serde(default)]
+    pub client_jwt_audience: String,
+    /// When set (`24h`), a JWT expiring further ahead than this is refused; empty: no bound.
+    #[serde(default)]
+    pub client_jwt_max_lifetime: String,
     /// File holding the fencing-token MAC key shared with the data store; empty: no MACs.
     #[serde(default)]
     pub fencing_key_file: String,
@@ -102,6 +117,19 @@ pub struct NodeConfig {
     #[serde(deserialize_with = "duration")]
     pub waiter_reclaim: Duration,
     pub max_connections: usize,
+    /// Client connections one source address may hold open (clients behind SNAT or an ingress
+    /// share one address).
+    pub max_connections_per_address: usize,
+    /// Bytes of keys and values the replicated key-value data may hold, in all.
+    pub max_data_bytes: u64,
+    /// Bytes held locks and queued acquires may take in the lock state, in all.
+    pub max_lock_bytes: u64,
+    /// With client authentication: locks one identity may hold and wait for, together.
+    pub identity_max_locks: u64,
+    /// With client authentication: acquires one identity may have queued.
+    pub identity_max_waiters: u64,
+    /// With client authentication: client sessions one identity may have open.
+    pub identity_max_sessions: u64,
     pub max_inflight_per_connection: usize,
     pub max_message_bytes: usize,
     pub max_key_bytes: usize,
@@ -159,6 +187,12 @@ pub const DEFAULTS: &[(&str, &str)] = &[
     ("snapshot_bytes", "67108864"),
     ("waiter_reclaim", "10s"),
     ("max_connections", "10000"),
+    ("max_connections_per_address", "2500"),
+    ("max_data_bytes", "67108864"),
+    ("max_lock_bytes", "268435456"),
+    ("identity_max_locks", "250000"),
+    ("identity_max_waiters", "250000"),
+    ("identity_max_sessions", "2500"),
     ("max_inflight_per_connection", "1024"),
     ("max_message_bytes", "1048576"),
     ("max_key_bytes", "512"),
@@ -180,6 +214,10 @@ pub const DEFAULTS: &[(&str, &str)] = &[
     ("dead_member_timeout", "60s"),
     ("min_voters", "3"),
 ];
+
+fn default_operator_name() -> String {
+    crate::server::tls::DEFAULT_OPERATOR_NAME.to_string()
+}
 
 fn default_node_name() -> String {
     crate::server::tls::DEFAULT_NODE_NAME.to_string()
@@ -344,6 +382,18 @@ impl NodeConfig {
                      loopback, or pass --insecure for a throwaway cluster",
                     self.peer_listen
                 ),
+            );
+        }
+        if self.max_connections_per_address == 0
+            || self.max_data_bytes == 0
+            || self.max_lock_bytes == 0
+            || self.identity_max_locks == 0
+            || self.identity_max_waiters == 0
+            || self.identity_max_sessions == 0
+        {
+            return invalid(
+                "max_connections_per_address",
+                "per-address, byte and per-identity limits must be positive",
             );
         }
         if self.max_connections == 0 || self.max_message_bytes < 1024 {

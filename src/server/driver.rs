@@ -169,6 +169,7 @@ pub struct DriverConfig {
     pub flush_mode: FlushMode,
     /// Limits this node proposes for a cluster whose limits were never set.
     pub limits: crate::lock::Limits,
+    pub quotas: crate::lock::Quotas,
     /// Where applied lock events go for watchers.
     pub watch: Arc<super::watch::WatchHub>,
     /// This node's addresses and incarnation, for the member table.
@@ -579,6 +580,7 @@ impl Driver {
             snapshot_bytes: cfg.snapshot_bytes,
             waiter_reclaim_us: cfg.waiter_reclaim.as_micros() as Micros,
             configured_limits: Some(cfg.limits.clone()),
+            configured_quotas: Some(cfg.quotas.clone()),
             observe_lock_events: true,
             // One Ready per drive: the loop in `run` takes more while its turn budget lasts.
             readies_per_drive: 1,
@@ -924,16 +926,19 @@ impl Driver {
                         term: raft.term(),
                         error: String::new(),
                     };
-                    if raft.is_leader() {
-                        self.addresses.learn(id, &peer_addr, &client_addr);
-                    }
+                    let leading = raft.is_leader();
                     let info = crate::lock::MemberInfo {
                         peer_addr: peer_addr.clone(),
-                        client_addr,
+                        client_addr: client_addr.clone(),
                         incarnation,
                     };
                     match self.core.join(id, info) {
                         Ok(crate::node::lifecycle::JoinOutcome::Accepted) => {
+                            // Only an accepted join changes where the node is reached: a
+                            // refused one leaves the address book as it was.
+                            if leading {
+                                self.addresses.learn(id, &peer_addr, &client_addr);
+                            }
                             info!(node = id, addr = %peer_addr, "adding learner");
                             answer.success = true;
                         }
@@ -1147,6 +1152,9 @@ impl Driver {
                     node = id,
                     "removed node {id}'s old incarnation: it lost its data"
                 )
+            }
+            Observation::LimitRefused { limit } => {
+                m.limit_refusals_total.with_label_values(&[&limit]).inc();
             }
             Observation::DeadMemberRemoved { id } => warn!(
                 node = id,

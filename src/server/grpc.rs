@@ -14,8 +14,8 @@ use super::http::AppState;
 use super::proto::lock as lpb;
 use super::proto::peer as ppb;
 use super::transport::{
-    AddressBook, CLIENT_ADDR_HEADER, CLUSTER_ID_HEADER, INCARNATION_HEADER, NODE_ID_HEADER,
-    PEER_ADDR_HEADER, TOKEN_HEADER, VERSION_HEADER,
+    AddressBook, CLIENT_ADDR_HEADER, CLUSTER_ID_HEADER, FROM_NODE_HEADER, INCARNATION_HEADER,
+    NODE_ID_HEADER, PEER_ADDR_HEADER, TOKEN_HEADER, VERSION_HEADER,
 };
 
 pub struct LockApi {
@@ -188,7 +188,7 @@ impl lpb::lock_service_server::LockService for LockApi {
             fail(&mut out, e);
             return Ok(Response::new(out));
         }
-        match super::ws::execute_traced(op, 0, &self.state, "grpc", traceparent.as_deref()).await {
+        match super::ws::execute_call(op, &self.state, "grpc", traceparent.as_deref()).await {
             ClientReply::Granted {
                 token,
                 expires_in_ms,
@@ -246,7 +246,7 @@ impl lpb::lock_service_server::LockService for LockApi {
         if let Err(e) = caller.authorize(&mut op) {
             return Ok(Response::new(out.refused(e)));
         }
-        match super::ws::execute_traced(op, 0, &self.state, "grpc", traceparent.as_deref()).await {
+        match super::ws::execute_call(op, &self.state, "grpc", traceparent.as_deref()).await {
             ClientReply::Released => out.released = true,
             ClientReply::Error(e) => {
                 out.error_code = e.code.as_str().into();
@@ -291,7 +291,7 @@ impl lpb::lock_service_server::LockService for LockApi {
         if let Err(e) = caller.authorize(&mut op) {
             return Ok(Response::new(out.refused(e)));
         }
-        match super::ws::execute_traced(op, 0, &self.state, "grpc", traceparent.as_deref()).await {
+        match super::ws::execute_call(op, &self.state, "grpc", traceparent.as_deref()).await {
             ClientReply::Renewed { expires_in_ms, .. } => {
                 out.renewed = true;
                 out.expires_in_ms = expires_in_ms;
@@ -431,6 +431,36 @@ impl PeerApi {
     /// `id` (the CA was checked in the handshake). Without TLS every id passes.
     fn speaks_for<T>(&self, request: &Request<T>, id: u64) -> Result<(), Status> {
         self.cert_speaks_for(request.extensions().get::<super::tls::PeerCert>(), id)
+    }
+
+    /// Under mutual TLS: whether the request's connection presented a certificate naming the
+    /// node the request says it comes from (`x-raftlock-from-node`), or an operator's. Peer
+    /// list, removal and key-value writes need one of the two; a client certificate from the
+    /// same CA has neither name.
+    fn node_or_operator<T>(&self, request: &Request<T>, what: &str) -> Result<(), Status> {
+        let Some(tls) = &self.tls else {
+            return Ok(());
+        };
+        let cert = request.extensions().get::<super::tls::PeerCert>();
+        if cert.is_some_and(|c| c.is_operator(tls)) {
+            return Ok(());
+        }
+        let from = request
+            .metadata()
+            .get(FROM_NODE_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok())
+            .filter(|id| *id != 0);
+        match (from, cert) {
+            (Some(id), Some(cert)) if cert.speaks_for(tls, id) => Ok(()),
+            _ => {
+                self.refused.with_label_values(&["identity"]).inc();
+                Err(Status::permission_denied(format!(
+                    "{what} needs a node's certificate (naming the node in \
+                     {FROM_NODE_HEADER}) or an operator's"
+                )))
+            }
+        }
     }
 
     /// [`PeerApi::speaks_for`] for a connection's certificate.
@@ -614,7 +644,17 @@ impl ppb::peer_server::Peer for PeerApi {
         request: Request<ppb::JoinClusterRequest>,
     ) -> Result<Response<ppb::JoinClusterReply>, Status> {
         self.authorize(&request)?;
-        self.speaks_for(&request, request.get_ref().server_id)?;
+        // A node joins for itself; an operator (`lockctl members add`) for any node.
+        let operator = match (
+            &self.tls,
+            request.extensions().get::<super::tls::PeerCert>(),
+        ) {
+            (Some(tls), Some(cert)) => cert.is_operator(tls),
+            _ => false,
+        };
+        if !operator {
+            self.speaks_for(&request, request.get_ref().server_id)?;
+        }
         let r = request.into_inner();
         if r.server_id == 0 || r.server_addr.is_empty() {
             return Err(Status::invalid_argument(
@@ -690,6 +730,7 @@ impl ppb::peer_server::Peer for PeerApi {
         request: Request<ppb::FetchPeerListRequest>,
     ) -> Result<Response<ppb::FetchPeerListReply>, Status> {
         self.authorize(&request)?;
+        self.node_or_operator(&request, "the peer list")?;
         let s = self.status.borrow().clone();
         let book = self.addresses.all();
         let peer_set: Vec<u64> = s.voters.iter().chain(s.learners.iter()).copied().collect();
@@ -732,6 +773,7 @@ impl ppb::peer_server::Peer for PeerApi {
         request: Request<ppb::RemoveServerRequest>,
     ) -> Result<Response<ppb::RemoveServerReply>, Status> {
         self.authorize(&request)?;
+        self.node_or_operator(&request, "removing a member")?;
         let id = request.into_inner().server_id;
         let (tx, rx) = oneshot::channel();
         self.driver
@@ -766,6 +808,7 @@ impl ppb::peer_server::Peer for PeerApi {
         request: Request<ppb::AppendDataRequest>,
     ) -> Result<Response<ppb::AppendDataReply>, Status> {
         self.authorize(&request)?;
+        self.node_or_operator(&request, "a key-value write on the peer port")?;
         let r = request.into_inner();
         let op = if r.delete {
             ClientOp::Delete {
@@ -826,10 +869,7 @@ impl ppb::peer_server::Peer for PeerApi {
         let conn = super::ws::next_conn();
         // If the forwarding node drops the call (its client went away), this node treats the
         // request's waiters like those of a closed connection.
-        let _gone = DisconnectOnDrop {
-            driver: self.driver.clone(),
-            conn,
-        };
+        let mut gone = super::ws::DisconnectOnDrop::new(self.driver.clone(), conn);
         let (tx, rx) = oneshot::channel();
         let name = op.name();
         let reply = match self.driver.try_send(Input::Client {
@@ -849,24 +889,11 @@ impl ppb::peer_server::Peer for PeerApi {
             }
             Err(_) => ClientReply::error(ErrorCode::Busy, "the leader's request queue is full"),
         };
+        gone.disarm();
         super::ws::finish_span(&span, &reply);
         let reply_json = serde_json::to_vec(&reply)
             .map_err(|e| Status::internal(format!("answer does not encode: {e}")))?;
         Ok(Response::new(ppb::ForwardClientReply { reply_json }))
-    }
-}
-
-/// Tells the driver a forwarded request's connection is gone when the call ends.
-struct DisconnectOnDrop {
-    driver: mpsc::Sender<Input>,
-    conn: u64,
-}
-
-impl Drop for DisconnectOnDrop {
-    fn drop(&mut self) {
-        let _ = self
-            .driver
-            .try_send(Input::Disconnected { conn: self.conn });
     }
 }
 

@@ -100,7 +100,7 @@ impl SeedLockApi {
     async fn execute(&self, op: ClientOp, wait: Duration) -> Result<ClientReply, String> {
         match tokio::time::timeout(
             wait,
-            super::ws::execute_traced(op, 0, &self.state, "grpc-seed", None),
+            super::ws::execute_call(op, &self.state, "grpc-seed", None),
         )
         .await
         {

@@ -102,14 +102,22 @@ async fn ws_upgrade(
     headers: HeaderMap,
     Query(q): Query<WsQuery>,
 ) -> Response {
-    let Ok(permit) = state.connections.clone().try_acquire_owned() else {
-        return (StatusCode::SERVICE_UNAVAILABLE, "too many connections").into_response();
-    };
-    // The connection's identity, fixed for its life. A refused caller still gets a WebSocket:
-    // every request on it is answered `UNAUTHENTICATED`, in the protocol's own terms.
+    // The connection's identity, fixed for its life. With authentication on, a caller without
+    // a valid token is refused at the upgrade (401), before it can take a connection slot.
     let caller = state
         .security
         .caller(authorization(&headers), q.access_token.as_deref());
+    if let Err(e) = caller.check_authenticated() {
+        state
+            .metrics
+            .client_connections_refused_total
+            .with_label_values(&["unauthenticated"])
+            .inc();
+        return refused(&e);
+    }
+    let Ok(permit) = state.connections.clone().try_acquire_owned() else {
+        return (StatusCode::SERVICE_UNAVAILABLE, "too many connections").into_response();
+    };
     let max = state.limits.max_message_bytes;
     // Small buffers: the library's defaults (128 KiB to read and 128 KiB to write, per
     // connection) cost a node with 10,000 clients more than a gigabyte. A message larger than

@@ -2,7 +2,10 @@
 //! HTTP — passes through here before the HTTP server sees it.
 //!
 //! ```text
-//!   accept ──► slot free? ── no ──► close at once (raftlock_client_connections_refused_total{reason="limit"})
+//!   accept ──► under the cap for its source address? ── no ──► close at once (reason="address_limit")
+//!                 │ yes
+//!                 ▼
+//!              slot free? ── no ──► close at once (raftlock_client_connections_refused_total{reason="limit"})
 //!                 │ yes
 //!                 ▼
 //!   GuardedStream: the connection must send a request the server answers within
@@ -15,8 +18,10 @@
 //! same deadline, so a slow handshake never holds up accepting others. The WebSocket limit (`max_connections`) still applies on top,
 //! at the upgrade. This module decides nothing about locks or Raft.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::io;
+use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -36,6 +41,61 @@ pub const REQUEST_HEAD_DEADLINE: Duration = Duration::from_secs(10);
 /// health probes and metric scrapes.
 pub const EXTRA_TCP_CONNECTIONS: usize = 256;
 
+/// Counts of something (open connections, handshakes in progress) per source address, each
+/// under a cap: one address cannot take what the node keeps for all. Clients behind SNAT or an
+/// ingress share an address, so the caps are generous by default.
+#[derive(Clone)]
+pub struct PerAddress {
+    cap: usize,
+    counts: Arc<std::sync::Mutex<HashMap<IpAddr, usize>>>,
+}
+
+/// One counted item of a [`PerAddress`]; counted until dropped.
+pub struct AddressSlot {
+    addr: IpAddr,
+    counts: Arc<std::sync::Mutex<HashMap<IpAddr, usize>>>,
+}
+
+impl PerAddress {
+    pub fn new(cap: usize) -> PerAddress {
+        PerAddress {
+            cap,
+            counts: Arc::default(),
+        }
+    }
+
+    /// A slot for `addr`, or None when it already holds `cap`.
+    pub fn try_take(&self, addr: IpAddr) -> Option<AddressSlot> {
+        let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        let count = counts.entry(addr).or_insert(0);
+        if *count >= self.cap {
+            return None;
+        }
+        *count += 1;
+        Some(AddressSlot {
+            addr,
+            counts: self.counts.clone(),
+        })
+    }
+
+    /// Addresses holding at least one slot (for tests and the status page).
+    pub fn addresses(&self) -> usize {
+        self.counts.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+}
+
+impl Drop for AddressSlot {
+    fn drop(&mut self) {
+        let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(count) = counts.get_mut(&self.addr) {
+            *count -= 1;
+            if *count == 0 {
+                counts.remove(&self.addr);
+            }
+        }
+    }
+}
+
 /// A TCP listener with a cap on open connections and a deadline for a connection's first
 /// request.
 pub struct ClientListener {
@@ -45,6 +105,8 @@ pub struct ClientListener {
     handshakes: tokio::task::JoinSet<Option<(GuardedStream, std::net::SocketAddr)>>,
     /// One permit per open connection; a permit is returned when its connection closes.
     slots: Arc<Semaphore>,
+    /// Open connections per source address.
+    per_address: PerAddress,
     head_deadline: Duration,
     refused: IntCounterVec,
 }
@@ -53,11 +115,18 @@ impl ClientListener {
     pub fn new(
         inner: TcpListener,
         max_connections: usize,
+        max_per_address: usize,
         head_deadline: Duration,
         refused: IntCounterVec,
         tls: Option<Arc<super::tls::ClientTls>>,
     ) -> ClientListener {
-        for reason in ["limit", "no_request", "tls_handshake"] {
+        for reason in [
+            "limit",
+            "address_limit",
+            "no_request",
+            "tls_handshake",
+            "unauthenticated",
+        ] {
             refused.with_label_values(&[reason]);
         }
         ClientListener {
@@ -65,6 +134,7 @@ impl ClientListener {
             tls,
             handshakes: tokio::task::JoinSet::new(),
             slots: Arc::new(Semaphore::new(max_connections)),
+            per_address: PerAddress::new(max_per_address),
             head_deadline,
             refused,
         }
@@ -96,11 +166,17 @@ impl axum::serve::Listener for ClientListener {
                     continue;
                 }
             };
+            let Some(address_slot) = self.per_address.try_take(addr.ip()) else {
+                self.refused.with_label_values(&["address_limit"]).inc();
+                drop(stream);
+                continue;
+            };
             let Ok(slot) = self.slots.clone().try_acquire_owned() else {
                 self.refused.with_label_values(&["limit"]).inc();
                 drop(stream);
                 continue;
             };
+            let slot = (slot, address_slot);
             let _ = stream.set_nodelay(true);
             let deadline = Box::pin(tokio::time::sleep(self.head_deadline));
             let Some(tls) = &self.tls else {
@@ -157,7 +233,7 @@ pub struct GuardedStream {
     /// head). While armed and passed, reads fail and the server closes the connection.
     deadline: Option<Pin<Box<Sleep>>>,
     refused: IntCounterVec,
-    _slot: OwnedSemaphorePermit,
+    _slot: (OwnedSemaphorePermit, AddressSlot),
 }
 
 impl GuardedStream {

@@ -94,7 +94,8 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
                 &cfg.peer_tls_node_name,
                 Some(metrics.tls_reloads_total.clone()),
             )
-            .map_err(|e| NodeError::Config(format!("peer TLS: {e}")))?,
+            .map_err(|e| NodeError::Config(format!("peer TLS: {e}")))?
+            .with_operator_name(&cfg.peer_tls_operator_name),
         ),
         _ => None,
     };
@@ -115,21 +116,44 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
     let dialer = PeerDialer {
         cluster_token: cfg.cluster_token.clone(),
         tls: peer_tls.clone(),
+        from_node: cfg.node_id,
     };
-    for reason in ["token", "identity"] {
+    for reason in ["token", "identity", "limit", "address_limit"] {
         metrics
             .peer_connections_refused_total
             .with_label_values(&[reason]);
     }
 
+    let non_empty = |s: &str| (!s.is_empty()).then(|| s.to_string());
+    let max_lifetime_s = match cfg.client_jwt_max_lifetime.as_str() {
+        "" => None,
+        text => Some(
+            humantime::parse_duration(text)
+                .map_err(|e| NodeError::Config(format!("client_jwt_max_lifetime `{text}`: {e}")))?
+                .as_secs(),
+        ),
+    };
+    let jwt_rules = super::auth::JwtRules {
+        issuer: non_empty(&cfg.client_jwt_issuer),
+        audience: non_empty(&cfg.client_jwt_audience),
+        max_lifetime_s,
+    };
     let security = Arc::new(
-        super::auth::ClientSecurity::load(
+        super::auth::ClientSecurity::load_with(
             &cfg.client_auth_file,
             &cfg.client_jwt_key_file,
+            jwt_rules,
             &cfg.fencing_key_file,
         )
         .map_err(NodeError::Config)?,
     );
+    if !cfg.cluster_token.is_empty() && cfg.cluster_token.len() < 32 {
+        tracing::warn!(
+            length = cfg.cluster_token.len(),
+            "the cluster token is shorter than 32 characters: anyone who can reach the peer \
+             port may guess it; use a longer random token (the Helm chart generates one)"
+        );
+    }
     if cfg.cluster_token.is_empty() && peer_tls.is_none() && !cfg.peer_listen.ip().is_loopback() {
         tracing::warn!(
             peer_listen = %cfg.peer_listen,
@@ -137,7 +161,7 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
              cluster token: anyone who reaches it can join the cluster or remove members"
         );
     }
-    if security.auth.is_none() && !cfg.client_listen.ip().is_loopback() {
+    if !security.authenticates() && !cfg.client_listen.ip().is_loopback() {
         tracing::info!(
             client_listen = %cfg.client_listen,
             "no --client-auth-file: the client port takes requests from anyone who reaches it"
@@ -276,6 +300,7 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
             max_batch_inputs: 1024,
             flush_mode: cfg.background_flush.parse().map_err(NodeError::Config)?,
             limits: lock_limits(&cfg),
+            quotas: lock_quotas(&cfg),
             watch: watch_hub.clone(),
             identity: crate::lock::MemberInfo {
                 peer_addr: cfg.advertise_peer.clone(),
@@ -390,6 +415,7 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
         client_tls.clone(),
         shutdown.clone(),
     ));
+    tokio::spawn(reload_client_auth(security.clone(), shutdown.clone()));
 
     // Client port: WebSocket + HTTP + gRPC (`raftlock.lock.v1.LockService` and seed 004's
     // `api.LockService`) on one listener.
@@ -436,10 +462,12 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
     let mut client_shutdown = shutdown.clone();
     let max_tcp_connections = cfg.max_connections + super::listener::EXTRA_TCP_CONNECTIONS;
     let refused = metrics.client_connections_refused_total.clone();
+    let max_per_address = cfg.max_connections_per_address;
     let client_task = tokio::spawn(async move {
         let client_listener = super::listener::ClientListener::new(
             client_listener,
             max_tcp_connections,
+            max_per_address,
             super::listener::REQUEST_HEAD_DEADLINE,
             refused,
             client_tls,
@@ -670,6 +698,7 @@ fn serve_while_starting(
     let listener = super::listener::ClientListener::new(
         listener,
         64,
+        16,
         super::listener::REQUEST_HEAD_DEADLINE,
         refused,
         tls,
@@ -968,6 +997,44 @@ pub fn lock_limits(cfg: &NodeConfig) -> Limits {
     }
 }
 
+/// Reads the identity file and the JWT key file again every [`super::tls::RELOAD_INTERVAL`]
+/// until shutdown, taking a changed, valid set.
+async fn reload_client_auth(
+    security: Arc<super::auth::ClientSecurity>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    if !security.authenticates() {
+        return;
+    }
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(super::tls::RELOAD_INTERVAL) => {}
+            _ = shutdown.wait_for(|s| *s) => return,
+        }
+        match security.reload_if_changed() {
+            Ok(true) => info!("client identities reloaded: new connections use them"),
+            Ok(false) => {}
+            Err(err) => warn!(
+                cause = %err,
+                "client identity files changed but cannot be used; keeping the last good ones"
+            ),
+        }
+    }
+}
+
+/// The byte budgets and per-identity quotas this node proposes when it leads. Per-identity
+/// quotas apply only when clients authenticate: otherwise a client id proves nothing.
+pub fn lock_quotas(cfg: &NodeConfig) -> crate::lock::Quotas {
+    crate::lock::Quotas {
+        data_bytes_max: cfg.max_data_bytes,
+        lock_bytes_max: cfg.max_lock_bytes,
+        by_identity: !cfg.client_auth_file.is_empty() || !cfg.client_jwt_key_file.is_empty(),
+        identity_locks_max: cfg.identity_max_locks,
+        identity_waiters_max: cfg.identity_max_waiters,
+        identity_sessions_max: cfg.identity_max_sessions,
+    }
+}
+
 /// The peer port's server on `listener`, to be spawned on the runtime this is called in (the
 /// driver's): the listener and every connection it accepts are registered there. A connection
 /// that opens with a plain Raft stream's magic is served by `peer_stream`; every other one by
@@ -994,8 +1061,13 @@ pub(crate) fn serve_peers(
     Ok(Box::pin(async move {
         let result = match tls {
             Some(tls) => {
-                let incoming =
-                    sort_peer_connections(tls.incoming(listener), api, max_message_bytes);
+                let refused = api.refused.clone();
+                let incoming = sort_peer_connections(
+                    tls.incoming(listener, refused.clone()),
+                    api,
+                    max_message_bytes,
+                    refused,
+                );
                 router.serve_with_incoming_shutdown(incoming, stopped).await
             }
             // `tcp_nodelay` above applies only to listeners tonic binds itself: accepted peer
@@ -1011,7 +1083,8 @@ pub(crate) fn serve_peers(
                         }
                         conn
                     });
-                let incoming = sort_peer_connections(accepted, api, max_message_bytes);
+                let refused = api.refused.clone();
+                let incoming = sort_peer_connections(accepted, api, max_message_bytes, refused);
                 router.serve_with_incoming_shutdown(incoming, stopped).await
             }
         };
@@ -1021,7 +1094,8 @@ pub(crate) fn serve_peers(
     }))
 }
 
-/// Connections whose first bytes are still being read, at most.
+/// Connections whose first bytes are still being read, at most; a connection beyond it is
+/// closed at once.
 const PEER_CONNECTIONS_SNIFFED: usize = 256;
 
 /// Reads the first bytes of each accepted peer connection: plain Raft streams are served
@@ -1030,6 +1104,7 @@ fn sort_peer_connections<S, I>(
     accepted: I,
     api: Arc<PeerApi>,
     max_message_bytes: usize,
+    refused: prometheus::IntCounterVec,
 ) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<peer_stream::Prefixed<S>>>
 where
     S: tokio::io::AsyncRead
@@ -1042,6 +1117,7 @@ where
 {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     let slots = Arc::new(tokio::sync::Semaphore::new(PEER_CONNECTIONS_SNIFFED));
+    let per_address = super::listener::PerAddress::new(super::tls::MAX_PEER_HANDSHAKES_PER_ADDRESS);
     tokio::spawn(async move {
         let mut accepted = std::pin::pin!(accepted);
         loop {
@@ -1058,9 +1134,23 @@ where
                 }
                 None => return,
             };
-            let Ok(slot) = slots.clone().acquire_owned().await else {
-                return;
+            // Never awaited here: a slot is taken at once or the connection is closed, so
+            // sockets that send nothing cannot hold up the next accept.
+            let address_slot = match conn.source_ip() {
+                Some(ip) => match per_address.try_take(ip) {
+                    Some(slot) => Some(slot),
+                    None => {
+                        refused.with_label_values(&["address_limit"]).inc();
+                        continue;
+                    }
+                },
+                None => None,
             };
+            let Ok(slot) = slots.clone().try_acquire_owned() else {
+                refused.with_label_values(&["limit"]).inc();
+                continue;
+            };
+            let slot = (slot, address_slot);
             let tx = tx.clone();
             let api = api.clone();
             tokio::spawn(async move {

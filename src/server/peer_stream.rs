@@ -283,17 +283,27 @@ impl<S: tonic::transport::server::Connected> tonic::transport::server::Connected
 /// A peer connection's certificate, where it has one.
 pub trait ConnectionCert {
     fn presented_cert(&self) -> Option<PeerCert>;
+    /// The address the connection comes from.
+    fn source_ip(&self) -> Option<std::net::IpAddr>;
 }
 
 impl ConnectionCert for TcpStream {
     fn presented_cert(&self) -> Option<PeerCert> {
         None
     }
+
+    fn source_ip(&self) -> Option<std::net::IpAddr> {
+        self.peer_addr().ok().map(|a| a.ip())
+    }
 }
 
 impl ConnectionCert for super::tls::PeerTlsStream {
     fn presented_cert(&self) -> Option<PeerCert> {
         Some(tonic::transport::server::Connected::connect_info(self))
+    }
+
+    fn source_ip(&self) -> Option<std::net::IpAddr> {
+        self.tcp().peer_addr().ok().map(|a| a.ip())
     }
 }
 

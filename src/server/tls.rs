@@ -46,10 +46,15 @@ use crate::tls::{certs_from_pem, key_from_pem, provider, read, roots_from_pem, T
 pub const RELOAD_INTERVAL: Duration = Duration::from_secs(2);
 /// How long a new connection may take to finish its TLS handshake.
 pub const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
-/// Peer-port handshakes in progress at once; more connections wait in the kernel's backlog.
-const MAX_PEER_HANDSHAKES: usize = 64;
+/// Peer-port handshakes in progress at once; a connection beyond it is closed at once.
+const MAX_PEER_HANDSHAKES: usize = 256;
+/// Peer-port handshakes in progress at once from one source address (a node opens a few
+/// connections to each peer).
+pub const MAX_PEER_HANDSHAKES_PER_ADDRESS: usize = 16;
 /// The name every node certificate must carry, with `{id}` standing for the node's id.
 pub const DEFAULT_NODE_NAME: &str = "node-{id}.raftlock";
+/// The name an operator's certificate carries by default.
+pub const DEFAULT_OPERATOR_NAME: &str = "operator.raftlock";
 
 /// The files of one TLS identity: a certificate chain and its key, and for mutual TLS the CA
 /// bundle the other side's certificate must chain to.
@@ -184,6 +189,7 @@ impl<T> std::fmt::Debug for Reloading<T> {
 pub struct PeerTls {
     configs: Reloading<PeerConfigs>,
     node_name: String,
+    operator_name: String,
 }
 
 struct PeerConfigs {
@@ -215,6 +221,7 @@ impl PeerTls {
         Ok(Arc::new(PeerTls {
             configs: Reloading::load(files, "peer", peer_configs, reloads)?,
             node_name: node_name.to_string(),
+            operator_name: DEFAULT_OPERATOR_NAME.to_string(),
         }))
     }
 
@@ -225,6 +232,27 @@ impl PeerTls {
     /// The DNS name that node `id`'s certificate carries.
     pub fn name_of(&self, id: NodeId) -> Option<ServerName<'static>> {
         ServerName::try_from(self.node_name.replace("{id}", &id.to_string())).ok()
+    }
+
+    /// The same, with operators' certificates carrying `name` (see [`DEFAULT_OPERATOR_NAME`]).
+    pub fn with_operator_name(self: Arc<Self>, name: &str) -> Arc<PeerTls> {
+        match Arc::try_unwrap(self) {
+            Ok(mut tls) => {
+                tls.operator_name = name.to_string();
+                Arc::new(tls)
+            }
+            Err(shared) => shared,
+        }
+    }
+
+    /// Whether `cert` (already verified against the CA in the handshake) is an operator's.
+    pub fn cert_is_operator(&self, cert: &CertificateDer<'_>) -> bool {
+        let Ok(name) = ServerName::try_from(self.operator_name.clone()) else {
+            return false;
+        };
+        ParsedCertificate::try_from(cert)
+            .and_then(|parsed| rustls::client::verify_server_name(&parsed, &name))
+            .is_ok()
     }
 
     /// Whether `cert` (already verified against the CA in the handshake) names node `id`.
@@ -244,13 +272,19 @@ impl PeerTls {
 
     /// Accepts connections on `listener` and hands the ones whose handshake succeeded to the
     /// gRPC server. Stops when the server drops the stream.
+    ///
+    /// Nothing is awaited between two accepts but the accept itself: a connection is refused
+    /// at once (and counted in `refused`) when the handshakes in progress are at their bound,
+    /// in all or from its source address, so idle sockets cannot hold up a peer's handshake.
     pub fn incoming(
         self: &Arc<Self>,
         listener: TcpListener,
+        refused: prometheus::IntCounterVec,
     ) -> ReceiverStream<io::Result<PeerTlsStream>> {
         let (tx, rx) = mpsc::channel(MAX_PEER_HANDSHAKES);
         let tls = self.clone();
         let slots = Arc::new(tokio::sync::Semaphore::new(MAX_PEER_HANDSHAKES));
+        let per_address = super::listener::PerAddress::new(MAX_PEER_HANDSHAKES_PER_ADDRESS);
         tokio::spawn(async move {
             loop {
                 let accepted = tokio::select! {
@@ -265,15 +299,20 @@ impl PeerTls {
                         continue;
                     }
                 };
-                let Ok(slot) = slots.clone().acquire_owned().await else {
-                    return;
+                let Some(address_slot) = per_address.try_take(addr.ip()) else {
+                    refused.with_label_values(&["address_limit"]).inc();
+                    continue;
+                };
+                let Ok(slot) = slots.clone().try_acquire_owned() else {
+                    refused.with_label_values(&["limit"]).inc();
+                    continue;
                 };
                 let _ = tcp.set_nodelay(true);
                 super::peer_stream::watch_liveness(&tcp);
                 let acceptor = tokio_rustls::TlsAcceptor::from(tls.configs().accept.clone());
                 let tx = tx.clone();
                 tokio::spawn(async move {
-                    let _slot = slot;
+                    let _slot = (slot, address_slot);
                     match tokio::time::timeout(HANDSHAKE_DEADLINE, acceptor.accept(tcp)).await {
                         Ok(Ok(stream)) => {
                             let _ = tx.send(Ok(PeerTlsStream(Box::new(stream)))).await;
@@ -456,6 +495,13 @@ impl ServerCertVerifier for MemberVerifier {
 /// An accepted peer connection after its handshake.
 pub struct PeerTlsStream(Box<tokio_rustls::server::TlsStream<TcpStream>>);
 
+impl PeerTlsStream {
+    /// The TCP connection under the TLS session.
+    pub fn tcp(&self) -> &TcpStream {
+        self.0.get_ref().0
+    }
+}
+
 /// The certificate a peer connection presented, in each request's extensions (shared by the
 /// connection's requests, not copied into each).
 #[derive(Clone, Debug)]
@@ -470,6 +516,13 @@ struct PresentedCert {
 }
 
 impl PeerCert {
+    /// Whether the connection's certificate is an operator's (see [`PeerTls::cert_is_operator`]).
+    pub fn is_operator(&self, tls: &PeerTls) -> bool {
+        self.0
+            .as_ref()
+            .is_some_and(|cert| tls.cert_is_operator(&cert.der))
+    }
+
     /// Whether the connection's certificate names node `id` (see [`PeerTls::cert_speaks_for`]).
     pub fn speaks_for(&self, tls: &PeerTls, id: NodeId) -> bool {
         let Some(cert) = &self.0 else {

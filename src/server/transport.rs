@@ -32,6 +32,9 @@ use crate::raft::{Message, NodeId};
 use crate::telemetry::NodeMetrics;
 
 pub const TOKEN_HEADER: &str = "x-raftlock-cluster-token";
+/// The node a membership request or peer-list request speaks for (its certificate must name
+/// it under peer TLS); absent from operator tools.
+pub const FROM_NODE_HEADER: &str = "x-raftlock-from-node";
 pub const NODE_ID_HEADER: &str = "x-raftlock-node-id";
 pub const PEER_ADDR_HEADER: &str = "x-raftlock-peer-addr";
 pub const CLIENT_ADDR_HEADER: &str = "x-raftlock-client-addr";
@@ -135,6 +138,9 @@ impl AddressBook {
 pub struct PeerDialer {
     pub cluster_token: String,
     pub tls: Option<Arc<PeerTls>>,
+    /// The node this dialer speaks for (sent as `x-raftlock-from-node`; 0: an operator tool,
+    /// which under TLS must present an operator's certificate).
+    pub from_node: NodeId,
 }
 
 impl PeerDialer {
@@ -167,6 +173,11 @@ impl PeerDialer {
     /// A request carrying the cluster token, when one is set.
     pub fn request<T>(&self, message: T) -> tonic::Request<T> {
         let mut request = tonic::Request::new(message);
+        if self.from_node != 0 {
+            if let Ok(v) = self.from_node.to_string().parse() {
+                request.metadata_mut().insert(FROM_NODE_HEADER, v);
+            }
+        }
         if !self.cluster_token.is_empty() {
             if let Ok(v) = self.cluster_token.parse() {
                 request.metadata_mut().insert(TOKEN_HEADER, v);

@@ -621,6 +621,55 @@ pub async fn execute_traced(
     reply
 }
 
+/// [`execute_traced`] for one call of a request-per-call protocol (gRPC): the call gets a
+/// connection id of its own, and when the call is dropped before its answer (the client
+/// cancelled, or its connection closed) the driver treats its waiters like those of a closed
+/// WebSocket connection: they are cancelled after `--waiter-reclaim`.
+pub async fn execute_call(
+    op: ClientOp,
+    state: &AppState,
+    via: &'static str,
+    traceparent: Option<&str>,
+) -> ClientReply {
+    let conn = next_conn();
+    let mut gone = DisconnectOnDrop::new(state.driver.clone(), conn);
+    let reply = execute_traced(op, conn, state, via, traceparent).await;
+    gone.disarm();
+    reply
+}
+
+/// Tells the driver that a call's connection is gone when the call is dropped before its
+/// answer (disarmed once it has one: a finished call leaves nothing to reclaim).
+pub struct DisconnectOnDrop {
+    driver: tokio::sync::mpsc::Sender<Input>,
+    conn: u64,
+    armed: bool,
+}
+
+impl DisconnectOnDrop {
+    pub fn new(driver: tokio::sync::mpsc::Sender<Input>, conn: u64) -> DisconnectOnDrop {
+        DisconnectOnDrop {
+            driver,
+            conn,
+            armed: true,
+        }
+    }
+
+    pub fn disarm(&mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for DisconnectOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = self
+                .driver
+                .try_send(Input::Disconnected { conn: self.conn });
+        }
+    }
+}
+
 /// Like [`execute`] (in the caller's span); `closed` ends a forwarded request when the client
 /// goes away, and `forward: false` answers `NOT_LEADER` (with the leader's address) instead of
 /// forwarding.

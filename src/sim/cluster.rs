@@ -497,6 +497,13 @@ impl Cluster {
             // parts during its transfer, with crashes between them.
             staged_bytes_per_flush: 1024,
             configured_limits: Some(sim_lock_limits()),
+            // Per-identity quotas on (each simulated client is an identity of its own) with
+            // generous bounds: the accounting runs under every fault; the checker compares it
+            // with a recount of the state.
+            configured_quotas: Some(crate::lock::Quotas {
+                by_identity: true,
+                ..crate::lock::Quotas::default()
+            }),
             observe_log: true,
             observe_lock_events: true,
             #[cfg(any(test, feature = "mutations"))]
@@ -1149,6 +1156,13 @@ impl Cluster {
                 None => {
                     self.lock_state_at.insert(applied, digest);
                 }
+            }
+            if let Some(detail) = sm.accounting_mismatch() {
+                self.checker.violations.push(Violation {
+                    invariant: "quota accounting",
+                    detail: format!("node {id} at applied index {applied}: {detail}"),
+                });
+                return;
             }
         }
         if commit > node.last_commit {

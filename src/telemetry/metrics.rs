@@ -52,6 +52,7 @@ pub struct NodeMetrics {
     pub client_connections_refused_total: IntCounterVec,
     pub tls_reloads_total: IntCounterVec,
     pub peer_connections_refused_total: IntCounterVec,
+    pub limit_refusals_total: IntCounterVec,
     pub ignored_fields_total: IntCounter,
     pub requests_total: IntCounterVec,
     pub peer_messages_dropped_total: IntCounterVec,
@@ -254,8 +255,10 @@ impl NodeMetrics {
             client_connections_refused_total: reg!(IntCounterVec::new(
                 Opts::new(
                     "raftlock_client_connections_refused_total",
-                    "Client TCP connections closed by the listener: over the connection limit, \
-                     or no request within the deadline."
+                    "Client connections refused or closed: over the connection limit (limit), over \
+                     the limit per source address (address_limit), no request within the deadline \
+                     (no_request), a failed TLS handshake (tls_handshake), or a WebSocket \
+                     upgrade without a valid bearer token (unauthenticated)."
                 ),
                 &["reason"]
             )),
@@ -275,13 +278,24 @@ impl NodeMetrics {
                 ),
                 &["cluster_id"]
             )),
+            limit_refusals_total: reg!(IntCounterVec::new(
+                Opts::new(
+                    "raftlock_limit_refusals_total",
+                    "Client requests this leader refused BUSY at a limit or quota, by limit \
+                     (waiters_per_key, locks_held, data_entries, sessions, data_bytes, \
+                     lock_bytes, identity_locks, identity_waiters, identity_sessions, other)."
+                ),
+                &["limit"]
+            )),
             peer_connections_refused_total: reg!(IntCounterVec::new(
                 Opts::new(
                     "raftlock_peer_requests_refused_total",
-                    "Peer-port requests refused: no or wrong cluster token (token), or a \
-                     certificate that does not name the node id the request speaks for (identity), a \
-                     sender from another cluster (cluster_id), or an incarnation of a member \
-                     that is no longer the member (incarnation)."
+                    "Peer-port requests and connections refused: no or wrong cluster token \
+                     (token), a certificate that does not name the node id the request speaks \
+                     for or an operator (identity), a sender from another cluster (cluster_id), \
+                     an incarnation of a member that is no longer the member (incarnation), or \
+                     a connection over the bound on handshakes in progress, in all (limit) or \
+                     from its address (address_limit)."
                 ),
                 &["reason"]
             )),

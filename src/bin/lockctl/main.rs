@@ -319,6 +319,8 @@ impl PeerAccess {
         Ok(PeerDialer {
             cluster_token: self.cluster_token.clone(),
             tls,
+            // An operator tool: under peer TLS it presents an operator's certificate.
+            from_node: 0,
         })
     }
 }
