@@ -10,6 +10,8 @@
 #           kubernetes-validate against Kubernetes $KUBE_VERSIONS (default: 1.29 and the newest
 #           version the installed kubernetes-validate knows). ServiceMonitor and PrometheusRule
 #           (prometheus-operator CRDs) have no schema there: only apiVersion/kind/name are checked.
+#       And values the chart must refuse (a short cluster token, peer TLS without the operator
+#       Secret, Secrets without fsGroup) fail to render with their message.
 #       Then the Prometheus files: the rendered PrometheusRule passes `promtool check rules` and
 #       carries exactly the alerts of deploy/prometheus/alerts.yml (whose copy in the chart,
 #       files/alerts.yml, deploy/prometheus/sync.py --check finds current),

@@ -535,3 +535,164 @@ async fn yaml_output_matches_json_output() {
     assert!(yaml.contains("members:"), "{yaml}");
     assert_eq!(json["leaderId"], 1, "{json}");
 }
+
+/// Whether the first certificate of `cert` (a file of `dir`) verifies as a TLS client
+/// certificate against the CA file `ca` of `dir`, as a port requiring client certificates checks
+/// it.
+fn chains_as_client(dir: &Path, cert: &str, ca: &str) -> bool {
+    let roots = std::sync::Arc::new(raftlock::tls::load_roots(&dir.join(ca)).unwrap());
+    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+        roots,
+        raftlock::tls::provider(),
+    )
+    .build()
+    .unwrap();
+    let chain = raftlock::tls::load_certs(&dir.join(cert)).unwrap();
+    verifier
+        .verify_client_cert(&chain[0], &chain[1..], rustls::pki_types::UnixTime::now())
+        .is_ok()
+}
+
+/// Whether the first certificate of `cert` (a file of `dir`) carries the DNS name `name`.
+fn names(dir: &Path, cert: &str, name: &str) -> bool {
+    let chain = raftlock::tls::load_certs(&dir.join(cert)).unwrap();
+    let name = rustls::pki_types::ServerName::try_from(name.to_string()).unwrap();
+    rustls::server::ParsedCertificate::try_from(&chain[0])
+        .and_then(|parsed| rustls::client::verify_server_name(&parsed, &name))
+        .is_ok()
+}
+
+fn certs(dir: &Path, extra: &[&str]) -> std::process::Output {
+    Command::new(LOCKCTL)
+        .args([
+            "certs",
+            "--out",
+            &dir.display().to_string(),
+            "--nodes",
+            "1,2",
+        ])
+        .args(extra)
+        .output()
+        .expect("run lockctl certs")
+}
+
+/// `lockctl certs`: node and operator certificates from the peer CA, the client certificate from
+/// a separate client CA, keys readable by their owner only; both CAs kept on a second run; names
+/// that would give a certificate another kind's power refused.
+#[test]
+fn certs_issue_node_operator_and_client_certificates_under_two_cas() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let out = certs(dir, &["--hosts", "127.0.0.1,raftlock.example.com"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut files: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    files.sort();
+    assert_eq!(
+        files,
+        [
+            "ca-key.pem",
+            "ca.pem",
+            "client-ca-key.pem",
+            "client-ca.pem",
+            "client-key.pem",
+            "client-port-key.pem",
+            "client-port.pem",
+            "client.pem",
+            "node-1-key.pem",
+            "node-1.pem",
+            "node-2-key.pem",
+            "node-2.pem",
+            "operator-key.pem",
+            "operator.pem",
+        ]
+    );
+    for file in &files {
+        let mode = std::fs::metadata(dir.join(file))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777;
+        let want = if file.ends_with("-key.pem") {
+            0o600
+        } else {
+            0o644
+        };
+        assert_eq!(mode, want, "{file}: mode {mode:o}");
+    }
+
+    // The peer CA signs nodes and the operator, the client CA only the client.
+    for cert in ["node-1.pem", "node-2.pem", "operator.pem"] {
+        assert!(chains_as_client(dir, cert, "ca.pem"), "{cert} under ca.pem");
+        assert!(
+            !chains_as_client(dir, cert, "client-ca.pem"),
+            "{cert} under client-ca.pem"
+        );
+    }
+    assert!(chains_as_client(dir, "client.pem", "client-ca.pem"));
+    assert!(!chains_as_client(dir, "client.pem", "ca.pem"));
+    // Server-auth only: not a client certificate anywhere.
+    assert!(!chains_as_client(dir, "client-port.pem", "ca.pem"));
+
+    // Names: a node's own, the operator's only on the operator certificate.
+    assert!(names(dir, "node-1.pem", "node-1.raftlock"));
+    assert!(names(dir, "node-1.pem", "raftlock.example.com"));
+    assert!(!names(dir, "node-1.pem", "node-2.raftlock"));
+    assert!(!names(dir, "node-1.pem", "operator.raftlock"));
+    assert!(names(dir, "operator.pem", "operator.raftlock"));
+    assert!(!names(dir, "operator.pem", "node-1.raftlock"));
+    assert!(!names(dir, "operator.pem", "raftlock.example.com"));
+    assert!(!names(dir, "client-port.pem", "operator.raftlock"));
+    assert!(!names(dir, "client-port.pem", "node-1.raftlock"));
+
+    // A second run keeps both CAs and issues new leaves under them (a rotation).
+    let read = |f: &str| std::fs::read(dir.join(f)).unwrap();
+    let (peer_ca, client_ca, client, operator) = (
+        read("ca.pem"),
+        read("client-ca.pem"),
+        read("client.pem"),
+        read("operator.pem"),
+    );
+    let out = certs(dir, &["--operator-name", "ops.raftlock.example"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(read("ca.pem"), peer_ca);
+    assert_eq!(read("client-ca.pem"), client_ca);
+    assert_ne!(read("client.pem"), client);
+    assert_ne!(read("operator.pem"), operator);
+    assert!(chains_as_client(dir, "client.pem", "client-ca.pem"));
+    assert!(chains_as_client(dir, "operator.pem", "ca.pem"));
+    assert!(names(dir, "operator.pem", "ops.raftlock.example"));
+    assert!(!names(dir, "operator.pem", "operator.raftlock"));
+
+    // Hosts go into every node certificate: one naming the operator or a node is refused.
+    for host in ["operator.raftlock", "node-7.raftlock", "*.raftlock"] {
+        let out = certs(dir, &["--hosts", host]);
+        assert!(!out.status.success(), "--hosts {host} was taken");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("names a node or the operator"),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // A CA certificate without its key is neither used nor replaced.
+    std::fs::remove_file(dir.join("client-ca-key.pem")).unwrap();
+    let out = certs(dir, &[]);
+    assert!(!out.status.success(), "issued without the client CA's key");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("client-ca.pem exists without"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(read("client-ca.pem"), client_ca);
+}

@@ -1,8 +1,10 @@
 //! TLS with real processes on 127.0.0.1: a cluster whose peers speak mutual TLS and whose client
 //! port speaks TLS, with certificates from `lockctl certs`. Peers without a certificate from the
-//! cluster's CA cannot join, talk Raft or remove a member; a peer with a valid certificate cannot
-//! speak for another node id; certificates rotated on disk under load are taken without a
-//! restart and without losing the cluster.
+//! cluster's peer CA (a client certificate from the client CA included) cannot join, talk Raft or
+//! remove a member; a peer with a valid certificate cannot speak for another node id; the
+//! operator certificate removes a member through `lockctl members remove`; certificates rotated
+//! on disk under load are taken without a restart and without losing the cluster; a client port
+//! with `--client-tls-ca client-ca.pem` takes only certificates from the client CA.
 
 mod common;
 
@@ -68,10 +70,15 @@ fn client_tls(dir: &Path) -> TlsConfig {
 
 /// A peer-port dialer holding the certificate `cert` of `dir`.
 fn dialer(dir: &Path, cert: &str) -> PeerDialer {
+    dialer_with_ca(dir, cert, "ca.pem")
+}
+
+/// A peer-port dialer holding the certificate `cert` of `dir` and trusting the CA file `ca`.
+fn dialer_with_ca(dir: &Path, cert: &str, ca: &str) -> PeerDialer {
     let files = TlsFiles {
         cert: dir.join(format!("{cert}.pem")),
         key: dir.join(format!("{cert}-key.pem")),
-        ca: Some(dir.join("ca.pem")),
+        ca: Some(dir.join(ca)),
     };
     PeerDialer {
         cluster_token: String::new(),
@@ -266,6 +273,21 @@ async fn peers_need_a_certificate_from_the_cluster_ca_naming_their_node_id() {
         }
     }
 
+    // The client certificate is from the client CA, which the peer port does not trust.
+    let client_cert = dialer_with_ca(&dir, "client", "ca.pem");
+    match peer_client(&client_cert, &leader_peer).await {
+        Err(_) => {}
+        Ok(mut peer) => {
+            let remove = peer
+                .remove_server(RemoveServerRequest { server_id: 1 })
+                .await;
+            assert!(
+                remove.is_err(),
+                "the client certificate removed a member: {remove:?}"
+            );
+        }
+    }
+
     // node-5's certificate is from the cluster CA, but it cannot speak for node 4 or node 2.
     let five = dialer(&dir, "node-5");
     let mut peer = peer_client(&five, &leader_peer)
@@ -344,6 +366,42 @@ async fn peers_need_a_certificate_from_the_cluster_ca_naming_their_node_id() {
             .release()
             .await
             .unwrap();
+    }
+
+    // The operator certificate removes a follower with `lockctl members remove`.
+    let removed = follower.id;
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_lockctl"))
+        .args(["members", "remove", "--id", &removed.to_string()])
+        .args(["--via", &leader_peer])
+        .args(["--peer-tls-cert", &path(&dir, "operator.pem")])
+        .args(["--peer-tls-key", &path(&dir, "operator-key.pem")])
+        .args(["--peer-tls-ca", &path(&dir, "ca.pem")])
+        .env_remove("RAFTLOCK_CLUSTER_TOKEN")
+        .output()
+        .expect("run lockctl members remove");
+    assert!(
+        out.status.success(),
+        "lockctl members remove with the operator certificate: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let deadline = Instant::now() + LEADER_TIMEOUT;
+    loop {
+        let s = status(&leader_client, &tls).await.expect("leader status");
+        let voters: Vec<u64> = s["voters"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|v| v.as_u64().or_else(|| v["id"].as_u64()))
+            .collect();
+        if voters.len() == 2 && !voters.contains(&removed) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "node {removed} still a voter: {s}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     cluster.node(leader).kill();
 }
@@ -516,9 +574,11 @@ async fn a_client_port_with_a_ca_requires_client_certificates() {
     let flags_dir = dir.clone();
     let cluster = Cluster::start_with(1, move |n| {
         let mut flags = tls_flags(&flags_dir, n.id);
-        flags.extend(["--client-tls-ca".into(), path(&flags_dir, "ca.pem")]);
+        flags.extend(["--client-tls-ca".into(), path(&flags_dir, "client-ca.pem")]);
         flags
     });
+    // The client port's certificate is from the peer CA (`ca.pem`), the client's from the
+    // client CA.
     let with_cert = raftlock::tls::client_config(
         &dir.join("ca.pem"),
         Some((&dir.join("client.pem"), &dir.join("client-key.pem"))),
@@ -539,8 +599,15 @@ async fn a_client_port_with_a_ca_requires_client_certificates() {
         .release()
         .await
         .unwrap();
-    // Without a certificate the handshake (or the first read after it) fails.
+    // Without a certificate the handshake (or the first read after it) fails; so it does with
+    // a certificate from the peer CA (the operator's), which the client port does not trust.
     assert!(status(&addr, &client_tls(&dir)).await.is_none());
+    let with_operator_cert = raftlock::tls::client_config(
+        &dir.join("ca.pem"),
+        Some((&dir.join("operator.pem"), &dir.join("operator-key.pem"))),
+    )
+    .unwrap();
+    assert!(status(&addr, &with_operator_cert).await.is_none());
     let refused = metric(
         &addr,
         &with_cert,

@@ -29,7 +29,8 @@ acknowledged KV put is readable at the end; clients saw at most retries (unavail
 connection loss), never another error. Exits non-zero on the first failure, printing it.
 
 With --secured the chart runs with everything security turns on, from Secrets made for the run
-(as an operator creates them): peer mutual TLS (`tls.peer`), client-port TLS (`tls.client`),
+(as an operator creates them): peer mutual TLS (`tls.peer`, the node Secret for the lock nodes
+and the operator certificate's Secret for the scale-down hook), client-port TLS (`tls.client`),
 signed client tokens (`clientAuth.jwtKeySecret`, with `lockctl token` for the helm test pods,
 the hook and the workload) and the fencing MAC key for the lock nodes and the data store
 (`fencingKeySecret`). The workload then speaks wss:// and https with the CA, presents its token,
@@ -311,6 +312,17 @@ class Pods:
         else:
             name = volume["secret"]["secretName"]
             items = {k: self.secret_value(name, k) for k in self.secret_keys(name)}
+        # `items` projects only the listed keys, each at its path, as the kubelet does (the hook
+        # and the test pods take the client port's CA alone, the hook the operator's files).
+        # The kubelet would also apply `defaultMode` (0440, owner root, group fsGroup); the
+        # files here stay 0644, owned by whoever runs the rehearsal.
+        source = volume.get("configMap") or volume.get("secret")
+        if source.get("items"):
+            wanted = {i["key"]: i["path"] for i in source["items"]}
+            missing = sorted(set(wanted) - set(items))
+            if missing:
+                raise Failure(f"{pod_name}: volume {vname} needs keys {missing} its source lacks")
+            items = {wanted[k]: v for k, v in items.items() if k in wanted}
         for k, v in items.items():
             with open(os.path.join(d, k), "w") as f:
                 f.write(v)
@@ -745,12 +757,18 @@ def secured_setup(lockctl):
         return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name},
                 "stringData": items}
 
+    # Each Secret names its files, as docs/kubernetes.md's commands do: no CA key (ca-key.pem,
+    # client-ca-key.pem) anywhere, the operator's key only in the operator Secret (the
+    # scale-down hook's), every node's key in the node Secret every lock-node pod mounts.
     peer = {"ca.pem": read("certs/ca.pem")}
     for i in range(1, 6):
         peer[f"node-{i}.pem"] = read(f"certs/node-{i}.pem")
         peer[f"node-{i}-key.pem"] = read(f"certs/node-{i}-key.pem")
+    operator = {"ca.pem": read("certs/ca.pem"), "operator.pem": read("certs/operator.pem"),
+                "operator-key.pem": read("certs/operator-key.pem")}
     secrets = {
         "rehearsal-peer-tls": secret("rehearsal-peer-tls", peer),
+        "rehearsal-operator-tls": secret("rehearsal-operator-tls", operator),
         "rehearsal-client-tls": secret("rehearsal-client-tls", {
             "tls.crt": read("certs/client-port.pem"), "tls.key": read("certs/client-port-key.pem"),
             "ca.crt": read("certs/ca.pem")}),
@@ -761,7 +779,8 @@ def secured_setup(lockctl):
             "--sub", "helm-test", "--prefixes", "helm-test/", "--operations", "acquire,release")}),
     }
     values = {
-        "tls": {"peer": {"enabled": True, "secretName": "rehearsal-peer-tls"},
+        "tls": {"peer": {"enabled": True, "secretName": "rehearsal-peer-tls",
+                         "operatorSecretName": "rehearsal-operator-tls"},
                 "client": {"enabled": True, "secretName": "rehearsal-client-tls"}},
         "clientAuth": {"jwtKeySecret": "rehearsal-jwt",
                        "lockctlTokenSecret": "rehearsal-lockctl-token"},

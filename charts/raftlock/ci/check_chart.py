@@ -9,7 +9,9 @@ multi-document YAML file. `check`, for the chart's default values and for every
 ci/*-values.yaml: lints the chart strictly (warnings fail), validates the values against
 values.schema.json, renders it as an install and as an upgrade, and validates every rendered
 object strictly (unknown fields fail) against the Kubernetes OpenAPI schemas of each version
-that kubernetes-validate ships. It needs no cluster and no helm binary: Helm v4's own Go code
+that kubernetes-validate ships; then checks that values the chart must refuse (REFUSALS: a
+short cluster token, peer TLS without the operator Secret, ...) fail to render with their
+message. It needs no cluster and no helm binary: Helm v4's own Go code
 runs through helm-python-sdk.
 """
 
@@ -123,6 +125,39 @@ def check_object(path: str, doc: dict, version: str) -> str | None:
     return None
 
 
+# Values the chart must refuse to render (a `fail` in a template), with a part of the message.
+REFUSALS = [
+    ("a cluster token under 32 characters", {"clusterToken": "short-token"}, "must have at least 32"),
+    (
+        "peer TLS and the scale-down hook without the operator Secret",
+        {"tls": {"peer": {"enabled": True, "secretName": "peer"}}},
+        "needs tls.peer.operatorSecretName",
+    ),
+    (
+        "mounted Secrets without podSecurityContext.fsGroup",
+        {"fencingKeySecret": "fencing", "podSecurityContext": {"fsGroup": None}},
+        "need podSecurityContext.fsGroup",
+    ),
+]
+
+
+def check_refusals(args: argparse.Namespace) -> int:
+    failures = 0
+    for label, over, message in REFUSALS:
+        try:
+            # Over the chart's defaults, like `helm --set`; a null removes a default.
+            render(args.chart, over, args.release, args.namespace, False)
+        except helm.HelmError as e:
+            if message in str(e):
+                print(f"ok   refuses {label}")
+                continue
+            print(f"FAIL refuses {label}, but not with '{message}': {e}")
+        else:
+            print(f"FAIL renders {label}")
+        failures += 1
+    return failures
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     # major.minor: kubernetes-validate picks the schema of that minor release.
     versions = [".".join(v.strip().lstrip("v").split(".")[:2]) for v in args.kube_versions.split(",") if v.strip()]
@@ -167,6 +202,7 @@ def cmd_check(args: argparse.Namespace) -> int:
                         print(f"     {b}")
                 else:
                     print(f"ok   validate --strict [{label}] as {mode}, Kubernetes {version}: {len(docs)} objects ({', '.join(kinds)})")
+    failures += check_refusals(args)
     if skipped_kinds:
         print(
             "note: "

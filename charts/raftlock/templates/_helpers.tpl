@@ -111,10 +111,24 @@ one: templates/secret.yaml).
 {{- if not .Values.insecure -}}true{{- end -}}
 {{- end -}}
 
-{{/* Fails on values that contradict each other about the cluster token. */}}
+{{/*
+Fails on values that contradict each other about the cluster token, and on a short token: a
+clusterToken under 32 characters, or (when `lookup` reaches the cluster) an existingSecret whose
+token is. The generated token has 48.
+*/}}
 {{- define "raftlock.validateToken" -}}
 {{- if and .Values.insecure (or .Values.clusterToken .Values.existingSecret) -}}
 {{- fail "insecure=true runs the lock nodes without a cluster token: unset clusterToken and existingSecret, or set insecure=false" -}}
+{{- end -}}
+{{- if and .Values.clusterToken (not .Values.existingSecret) (lt (len (toString .Values.clusterToken)) 32) -}}
+{{- fail (printf "clusterToken has %d characters: a cluster token must have at least 32 (e.g. --set clusterToken=\"$(openssl rand -hex 24)\"), or leave it empty and the chart generates one" (len (toString .Values.clusterToken))) -}}
+{{- end -}}
+{{- with .Values.existingSecret -}}
+{{- $existing := lookup "v1" "Secret" $.Release.Namespace . -}}
+{{- $encoded := dig "data" $.Values.existingSecretKey "" ($existing | default dict) -}}
+{{- if and $encoded (lt (len (b64dec $encoded)) 32) -}}
+{{- fail (printf "the cluster token in Secret %s (key %s) has %d characters: a cluster token must have at least 32" . $.Values.existingSecretKey (len (b64dec $encoded))) -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 
@@ -140,14 +154,59 @@ storageClassName: {{ .storageClass | quote }}
 {{- end -}}
 {{- end -}}
 
-{{/* Fails on TLS settings without their Secret. */}}
+{{/*
+Fails on TLS settings without their Secret, and on Secrets mounted into pods that are known to
+hold a key they must not: a CA's key (ca-key.pem, client-ca-key.pem) in any of them, the
+operator's key in the node Secret every lock-node pod mounts. Known only when `lookup` reaches
+the cluster (helm install/upgrade); `helm template` and client-side dry runs cannot check.
+*/}}
 {{- define "raftlock.validateTls" -}}
 {{- if and .Values.tls.peer.enabled (not .Values.tls.peer.secretName) -}}
 {{- fail "tls.peer.enabled needs tls.peer.secretName (a Secret with ca.pem, node-N.pem and node-N-key.pem: lockctl certs writes them)" -}}
 {{- end -}}
+{{- if and .Values.tls.peer.enabled .Values.scaleDown.enabled (not .Values.tls.peer.operatorSecretName) -}}
+{{- fail "tls.peer.enabled with scaleDown.enabled needs tls.peer.operatorSecretName: a Secret with ca.pem, operator.pem and operator-key.pem (the operator certificate, DNS name operator.raftlock, from lockctl certs) for the scale-down hook, which removes members it is not" -}}
+{{- end -}}
 {{- if and .Values.tls.client.enabled (not .Values.tls.client.secretName) -}}
 {{- fail "tls.client.enabled needs tls.client.secretName (a kubernetes.io/tls Secret)" -}}
 {{- end -}}
+{{- $mounted := dict -}}
+{{- if .Values.tls.peer.enabled -}}
+{{- $_ := set $mounted .Values.tls.peer.secretName (list "operator-key.pem") -}}
+{{- with .Values.tls.peer.operatorSecretName -}}
+{{- $_ := set $mounted . (list) -}}
+{{- end -}}
+{{- end -}}
+{{- if .Values.tls.client.enabled -}}
+{{- $_ := set $mounted .Values.tls.client.secretName (list) -}}
+{{- end -}}
+{{- range $name, $forbidden := $mounted -}}
+{{- $secret := lookup "v1" "Secret" $.Release.Namespace $name | default dict -}}
+{{- $keys := keys (get $secret "data" | default dict) -}}
+{{- range $key := concat (list "ca-key.pem" "client-ca-key.pem") $forbidden -}}
+{{- if has $key $keys -}}
+{{- $why := "with a CA's key anyone in such a pod can issue certificates for every node and the operator" -}}
+{{- if eq $key "operator-key.pem" -}}
+{{- $why = "every lock-node pod would hold the operator's rights" -}}
+{{- end -}}
+{{- fail (printf "Secret %s holds %s, and the chart mounts that Secret into pods: %s. Create the Secret with only the files it needs, naming each (docs/kubernetes.md, TLS), e.g. kubectl create secret generic %s --from-file=ca.pem=certs/ca.pem ... --dry-run=client -o yaml | kubectl apply -f -" $name $key $why $name) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if and (include "raftlock.mountsSecrets" .) (not .Values.podSecurityContext.fsGroup) -}}
+{{- fail "the pods mount Secrets with mode 0440 (owner root): they need podSecurityContext.fsGroup set to the container's group (10001 in the image) to read them" -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Mode of the files of every mounted Secret: 0440 (decimal 288). The kubelet writes them owned by
+root; with podSecurityContext.fsGroup it gives them that group and adds group read (a Secret
+volume is read-only: the kubelet's ownership pass ORs in 0440), so 0400 would end up 0440 all
+the same. The container runs as uid/gid 10001 and reads them through the group; other users in
+the container cannot.
+*/}}
+{{- define "raftlock.secretMode" -}}
+288
 {{- end -}}
 
 {{/* Pod volumes for the TLS Secrets (and the client auth and fencing key Secrets). */}}
@@ -156,27 +215,48 @@ storageClassName: {{ .storageClass | quote }}
 - name: client-auth
   secret:
     secretName: {{ . }}
+    defaultMode: {{ include "raftlock.secretMode" $ }}
 {{- end }}
 {{- with .Values.clientAuth.jwtKeySecret }}
 - name: client-jwt
   secret:
     secretName: {{ . }}
+    defaultMode: {{ include "raftlock.secretMode" $ }}
 {{- end }}
 {{- with .Values.fencingKeySecret }}
 - name: fencing-key
   secret:
     secretName: {{ . }}
+    defaultMode: {{ include "raftlock.secretMode" $ }}
 {{- end }}
 {{- if .Values.tls.peer.enabled }}
+# Every node's key: the pod template is the same for every ordinal, so it cannot name only its
+# own (docs/kubernetes.md, TLS: what a pod holds).
 - name: peer-tls
   secret:
     secretName: {{ .Values.tls.peer.secretName }}
+    defaultMode: {{ include "raftlock.secretMode" $ }}
 {{- end }}
 {{- if .Values.tls.client.enabled }}
 - name: client-tls
   secret:
     secretName: {{ .Values.tls.client.secretName }}
+    defaultMode: {{ include "raftlock.secretMode" $ }}
 {{- end }}
+{{- end -}}
+
+{{/*
+The client port's CA certificate alone (tls.client.caKey of tls.client.secretName), for pods that
+only dial the client port (the scale-down hook, `helm test`): not the port's key.
+*/}}
+{{- define "raftlock.clientCaVolume" -}}
+- name: client-tls
+  secret:
+    secretName: {{ .Values.tls.client.secretName }}
+    defaultMode: {{ include "raftlock.secretMode" . }}
+    items:
+      - key: {{ .Values.tls.client.caKey }}
+        path: {{ .Values.tls.client.caKey }}
 {{- end -}}
 
 {{/* Container mounts of those volumes. */}}

@@ -221,9 +221,13 @@ enum Cmd {
         #[arg(long, default_value = "1h", value_parser = humantime::parse_duration)]
         ttl: Duration,
     },
-    /// Write a CA and TLS certificates for a cluster: one per node (peer mutual TLS, named
-    /// after the node id), one for the client port and one client certificate. A CA already in
-    /// --out is kept, so running it again rotates the other certificates under the same CA.
+    /// Write two CAs and the TLS certificates of a cluster. The peer CA (ca.pem) signs one
+    /// certificate per node (peer mutual TLS, named after the node id), the operator
+    /// certificate (operator.pem, for `lockctl members` and the chart's scale-down hook) and the
+    /// client port's certificate; the client CA (client-ca.pem) signs the client certificate
+    /// (client.pem, for a client port started with --client-tls-ca client-ca.pem). CAs already
+    /// in --out are kept, so running it again rotates the other certificates under the same
+    /// CAs. Keys are written mode 0600; keep ca-key.pem and client-ca-key.pem off the nodes.
     Certs {
         #[arg(long, default_value = "./raftlock-certs")]
         out: PathBuf,
@@ -233,11 +237,17 @@ enum Cmd {
         /// The name a node's certificate carries; must match the nodes' --peer-tls-node-name.
         #[arg(long, default_value = "node-{id}.raftlock")]
         node_name: String,
+        /// The DNS name of the operator certificate; must match the nodes'
+        /// --peer-tls-operator-name.
+        #[arg(long, default_value = certs::DEFAULT_OPERATOR_NAME)]
+        operator_name: String,
         /// Host names and IP addresses the nodes are reached at (added to every node's and the
-        /// client port's certificate): `127.0.0.1,raftlock.example.com`.
+        /// client port's certificate, never to the operator's): `127.0.0.1,raftlock.example.com`.
+        /// A host that is a node name or the operator name is refused.
         #[arg(long, value_delimiter = ',', default_value = "127.0.0.1,localhost")]
         hosts: Vec<String>,
-        /// Days the node and client certificates stay valid (the CA: five times as long).
+        /// Days the node, operator and client certificates stay valid (a new CA: five times as
+        /// long).
         #[arg(long, default_value_t = 90)]
         valid_days: u32,
     },
@@ -263,7 +273,8 @@ enum MembersCmd {
         #[command(flatten)]
         peer: PeerAccess,
     },
-    /// Remove a server from the cluster (the leader too: it steps down).
+    /// Remove a server from the cluster (the leader too: it steps down). Under peer mutual TLS
+    /// it needs the operator certificate (--peer-tls-cert operator.pem).
     Remove {
         #[arg(long)]
         id: u64,
@@ -275,7 +286,9 @@ enum MembersCmd {
 }
 
 /// How `lockctl members` reaches a peer port: the cluster token, and under peer mutual TLS a
-/// certificate from the cluster's CA (for `add`: the new node's own, which must name its id).
+/// certificate from the cluster's peer CA: the operator certificate (`operator.pem` from
+/// `lockctl certs`, DNS name `operator.raftlock`), which may act for any node id. `add` may also
+/// use the new node's own certificate, which names its id.
 #[derive(clap::Args, Debug)]
 struct PeerAccess {
     #[arg(
@@ -285,13 +298,17 @@ struct PeerAccess {
         hide_env_values = true
     )]
     cluster_token: String,
-    /// Peer mutual TLS: a certificate from the cluster's CA (PEM).
+    /// Peer mutual TLS: the operator certificate (PEM; `operator.pem` from `lockctl certs`, or
+    /// any certificate from the peer CA naming the nodes' --peer-tls-operator-name). A node's
+    /// certificate acts only for its own node id: enough for `add` of that node, not to remove
+    /// another member.
     #[arg(long, env = "RAFTLOCK_PEER_TLS_CERT", requires_all = ["peer_tls_key", "peer_tls_ca"])]
     peer_tls_cert: Option<PathBuf>,
-    /// Peer mutual TLS: the key of --peer-tls-cert (PEM).
+    /// Peer mutual TLS: the key of --peer-tls-cert (PEM; `operator-key.pem`).
     #[arg(long, env = "RAFTLOCK_PEER_TLS_KEY")]
     peer_tls_key: Option<PathBuf>,
-    /// Peer mutual TLS: the cluster's CA bundle (PEM).
+    /// Peer mutual TLS: the peer CA bundle that signed the nodes' certificates (PEM; `ca.pem`,
+    /// not `client-ca.pem`).
     #[arg(long, env = "RAFTLOCK_PEER_TLS_CA")]
     peer_tls_ca: Option<PathBuf>,
 }
@@ -592,6 +609,7 @@ async fn dispatch(args: Args) -> ExitCode {
             out,
             nodes,
             node_name,
+            operator_name,
             hosts,
             valid_days,
         } => {
@@ -599,6 +617,7 @@ async fn dispatch(args: Args) -> ExitCode {
                 out,
                 nodes,
                 node_name,
+                operator_name,
                 hosts,
                 valid_days: *valid_days,
             };
@@ -607,6 +626,10 @@ async fn dispatch(args: Args) -> ExitCode {
                     for path in written {
                         println!("{}", path.display());
                     }
+                    eprintln!(
+                        "ca-key.pem and client-ca-key.pem only issue certificates: keep them off \
+                         the nodes and out of every Secret (docs/security.md)"
+                    );
                     ExitCode::SUCCESS
                 }
                 Err(e) => fail(e),
