@@ -67,6 +67,28 @@ async fn ws_as(addr: &str, token: Option<&str>) -> Ws {
     ws
 }
 
+/// A WebSocket upgrade the node refuses: its HTTP status and error body.
+async fn ws_refused(addr: &str, token: Option<&str>) -> (u16, Value) {
+    let mut request = format!("ws://{addr}/ws").into_client_request().unwrap();
+    if let Some(t) = token {
+        request
+            .headers_mut()
+            .insert("authorization", format!("Bearer {t}").parse().unwrap());
+    }
+    match tokio_tungstenite::connect_async(request).await {
+        Ok(_) => panic!("the upgrade with {token:?} was accepted"),
+        Err(tokio_tungstenite::tungstenite::Error::Http(response)) => {
+            let body = response
+                .body()
+                .as_deref()
+                .and_then(|b| serde_json::from_slice(b).ok())
+                .unwrap_or(Value::Null);
+            (response.status().as_u16(), body)
+        }
+        Err(other) => panic!("the upgrade with {token:?} failed otherwise: {other}"),
+    }
+}
+
 fn acquire(key: &str, client: &str, request: &str) -> Value {
     json!({"commandType": 3, "key": key, "clientId": client, "requestId": request,
            "ttl": 30_000, "waitTimeout": 0})
@@ -88,12 +110,12 @@ async fn clients_need_a_token_stay_in_their_prefixes_and_only_the_holder_release
     let leader_addr = cluster.client_addr_of(leader);
     let (_, follower_addr) = follower_knowing(&cluster, leader).await;
 
-    // No token, a wrong token: UNAUTHENTICATED, and nothing is taken.
+    // No token, a wrong token: the upgrade is refused 401 UNAUTHENTICATED (before the
+    // connection takes a slot), and nothing is taken.
     for token in [None, Some("billing-token-5f1d0c2a9c")] {
-        let mut ws = ws_as(&leader_addr, token).await;
-        let r = ws_request(&mut ws, &acquire("billing/run", "w1", "u1")).await;
-        assert_eq!(r["success"], false, "{r}");
-        assert_eq!(code_of(&r), "UNAUTHENTICATED", "{token:?}: {r}");
+        let (status, body) = ws_refused(&leader_addr, token).await;
+        assert_eq!(status, 401, "{token:?}: {body}");
+        assert_eq!(body["error"]["code"], "UNAUTHENTICATED", "{token:?}: {body}");
     }
 
     // billing, through a follower (forwarded to the leader): granted, held as billing/w1, and
@@ -460,13 +482,9 @@ async fn signed_tokens_carry_the_identity_and_its_rights_until_they_expire() {
         ("no rights", empty.as_str()),
         ("not a JWT", "a.b.c"),
     ] {
-        let mut ws = ws_as(&addr, Some(bad)).await;
-        let r = ws_request(
-            &mut ws,
-            &acquire("billing/bad", "w9", &format!("bad-{what}")),
-        )
-        .await;
-        assert_eq!(code_of(&r), "UNAUTHENTICATED", "{what}: {r}");
+        let (status, body) = ws_refused(&addr, Some(bad)).await;
+        assert_eq!(status, 401, "{what}: {body}");
+        assert_eq!(body["error"]["code"], "UNAUTHENTICATED", "{what}: {body}");
     }
 
     // A token that expires while its connection is open: refused from then on.

@@ -233,7 +233,46 @@ pub(crate) async fn open_ws(
     tokio_tungstenite::connect_async_tls_with_config(request, config, true, connector)
         .await
         .map(|(socket, _)| socket)
-        .map_err(|e| OpenError::Connect(e.to_string()))
+        .map_err(|e| match e {
+            tokio_tungstenite::tungstenite::Error::Http(response)
+                if matches!(response.status().as_u16(), 401 | 403) =>
+            {
+                refused_upgrade(response.status().as_u16(), response.body().as_deref())
+            }
+            other => OpenError::Connect(other.to_string()),
+        })
+}
+
+/// A node that authenticates clients answers a WebSocket upgrade without a valid token 401
+/// (403 for a token without the right), with `{"error": {"code", "message"}}`.
+fn refused_upgrade(status: u16, body: Option<&[u8]>) -> OpenError {
+    let error = body
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(b).ok())
+        .map(|v| v["error"].clone());
+    let text = |field: &str, default: &str| {
+        error
+            .as_ref()
+            .and_then(|e| e[field].as_str())
+            .unwrap_or(default)
+            .to_string()
+    };
+    let default_code = if status == 403 {
+        "PERMISSION_DENIED"
+    } else {
+        "UNAUTHENTICATED"
+    };
+    OpenError::Refused(crate::client::ClientError::Rejected {
+        code: text("code", default_code),
+        message: text("message", "the node refused the connection"),
+    })
+}
+
+/// Why a connection could not be had: worth another try (another node, later), or refused for
+/// a reason another try will not change.
+#[derive(Debug)]
+pub(crate) enum ConnFailure {
+    Retry(String),
+    Refused(ClientError),
 }
 
 /// Why [`open_ws`] failed: a request that cannot be made (bad address or token), or a
@@ -242,6 +281,9 @@ pub(crate) async fn open_ws(
 pub(crate) enum OpenError {
     Request(String),
     Connect(String),
+    /// The node answered the upgrade with a refusal that retrying will not change (a missing
+    /// or wrong bearer token).
+    Refused(crate::client::ClientError),
 }
 
 /// The WebSocket upgrade request for a node's `/ws`, with `Authorization: Bearer <auth_token>`
@@ -280,7 +322,7 @@ impl Conn {
         keepalive: Option<Keepalive>,
         auth_token: Option<&str>,
         tls: Option<&TlsConfig>,
-    ) -> Result<Conn, String> {
+    ) -> Result<Conn, ConnFailure> {
         let mut config = tokio_tungstenite::tungstenite::protocol::WebSocketConfig::default();
         config.max_message_size = Some(max_message_bytes);
         config.max_frame_size = Some(max_message_bytes);
@@ -292,9 +334,16 @@ impl Conn {
         let connect = open_ws(addr, auth_token, tls, Some(config));
         let socket = match tokio::time::timeout(timeout, connect).await {
             Ok(Ok(s)) => s,
-            Ok(Err(OpenError::Request(e))) => return Err(e),
-            Ok(Err(OpenError::Connect(e))) => return Err(format!("cannot connect to {addr}: {e}")),
-            Err(_) => return Err(format!("connecting to {addr} timed out after {timeout:?}")),
+            Ok(Err(OpenError::Request(e))) => return Err(ConnFailure::Retry(e)),
+            Ok(Err(OpenError::Refused(e))) => return Err(ConnFailure::Refused(e)),
+            Ok(Err(OpenError::Connect(e))) => {
+                return Err(ConnFailure::Retry(format!("cannot connect to {addr}: {e}")))
+            }
+            Err(_) => {
+                return Err(ConnFailure::Retry(format!(
+                    "connecting to {addr} timed out after {timeout:?}"
+                )))
+            }
         };
         let (sink, mut stream) = socket.split();
         // Each caller writes its request to the socket itself, behind this lock: a task between
@@ -635,7 +684,7 @@ impl Session {
 
     /// The open connection, or a new one: to the last known leader first, then to each
     /// configured endpoint in turn.
-    async fn connection(&self) -> Result<Arc<Conn>, String> {
+    async fn connection(&self) -> Result<Arc<Conn>, ConnFailure> {
         let mut st = self.state.lock().await;
         if let Some(c) = &st.conn {
             if !c.is_closed() {
@@ -676,10 +725,11 @@ impl Session {
                     st.conn = Some(c.clone());
                     return Ok(c);
                 }
-                Err(e) => last = e,
+                Err(ConnFailure::Retry(e)) => last = e,
+                Err(refused) => return Err(refused),
             }
         }
-        Err(last)
+        Err(ConnFailure::Retry(last))
     }
 
     async fn redirect(&self, from: &Arc<Conn>, leader_addr: Option<String>) {
@@ -755,7 +805,8 @@ impl Session {
                 _ => &*plain.get_or_insert_with(|| request.text()),
             };
             let failure = match self.connection().await {
-                Err(e) => e,
+                Err(ConnFailure::Refused(e)) => return Err(e),
+                Err(ConnFailure::Retry(e)) => e,
                 Ok(conn) => match conn.call(request_id, kind, sent, timeout).await {
                     Ok(reply) => {
                         if reply.body.malformed {

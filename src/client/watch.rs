@@ -123,6 +123,7 @@ impl Watch {
             .map_err(|e| match e {
                 super::conn::OpenError::Request(e) => StartError::Refused(ClientError::Config(e)),
                 super::conn::OpenError::Connect(e) => failed(e),
+                super::conn::OpenError::Refused(e) => StartError::Refused(e),
             })?;
         self.seq += 1;
         let mut body = json!({"commandType": 8, "requestId": format!("watch-{}", self.seq),

@@ -568,6 +568,17 @@ impl Caller {
         }
     }
 
+    /// How long until this caller's token expires (None: it does not).
+    pub fn expires_in(&self) -> Option<std::time::Duration> {
+        match self {
+            Caller::Authenticated(identity) => identity.expires_at.map(|exp| {
+                std::time::Duration::from_secs(exp.saturating_sub(unix_now()))
+                    + std::time::Duration::from_millis(500)
+            }),
+            _ => None,
+        }
+    }
+
     /// Whether this caller may see fencing tokens of others (`GET /locks`).
     pub fn sees_tokens(&self) -> bool {
         match self {

@@ -494,11 +494,27 @@ async fn run_watch(
         ))
     })?;
     let request_id = raw.get("requestId").cloned().unwrap_or(Value::Null);
+    // Fencing tokens only for callers who may see others' tokens (as in `GET /locks`).
+    let sees_tokens = caller.sees_tokens();
     let frame = |item: &super::watch::WatchItem| {
         let mut v = serde_json::to_value(item).unwrap_or(Value::Null);
+        if !sees_tokens {
+            if let Some(fields) = v.as_object_mut() {
+                fields.remove("token");
+            }
+        }
         v["requestId"] = request_id.clone();
         v.to_string()
     };
+    // A watch lasts no longer than its caller's token: it then ends `UNAUTHENTICATED`.
+    let expiry = caller.expires_in();
+    let expired = async move {
+        match expiry {
+            Some(after) => tokio::time::sleep(after).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(expired);
     let ack = json!({"success": true, "watching": true, "key": prefix,
                      "requestId": request_id, "index": sub.index});
     if ctx.out.send(ack.to_string().into()).await.is_err() {
@@ -518,6 +534,13 @@ async fn run_watch(
             next = live.recv() => next,
             _ = closed.wait_for(|c| *c) => return Ok(()),
             _ = shutdown.wait_for(|s| *s) => return Ok(()),
+            _ = &mut expired => {
+                return Err(ApiError::new(
+                    ErrorCode::Unauthenticated,
+                    "the bearer token has expired: the watch ended; watch again with a fresh \
+                     token (fromIndex resumes where it stopped)",
+                ))
+            }
         };
         match next {
             Ok(item) => {
