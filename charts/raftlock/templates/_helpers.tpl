@@ -162,10 +162,15 @@ storageClassName: {{ .storageClass | quote }}
   secret:
     secretName: {{ . }}
 {{- end }}
-{{- with .Values.fencingKeySecret }}
+{{- with include "raftlock.fencingKeySecretName" . }}
 - name: fencing-key
   secret:
     secretName: {{ . }}
+    {{- if include "raftlock.generatesFencingKey" $ }}
+    # The upgrade that first generates the key runs the pre-upgrade scale-down hook (which
+    # mounts these volumes but needs no key) before the Secret exists.
+    optional: true
+    {{- end }}
 {{- end }}
 {{- if .Values.tls.peer.enabled }}
 - name: peer-tls
@@ -191,7 +196,7 @@ storageClassName: {{ .storageClass | quote }}
   mountPath: /etc/raftlock/client-jwt
   readOnly: true
 {{- end }}
-{{- if .Values.fencingKeySecret }}
+{{- if include "raftlock.fencingKeySecretName" . }}
 - name: fencing-key
   mountPath: /etc/raftlock/fencing
   readOnly: true
@@ -225,5 +230,25 @@ storageClassName: {{ .storageClass | quote }}
 
 {{/* Whether pods mount any Secret besides their data. */}}
 {{- define "raftlock.mountsSecrets" -}}
-{{- if or .Values.tls.peer.enabled .Values.tls.client.enabled .Values.clientAuth.identitiesSecret .Values.clientAuth.jwtKeySecret .Values.fencingKeySecret -}}true{{- end -}}
+{{- if or .Values.tls.peer.enabled .Values.tls.client.enabled .Values.clientAuth.identitiesSecret .Values.clientAuth.jwtKeySecret (include "raftlock.fencingKeySecretName" .) -}}true{{- end -}}
+{{- end -}}
+
+{{/*
+Whether the chart generates the fencing key: no fencingKeySecret given, the data store on, and
+dataStore.generateFencingKey (templates/fencing-key-secret.yaml).
+*/}}
+{{- define "raftlock.generatesFencingKey" -}}
+{{- if and (not .Values.fencingKeySecret) .Values.dataStore.enabled .Values.dataStore.generateFencingKey -}}true{{- end -}}
+{{- end -}}
+
+{{/*
+The Secret with the fencing key (`fencing.key`) that the lock nodes and the data store mount:
+fencingKeySecret, else the generated one, else "" (no key).
+*/}}
+{{- define "raftlock.fencingKeySecretName" -}}
+{{- if .Values.fencingKeySecret -}}
+{{- .Values.fencingKeySecret -}}
+{{- else if include "raftlock.generatesFencingKey" . -}}
+{{- printf "%s-fencing-key" (include "raftlock.fullname" .) -}}
+{{- end -}}
 {{- end -}}
