@@ -395,13 +395,8 @@ impl DataStore {
             .map_err(|_| std::io::Error::other("state poisoned"))?;
         let started = std::time::Instant::now();
         // In file order, so the compacted log keeps the order the writes were accepted in.
-        let mut keep: Vec<(Loc, String)> = inner
-            .keys
-            .iter()
-            .map(|(key, state)| (state.loc, key.clone()))
-            .collect();
-        keep.sort_unstable_by_key(|(loc, _)| loc.offset);
-        let locs: Vec<Loc> = keep.iter().map(|(loc, _)| *loc).collect();
+        let mut locs: Vec<Loc> = inner.keys.values().map(|state| state.loc).collect();
+        locs.sort_unstable_by_key(|loc| loc.offset);
         let path = inner.path.clone();
         let before = inner.len;
         let compacted = match log::compact(&path, &inner.file, &locs) {
@@ -423,8 +418,10 @@ impl DataStore {
             .zip(&compacted.locs)
             .map(|(old, new)| (old.offset, *new))
             .collect();
-        for ((_, key), new) in keep.iter().zip(&compacted.locs) {
-            if let Some(state) = inner.keys.get_mut(key) {
+        // Every key's line was kept: each moves to its new place. A recent write keeps its
+        // data only if its line was one of them.
+        for state in inner.keys.values_mut() {
+            if let Some(new) = moved.get(&state.loc.offset) {
                 state.loc = *new;
             }
         }
