@@ -143,6 +143,13 @@ async fn post_to_root_is_a_write() {
         Some(0.0)
     );
 
+    // Neither a fencing key nor a lock cluster: any token goes, and the store says so.
+    let stderr = stderr_of(&file);
+    assert!(
+        stderr.contains("WARN") && stderr.contains("unprotected"),
+        "{stderr}"
+    );
+
     let (status, body) = post(&store.addr, "/", &write("orders", 5, "first")).await;
     assert_eq!((status, &body["success"]), (200, &json!(true)), "{body}");
     // Fenced exactly like /write, whichever path each write took.

@@ -188,7 +188,7 @@ async fn serve(args: Args) -> ExitCode {
     }
     match &client_token {
         Some(token) => store = store.with_client_token(token),
-        None => tracing::warn!(
+        None => tracing::info!(
             "no --auth-token-file: anyone who reaches this port may write and read GET /data"
         ),
     }
