@@ -73,6 +73,22 @@ async fn start_with(file: &Path, extra: &[String]) -> Store {
     }
 }
 
+/// Waits (at most 10 s) for `child` to exit; kills it and panics with `if_running` otherwise.
+async fn exit_of(mut child: Child, if_running: &str) -> std::process::ExitStatus {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{if_running}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 fn stderr_of(file: &Path) -> String {
     std::fs::read_to_string(file.with_extension("stderr")).unwrap_or_default()
 }
@@ -245,18 +261,8 @@ async fn a_corrupt_line_before_the_last_refuses_to_start() {
     let content = "orders\t7\tc1\t\"a\"\norders\tseven\tc1\t\"b\"\norders\t9\tc1\t\"c\"\n";
     std::fs::write(&file, content).unwrap();
 
-    let (_addr, mut child) = spawn(&file);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("data-store started on a damaged log");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let (_addr, child) = spawn(&file);
+    let status = exit_of(child, "data-store started on a damaged log").await;
     assert!(!status.success());
     let stderr = stderr_of(&file);
     assert!(
@@ -499,24 +505,14 @@ async fn a_second_store_on_the_same_log_refuses_to_start() {
 
     let second_file = dir.path().join("second.log");
     let second_stderr = std::fs::File::create(&second_file).unwrap();
-    let mut second = Command::new(env!("CARGO_BIN_EXE_data-store"))
+    let second = Command::new(env!("CARGO_BIN_EXE_data-store"))
         .args(["--listen", &format!("127.0.0.1:{}", free_port())])
         .args(["--file", &file.display().to_string()])
         .stdout(Stdio::null())
         .stderr(second_stderr)
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let status = loop {
-        if let Some(status) = second.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = second.kill();
-            panic!("a second data store started on a log in use");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let status = exit_of(second, "a second data store started on a log in use").await;
     assert!(!status.success());
     let stderr = std::fs::read_to_string(&second_file).unwrap();
     assert!(

@@ -66,6 +66,7 @@ struct Args {
     /// this many bytes and than `--compact-ratio` times its live content.
     #[arg(long, default_value_t = 64 << 20)]
     compact_min_bytes: u64,
+    /// How many times its live content the log may grow to before it is compacted (at least 2).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(2..))]
     compact_ratio: u64,
 }
@@ -117,41 +118,31 @@ async fn serve(args: Args) -> ExitCode {
         ExitCode::FAILURE
     };
     // Everything read and checked before the log is opened (and locked).
-    let fencing_key = match args
-        .fencing_key_file
-        .as_deref()
+    let fencing_key = args.fencing_key_file.as_deref();
+    let fencing_key = match fencing_key
         .map(crate::fencing::FencingKey::from_file)
+        .transpose()
     {
-        None => None,
-        Some(Ok(key)) => Some(key),
-        Some(Err(err)) => return fail(&err),
+        Ok(key) => key,
+        Err(err) => return fail(&err),
     };
-    let client_token = match args
-        .auth_token_file
-        .as_deref()
-        .map(|p| read_secret(p, "client token"))
-    {
-        None => None,
-        Some(Ok(t)) => Some(t),
-        Some(Err(err)) => return fail(&err),
+    let secret = |path: &Option<PathBuf>, what| path.as_deref().map(|p| read_secret(p, what));
+    let client_token = match secret(&args.auth_token_file, "client token").transpose() {
+        Ok(token) => token,
+        Err(err) => return fail(&err),
     };
-    let cluster_token = match args
-        .lock_cluster_token_file
-        .as_deref()
-        .map(|p| read_secret(p, "lock cluster token"))
-    {
-        None => None,
-        Some(Ok(t)) => Some(t),
-        Some(Err(err)) => return fail(&err),
-    };
-    let lock_cluster = match args
+    let cluster_token =
+        match secret(&args.lock_cluster_token_file, "lock cluster token").transpose() {
+            Ok(token) => token,
+            Err(err) => return fail(&err),
+        };
+    let lock_cluster = args
         .lock_cluster
         .as_deref()
-        .map(|spec| LockCluster::new(spec, cluster_token.clone(), args.lock_cluster_timeout))
-    {
-        None => None,
-        Some(Ok(c)) => Some(c),
-        Some(Err(err)) => return fail(&err),
+        .map(|spec| LockCluster::new(spec, cluster_token.clone(), args.lock_cluster_timeout));
+    let lock_cluster = match lock_cluster.transpose() {
+        Ok(cluster) => cluster,
+        Err(err) => return fail(&err),
     };
     if lock_cluster.is_none() && cluster_token.is_some() {
         return fail(&"--lock-cluster-token-file needs --lock-cluster");
