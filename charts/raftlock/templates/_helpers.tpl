@@ -223,11 +223,16 @@ the container cannot.
     secretName: {{ . }}
     defaultMode: {{ include "raftlock.secretMode" $ }}
 {{- end }}
-{{- with .Values.fencingKeySecret }}
+{{- with include "raftlock.fencingKeySecretName" . }}
 - name: fencing-key
   secret:
     secretName: {{ . }}
     defaultMode: {{ include "raftlock.secretMode" $ }}
+    {{- if include "raftlock.generatesFencingKey" $ }}
+    # The upgrade that first generates the key runs the pre-upgrade scale-down hook (which
+    # mounts these volumes but needs no key) before the Secret exists.
+    optional: true
+    {{- end }}
 {{- end }}
 {{- if .Values.tls.peer.enabled }}
 # Every node's key: the pod template is the same for every ordinal, so it cannot name only its
@@ -271,7 +276,7 @@ only dial the client port (the scale-down hook, `helm test`): not the port's key
   mountPath: /etc/raftlock/client-jwt
   readOnly: true
 {{- end }}
-{{- if .Values.fencingKeySecret }}
+{{- if include "raftlock.fencingKeySecretName" . }}
 - name: fencing-key
   mountPath: /etc/raftlock/fencing
   readOnly: true
@@ -305,5 +310,25 @@ only dial the client port (the scale-down hook, `helm test`): not the port's key
 
 {{/* Whether pods mount any Secret besides their data. */}}
 {{- define "raftlock.mountsSecrets" -}}
-{{- if or .Values.tls.peer.enabled .Values.tls.client.enabled .Values.clientAuth.identitiesSecret .Values.clientAuth.jwtKeySecret .Values.fencingKeySecret -}}true{{- end -}}
+{{- if or .Values.tls.peer.enabled .Values.tls.client.enabled .Values.clientAuth.identitiesSecret .Values.clientAuth.jwtKeySecret (include "raftlock.fencingKeySecretName" .) -}}true{{- end -}}
+{{- end -}}
+
+{{/*
+Whether the chart generates the fencing key: no fencingKeySecret given, the data store on, and
+dataStore.generateFencingKey (templates/fencing-key-secret.yaml).
+*/}}
+{{- define "raftlock.generatesFencingKey" -}}
+{{- if and (not .Values.fencingKeySecret) .Values.dataStore.enabled .Values.dataStore.generateFencingKey -}}true{{- end -}}
+{{- end -}}
+
+{{/*
+The Secret with the fencing key (`fencing.key`) that the lock nodes and the data store mount:
+fencingKeySecret, else the generated one, else "" (no key).
+*/}}
+{{- define "raftlock.fencingKeySecretName" -}}
+{{- if .Values.fencingKeySecret -}}
+{{- .Values.fencingKeySecret -}}
+{{- else if include "raftlock.generatesFencingKey" . -}}
+{{- printf "%s-fencing-key" (include "raftlock.fullname" .) -}}
+{{- end -}}
 {{- end -}}
