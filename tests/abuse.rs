@@ -37,6 +37,15 @@ fn rss_mib(cluster: &Cluster) -> Vec<(u64, u64)> {
         .collect()
 }
 
+/// Waits (at most 30 s) until the node at `addr` applies byte budgets and quotas.
+async fn wait_for_quotas(addr: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while http_json(addr, "/status").await.unwrap()["quotasInForce"] != true {
+        assert!(Instant::now() < deadline, "no quotas in force");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 fn put(key: &str, value: &str, client: &str, request: &str) -> Value {
     json!({"commandType": 2, "key": key, "value": value, "clientId": client, "requestId": request})
 }
@@ -62,7 +71,7 @@ async fn key_value_bytes_stop_at_the_budget() {
     let cluster = Cluster::start_with(3, |_| vec!["--max-data-bytes".into(), "1048576".into()]);
     let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
     let addr = cluster.client_addr_of(leader);
-    wait_for_cluster_version(&addr, 5).await;
+    wait_for_quotas(&addr).await;
     let before = rss_mib(&cluster);
     let mut ws = ws_connect(&addr).await;
     let value = "x".repeat(60 * 1024);
@@ -76,7 +85,12 @@ async fn key_value_bytes_stop_at_the_budget() {
         for i in 0..200 {
             let r = ws_request(
                 &mut ws,
-                &put(&format!("blob/{i}"), &value, "anon", &format!("p{round}-{i}")),
+                &put(
+                    &format!("blob/{i}"),
+                    &value,
+                    "anon",
+                    &format!("p{round}-{i}"),
+                ),
             )
             .await;
             if r["success"] == true {
@@ -101,7 +115,12 @@ async fn key_value_bytes_stop_at_the_budget() {
     // 1 MiB holds 17 values of 60 KiB (and their keys), not 18.
     assert_eq!(stored, 17, "stored {stored}, refused {refused}");
     assert_eq!(refused, 183);
-    let counted = metric(&addr, "raftlock_limit_refusals_total", &["limit=\"data_bytes\""]).await;
+    let counted = metric(
+        &addr,
+        "raftlock_limit_refusals_total",
+        &["limit=\"data_bytes\""],
+    )
+    .await;
     assert_eq!(counted, 183.0);
     // Deleting frees the budget; an honest lock is served meanwhile.
     let del = json!({"commandType": 2, "key": "blob/0", "delete": true, "clientId": "anon",
@@ -260,7 +279,7 @@ async fn cancelled_grpc_waits_leave_the_queue() {
         }));
     }
     let waiters = |locks: &Value| {
-        locks
+        locks["locks"]
             .as_array()
             .and_then(|l| l.iter().find(|l| l["key"] == "jobs/busy"))
             .and_then(|l| l["waiters"].as_array().map(Vec::len))
@@ -326,7 +345,7 @@ async fn one_identity_cannot_lock_out_the_others() {
     });
     let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
     let addr = cluster.client_addr_of(leader);
-    wait_for_cluster_version(&addr, 5).await;
+    wait_for_quotas(&addr).await;
     let ws_as = |token: &'static str| {
         let addr = addr.clone();
         async move {
@@ -341,7 +360,11 @@ async fn one_identity_cannot_lock_out_the_others() {
     // Sessions: three client ids, then the fourth is refused.
     let mut outcomes = Vec::new();
     for c in 0..6 {
-        let r = ws_request(&mut billing, &acquire(&format!("b/s{c}"), &format!("c{c}"), "1", 0)).await;
+        let r = ws_request(
+            &mut billing,
+            &acquire(&format!("b/s{c}"), &format!("c{c}"), "1", 0),
+        )
+        .await;
         outcomes.push(r);
     }
     let granted = outcomes.iter().filter(|r| r["success"] == true).count();
@@ -359,7 +382,11 @@ async fn one_identity_cannot_lock_out_the_others() {
     let mut held = 0;
     let mut last = Value::Null;
     for k in 0..8 {
-        last = ws_request(&mut billing, &acquire(&format!("b/k{k}"), "c0", &format!("k{k}"), 0)).await;
+        last = ws_request(
+            &mut billing,
+            &acquire(&format!("b/k{k}"), "c0", &format!("k{k}"), 0),
+        )
+        .await;
         held += usize::from(last["success"] == true);
     }
     // c0, c1 and c2 hold one each already: two more fit under five.
@@ -374,7 +401,11 @@ async fn one_identity_cannot_lock_out_the_others() {
     // The other identity is served.
     let mut reports = ws_as("reports-token-9a8b7c6d5e").await;
     for c in 0..3 {
-        let r = ws_request(&mut reports, &acquire(&format!("r/{c}"), &format!("r{c}"), "1", 0)).await;
+        let r = ws_request(
+            &mut reports,
+            &acquire(&format!("r/{c}"), &format!("r{c}"), "1", 0),
+        )
+        .await;
         assert_eq!(r["success"], true, "{r}");
     }
 }

@@ -115,7 +115,10 @@ async fn clients_need_a_token_stay_in_their_prefixes_and_only_the_holder_release
     for token in [None, Some("billing-token-5f1d0c2a9c")] {
         let (status, body) = ws_refused(&leader_addr, token).await;
         assert_eq!(status, 401, "{token:?}: {body}");
-        assert_eq!(body["error"]["code"], "UNAUTHENTICATED", "{token:?}: {body}");
+        assert_eq!(
+            body["error"]["code"], "UNAUTHENTICATED",
+            "{token:?}: {body}"
+        );
     }
 
     // billing, through a follower (forwarded to the leader): granted, held as billing/w1, and

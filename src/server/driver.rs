@@ -105,6 +105,8 @@ pub struct NodeStatus {
     pub waiters: u64,
     /// The cluster version in the applied state (see `lock::CLUSTER_VERSION`).
     pub cluster_version: u32,
+    /// Whether byte budgets and quotas are in force (a `SetQuotas` entry applied).
+    pub quotas_in_force: bool,
     /// The cluster's id (32 hex digits), once its leader named it; empty before.
     pub cluster_id: String,
     /// The `--force-new-cluster` value that started the cluster, if one did.
@@ -1205,6 +1207,7 @@ impl Driver {
         let locks_held = sm.locks_held() as u64;
         let waiters = sm.waiter_count() as u64;
         let cluster_version = sm.cluster_version();
+        let quotas_in_force = sm.quotas().is_some();
         let cluster_changed = sm.cluster_id() != self.cluster_seen;
         if cluster_changed {
             self.cluster_seen = sm.cluster_id();
@@ -1372,6 +1375,7 @@ impl Driver {
                 || old.locks_held != locks_held
                 || old.waiters != waiters
                 || old.cluster_version != cluster_version
+                || old.quotas_in_force != quotas_in_force
                 || cluster_changed
                 || old.has_data != has_data
                 || old.installing_snapshot != installing_snapshot
@@ -1401,6 +1405,7 @@ impl Driver {
                 old.locks_held = locks_held;
                 old.waiters = waiters;
                 old.cluster_version = cluster_version;
+                old.quotas_in_force = quotas_in_force;
                 old.has_data = has_data;
                 if cluster_changed {
                     if let Some(c) = sm.cluster_identity() {

@@ -1313,6 +1313,29 @@ impl Cluster {
         let Some(&id) = members.choose(&mut self.lifecycle_rng) else {
             return;
         };
+        // And only while every other member is up and holds every committed entry: a voter
+        // just added, or a learner just promoted, may not have caught up yet, and losing a
+        // disk then loses what only the lost disk and a minority held (two failures, beyond
+        // what Raft tolerates; seed 130 of `healthy_core_passes_with_frequent_crashes`).
+        let (commit, term_at_commit) = {
+            let raft = self.nodes[&leader].core.as_ref().expect("leads").raft();
+            (raft.commit_index(), raft.term_at(raft.commit_index()))
+        };
+        let caught_up = membership.members().filter(|m| *m != id).all(|m| {
+            self.nodes
+                .get(&m)
+                .and_then(|n| n.core.as_ref())
+                .is_some_and(|core| {
+                    let raft = core.raft();
+                    raft.last_index() >= commit
+                        && raft
+                            .term_at(commit)
+                            .is_none_or(|t| Some(t) == term_at_commit)
+                })
+        });
+        if !caught_up {
+            return;
+        }
         self.stats.wipes += 1;
         self.crash_node(id);
         let incarnation = self.lifecycle_rng.random::<u64>().max(1);
