@@ -409,3 +409,44 @@ async fn one_identity_cannot_lock_out_the_others() {
         assert_eq!(r["success"], true, "{r}");
     }
 }
+
+/// One source address holds at most `--max-connections-per-address` client connections; the
+/// others keep theirs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_address_holds_at_most_its_share_of_connections() {
+    let cluster = Cluster::start_with(1, |_| {
+        vec!["--max-connections-per-address".into(), "5".into()]
+    });
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let addr = cluster.client_addr_of(leader);
+    let target: std::net::SocketAddr = addr.parse().unwrap();
+    let mut open = Vec::new();
+    for _ in 0..20 {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+        open.push(socket.connect(target).await.unwrap());
+    }
+    // The node closes what is over the cap at once: those reads end (EOF or reset).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut closed = 0;
+    for s in &mut open {
+        use tokio::io::AsyncReadExt;
+        let mut byte = [0u8; 1];
+        match tokio::time::timeout(Duration::from_millis(200), s.read(&mut byte)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => closed += 1,
+            _ => {}
+        }
+    }
+    assert_eq!(closed, 15, "connections closed by the node");
+    let refused = metric(
+        &addr,
+        "raftlock_client_connections_refused_total",
+        &["reason=\"address_limit\""],
+    )
+    .await;
+    assert_eq!(refused, 15.0);
+    // Another address is served meanwhile.
+    let mut ws = ws_connect(&addr).await;
+    let r = ws_request(&mut ws, &acquire("jobs/a", "honest", "h1", 0)).await;
+    assert_eq!(r["success"], true, "{r}");
+}

@@ -108,7 +108,17 @@ async fn one_node_under_overload_keeps_serving() {
     }
     let limit = connections;
     let mut cluster =
-        Cluster::start_with(3, |_| vec!["--max-connections".into(), limit.to_string()]);
+        // Every client here comes from 127.0.0.1: the per-address cap is set above the
+        // listener's, so that the cap this test checks is the listener's (tests/abuse.rs checks
+        // the per-address one).
+        Cluster::start_with(3, |_| {
+            vec![
+                "--max-connections".into(),
+                limit.to_string(),
+                "--max-connections-per-address".into(),
+                (2 * (limit + EXTRA_TCP_CONNECTIONS)).to_string(),
+            ]
+        });
     let leader = cluster.wait_for_leader(Duration::from_secs(20)).await;
     let addr = cluster.node(leader).client_addr();
     let pid = cluster.node(leader).child.as_ref().expect("running").id();
