@@ -1653,6 +1653,52 @@ impl LockStateMachine {
         Outcome::Stored
     }
 
+    /// What a byte budget or quota would answer `command` now, before it is proposed: the
+    /// leader's fast path, so that a request sure to be refused does not take log space on
+    /// every replica. Apply still decides (this state may be behind what is in flight). A
+    /// request already answered (a retry) is left to apply, which answers it from the table.
+    pub fn quota_precheck(&self, command: &Command) -> Option<Outcome> {
+        let q = self.quotas.as_ref()?;
+        match command.request() {
+            Command::Put {
+                key,
+                value,
+                client_id,
+                request_id,
+                ..
+            } => {
+                if self.record_number(client_id, request_id).is_some() {
+                    return None;
+                }
+                let old = self.data.get(key.as_str()).map_or(0, |v| data_cost(key, v));
+                let total = self.data_bytes.saturating_sub(old) + data_cost(key, value);
+                (total > q.data_bytes_max).then(|| {
+                    limit_refusal(
+                        "data_bytes",
+                        format!(
+                            "the key-value data would pass its budget of {} bytes",
+                            q.data_bytes_max
+                        ),
+                    )
+                })
+            }
+            Command::Acquire {
+                key,
+                client_id,
+                request_id,
+                wait_timeout_ms,
+                ..
+            } => {
+                if self.record_number(client_id, request_id).is_some() {
+                    return None;
+                }
+                self.check_lock_quotas(key, client_id, request_id, *wait_timeout_ms)
+                    .err()
+            }
+            _ => None,
+        }
+    }
+
     /// The quotas in force (None until a `SetQuotas` entry applied).
     pub fn quotas(&self) -> Option<&Quotas> {
         self.quotas.as_ref()

@@ -926,6 +926,16 @@ impl<S: Storage, R> NodeCore<S, R> {
                 return;
             }
         };
+        if let Some(Outcome::Rejected { message, .. }) = self.sm.quota_precheck(&command) {
+            let limit = message
+                .rsplit_once("[limit: ")
+                .and_then(|(_, rest)| rest.strip_suffix(']'))
+                .unwrap_or("other")
+                .to_string();
+            self.observe(Observation::LimitRefused { limit });
+            self.refuse(op_name, reply, ApiError::new(ErrorCode::Busy, message));
+            return;
+        }
         let command = match ack_below {
             Some(ack_below) => Command::Sequenced {
                 ack_below,

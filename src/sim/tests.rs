@@ -22,6 +22,7 @@ fn first_violation(
         cfg.clients_first_on_resume = schedule.clients_first_on_resume;
         cfg.figure8 = schedule.figure8;
         cfg.background_flushes = schedule.background_flushes;
+        cfg.wipe_lagging = schedule.wipe_lagging;
         if let Some(steps) = schedule.steps {
             cfg.steps = steps;
         }
@@ -53,6 +54,8 @@ struct Schedule {
     nodes: &'static [usize],
     /// Flushes complete in the background ([`SimConfig::background_flushes`]).
     background_flushes: bool,
+    /// Wipes also while a member lags ([`SimConfig::wipe_lagging`]).
+    wipe_lagging: bool,
 }
 
 impl Default for Schedule {
@@ -64,6 +67,7 @@ impl Default for Schedule {
             steps: None,
             nodes: &[3, 5],
             background_flushes: false,
+            wipe_lagging: false,
         }
     }
 }
@@ -595,9 +599,14 @@ fn caught_bootstrap_when_peers_do_not_answer() {
 #[test]
 fn caught_incarnation_ignored() {
     // A member that lost its data taken back as the voter it was: it votes with an empty log.
-    assert_node_bug_caught(
+    assert_caught_with(
         "incarnation_ignored",
         400,
+        Schedule {
+            wipe_lagging: true,
+            ..Schedule::default()
+        },
+        Bugs::default(),
         NodeBugs {
             incarnation_ignored: true,
             ..NodeBugs::default()
