@@ -509,4 +509,31 @@ async fn signed_tokens_carry_the_identity_and_its_rights_until_they_expire() {
             .contains("expired"),
         "{r}"
     );
+
+    // A watch lasts no longer than its token, and shows a non-admin no fencing tokens.
+    let watcher = sign(
+        KEY,
+        &json!({"sub": "auditor", "exp": unix_now() + 3,
+                "raftlock": {"prefixes": ["billing/"], "operations": ["read"]}}),
+    );
+    let mut watch = ws_as(&addr, Some(&watcher)).await;
+    ws_send(
+        &mut watch,
+        &json!({"commandType": 8, "requestId": "w1", "key": "billing/"}),
+    )
+    .await;
+    let ack = ws_recv(&mut watch, Duration::from_secs(5)).await.unwrap();
+    assert_eq!(ack["watching"], true, "{ack}");
+    let mut ws = ws_as(&addr, Some(&billing)).await;
+    let g = ws_request(&mut ws, &acquire("billing/watched", "w3", "x1")).await;
+    assert_eq!(g["success"], true, "{g}");
+    let event = ws_recv(&mut watch, Duration::from_secs(5)).await.unwrap();
+    assert_eq!(event["event"], "granted", "{event}");
+    assert!(
+        event.get("token").is_none(),
+        "a non-admin saw a token: {event}"
+    );
+    let end = ws_recv(&mut watch, Duration::from_secs(10)).await.unwrap();
+    assert_eq!(end["requestId"], "w1", "{end}");
+    assert_eq!(code_of(&end), "UNAUTHENTICATED", "{end}");
 }
