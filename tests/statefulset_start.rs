@@ -246,9 +246,22 @@ async fn same_flags_on_every_node_form_one_cluster_and_a_wiped_voter_comes_back_
     nodes[1].kill();
     std::fs::remove_dir_all(&nodes[1].data_dir).unwrap();
     nodes[1].start();
+    // Until its log holds the entry that admitted it, it keeps a mark and stays out of
+    // elections; a voter again, it has dropped the mark.
+    let mark = nodes[1].data_dir.join("awaiting-admission");
     for node in &nodes {
         wait_voters(node, &[1, 2, 3], Duration::from_secs(90)).await;
     }
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while mark.exists() && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        !mark.exists(),
+        "a voter again, node 2 still awaits admission"
+    );
+    let log2 = log_of(&nodes[1]);
+    assert!(log2.contains("admitted"), "{log2}");
     let leader = wait_leader(&nodes, Duration::from_secs(30)).await;
     let leader_log = log_of(&nodes[leader]);
     assert!(

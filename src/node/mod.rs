@@ -193,6 +193,12 @@ pub struct NodeBugs {
     /// The leader takes a voter's join as from the member it knows, whatever its incarnation
     /// (a member that lost its data goes on voting with an empty log).
     pub incarnation_ignored: bool,
+    /// A node on a new data directory takes part in elections at once, before its log holds
+    /// the entry that admitted it (it can vote with a log it does not have yet).
+    pub admission_ignored: bool,
+    /// The leader promotes a learner once caught up, before its log holds the entry that
+    /// recorded its incarnation (it would be a voter that does not vote).
+    pub promoted_before_admission: bool,
 }
 
 impl NodeBugs {
@@ -209,6 +215,8 @@ impl NodeBugs {
             "finish_before_flush_done" => bugs.finish_before_flush_done = true,
             "bootstrap_when_unreachable" => bugs.bootstrap_when_unreachable = true,
             "incarnation_ignored" => bugs.incarnation_ignored = true,
+            "admission_ignored" => bugs.admission_ignored = true,
+            "promoted_before_admission" => bugs.promoted_before_admission = true,
             _ => return None,
         }
         Some(bugs)
@@ -247,8 +255,11 @@ pub enum Observation {
     LimitRefused {
         limit: String,
     },
-    /// This leader removed voter `id`'s old incarnation: a new one, without its data, asked to
-    /// join.
+    /// This node, on a new data directory, found the entry that admitted it in its log and
+    /// takes part in elections from now on (the shell drops its on-disk mark).
+    Admitted,
+    /// This leader removed member `id`'s old incarnation: a new one, without its data, asked
+    /// to join.
     MemberReplaced {
         id: NodeId,
     },
@@ -496,6 +507,17 @@ pub struct NodeCore<S: Storage, R> {
     /// A node with an empty log that asked to join: it takes no Raft message until the leader
     /// accepted it ([`NodeCore::set_joining`]), so it never votes with a log it does not have.
     joining: bool,
+    /// This node runs on a new data directory (a new incarnation of its id, or a new id) and its
+    /// log does not hold the entry that admitted it yet: it stays out of elections until then
+    /// ([`NodeCore::set_awaiting_admission`]).
+    awaiting_admission: bool,
+    /// How far the log was searched for the admitting entry: an index and its term (a log
+    /// cut back below it is searched again from the applied index).
+    admission_scanned: (Index, crate::raft::Term),
+    /// The index at which each member's current record in the member table was applied (an
+    /// upper bound, the applied index at start, for records that came with the state): the
+    /// leader promotes a learner only once its log reaches its record.
+    recorded_at: BTreeMap<NodeId, Index>,
     /// Leader only: when each other member was last heard from (dead member removal).
     last_heard: BTreeMap<NodeId, Micros>,
     /// Leader only: when this node became leader.
@@ -528,6 +550,12 @@ impl<S: Storage, R> NodeCore<S, R> {
         #[cfg(not(any(test, feature = "mutations")))]
         let never_retry = false;
         let retry = cfg.housekeeping_retry_us;
+        // Records that came with the state were applied at its index at the latest.
+        let recorded_at = sm
+            .members()
+            .keys()
+            .map(|id| (*id, raft.applied_index()))
+            .collect();
         NodeCore {
             raft,
             storage,
@@ -571,6 +599,9 @@ impl<S: Storage, R> NodeCore<S, R> {
             said_info: BTreeMap::new(),
             lifecycle_proposed_at: None,
             joining: false,
+            awaiting_admission: false,
+            admission_scanned: (0, 0),
+            recorded_at,
             last_heard: BTreeMap::new(),
             led_since: None,
         }
@@ -714,6 +745,68 @@ impl<S: Storage, R> NodeCore<S, R> {
 
     pub fn is_joining(&self) -> bool {
         self.joining
+    }
+
+    /// Marks this node as running on a new data directory under an id that may have been a
+    /// member before (the shell keeps the mark on disk until [`Observation::Admitted`]): it
+    /// stays out of elections until its log holds the `SetMember` entry that records its own
+    /// incarnation. That entry follows the removal of any earlier incarnation, so from then on
+    /// the log holds every entry that earlier incarnation acknowledged, and a vote from it
+    /// cannot elect a leader without a committed entry.
+    pub fn set_awaiting_admission(&mut self, awaiting: bool) {
+        self.awaiting_admission = awaiting;
+        self.admission_scanned = (0, 0);
+        let ignore = self.bug(|b| b.admission_ignored);
+        self.raft.set_in_elections(!awaiting || ignore);
+        self.check_admission();
+    }
+
+    pub fn is_awaiting_admission(&self) -> bool {
+        self.awaiting_admission
+    }
+
+    /// Ends [`NodeCore::set_awaiting_admission`] once the member table, or an entry of the log
+    /// not applied yet, records this node's incarnation. Searches only what it has not searched.
+    fn check_admission(&mut self) {
+        if !self.awaiting_admission {
+            return;
+        }
+        let me = self.raft.id();
+        let mine = self.cfg.identity.incarnation;
+        let mut admitted = self
+            .sm
+            .members()
+            .get(&me)
+            .is_some_and(|m| m.incarnation == mine);
+        let (scanned, scanned_term) = self.admission_scanned;
+        let mut index = if scanned > self.raft.applied_index()
+            && self.raft.term_at(scanned) == Some(scanned_term)
+        {
+            scanned + 1
+        } else {
+            self.raft.applied_index() + 1
+        };
+        while !admitted && index <= self.raft.last_index() {
+            if let Some(entry) = self.raft.entry(index) {
+                if let EntryPayload::Command(bytes) = &entry.payload {
+                    if let Ok(Command::SetMember {
+                        id,
+                        info: Some(info),
+                    }) = Command::decode(bytes)
+                    {
+                        admitted = id == me && info.incarnation == mine;
+                    }
+                }
+            }
+            index += 1;
+        }
+        let last = self.raft.last_index();
+        self.admission_scanned = (last, self.raft.term_at(last).unwrap_or(0));
+        if admitted {
+            self.awaiting_admission = false;
+            self.raft.set_in_elections(true);
+            self.observe(Observation::Admitted);
+        }
     }
 
     /// What member `id` says of itself (from its peer connection's hello or its join request):
@@ -1199,6 +1292,7 @@ impl<S: Storage, R> NodeCore<S, R> {
     /// that write them, on its own thread). `drive` is the two halves back to back.
     pub fn drive_until_flush(&mut self) -> Result<bool, StorageError> {
         self.finish_drive()?;
+        self.check_admission();
         if let Err(err) = self.continue_install() {
             self.failed = true;
             return Err(err);
@@ -1496,6 +1590,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             return Ok(());
         };
         self.sm = install.loader.finish().map_err(undecodable)?;
+        self.recorded_at = self.sm.members().keys().map(|id| (*id, index)).collect();
         self.log_bytes_since_snapshot = 0;
         self.raft.state_installed();
         if self.raft.is_leader() {
@@ -1677,6 +1772,13 @@ impl<S: Storage, R> NodeCore<S, R> {
                                 version: *version,
                                 supported: CLUSTER_VERSION,
                             });
+                        }
+                    }
+                    if let Command::SetMember { id, info } = &command {
+                        if info.is_some() {
+                            self.recorded_at.insert(*id, entry.index);
+                        } else {
+                            self.recorded_at.remove(id);
                         }
                     }
                     let applied = self.sm.apply(entry.index, &command);
@@ -2276,12 +2378,25 @@ impl<S: Storage, R> NodeCore<S, R> {
         // older RaftLock never becomes a voter in a log it cannot apply.
         let commit = self.raft.commit_index();
         let version = self.sm.cluster_version();
+        // Once members have records, a learner is promoted only when its log holds the record
+        // of its incarnation: a voter out of elections until then (a new data directory, see
+        // `set_awaiting_admission`) could leave the voters without a majority.
+        let records = version >= LIFECYCLE_VERSION && !self.bug(|b| b.promoted_before_admission);
         let candidate = self.promote_when_caught_up.iter().copied().find(|&l| {
+            // The record must be of the incarnation the learner says it is.
+            let said = self.said_info.get(&l).map_or(0, |i| i.incarnation);
+            let recorded = self.recorded_at.get(&l).copied().filter(|_| {
+                said == 0
+                    || self
+                        .sm
+                        .members()
+                        .get(&l)
+                        .is_some_and(|m| m.incarnation == said)
+            });
             self.raft.membership().learners.contains(&l)
-                && self
-                    .raft
-                    .progress(l)
-                    .is_some_and(|(m, _, _)| m + 8 >= commit && m > 0)
+                && self.raft.progress(l).is_some_and(|(m, _, _)| {
+                    m + 8 >= commit && m > 0 && (!records || recorded.is_some_and(|r| m >= r))
+                })
                 && (version < 2 || self.said_version(l, version))
         });
         if let Some(learner) = candidate {

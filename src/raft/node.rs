@@ -222,6 +222,8 @@ pub struct Raft {
     /// handed out to apply, and this server does not campaign, since it could not serve as
     /// leader. It still answers votes and takes appends.
     state_pending: bool,
+    /// Whether this server takes part in elections (see [`Raft::set_in_elections`]).
+    in_elections: bool,
 
     prev_soft: SoftState,
     prev_hard: HardState,
@@ -288,6 +290,7 @@ impl Raft {
             accepted_chunks: Vec::new(),
             snapshot_to_install: None,
             state_pending: false,
+            in_elections: true,
             prev_soft: SoftState {
                 leader_id: 0,
                 role: Role::Follower,
@@ -488,7 +491,7 @@ impl Raft {
     /// that removed itself and then lost contact), and without it the remaining voters could never
     /// elect anyone. Its candidacy counts only the voters of its latest configuration.
     fn promotable(&self) -> bool {
-        if self.state_pending {
+        if self.state_pending || !self.in_elections {
             return false;
         }
         if self.membership.is_voter(self.id) {
@@ -584,6 +587,20 @@ impl Raft {
             .filter(|&&v| v == self.id || self.progress.get(&v).is_some_and(|p| p.recent_active))
             .count();
         active >= self.membership.quorum()
+    }
+
+    /// Takes this server out of elections (`false`: it neither campaigns nor grants a vote or a
+    /// PreVote) or back in. A server that lost its data and came back under its id is out
+    /// until its log holds the entry that admitted it as the new incarnation: before that, a
+    /// configuration in its (partial) log or in a lagging peer's may still name it a voter,
+    /// and a vote from a log it does not have yet could elect a leader without a committed
+    /// entry. It still takes appends and snapshots, which is how it gets that entry.
+    pub fn set_in_elections(&mut self, in_elections: bool) {
+        self.in_elections = in_elections;
+    }
+
+    pub fn in_elections(&self) -> bool {
+        self.in_elections
     }
 
     /// Starts an election now (used by tests and by a single-node bootstrap).
@@ -1055,7 +1072,7 @@ impl Raft {
             || (pre_vote && term > self.term);
         let log_ok = self.bug(|b| b.vote_without_log_check)
             || self.log.is_up_to_date(last_log_index, last_log_term);
-        let granted = can_vote && log_ok;
+        let granted = can_vote && log_ok && self.in_elections;
         if granted && !pre_vote {
             self.vote = from;
             self.election_elapsed = 0;

@@ -185,6 +185,10 @@ pub struct DriverConfig {
     pub min_voters: usize,
     /// A new node asking to join: no Raft message until the leader accepted it.
     pub joining: bool,
+    /// The mark of a data directory whose node has not been admitted yet (see
+    /// `NodeCore::set_awaiting_admission`): the node stays out of elections while it exists, and
+    /// removes it once admitted.
+    pub admission_mark: Option<std::path::PathBuf>,
 }
 
 /// Storage that times its flushes for `raftlock_fsync_duration_seconds`.
@@ -628,6 +632,7 @@ impl Driver {
         let storage = TimedStorage::new(storage, metrics.clone(), background, cfg.flush_mode);
         let mut core = NodeCore::new(raft, storage, sm, settings, 0);
         core.set_joining(cfg.joining);
+        core.set_awaiting_admission(cfg.admission_mark.is_some());
         // Every member this node's own storage knows of, so that a node (or a whole cluster)
         // that restarts reaches its peers before it hears from any of them.
         for (id, m) in core.known_members() {
@@ -1146,6 +1151,14 @@ impl Driver {
                     .in_scope(|| info!(index, took_ms, "installed snapshot from leader"));
             }
             Observation::RemovedFromCluster => info!("this node was removed from the cluster"),
+            Observation::Admitted => {
+                info!("admitted: the log records this incarnation; taking part in elections");
+                if let Some(mark) = self.cfg.admission_mark.take() {
+                    if let Err(err) = std::fs::remove_file(&mark) {
+                        warn!(path = %mark.display(), %err, "cannot remove the admission mark");
+                    }
+                }
+            }
             Observation::Undecodable { index } => {
                 error!(index, "undecodable command in the log; skipped")
             }

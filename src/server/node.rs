@@ -312,6 +312,10 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
             dead_member: (!cfg.dead_member_timeout.is_zero()).then_some(cfg.dead_member_timeout),
             min_voters: cfg.min_voters,
             joining: fresh && !bootstrap && !cfg.join_peers().is_empty(),
+            admission_mark: admission_mark(
+                &cfg,
+                fresh && !bootstrap && !cfg.join_peers().is_empty(),
+            )?,
         },
         input_rx,
         status_tx,
@@ -739,6 +743,23 @@ fn load_incarnation(data_dir: &std::path::Path, fresh: bool) -> Result<u64, Node
     write_synced(&path, format!("{v:016x}\n").as_bytes())?;
     info!(incarnation = %format!("{v:016x}"), "this data directory's incarnation");
     Ok(v)
+}
+
+/// The mark (`awaiting-admission` in the data directory) of a node that started on an empty
+/// directory to join a cluster, kept until its log holds the entry that admitted this
+/// incarnation: across restarts until then it stays out of elections. `Some` while it exists.
+fn admission_mark(
+    cfg: &NodeConfig,
+    joining_fresh: bool,
+) -> Result<Option<std::path::PathBuf>, NodeError> {
+    let path = cfg.data_dir.join("awaiting-admission");
+    if joining_fresh {
+        write_synced(
+            &path,
+            b"this node has not been admitted to its cluster yet\n",
+        )?;
+    }
+    Ok(path.exists().then_some(path))
 }
 
 /// Records the `--force-new-cluster` value a new cluster was started with.

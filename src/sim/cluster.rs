@@ -73,12 +73,6 @@ pub struct SimConfig {
     pub crash_intensity: u32,
     /// Print elections, votes and membership changes to stderr (for replaying one seed).
     pub trace: bool,
-    /// Wipe a member's disk even while another member has not caught up. Off by default
-    /// because of a known core bug it exposes (seeds 130 at crash intensity 3 and 1183): a
-    /// wiped member readmitted as a learner replays the log from its start, sees an old
-    /// configuration that names it a voter, and can vote a lagging node into leadership
-    /// without a committed entry. The `incarnation_ignored` mutation test turns it on.
-    pub wipe_lagging: bool,
     /// Flushes complete in the background, as lock-node's do: a node goes on taking and
     /// writing Readies while its disk works, and its flushes complete some events later (at
     /// random after each of its steps, and at its next tick at the latest); a crash loses
@@ -112,7 +106,6 @@ impl SimConfig {
             liveness_budget_us: 5_000_000,
             crash_intensity: 1,
             trace: false,
-            wipe_lagging: false,
             background_flushes: false,
             lifecycle: true,
             #[cfg(test)]
@@ -315,6 +308,9 @@ struct SimNode {
     incarnation: u64,
     /// A node started on a wiped disk that asked to join and was not accepted yet.
     joining: bool,
+    /// Kept with the disk, as lock-node keeps its mark in the data directory: the node runs on
+    /// a wiped disk and its log has not yet held the entry that admitted its new incarnation.
+    awaiting_admission: bool,
     /// The bootstrap node on a wiped disk that has not decided how to start (it waits while
     /// a peer does not answer).
     undecided: bool,
@@ -447,6 +443,7 @@ impl Cluster {
             state_checked_at: 0,
             incarnation: self.lifecycle_rng.random::<u64>().max(1),
             joining: false,
+            awaiting_admission: false,
             undecided: false,
         };
         self.nodes.insert(id, node);
@@ -552,6 +549,7 @@ impl Cluster {
             let raft = Raft::new(raft_cfg, initial).map_err(|e| e.to_string())?;
             let mut core = NodeCore::new(raft, storage, sm, settings, node.local(now));
             core.set_joining(node.joining);
+            core.set_awaiting_admission(node.awaiting_admission);
             Ok(core)
         })();
         match started {
@@ -850,7 +848,16 @@ impl Cluster {
             self.stats.snapshots_sent += 1;
         }
         let local = node.local(now);
+        // What its stream's hello would say of the sender: its addresses and incarnation.
+        let said = self
+            .nodes
+            .get(&msg.from)
+            .map(|n| sim_identity(msg.from, n.incarnation));
+        let node = self.nodes.get_mut(&to).expect("exists");
         let core = node.core.as_mut().expect("alive");
+        if let Some(info) = said {
+            core.peer_info(msg.from, info);
+        }
         // Every simulated member runs this RaftLock: its stream would say so (the shell's
         // `x-raftlock-version` header), so the leader raises the cluster version early in a run.
         core.peer_version(msg.from, CLUSTER_VERSION);
@@ -1095,6 +1102,17 @@ impl Cluster {
                     node.next_apply = index + 1;
                 }
             }
+            Observation::Admitted => {
+                if self.cfg.trace {
+                    eprintln!(
+                        "t={} node {id} is admitted: it takes part in elections",
+                        self.now_us
+                    );
+                }
+                if let Some(node) = self.nodes.get_mut(&id) {
+                    node.awaiting_admission = false;
+                }
+            }
             Observation::MemberRemoved { id: gone } => {
                 if self.cfg.trace {
                     eprintln!(
@@ -1320,27 +1338,6 @@ impl Cluster {
         let Some(&id) = members.choose(&mut self.lifecycle_rng) else {
             return;
         };
-        // And only while every other member is up and holds every committed entry (unless
-        // `wipe_lagging`: see there, a known core bug this avoids).
-        let (commit, term_at_commit) = {
-            let raft = self.nodes[&leader].core.as_ref().expect("leads").raft();
-            (raft.commit_index(), raft.term_at(raft.commit_index()))
-        };
-        let caught_up = membership.members().filter(|m| *m != id).all(|m| {
-            self.nodes
-                .get(&m)
-                .and_then(|n| n.core.as_ref())
-                .is_some_and(|core| {
-                    let raft = core.raft();
-                    raft.last_index() >= commit
-                        && raft
-                            .term_at(commit)
-                            .is_none_or(|t| Some(t) == term_at_commit)
-                })
-        });
-        if !caught_up && !self.cfg.wipe_lagging {
-            return;
-        }
         self.stats.wipes += 1;
         self.crash_node(id);
         let incarnation = self.lifecycle_rng.random::<u64>().max(1);
@@ -1362,6 +1359,7 @@ impl Cluster {
         let node = self.nodes.get_mut(&id).expect("exists");
         node.disk = Some(MemStorage::new());
         node.incarnation = incarnation;
+        node.awaiting_admission = true;
         if id == BOOTSTRAP_ID {
             node.undecided = true;
         } else {
@@ -1392,6 +1390,7 @@ impl Cluster {
             match decision {
                 StartDecision::Bootstrap => {
                     node.undecided = false;
+                    node.awaiting_admission = false;
                     node.initial_membership = Membership::with_voters([id]);
                 }
                 StartDecision::Join => {

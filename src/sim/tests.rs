@@ -22,7 +22,6 @@ fn first_violation(
         cfg.clients_first_on_resume = schedule.clients_first_on_resume;
         cfg.figure8 = schedule.figure8;
         cfg.background_flushes = schedule.background_flushes;
-        cfg.wipe_lagging = schedule.wipe_lagging;
         if let Some(steps) = schedule.steps {
             cfg.steps = steps;
         }
@@ -54,8 +53,6 @@ struct Schedule {
     nodes: &'static [usize],
     /// Flushes complete in the background ([`SimConfig::background_flushes`]).
     background_flushes: bool,
-    /// Wipes also while a member lags ([`SimConfig::wipe_lagging`]).
-    wipe_lagging: bool,
 }
 
 impl Default for Schedule {
@@ -67,7 +64,6 @@ impl Default for Schedule {
             steps: None,
             nodes: &[3, 5],
             background_flushes: false,
-            wipe_lagging: false,
         }
     }
 }
@@ -599,14 +595,9 @@ fn caught_bootstrap_when_peers_do_not_answer() {
 #[test]
 fn caught_incarnation_ignored() {
     // A member that lost its data taken back as the voter it was: it votes with an empty log.
-    assert_caught_with(
+    assert_node_bug_caught(
         "incarnation_ignored",
         400,
-        Schedule {
-            wipe_lagging: true,
-            ..Schedule::default()
-        },
-        Bugs::default(),
         NodeBugs {
             incarnation_ignored: true,
             ..NodeBugs::default()
@@ -643,5 +634,61 @@ fn lifecycle_faults_run_and_pass() {
     assert!(
         totals.replacements > 0 && totals.joins > 0,
         "no member was replaced"
+    );
+}
+
+#[test]
+fn readmitted_members_do_not_vote_before_their_admission() {
+    // Regression: seed 130 at crash intensity 3 and seed 1183 (3 nodes) wiped members while
+    // another lagged; a readmitted member replayed a configuration that named it a voter and
+    // voted a lagging node into leadership without a committed entry (leader completeness).
+    for (seed, intensity) in [(130, 3), (1183, 1)] {
+        let mut cfg = SimConfig::new(seed, 3);
+        cfg.crash_intensity = intensity;
+        let outcome = run_clean(&cfg);
+        assert!(outcome.stats.wipes > 0, "seed {seed} wiped no disk");
+    }
+}
+
+#[test]
+fn caught_admission_ignored() {
+    // A member on a wiped disk takes part in elections before its log holds its admission.
+    assert_caught_with(
+        "admission_ignored",
+        800,
+        Schedule {
+            crash_intensity: 3,
+            nodes: &[3],
+            ..Schedule::default()
+        },
+        Bugs::default(),
+        NodeBugs {
+            admission_ignored: true,
+            ..NodeBugs::default()
+        },
+        &[
+            "committed entries stay on a majority",
+            "leader completeness",
+            "state machine safety",
+            "log matching",
+            "one holder at a time",
+            "exactly once",
+            "election safety",
+        ],
+    );
+}
+
+#[test]
+fn caught_promoted_before_admission() {
+    // A learner promoted before its log holds the record of its incarnation is a voter that
+    // stays out of elections: a cluster that needs its vote never elects again.
+    assert_node_bug_caught(
+        "promoted_before_admission",
+        800,
+        NodeBugs {
+            promoted_before_admission: true,
+            ..NodeBugs::default()
+        },
+        &["liveness"],
     );
 }
