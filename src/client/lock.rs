@@ -327,7 +327,11 @@ impl ClientBuilder {
                 client_id,
                 default_ttl: self.default_ttl,
                 safety_margin: self.safety_margin,
-                seq: AtomicU64::new(1),
+                // Request numbers start at the wall clock in microseconds: a process that
+                // restarts under the same client id numbers above everything it sent before
+                // (no client sends a request per microsecond), so its first requests are not
+                // refused `ACKNOWLEDGED` by the session its previous run left open.
+                seq: AtomicU64::new(first_request_number()),
                 run: random_u64(),
                 renew_interval: self.renew_interval,
                 release_on_drop_timeout: self.release_on_drop_timeout,
@@ -1102,4 +1106,13 @@ impl AdvancedClient {
             .acquire_request(key, ttl, wait, &owner, &number, policy)
             .await
     }
+}
+
+/// The first request number of a client built now (see `seq`): microseconds since the Unix
+/// epoch, at least 1.
+fn first_request_number() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| d.as_micros() as u64)
+        .max(1)
 }

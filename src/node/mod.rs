@@ -728,7 +728,7 @@ impl<S: Storage, R> NodeCore<S, R> {
     /// A message from a peer.
     pub fn step(&mut self, now: Micros, msg: Message) {
         self.advance_clock(now);
-        if self.joining {
+        if self.joining || self.runs_older_version(msg.from) {
             return;
         }
         if self.cfg.dead_member_us.is_some() && self.raft.is_leader() {
@@ -2608,10 +2608,22 @@ impl<S: Storage, R> NodeCore<S, R> {
 
     /// Records the cluster version member `id` said it runs (the latest word counts: a member
     /// restarted with an older RaftLock says a lower version).
+    /// What member `id` says it runs, from its latest stream (0: a RaftLock from before
+    /// cluster versions). Replaces what it said before: a member rolled back to an older build
+    /// is no longer taken for a current one.
     pub fn peer_version(&mut self, id: NodeId, version: u32) {
         if id != self.raft.id() {
             self.peer_versions.insert(id, version);
         }
+    }
+
+    /// Whether member `id` said it runs a version below the cluster's: it cannot apply this
+    /// log (a build from before a command it would skip), so once the version is raised this
+    /// node takes no Raft message from it — it is neither counted in a quorum nor promoted —
+    /// until it says a current version again.
+    pub fn runs_older_version(&self, id: NodeId) -> bool {
+        let cluster = self.sm.cluster_version();
+        cluster > 1 && self.peer_versions.get(&id).is_some_and(|v| *v < cluster)
     }
 
     /// Whether member `id` said it runs at least cluster version `version`.
@@ -3535,6 +3547,33 @@ mod lifecycle_in_the_node {
         // (This harness's node 3 kept its log, so it is caught up and promoted at once.)
         assert!(c.core(1).raft().membership().contains(3));
         assert_eq!(c.core(1).known_members()[&3].incarnation, 33);
+    }
+
+    #[test]
+    fn a_member_rolled_back_to_an_older_build_is_not_heard_until_it_runs_a_current_one() {
+        let mut c = named_cluster(NodeSettings::default());
+        assert_eq!(c.core(1).state_machine().cluster_version(), CLUSTER_VERSION);
+        let heard = |c: &mut Cluster| c.core(1).raft().progress(3).map(|p| p.0).unwrap();
+        let before = heard(&mut c);
+        // Node 3 restarts on a build from before cluster versions: its stream says none.
+        c.core(1).peer_version(3, 0);
+        assert!(c.core(1).runs_older_version(3));
+        let now = c.now;
+        c.core(1).client_request(now, acquire("rolled-back"), 1, 9);
+        c.core(1).drive().unwrap();
+        c.settle([]);
+        c.tick_leader(5);
+        let commit = c.core(1).raft().commit_index();
+        assert!(commit > before, "nodes 1 and 2 still commit");
+        assert_eq!(
+            heard(&mut c),
+            before,
+            "node 3's acknowledgements were counted"
+        );
+        // Back on a current build: heard again, and caught up.
+        c.core(1).peer_version(3, CLUSTER_VERSION);
+        c.tick_leader(5);
+        assert!(heard(&mut c) >= commit);
     }
 
     #[test]

@@ -976,7 +976,18 @@ impl Driver {
                 Input::TransferLeadership { reply } => {
                     let _ = reply.send(self.core.transfer_leadership().is_some());
                 }
-                Input::PeerVersion { id, version } => self.core.peer_version(id, version),
+                Input::PeerVersion { id, version } => {
+                    self.core.peer_version(id, version);
+                    if self.core.runs_older_version(id) {
+                        warn!(
+                            node = id,
+                            version,
+                            cluster_version = self.core.state_machine().cluster_version(),
+                            "member runs an older RaftLock than the cluster's version: it cannot \
+                             apply this log, so its messages are ignored until it runs a current one"
+                        );
+                    }
+                }
                 Input::PeerInfo { id, info } => self.core.peer_info(id, info),
                 Input::Admitted => {
                     if self.core.is_joining() {

@@ -505,14 +505,17 @@ impl PeerApi {
         // A stream may set only its own node's addresses, and only a member's: under TLS the
         // certificate binds it to that node; without TLS the cluster token is the guard.
         stream.learn_if_member();
-        // The RaftLock cluster version the sender runs (none from a RaftLock from before cluster
-        // versions): a leader raises the cluster's version only once every member has said it.
-        if let Some(version) = version {
-            let _ = self
-                .driver
-                .send(Input::PeerVersion { id: from, version })
-                .await;
-        }
+        // The RaftLock cluster version the sender runs (none, 0, from a RaftLock from before
+        // cluster versions), replacing what it said before: a leader raises the cluster's
+        // version only once every member has said it, and takes nothing from a member that
+        // says less than the cluster's (rolled back to an older build).
+        let _ = self
+            .driver
+            .send(Input::PeerVersion {
+                id: from,
+                version: version.unwrap_or(0),
+            })
+            .await;
         let _ = self
             .driver
             .send(Input::PeerInfo {

@@ -244,6 +244,16 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
         // flags by the cluster's first leader); until then every replica uses the defaults.
         LockStateMachine::from_kv_with_limits(std::mem::take(&mut recovered.applied_state), Limits::default())
             .map_err(|e| NodeError::State(e.to_string()))?;
+    // Data of a cluster at a version this build does not understand (a rolled-back binary):
+    // stop before applying anything, rather than skip what it cannot read.
+    if sm.cluster_version() > crate::lock::CLUSTER_VERSION {
+        return Err(NodeError::State(format!(
+            "this data directory holds a cluster at version {}, and this RaftLock understands \
+             versions up to {}: run a newer RaftLock on this node",
+            sm.cluster_version(),
+            crate::lock::CLUSTER_VERSION
+        )));
+    }
     let mut raft_cfg = Config::new(cfg.node_id, seed_from_clock(cfg.node_id));
     raft_cfg.election_ticks = cfg.election_ticks;
     raft_cfg.heartbeat_ticks = cfg.heartbeat_ticks;

@@ -744,17 +744,32 @@ async fn forward_to(
         .requests_total
         .with_label_values(&[op.name(), "forwarded"])
         .inc();
-    // A leader of a release before acknowledgements cannot read them: until the cluster runs
-    // the version that has them, the request goes as the plain request it carries (which is what
-    // that leader's cluster would make of it anyway).
-    let op = match op {
-        ClientOp::Sequenced { op, .. }
-            if state.status.borrow().cluster_version < crate::lock::SEQUENCED_VERSION =>
-        {
-            *op
+    // A leader of a release before acknowledgements could not read them, and this follower's
+    // applied cluster version may be behind the leader's: rather than strip `ackBelow` (and
+    // have an answer the client takes as kept go unkept), send the client to the leader, which
+    // decides with its own version.
+    if let ClientOp::Sequenced { .. } = op {
+        let (version, leader_id) = {
+            let s = state.status.borrow();
+            (s.cluster_version, s.leader_id)
+        };
+        if version < crate::lock::SEQUENCED_VERSION {
+            let mut err = ApiError::new(
+                ErrorCode::NotLeader,
+                format!(
+                    "node {leader_id} leads; send requests with ackBelow to it directly \
+                     (this node cannot tell whether it reads them)"
+                ),
+            );
+            err.leader_id = leader_id;
+            err.leader_addr = state
+                .addresses
+                .get(leader_id)
+                .map(|a| a.client)
+                .unwrap_or_default();
+            return ClientReply::Error(err);
         }
-        op => op,
-    };
+    }
     let span = Span::current();
     span.record("forwarded", true);
     let traceparent = if span.is_disabled() {
