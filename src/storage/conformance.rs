@@ -739,6 +739,150 @@ pub(crate) fn check_staged_snapshot_install<H: Harness + Default>(_harness: &mut
     }
 }
 
+/// A snapshot newer than [`forty_pair_snapshot`]'s, for the cases where a second transfer
+/// arrives while the first is installed: 25 pairs `n00`..`n24` at index 60, term 4.
+fn newer_snapshot() -> (Vec<KvPair>, SnapshotMeta) {
+    let pairs = (0..25)
+        .map(|i| pair(&format!("n{i:02}"), &format!("w{i}")))
+        .collect();
+    let meta = SnapshotMeta {
+        index: 60,
+        term: 4,
+        membership: Membership::with_voters([1, 2, 3]),
+    };
+    (pairs, meta)
+}
+
+/// The store the newer-transfer cases start from: an old state, the transfer of
+/// [`forty_pair_snapshot`] staged as it arrived, its install begun and one slice of its state
+/// written. Returns that snapshot's pairs and meta.
+fn begin_staged_install_of_forty_pairs(store: &mut dyn Storage) -> (Vec<KvPair>, SnapshotMeta) {
+    store.append(&commands(1, 30, 1)).unwrap();
+    store
+        .apply(30, &[put("old/a", "1"), put("k03", "old")])
+        .unwrap();
+    let (pairs, meta) = forty_pair_snapshot();
+    let data = snapshot_data(&pairs);
+    stage_in_chunks(store, &meta, &data, 64);
+    store.begin_install_staged(&meta, &data).unwrap();
+    assert!(
+        !store.continue_install(7).unwrap(),
+        "one slice does not finish the install"
+    );
+    (pairs, meta)
+}
+
+/// Begins a transfer of `meta` the way the node does while an install may be under way: the
+/// store either takes it (true) or refuses it cleanly with `InstallInProgress` and changes
+/// nothing (false), and the node then leaves the transfer unstaged.
+fn try_begin_transfer(store: &mut dyn Storage, meta: &SnapshotMeta) -> bool {
+    match store.begin_snapshot(meta) {
+        Ok(()) => true,
+        Err(StorageError::InstallInProgress { .. }) => false,
+        Err(other) => panic!("a transfer during an install fails with {other}"),
+    }
+}
+
+/// A newer snapshot's transfer begins while an earlier received snapshot is still installed a
+/// slice at a time (the Raft core accepts it: it only holds back what commits after the first).
+/// The store keeps that transfer or refuses it cleanly; either way the first install finishes,
+/// every later chunk of a kept transfer is taken, and the newer snapshot then installs. (Sled
+/// used to let the first install's last step delete the new transfer's staging, so its next
+/// chunk failed with `NoSnapshotInProgress` and the node stopped.)
+pub(crate) fn check_newer_transfer_during_an_install<H: Harness>(harness: &mut H) {
+    let store = harness.store();
+    let (_, first) = begin_staged_install_of_forty_pairs(store);
+    let (pairs, meta) = newer_snapshot();
+    let data = snapshot_data(&pairs);
+    let chunks: Vec<&[u8]> = data.chunks(40).collect();
+    assert!(chunks.len() >= 3);
+    let kept = try_begin_transfer(store, &meta);
+    let mut offset = 0u64;
+    if kept {
+        store.write_snapshot_chunk(0, chunks[0]).unwrap();
+        offset = chunks[0].len() as u64;
+    }
+    let mut slices = 0;
+    while !store.continue_install(7).unwrap() {
+        slices += 1;
+        assert!(slices < 100, "the first install never ends");
+    }
+    assert_eq!(store.applied_index(), first.index);
+    if kept {
+        for chunk in &chunks[1..] {
+            store
+                .write_snapshot_chunk(offset, chunk)
+                .expect("a kept transfer takes its chunks after the install before it ends");
+            offset += chunk.len() as u64;
+        }
+    }
+    store.begin_install_staged(&meta, &data).unwrap();
+    while !store.continue_install(7).unwrap() {}
+    let recovered = recover_across_restart(harness);
+    assert_eq!(recovered.snapshot_meta, meta);
+    assert_eq!(recovered.applied_index, meta.index);
+    assert_eq!(recovered.applied_state, pairs);
+    // A transfer after both installs is taken as usual.
+    let store = harness.store();
+    stage_in_chunks(store, &meta, &data, 40);
+    assert_eq!(store.finish_snapshot().unwrap(), meta);
+}
+
+/// As [`check_newer_transfer_during_an_install`], but the node crashes (everything flushed)
+/// while the first install is under way and the newer transfer has begun. The store opens, the
+/// first install is finished by the restart, and the newer snapshot can be received and
+/// installed afterwards. (Sled used to find its install mark without the staged bytes, which
+/// the newer transfer had replaced, and refuse to open on every restart.)
+pub(crate) fn check_crash_during_an_install_with_a_newer_transfer<H: Harness>(harness: &mut H) {
+    let store = harness.store();
+    let (first_pairs, first) = begin_staged_install_of_forty_pairs(store);
+    let (pairs, meta) = newer_snapshot();
+    let data = snapshot_data(&pairs);
+    if try_begin_transfer(store, &meta) {
+        store.write_snapshot_chunk(0, &data[..40]).unwrap();
+    }
+    store.flush().unwrap();
+    harness.restart();
+    let store = harness.store();
+    let recovered = store.recover().expect("the store opens and recovers");
+    assert_eq!(recovered.snapshot_meta, first);
+    assert_eq!(recovered.applied_index, first.index);
+    assert_eq!(recovered.applied_state, first_pairs);
+    assert!(store.continue_install(7).unwrap(), "no install is under way");
+    // The newer transfer, sent again from its start, is taken and installed.
+    stage_in_chunks(store, &meta, &data, 40);
+    store.begin_install_staged(&meta, &data).unwrap();
+    while !store.continue_install(7).unwrap() {}
+    let recovered = recover_across_restart(harness);
+    assert_eq!(recovered.snapshot_meta, meta);
+    assert_eq!(recovered.applied_state, pairs);
+}
+
+/// The newer snapshot's whole transfer arrives before the first install is done, and its own
+/// install begins: the first is finished (or dropped) and the newer one installs, across a
+/// crash right after its install began too.
+pub(crate) fn check_newer_install_during_an_install<H: Harness>(harness: &mut H) {
+    let store = harness.store();
+    begin_staged_install_of_forty_pairs(store);
+    let (pairs, meta) = newer_snapshot();
+    let data = snapshot_data(&pairs);
+    if try_begin_transfer(store, &meta) {
+        let mut offset = 0;
+        for chunk in data.chunks(40) {
+            store.write_snapshot_chunk(offset, chunk).unwrap();
+            offset += chunk.len() as u64;
+        }
+    }
+    store.begin_install_staged(&meta, &data).unwrap();
+    assert_eq!(store.first_index(), meta.index + 1);
+    store.flush().unwrap();
+    harness.restart();
+    let recovered = harness.store().recover().expect("the store opens and recovers");
+    assert_eq!(recovered.snapshot_meta, meta);
+    assert_eq!(recovered.applied_index, meta.index);
+    assert_eq!(recovered.applied_state, pairs);
+}
+
 /// Regression: reinstalling a snapshot at the current snapshot point with the same term must keep
 /// the log after it on both implementations (MemStorage used to drop it, sled kept it).
 pub(crate) fn check_snapshot_at_current_point_keeps_log<H: Harness>(harness: &mut H) {
@@ -1193,6 +1337,9 @@ macro_rules! all_conformance_tests {
             check_snapshot_install_keeps_matching_suffix,
             check_snapshot_install_in_slices,
             check_staged_snapshot_install,
+            check_newer_transfer_during_an_install,
+            check_crash_during_an_install_with_a_newer_transfer,
+            check_newer_install_during_an_install,
             check_snapshot_at_current_point_keeps_log,
             check_bad_snapshot_data_changes_nothing,
             check_compaction,
