@@ -1878,10 +1878,19 @@ fn segment_files(store_dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     files
 }
 
+/// Where a segment file's records begin: after the header of its format.
+fn segment_header(bytes: &[u8]) -> usize {
+    if bytes.starts_with(b"RLSEG001") {
+        super::segment_log::SEGMENT_HEADER_V1 as usize
+    } else {
+        super::segment_log::SEGMENT_HEADER as usize
+    }
+}
+
 /// Offsets and total lengths (frame included) of the records in a segment file.
 fn segment_records(bytes: &[u8]) -> Vec<(usize, usize)> {
     let mut records = Vec::new();
-    let mut at = 16;
+    let mut at = segment_header(bytes);
     while at + 8 <= bytes.len() {
         let len = u32::from_be_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
         if len == 0 {
@@ -1907,31 +1916,43 @@ fn flip_byte(path: &std::path::Path, offset: usize) {
     std::fs::write(path, bytes).expect("write a segment");
 }
 
+/// Whether `err` is the error of a log damaged below its synced mark, and says how to rebuild
+/// the node.
+fn is_damage_below_synced(err: &StorageError) -> bool {
+    matches!(err, StorageError::LogDamagedBelowSynced { .. })
+        && err.to_string().contains("empty data directory with --join")
+}
+
 /// A crash can leave the newest segment with a record cut off and a whole one behind it (the
-/// kernel wrote their pages out of order). Neither was flushed: opening keeps what precedes the
-/// damaged record, clears the rest so that the whole record behind it can never line up behind
-/// a later append, and the log goes on from there.
+/// kernel wrote their pages out of order). Neither was synced: both are above the synced mark.
+/// Opening keeps what precedes the damaged record, clears the rest so that the whole record
+/// behind it can never line up behind a later append, and the log goes on from there.
 #[test]
-fn segments_clear_a_torn_tail_and_never_replay_what_followed_it() {
+fn segments_clear_a_torn_tail_above_the_synced_mark_and_never_replay_what_followed_it() {
     let mut harness = SegmentsHarness::default();
     let store = harness.store();
     store.append(&commands(1, 3, 1)).unwrap();
     store.flush().unwrap();
     store.append(&commands(4, 5, 1)).unwrap();
-    store.append(&commands(6, 6, 1)).unwrap();
     store.flush().unwrap();
+    store.append(&commands(6, 7, 1)).unwrap();
+    // This flush writes the mark of the one before: records 1 and 2 are below it.
+    store.flush().unwrap();
+    // Written, never synced (a crash before the flush).
+    store.append(&commands(8, 8, 1)).unwrap();
+    store.append(&commands(9, 9, 1)).unwrap();
     harness.0.close();
     let files = segment_files(harness.0.dir());
-    assert_eq!(files.len(), 1, "the three appends fit one segment");
+    assert_eq!(files.len(), 1, "the five appends fit one segment");
     let records = segment_records(&std::fs::read(&files[0]).unwrap());
-    assert_eq!(records.len(), 3);
-    let (torn_at, torn_len) = records[1];
+    assert_eq!(records.len(), 5);
+    let (torn_at, torn_len) = records[3];
     flip_byte(&files[0], torn_at + torn_len / 2);
 
     harness.0.try_open().expect("a torn tail is not an error");
     assert_eq!(
         harness.store().recover().unwrap().entries,
-        commands(1, 3, 1)
+        commands(1, 7, 1)
     );
     let bytes = std::fs::read(&files[0]).unwrap();
     assert!(
@@ -1939,11 +1960,166 @@ fn segments_clear_a_torn_tail_and_never_replay_what_followed_it() {
         "everything after the last whole record is cleared"
     );
     // The next append lands where the torn record was; the old record behind it is gone.
-    harness.store().append(&commands(4, 4, 2)).unwrap();
+    harness.store().append(&commands(8, 8, 2)).unwrap();
     let recovered = recover_across_restart(&mut harness);
-    let mut expected = commands(1, 3, 1);
-    expected.extend(commands(4, 4, 2));
+    let mut expected = commands(1, 7, 1);
+    expected.extend(commands(8, 8, 2));
     assert_eq!(recovered.entries, expected);
+}
+
+/// Garbage after the last whole record (a frame whose bytes never all reached the disk, then
+/// stale bytes), above the synced mark, is a torn tail: dropped, and the log goes on.
+#[test]
+fn segments_drop_garbage_after_the_last_synced_record() {
+    let mut harness = SegmentsHarness::default();
+    let store = harness.store();
+    store.append(&commands(1, 2, 1)).unwrap();
+    store.flush().unwrap();
+    store.append(&commands(3, 4, 1)).unwrap();
+    store.flush().unwrap();
+    harness.0.close();
+    let file = &segment_files(harness.0.dir())[0];
+    let mut bytes = std::fs::read(file).unwrap();
+    let (at, len) = *segment_records(&bytes).last().unwrap();
+    let end = at + len;
+    // A frame that promises 200 bytes, a checksum that covers none of what follows.
+    bytes[end..end + 4].copy_from_slice(&200u32.to_be_bytes());
+    bytes[end + 4..end + 8].copy_from_slice(&0xdead_beefu32.to_be_bytes());
+    for (i, b) in bytes[end + 8..end + 60].iter_mut().enumerate() {
+        *b = (i as u8).wrapping_mul(37) | 1;
+    }
+    std::fs::write(file, &bytes).unwrap();
+
+    harness.0.try_open().expect("garbage above the mark is a torn tail");
+    assert_eq!(
+        harness.store().recover().unwrap().entries,
+        commands(1, 4, 1)
+    );
+    assert!(std::fs::read(file).unwrap()[end..].iter().all(|b| *b == 0));
+    harness.store().append(&commands(5, 5, 1)).unwrap();
+    let recovered = recover_across_restart(&mut harness);
+    assert_eq!(recovered.entries, commands(1, 5, 1));
+}
+
+/// A byte flipped in a record that a completed sync made durable is damage, not a torn tail:
+/// the entries in it (and after it) were acknowledged. Opening fails with an error that says
+/// how to rebuild the node, and leaves the file as it found it, on every later try too.
+#[test]
+fn segments_report_a_flipped_byte_in_a_synced_record_as_damage() {
+    let mut harness = SegmentsHarness::default();
+    let store = harness.store();
+    store.append(&commands(1, 3, 1)).unwrap();
+    store.flush().unwrap();
+    store.append(&commands(4, 5, 1)).unwrap();
+    store.flush().unwrap();
+    store.append(&commands(6, 6, 1)).unwrap();
+    store.flush().unwrap();
+    store.append(&commands(7, 7, 1)).unwrap();
+    store.flush().unwrap();
+    harness.0.close();
+    let files = segment_files(harness.0.dir());
+    assert_eq!(files.len(), 1);
+    let records = segment_records(&std::fs::read(&files[0]).unwrap());
+    assert_eq!(records.len(), 4);
+    // The second record was synced by the second flush; the fourth flush wrote a mark past the
+    // third.
+    let (at, len) = records[1];
+    flip_byte(&files[0], at + len / 2);
+    let damaged = std::fs::read(&files[0]).unwrap();
+    for attempt in 0..2 {
+        let err = harness
+            .0
+            .try_open()
+            .expect_err("a damaged synced record is an error");
+        assert!(is_damage_below_synced(&err), "attempt {attempt}: {err}");
+        match &err {
+            StorageError::LogDamagedBelowSynced {
+                offset, synced_to, ..
+            } => {
+                assert_eq!(*offset, at as u64, "{err}");
+                assert!(*synced_to >= (records[2].0 + records[2].1) as u64, "{err}");
+            }
+            other => panic!("{other}"),
+        }
+        assert_eq!(
+            std::fs::read(&files[0]).unwrap(),
+            damaged,
+            "a refused open changes nothing"
+        );
+    }
+}
+
+/// A synced record gone altogether (the file cut short below the synced mark) is damage too.
+#[test]
+fn segments_report_synced_records_cut_off_as_damage() {
+    let mut harness = SegmentsHarness::default();
+    let store = harness.store();
+    for i in 1..=4 {
+        store.append(&commands(i, i, 1)).unwrap();
+        store.flush().unwrap();
+    }
+    harness.0.close();
+    let file = &segment_files(harness.0.dir())[0];
+    let bytes = std::fs::read(file).unwrap();
+    let records = segment_records(&bytes);
+    std::fs::write(file, &bytes[..records[1].0 + 3]).unwrap();
+    let err = harness.0.try_open().expect_err("synced records cut off");
+    assert!(is_damage_below_synced(&err), "{err}");
+}
+
+/// A store written before the synced mark (segments `RLSEG001`, records after a 16-byte header)
+/// is read as before: any bad record in its newest segment is taken for a torn tail. Opening
+/// then seals that segment, and the log goes on in a new one that has the mark.
+#[test]
+fn segments_of_an_older_release_are_read_without_a_mark_and_sealed() {
+    let mut harness = SegmentsHarness::default();
+    let store = harness.store();
+    store.append(&commands(1, 2, 1)).unwrap();
+    store.flush().unwrap();
+    store.append(&commands(3, 4, 1)).unwrap();
+    store.flush().unwrap();
+    store.append(&commands(5, 5, 1)).unwrap();
+    store.flush().unwrap();
+    harness.0.close();
+    let files = segment_files(harness.0.dir());
+    assert_eq!(files.len(), 1);
+    // The same records in the older format.
+    let bytes = std::fs::read(&files[0]).unwrap();
+    let header = super::segment_log::SEGMENT_HEADER as usize;
+    let mut old = b"RLSEG001".to_vec();
+    old.extend_from_slice(&bytes[8..16]);
+    old.extend_from_slice(&bytes[header..]);
+    let records = segment_records(&old);
+    assert_eq!(records.len(), 3);
+    let (at, len) = records[1];
+    std::fs::write(&files[0], &old).unwrap();
+    // Undamaged, it reads whole.
+    harness.0.try_open().expect("an older store opens");
+    assert_eq!(
+        harness.store().recover().unwrap().entries,
+        commands(1, 5, 1)
+    );
+    harness.0.close();
+    let sealed = segment_files(harness.0.dir());
+    assert_eq!(sealed.len(), 2, "the old segment is sealed and a new one begun");
+    assert!(std::fs::read(&sealed[1]).unwrap().starts_with(b"RLSEG002"));
+
+    // Damaged while it was the newest: as before, a torn tail.
+    std::fs::remove_file(&sealed[1]).unwrap();
+    let mut torn = old.clone();
+    torn[at + len / 2] ^= 0x5a;
+    std::fs::write(&files[0], &torn).unwrap();
+    harness.0.try_open().expect("no mark: a possible torn tail");
+    assert_eq!(
+        harness.store().recover().unwrap().entries,
+        commands(1, 2, 1)
+    );
+    harness.store().append(&commands(3, 3, 2)).unwrap();
+    let recovered = recover_across_restart(&mut harness);
+    let mut expected = commands(1, 2, 1);
+    expected.extend(commands(3, 3, 2));
+    assert_eq!(recovered.entries, expected);
+    assert_eq!(harness.store().log_segments(), Some(2));
 }
 
 /// Only the newest segment may end in a torn write: older ones were synced before the next was
@@ -1965,16 +2141,7 @@ fn segments_report_damage_in_an_older_segment() {
         .0
         .try_open()
         .expect_err("damage in an older segment");
-    assert!(
-        matches!(
-            &err,
-            StorageError::Corrupt {
-                tree: "log segment",
-                ..
-            }
-        ),
-        "{err}"
-    );
+    assert!(is_damage_below_synced(&err), "{err}");
 }
 
 /// Segments wholly at or below a snapshot point are deleted once the point is durable; the log
@@ -2131,7 +2298,7 @@ fn segments_survive_random_damage_without_panic() {
         let mut bytes = std::fs::read(&files[victim]).unwrap();
         let records_end = segment_records(&bytes)
             .last()
-            .map_or(16, |(at, len)| at + len);
+            .map_or(segment_header(&bytes), |(at, len)| at + len);
         let cut = rng.random_bool(0.3);
         if cut {
             bytes.truncate(rng.random_range(0..=records_end));
@@ -2162,7 +2329,9 @@ fn segments_survive_random_damage_without_panic() {
                 assert!(
                     matches!(
                         err,
-                        StorageError::Corrupt { .. } | StorageError::LogGap { .. }
+                        StorageError::Corrupt { .. }
+                            | StorageError::LogGap { .. }
+                            | StorageError::LogDamagedBelowSynced { .. }
                     ),
                     "seed {seed}: unexpected error {err}"
                 );
