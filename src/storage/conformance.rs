@@ -848,7 +848,10 @@ pub(crate) fn check_crash_during_an_install_with_a_newer_transfer<H: Harness>(ha
     assert_eq!(recovered.snapshot_meta, first);
     assert_eq!(recovered.applied_index, first.index);
     assert_eq!(recovered.applied_state, first_pairs);
-    assert!(store.continue_install(7).unwrap(), "no install is under way");
+    assert!(
+        store.continue_install(7).unwrap(),
+        "no install is under way"
+    );
     // The newer transfer, sent again from its start, is taken and installed.
     stage_in_chunks(store, &meta, &data, 40);
     store.begin_install_staged(&meta, &data).unwrap();
@@ -877,7 +880,10 @@ pub(crate) fn check_newer_install_during_an_install<H: Harness>(harness: &mut H)
     assert_eq!(store.first_index(), meta.index + 1);
     store.flush().unwrap();
     harness.restart();
-    let recovered = harness.store().recover().expect("the store opens and recovers");
+    let recovered = harness
+        .store()
+        .recover()
+        .expect("the store opens and recovers");
     assert_eq!(recovered.snapshot_meta, meta);
     assert_eq!(recovered.applied_index, meta.index);
     assert_eq!(recovered.applied_state, pairs);
@@ -1990,7 +1996,10 @@ fn segments_drop_garbage_after_the_last_synced_record() {
     }
     std::fs::write(file, &bytes).unwrap();
 
-    harness.0.try_open().expect("garbage above the mark is a torn tail");
+    harness
+        .0
+        .try_open()
+        .expect("garbage above the mark is a torn tail");
     assert_eq!(
         harness.store().recover().unwrap().entries,
         commands(1, 4, 1)
@@ -2101,7 +2110,11 @@ fn segments_of_an_older_release_are_read_without_a_mark_and_sealed() {
     );
     harness.0.close();
     let sealed = segment_files(harness.0.dir());
-    assert_eq!(sealed.len(), 2, "the old segment is sealed and a new one begun");
+    assert_eq!(
+        sealed.len(),
+        2,
+        "the old segment is sealed and a new one begun"
+    );
     assert!(std::fs::read(&sealed[1]).unwrap().starts_with(b"RLSEG002"));
 
     // Damaged while it was the newest: as before, a torn tail.

@@ -319,7 +319,11 @@ impl Storage for MemStorage {
         self.install(meta, data)
     }
 
-    fn begin_install(&mut self, meta: &SnapshotMeta, data: &bytes::Bytes) -> Result<(), StorageError> {
+    fn begin_install(
+        &mut self,
+        meta: &SnapshotMeta,
+        data: &bytes::Bytes,
+    ) -> Result<(), StorageError> {
         self.start_install(meta, data, false)
     }
 

@@ -443,10 +443,7 @@ impl SegmentLog {
             Some(magic) if magic == MAGIC_V1 => SEGMENT_HEADER_V1,
             _ => 0,
         };
-        if header == 0
-            || bytes.len() < header as usize
-            || bytes[8..16] != seq.to_be_bytes()
-        {
+        if header == 0 || bytes.len() < header as usize || bytes[8..16] != seq.to_be_bytes() {
             if last && bytes.iter().all(|b| *b == 0) {
                 // Created, but its header never reached the disk: nothing was written to it.
                 drop(file);
@@ -490,7 +487,12 @@ impl SegmentLog {
             let at = offset as u64;
             if rest.len() < FRAME {
                 if at < mark {
-                    return Err(damaged(&path, at, mark, "the segment ends before its synced mark"));
+                    return Err(damaged(
+                        &path,
+                        at,
+                        mark,
+                        "the segment ends before its synced mark",
+                    ));
                 }
                 break offset;
             }
@@ -739,8 +741,7 @@ impl SegmentLog {
         buf[..4].copy_from_slice(&len.to_be_bytes());
         buf[4..FRAME].copy_from_slice(&crc.to_be_bytes());
         let header = self.current()?.header;
-        if self.write_offset > header && self.write_offset + buf.len() as u64 > self.segment_bytes
-        {
+        if self.write_offset > header && self.write_offset + buf.len() as u64 > self.segment_bytes {
             self.roll()?;
         }
         let offset = self.write_offset;
