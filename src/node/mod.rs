@@ -1510,12 +1510,22 @@ impl<S: Storage, R> NodeCore<S, R> {
     /// ([`NodeCore::begin_install`]) finds its bytes already there instead of writing them all
     /// at once (about 2 s for 155 MiB in sled, during which the node answered nothing). A chunk
     /// that does not follow what is staged (which the Raft core's order rules out) is left out,
-    /// and the install then stages the whole snapshot itself.
+    /// and the install then stages the whole snapshot itself. So is every chunk of a transfer
+    /// that begins while an earlier snapshot's state is still being installed: storage keeps
+    /// that snapshot's bytes until its install is done and refuses the new transfer
+    /// ([`StorageError::InstallInProgress`]).
     fn stage_chunks(&mut self, chunks: &[crate::raft::SnapshotChunk]) -> Result<(), StorageError> {
         for chunk in chunks {
             if chunk.offset == 0 {
-                self.storage.begin_snapshot(&chunk.meta)?;
-                self.staging = Some((chunk.meta.clone(), 0));
+                match self.storage.begin_snapshot(&chunk.meta) {
+                    Ok(()) => self.staging = Some((chunk.meta.clone(), 0)),
+                    // Staged whole by its own install, once the one under way is done.
+                    Err(StorageError::InstallInProgress { .. }) => {
+                        self.staging = None;
+                        continue;
+                    }
+                    Err(err) => return Err(err),
+                }
             }
             let Some((meta, staged)) = self.staging.as_mut() else {
                 continue;

@@ -739,6 +739,156 @@ pub(crate) fn check_staged_snapshot_install<H: Harness + Default>(_harness: &mut
     }
 }
 
+/// A snapshot newer than [`forty_pair_snapshot`]'s, for the cases where a second transfer
+/// arrives while the first is installed: 25 pairs `n00`..`n24` at index 60, term 4.
+fn newer_snapshot() -> (Vec<KvPair>, SnapshotMeta) {
+    let pairs = (0..25)
+        .map(|i| pair(&format!("n{i:02}"), &format!("w{i}")))
+        .collect();
+    let meta = SnapshotMeta {
+        index: 60,
+        term: 4,
+        membership: Membership::with_voters([1, 2, 3]),
+    };
+    (pairs, meta)
+}
+
+/// The store the newer-transfer cases start from: an old state, the transfer of
+/// [`forty_pair_snapshot`] staged as it arrived, its install begun and one slice of its state
+/// written. Returns that snapshot's pairs and meta.
+fn begin_staged_install_of_forty_pairs(store: &mut dyn Storage) -> (Vec<KvPair>, SnapshotMeta) {
+    store.append(&commands(1, 30, 1)).unwrap();
+    store
+        .apply(30, &[put("old/a", "1"), put("k03", "old")])
+        .unwrap();
+    let (pairs, meta) = forty_pair_snapshot();
+    let data = snapshot_data(&pairs);
+    stage_in_chunks(store, &meta, &data, 64);
+    store.begin_install_staged(&meta, &data).unwrap();
+    assert!(
+        !store.continue_install(7).unwrap(),
+        "one slice does not finish the install"
+    );
+    (pairs, meta)
+}
+
+/// Begins a transfer of `meta` the way the node does while an install may be under way: the
+/// store either takes it (true) or refuses it cleanly with `InstallInProgress` and changes
+/// nothing (false), and the node then leaves the transfer unstaged.
+fn try_begin_transfer(store: &mut dyn Storage, meta: &SnapshotMeta) -> bool {
+    match store.begin_snapshot(meta) {
+        Ok(()) => true,
+        Err(StorageError::InstallInProgress { .. }) => false,
+        Err(other) => panic!("a transfer during an install fails with {other}"),
+    }
+}
+
+/// A newer snapshot's transfer begins while an earlier received snapshot is still installed a
+/// slice at a time (the Raft core accepts it: it only holds back what commits after the first).
+/// The store keeps that transfer or refuses it cleanly; either way the first install finishes,
+/// every later chunk of a kept transfer is taken, and the newer snapshot then installs. (Sled
+/// used to let the first install's last step delete the new transfer's staging, so its next
+/// chunk failed with `NoSnapshotInProgress` and the node stopped.)
+pub(crate) fn check_newer_transfer_during_an_install<H: Harness>(harness: &mut H) {
+    let store = harness.store();
+    let (_, first) = begin_staged_install_of_forty_pairs(store);
+    let (pairs, meta) = newer_snapshot();
+    let data = snapshot_data(&pairs);
+    let chunks: Vec<&[u8]> = data.chunks(40).collect();
+    assert!(chunks.len() >= 3);
+    let kept = try_begin_transfer(store, &meta);
+    let mut offset = 0u64;
+    if kept {
+        store.write_snapshot_chunk(0, chunks[0]).unwrap();
+        offset = chunks[0].len() as u64;
+    }
+    let mut slices = 0;
+    while !store.continue_install(7).unwrap() {
+        slices += 1;
+        assert!(slices < 100, "the first install never ends");
+    }
+    assert_eq!(store.applied_index(), first.index);
+    if kept {
+        for chunk in &chunks[1..] {
+            store
+                .write_snapshot_chunk(offset, chunk)
+                .expect("a kept transfer takes its chunks after the install before it ends");
+            offset += chunk.len() as u64;
+        }
+    }
+    store.begin_install_staged(&meta, &data).unwrap();
+    while !store.continue_install(7).unwrap() {}
+    let recovered = recover_across_restart(harness);
+    assert_eq!(recovered.snapshot_meta, meta);
+    assert_eq!(recovered.applied_index, meta.index);
+    assert_eq!(recovered.applied_state, pairs);
+    // A transfer after both installs is taken as usual.
+    let store = harness.store();
+    stage_in_chunks(store, &meta, &data, 40);
+    assert_eq!(store.finish_snapshot().unwrap(), meta);
+}
+
+/// As [`check_newer_transfer_during_an_install`], but the node crashes (everything flushed)
+/// while the first install is under way and the newer transfer has begun. The store opens, the
+/// first install is finished by the restart, and the newer snapshot can be received and
+/// installed afterwards. (Sled used to find its install mark without the staged bytes, which
+/// the newer transfer had replaced, and refuse to open on every restart.)
+pub(crate) fn check_crash_during_an_install_with_a_newer_transfer<H: Harness>(harness: &mut H) {
+    let store = harness.store();
+    let (first_pairs, first) = begin_staged_install_of_forty_pairs(store);
+    let (pairs, meta) = newer_snapshot();
+    let data = snapshot_data(&pairs);
+    if try_begin_transfer(store, &meta) {
+        store.write_snapshot_chunk(0, &data[..40]).unwrap();
+    }
+    store.flush().unwrap();
+    harness.restart();
+    let store = harness.store();
+    let recovered = store.recover().expect("the store opens and recovers");
+    assert_eq!(recovered.snapshot_meta, first);
+    assert_eq!(recovered.applied_index, first.index);
+    assert_eq!(recovered.applied_state, first_pairs);
+    assert!(
+        store.continue_install(7).unwrap(),
+        "no install is under way"
+    );
+    // The newer transfer, sent again from its start, is taken and installed.
+    stage_in_chunks(store, &meta, &data, 40);
+    store.begin_install_staged(&meta, &data).unwrap();
+    while !store.continue_install(7).unwrap() {}
+    let recovered = recover_across_restart(harness);
+    assert_eq!(recovered.snapshot_meta, meta);
+    assert_eq!(recovered.applied_state, pairs);
+}
+
+/// The newer snapshot's whole transfer arrives before the first install is done, and its own
+/// install begins: the first is finished (or dropped) and the newer one installs, across a
+/// crash right after its install began too.
+pub(crate) fn check_newer_install_during_an_install<H: Harness>(harness: &mut H) {
+    let store = harness.store();
+    begin_staged_install_of_forty_pairs(store);
+    let (pairs, meta) = newer_snapshot();
+    let data = snapshot_data(&pairs);
+    if try_begin_transfer(store, &meta) {
+        let mut offset = 0;
+        for chunk in data.chunks(40) {
+            store.write_snapshot_chunk(offset, chunk).unwrap();
+            offset += chunk.len() as u64;
+        }
+    }
+    store.begin_install_staged(&meta, &data).unwrap();
+    assert_eq!(store.first_index(), meta.index + 1);
+    store.flush().unwrap();
+    harness.restart();
+    let recovered = harness
+        .store()
+        .recover()
+        .expect("the store opens and recovers");
+    assert_eq!(recovered.snapshot_meta, meta);
+    assert_eq!(recovered.applied_index, meta.index);
+    assert_eq!(recovered.applied_state, pairs);
+}
+
 /// Regression: reinstalling a snapshot at the current snapshot point with the same term must keep
 /// the log after it on both implementations (MemStorage used to drop it, sled kept it).
 pub(crate) fn check_snapshot_at_current_point_keeps_log<H: Harness>(harness: &mut H) {
@@ -1193,6 +1343,9 @@ macro_rules! all_conformance_tests {
             check_snapshot_install_keeps_matching_suffix,
             check_snapshot_install_in_slices,
             check_staged_snapshot_install,
+            check_newer_transfer_during_an_install,
+            check_crash_during_an_install_with_a_newer_transfer,
+            check_newer_install_during_an_install,
             check_snapshot_at_current_point_keeps_log,
             check_bad_snapshot_data_changes_nothing,
             check_compaction,
@@ -1731,10 +1884,19 @@ fn segment_files(store_dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     files
 }
 
+/// Where a segment file's records begin: after the header of its format.
+fn segment_header(bytes: &[u8]) -> usize {
+    if bytes.starts_with(b"RLSEG001") {
+        super::segment_log::SEGMENT_HEADER_V1 as usize
+    } else {
+        super::segment_log::SEGMENT_HEADER as usize
+    }
+}
+
 /// Offsets and total lengths (frame included) of the records in a segment file.
 fn segment_records(bytes: &[u8]) -> Vec<(usize, usize)> {
     let mut records = Vec::new();
-    let mut at = 16;
+    let mut at = segment_header(bytes);
     while at + 8 <= bytes.len() {
         let len = u32::from_be_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
         if len == 0 {
@@ -1760,31 +1922,43 @@ fn flip_byte(path: &std::path::Path, offset: usize) {
     std::fs::write(path, bytes).expect("write a segment");
 }
 
+/// Whether `err` is the error of a log damaged below its synced mark, and says how to rebuild
+/// the node.
+fn is_damage_below_synced(err: &StorageError) -> bool {
+    matches!(err, StorageError::LogDamagedBelowSynced { .. })
+        && err.to_string().contains("empty data directory with --join")
+}
+
 /// A crash can leave the newest segment with a record cut off and a whole one behind it (the
-/// kernel wrote their pages out of order). Neither was flushed: opening keeps what precedes the
-/// damaged record, clears the rest so that the whole record behind it can never line up behind
-/// a later append, and the log goes on from there.
+/// kernel wrote their pages out of order). Neither was synced: both are above the synced mark.
+/// Opening keeps what precedes the damaged record, clears the rest so that the whole record
+/// behind it can never line up behind a later append, and the log goes on from there.
 #[test]
-fn segments_clear_a_torn_tail_and_never_replay_what_followed_it() {
+fn segments_clear_a_torn_tail_above_the_synced_mark_and_never_replay_what_followed_it() {
     let mut harness = SegmentsHarness::default();
     let store = harness.store();
     store.append(&commands(1, 3, 1)).unwrap();
     store.flush().unwrap();
     store.append(&commands(4, 5, 1)).unwrap();
-    store.append(&commands(6, 6, 1)).unwrap();
     store.flush().unwrap();
+    store.append(&commands(6, 7, 1)).unwrap();
+    // This flush writes the mark of the one before: records 1 and 2 are below it.
+    store.flush().unwrap();
+    // Written, never synced (a crash before the flush).
+    store.append(&commands(8, 8, 1)).unwrap();
+    store.append(&commands(9, 9, 1)).unwrap();
     harness.0.close();
     let files = segment_files(harness.0.dir());
-    assert_eq!(files.len(), 1, "the three appends fit one segment");
+    assert_eq!(files.len(), 1, "the five appends fit one segment");
     let records = segment_records(&std::fs::read(&files[0]).unwrap());
-    assert_eq!(records.len(), 3);
-    let (torn_at, torn_len) = records[1];
+    assert_eq!(records.len(), 5);
+    let (torn_at, torn_len) = records[3];
     flip_byte(&files[0], torn_at + torn_len / 2);
 
     harness.0.try_open().expect("a torn tail is not an error");
     assert_eq!(
         harness.store().recover().unwrap().entries,
-        commands(1, 3, 1)
+        commands(1, 7, 1)
     );
     let bytes = std::fs::read(&files[0]).unwrap();
     assert!(
@@ -1792,11 +1966,173 @@ fn segments_clear_a_torn_tail_and_never_replay_what_followed_it() {
         "everything after the last whole record is cleared"
     );
     // The next append lands where the torn record was; the old record behind it is gone.
-    harness.store().append(&commands(4, 4, 2)).unwrap();
+    harness.store().append(&commands(8, 8, 2)).unwrap();
     let recovered = recover_across_restart(&mut harness);
-    let mut expected = commands(1, 3, 1);
-    expected.extend(commands(4, 4, 2));
+    let mut expected = commands(1, 7, 1);
+    expected.extend(commands(8, 8, 2));
     assert_eq!(recovered.entries, expected);
+}
+
+/// Garbage after the last whole record (a frame whose bytes never all reached the disk, then
+/// stale bytes), above the synced mark, is a torn tail: dropped, and the log goes on.
+#[test]
+fn segments_drop_garbage_after_the_last_synced_record() {
+    let mut harness = SegmentsHarness::default();
+    let store = harness.store();
+    store.append(&commands(1, 2, 1)).unwrap();
+    store.flush().unwrap();
+    store.append(&commands(3, 4, 1)).unwrap();
+    store.flush().unwrap();
+    harness.0.close();
+    let file = &segment_files(harness.0.dir())[0];
+    let mut bytes = std::fs::read(file).unwrap();
+    let (at, len) = *segment_records(&bytes).last().unwrap();
+    let end = at + len;
+    // A frame that promises 200 bytes, a checksum that covers none of what follows.
+    bytes[end..end + 4].copy_from_slice(&200u32.to_be_bytes());
+    bytes[end + 4..end + 8].copy_from_slice(&0xdead_beefu32.to_be_bytes());
+    for (i, b) in bytes[end + 8..end + 60].iter_mut().enumerate() {
+        *b = (i as u8).wrapping_mul(37) | 1;
+    }
+    std::fs::write(file, &bytes).unwrap();
+
+    harness
+        .0
+        .try_open()
+        .expect("garbage above the mark is a torn tail");
+    assert_eq!(
+        harness.store().recover().unwrap().entries,
+        commands(1, 4, 1)
+    );
+    assert!(std::fs::read(file).unwrap()[end..].iter().all(|b| *b == 0));
+    harness.store().append(&commands(5, 5, 1)).unwrap();
+    let recovered = recover_across_restart(&mut harness);
+    assert_eq!(recovered.entries, commands(1, 5, 1));
+}
+
+/// A byte flipped in a record that a completed sync made durable is damage, not a torn tail:
+/// the entries in it (and after it) were acknowledged. Opening fails with an error that says
+/// how to rebuild the node, and leaves the file as it found it, on every later try too.
+#[test]
+fn segments_report_a_flipped_byte_in_a_synced_record_as_damage() {
+    let mut harness = SegmentsHarness::default();
+    let store = harness.store();
+    store.append(&commands(1, 3, 1)).unwrap();
+    store.flush().unwrap();
+    store.append(&commands(4, 5, 1)).unwrap();
+    store.flush().unwrap();
+    store.append(&commands(6, 6, 1)).unwrap();
+    store.flush().unwrap();
+    store.append(&commands(7, 7, 1)).unwrap();
+    store.flush().unwrap();
+    harness.0.close();
+    let files = segment_files(harness.0.dir());
+    assert_eq!(files.len(), 1);
+    let records = segment_records(&std::fs::read(&files[0]).unwrap());
+    assert_eq!(records.len(), 4);
+    // The second record was synced by the second flush; the fourth flush wrote a mark past the
+    // third.
+    let (at, len) = records[1];
+    flip_byte(&files[0], at + len / 2);
+    let damaged = std::fs::read(&files[0]).unwrap();
+    for attempt in 0..2 {
+        let err = harness
+            .0
+            .try_open()
+            .expect_err("a damaged synced record is an error");
+        assert!(is_damage_below_synced(&err), "attempt {attempt}: {err}");
+        match &err {
+            StorageError::LogDamagedBelowSynced {
+                offset, synced_to, ..
+            } => {
+                assert_eq!(*offset, at as u64, "{err}");
+                assert!(*synced_to >= (records[2].0 + records[2].1) as u64, "{err}");
+            }
+            other => panic!("{other}"),
+        }
+        assert_eq!(
+            std::fs::read(&files[0]).unwrap(),
+            damaged,
+            "a refused open changes nothing"
+        );
+    }
+}
+
+/// A synced record gone altogether (the file cut short below the synced mark) is damage too.
+#[test]
+fn segments_report_synced_records_cut_off_as_damage() {
+    let mut harness = SegmentsHarness::default();
+    let store = harness.store();
+    for i in 1..=4 {
+        store.append(&commands(i, i, 1)).unwrap();
+        store.flush().unwrap();
+    }
+    harness.0.close();
+    let file = &segment_files(harness.0.dir())[0];
+    let bytes = std::fs::read(file).unwrap();
+    let records = segment_records(&bytes);
+    std::fs::write(file, &bytes[..records[1].0 + 3]).unwrap();
+    let err = harness.0.try_open().expect_err("synced records cut off");
+    assert!(is_damage_below_synced(&err), "{err}");
+}
+
+/// A store written before the synced mark (segments `RLSEG001`, records after a 16-byte header)
+/// is read as before: any bad record in its newest segment is taken for a torn tail. Opening
+/// then seals that segment, and the log goes on in a new one that has the mark.
+#[test]
+fn segments_of_an_older_release_are_read_without_a_mark_and_sealed() {
+    let mut harness = SegmentsHarness::default();
+    let store = harness.store();
+    store.append(&commands(1, 2, 1)).unwrap();
+    store.flush().unwrap();
+    store.append(&commands(3, 4, 1)).unwrap();
+    store.flush().unwrap();
+    store.append(&commands(5, 5, 1)).unwrap();
+    store.flush().unwrap();
+    harness.0.close();
+    let files = segment_files(harness.0.dir());
+    assert_eq!(files.len(), 1);
+    // The same records in the older format.
+    let bytes = std::fs::read(&files[0]).unwrap();
+    let header = super::segment_log::SEGMENT_HEADER as usize;
+    let mut old = b"RLSEG001".to_vec();
+    old.extend_from_slice(&bytes[8..16]);
+    old.extend_from_slice(&bytes[header..]);
+    let records = segment_records(&old);
+    assert_eq!(records.len(), 3);
+    let (at, len) = records[1];
+    std::fs::write(&files[0], &old).unwrap();
+    // Undamaged, it reads whole.
+    harness.0.try_open().expect("an older store opens");
+    assert_eq!(
+        harness.store().recover().unwrap().entries,
+        commands(1, 5, 1)
+    );
+    harness.0.close();
+    let sealed = segment_files(harness.0.dir());
+    assert_eq!(
+        sealed.len(),
+        2,
+        "the old segment is sealed and a new one begun"
+    );
+    assert!(std::fs::read(&sealed[1]).unwrap().starts_with(b"RLSEG002"));
+
+    // Damaged while it was the newest: as before, a torn tail.
+    std::fs::remove_file(&sealed[1]).unwrap();
+    let mut torn = old.clone();
+    torn[at + len / 2] ^= 0x5a;
+    std::fs::write(&files[0], &torn).unwrap();
+    harness.0.try_open().expect("no mark: a possible torn tail");
+    assert_eq!(
+        harness.store().recover().unwrap().entries,
+        commands(1, 2, 1)
+    );
+    harness.store().append(&commands(3, 3, 2)).unwrap();
+    let recovered = recover_across_restart(&mut harness);
+    let mut expected = commands(1, 2, 1);
+    expected.extend(commands(3, 3, 2));
+    assert_eq!(recovered.entries, expected);
+    assert_eq!(harness.store().log_segments(), Some(2));
 }
 
 /// Only the newest segment may end in a torn write: older ones were synced before the next was
@@ -1818,16 +2154,7 @@ fn segments_report_damage_in_an_older_segment() {
         .0
         .try_open()
         .expect_err("damage in an older segment");
-    assert!(
-        matches!(
-            &err,
-            StorageError::Corrupt {
-                tree: "log segment",
-                ..
-            }
-        ),
-        "{err}"
-    );
+    assert!(is_damage_below_synced(&err), "{err}");
 }
 
 /// Segments wholly at or below a snapshot point are deleted once the point is durable; the log
@@ -1984,7 +2311,7 @@ fn segments_survive_random_damage_without_panic() {
         let mut bytes = std::fs::read(&files[victim]).unwrap();
         let records_end = segment_records(&bytes)
             .last()
-            .map_or(16, |(at, len)| at + len);
+            .map_or(segment_header(&bytes), |(at, len)| at + len);
         let cut = rng.random_bool(0.3);
         if cut {
             bytes.truncate(rng.random_range(0..=records_end));
@@ -2015,7 +2342,9 @@ fn segments_survive_random_damage_without_panic() {
                 assert!(
                     matches!(
                         err,
-                        StorageError::Corrupt { .. } | StorageError::LogGap { .. }
+                        StorageError::Corrupt { .. }
+                            | StorageError::LogGap { .. }
+                            | StorageError::LogDamagedBelowSynced { .. }
                     ),
                     "seed {seed}: unexpected error {err}"
                 );

@@ -56,6 +56,25 @@ pub enum StorageError {
         problem: String,
     },
 
+    /// A record of the Raft log that a completed sync had made durable (below the log's
+    /// synced mark, or in a segment sealed before the next was begun) is cut off, fails its
+    /// checksum or is gone. Not a write a crash cut short: the disk lost what this node had
+    /// acknowledged, and a node that went on without it could help elect a leader that lacks a
+    /// committed entry. The node must be rebuilt from the cluster.
+    #[error(
+        "the Raft log is damaged below what was synced: {file} at offset {offset}: {problem} \
+         (synced up to offset {synced_to}). This node acknowledged entries it no longer holds, \
+         so it must not start with this log. Rebuild the node from the cluster: remove it \
+         (`lockctl members remove --id <this node's id>`), then start it on an empty data \
+         directory with --join"
+    )]
+    LogDamagedBelowSynced {
+        file: String,
+        offset: u64,
+        synced_to: u64,
+        problem: String,
+    },
+
     /// A stored log entry does not match its checksum.
     #[error(
         "log entry {index} fails its checksum (stored {stored_crc:#010x}, computed \

@@ -3,6 +3,13 @@
 //! Writes land in a working copy; [`Storage::flush`] makes them durable; [`MemStorage::crash`]
 //! throws away everything written since the last flush, as a power cut would. Deterministic: no
 //! I/O, no clock, no randomness.
+//!
+//! A snapshot is installed as the sled store installs it ([`Storage::begin_install`]): its
+//! bytes are staged, the snapshot point moves with an install mark, the state is replaced a
+//! slice at a time, and a last step moves the applied index and clears the mark and the staged
+//! bytes. A crash with the mark durable finishes the install from the staged bytes (as sled's
+//! next open does), or, if they are not there, leaves a store whose `recover` fails, as sled's
+//! open would.
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -20,6 +27,19 @@ struct DiskImage {
     applied_index: Index,
     state: BTreeMap<Vec<u8>, Vec<u8>>,
     staging: Option<(SnapshotMeta, Vec<u8>)>,
+    /// The install mark: the snapshot whose state is being put in place from `staging`.
+    installing: Option<SnapshotMeta>,
+}
+
+/// A snapshot whose point has moved and whose state is being written, a slice at a time.
+#[derive(Clone, Debug)]
+struct PendingInstall {
+    meta: SnapshotMeta,
+    pairs: Vec<(Vec<u8>, Vec<u8>)>,
+    /// The next pair to write.
+    next: usize,
+    /// The old state is gone.
+    cleared: bool,
 }
 
 /// In-memory storage that models crashes.
@@ -40,6 +60,11 @@ pub struct MemStorage {
     done_ticket: u64,
     /// A power cut that struck a background flush, reported by the next [`Storage::flushed`].
     struck: bool,
+    /// The install under way, if any (lost in a crash; the mark on the image stays).
+    pending_install: Option<PendingInstall>,
+    /// Why this store could not be opened after the last crash: an install mark without its
+    /// staged bytes. [`Storage::recover`] reports it.
+    broken: Option<String>,
 }
 
 impl MemStorage {
@@ -53,12 +78,126 @@ impl MemStorage {
         (len(&self.current), len(&self.durable))
     }
 
-    /// Loses every write since the last flush, and every flush not done.
+    /// Loses every write since the last flush, and every flush not done. An install whose mark
+    /// was durable is then finished from its staged bytes, as a restarted sled store does.
     pub fn crash(&mut self) {
         self.current = self.durable.clone();
         self.power_cut = None;
         self.pending.clear();
         self.struck = false;
+        self.pending_install = None;
+        self.broken = None;
+        self.resume_install();
+    }
+
+    /// After a crash: finishes the install the durable mark names, from `staging`.
+    fn resume_install(&mut self) {
+        let Some(meta) = self.current.installing.clone() else {
+            return;
+        };
+        let staged = match &self.current.staging {
+            Some((staged_meta, data)) if *staged_meta == meta => decode_snapshot_data(data).ok(),
+            _ => None,
+        };
+        let Some(pairs) = staged else {
+            self.broken = Some(format!(
+                "the install mark names the snapshot at index {} term {}, but staging does \
+                 not hold it",
+                meta.index, meta.term
+            ));
+            return;
+        };
+        self.pending_install = Some(PendingInstall {
+            meta,
+            pairs,
+            next: 0,
+            cleared: false,
+        });
+        while !self.step_install(usize::MAX) {}
+    }
+
+    /// Whether an install's state is still being written.
+    pub fn install_pending(&self) -> bool {
+        self.pending_install.is_some()
+    }
+
+    fn check_no_install(&self, action: &'static str) -> Result<(), StorageError> {
+        match &self.pending_install {
+            Some(pending) => Err(StorageError::InstallInProgress {
+                action,
+                index: pending.meta.index,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Writes up to `max_keys` keys of the install under way (removing the old state first);
+    /// the last step moves the applied index and clears the mark and the staged bytes. Returns
+    /// whether none is under way any more.
+    fn step_install(&mut self, max_keys: usize) -> bool {
+        let Some(pending) = self.pending_install.as_mut() else {
+            return true;
+        };
+        let img = &mut self.current;
+        let mut budget = max_keys.max(1);
+        while !pending.cleared && budget > 0 {
+            match img.state.pop_first() {
+                Some(_) => budget -= 1,
+                None => pending.cleared = true,
+            }
+        }
+        if !pending.cleared {
+            return false;
+        }
+        while budget > 0 && pending.next < pending.pairs.len() {
+            let (k, v) = std::mem::take(&mut pending.pairs[pending.next]);
+            img.state.insert(k, v);
+            pending.next += 1;
+            budget -= 1;
+        }
+        if pending.next < pending.pairs.len() {
+            return false;
+        }
+        img.applied_index = pending.meta.index;
+        img.installing = None;
+        img.staging = None;
+        self.pending_install = None;
+        true
+    }
+
+    /// Steps 1 and 2 of an install: checks `data`, finishes an install under way, stages
+    /// `data` (unless `staged`: `staging` holds it), moves the snapshot point and writes the
+    /// mark.
+    fn start_install(
+        &mut self,
+        meta: &SnapshotMeta,
+        data: &[u8],
+        staged: bool,
+    ) -> Result<(), StorageError> {
+        let pairs = decode_snapshot_data(data)?;
+        let staged = staged && self.pending_install.is_none();
+        while !self.step_install(usize::MAX) {}
+        // Raft §7: keep the log after the snapshot point if the entry there matches. `term` also
+        // answers for the current snapshot point, as the sled implementation does.
+        let keep = self.term(meta.index).ok() == Some(meta.term);
+        let img = &mut self.current;
+        if !staged {
+            img.staging = Some((meta.clone(), data.to_vec()));
+        }
+        if keep {
+            img.log = img.log.split_off(&(meta.index + 1));
+        } else {
+            img.log.clear();
+        }
+        img.snapshot_meta = meta.clone();
+        img.installing = Some(meta.clone());
+        self.pending_install = Some(PendingInstall {
+            meta: meta.clone(),
+            pairs,
+            next: 0,
+            cleared: false,
+        });
+        Ok(())
     }
 
     /// Makes flushes complete in the background (see [`MemStorage::complete_flushes`]) rather
@@ -108,25 +247,20 @@ impl MemStorage {
     }
 
     fn install(&mut self, meta: &SnapshotMeta, data: &[u8]) -> Result<(), StorageError> {
-        let pairs = decode_snapshot_data(data)?;
-        // Raft §7: keep the log after the snapshot point if the entry there matches. `term` also
-        // answers for the current snapshot point, as the sled implementation does.
-        let keep = self.term(meta.index).ok() == Some(meta.term);
-        let img = &mut self.current;
-        if keep {
-            img.log = img.log.split_off(&(meta.index + 1));
-        } else {
-            img.log.clear();
-        }
-        img.snapshot_meta = meta.clone();
-        img.applied_index = meta.index;
-        img.state = pairs.into_iter().collect();
+        self.start_install(meta, data, false)?;
+        while !self.step_install(usize::MAX) {}
         Ok(())
     }
 }
 
 impl Storage for MemStorage {
     fn recover(&self) -> Result<RecoveredState, StorageError> {
+        if let Some(detail) = &self.broken {
+            return Err(StorageError::Engine {
+                action: "finishing an interrupted snapshot install",
+                detail: detail.clone(),
+            });
+        }
         let img = &self.current;
         let entries: Vec<Entry> = img.log.values().cloned().collect();
         let membership = membership_after(&img.snapshot_meta.membership, &entries)?;
@@ -164,6 +298,7 @@ impl Storage for MemStorage {
     }
 
     fn apply(&mut self, applied_index: Index, changes: &[KvChange]) -> Result<(), StorageError> {
+        self.check_no_install("writing the applied state")?;
         if applied_index < self.current.applied_index {
             return Err(StorageError::AppliedIndexRegress {
                 applied_index: self.current.applied_index,
@@ -184,28 +319,45 @@ impl Storage for MemStorage {
         self.install(meta, data)
     }
 
+    fn begin_install(
+        &mut self,
+        meta: &SnapshotMeta,
+        data: &bytes::Bytes,
+    ) -> Result<(), StorageError> {
+        self.start_install(meta, data, false)
+    }
+
     /// Installs from the staged bytes when they are the whole snapshot (so a driver that stages
     /// the wrong bytes installs the wrong state, which the simulator's checks catch), else from
-    /// `data`; either way the staging area is emptied.
+    /// `data`, which is staged in their place.
     fn begin_install_staged(
         &mut self,
         meta: &SnapshotMeta,
         data: &bytes::Bytes,
     ) -> Result<(), StorageError> {
-        match self.current.staging.take() {
+        // An install under way is finished first; that empties the staging area.
+        while !self.step_install(usize::MAX) {}
+        match self.current.staging.clone() {
             Some((staged_meta, staged)) if staged_meta == *meta && staged.len() == data.len() => {
-                self.install(meta, &staged)
+                self.start_install(meta, &staged, true)
             }
-            _ => self.install(meta, data),
+            _ => self.start_install(meta, data, false),
         }
     }
 
+    fn continue_install(&mut self, max_pairs: usize) -> Result<bool, StorageError> {
+        Ok(self.step_install(max_pairs))
+    }
+
+    /// Refused while an install is under way: its bytes are in the staging area.
     fn begin_snapshot(&mut self, meta: &SnapshotMeta) -> Result<(), StorageError> {
+        self.check_no_install("staging a snapshot transfer")?;
         self.current.staging = Some((meta.clone(), Vec::new()));
         Ok(())
     }
 
     fn write_snapshot_chunk(&mut self, offset: u64, chunk: &[u8]) -> Result<(), StorageError> {
+        self.check_no_install("staging a snapshot chunk")?;
         let Some((_, data)) = self.current.staging.as_mut() else {
             return Err(StorageError::NoSnapshotInProgress);
         };
@@ -220,14 +372,17 @@ impl Storage for MemStorage {
     }
 
     fn finish_snapshot(&mut self) -> Result<SnapshotMeta, StorageError> {
-        let Some((meta, data)) = self.current.staging.take() else {
+        self.check_no_install("finishing a snapshot transfer")?;
+        let Some((meta, data)) = self.current.staging.clone() else {
             return Err(StorageError::NoSnapshotInProgress);
         };
-        self.install(&meta, &data)?;
+        self.start_install(&meta, &data, true)?;
+        while !self.step_install(usize::MAX) {}
         Ok(meta)
     }
 
     fn build_snapshot(&self) -> Result<Snapshot, StorageError> {
+        self.check_no_install("building a snapshot")?;
         let index = self.current.applied_index;
         let meta = SnapshotMeta {
             index,

@@ -128,6 +128,13 @@ pub trait Storage {
     /// (the next flush) leaves a store whose next open finishes the install. Until
     /// `continue_install` returns true, `apply` and the snapshot builders must not be called
     /// (they fail), and `applied_index` is the old one. The default installs everything here.
+    ///
+    /// While the install is under way its snapshot's bytes are what that open needs, so a new
+    /// transfer is refused ([`Storage::begin_snapshot`], [`Storage::write_snapshot_chunk`] and
+    /// [`Storage::finish_snapshot`] fail with [`StorageError::InstallInProgress`] and change
+    /// nothing): the caller leaves that transfer unstaged, and its install stages the bytes
+    /// itself. A `begin_install` (or `install_snapshot`) of the next snapshot first finishes
+    /// the one under way.
     fn begin_install(&mut self, meta: &SnapshotMeta, data: &Bytes) -> Result<(), StorageError> {
         self.install_snapshot(meta, data)
     }
@@ -153,7 +160,10 @@ pub trait Storage {
     }
 
     /// Starts receiving a snapshot in chunks (InstallSnapshot), discarding any transfer in
-    /// progress. Nothing visible changes until [`Storage::finish_snapshot`].
+    /// progress. Nothing visible changes until [`Storage::finish_snapshot`]. Refused with
+    /// [`StorageError::InstallInProgress`] while an install that [`Storage::begin_install`]
+    /// began is not done (see there): a caller that stages transfers as they arrive then
+    /// leaves this one to its install.
     fn begin_snapshot(&mut self, meta: &SnapshotMeta) -> Result<(), StorageError>;
 
     /// Stages one chunk of the snapshot data. Chunks must arrive in order: `offset` is the

@@ -8,7 +8,9 @@
 //! preallocated file, made by the caller's thread, and a flush one `fdatasync` of that file.
 //!
 //! ```text
-//!   segment = "RLSEG001" ‖ sequence u64 ‖ record* ‖ zeros (preallocated, not yet written)
+//!   segment = header ‖ record* ‖ zeros (preallocated, not yet written)
+//!   header  = "RLSEG002" ‖ sequence u64 ‖ mark ‖ mark                      (48 bytes)
+//!   mark    = synced end u64 ‖ crc32 u32 (over sequence ‖ synced end) ‖ 0 u32
 //!   record  = body length u32 ‖ crc32 u32 (over body) ‖ body
 //!   body    = 1 ‖ first index u64 ‖ run      a run of entries (`codec`): every stored entry
 //!                                             with index >= first index goes, then these follow
@@ -19,10 +21,44 @@
 //! that replaces a conflicting suffix is therefore one record, atomic like every record: its
 //! checksum covers it whole, and a record cut short by a crash fails it.
 //!
+//! ## Torn tail or damage: the synced mark
+//!
 //! A crash can leave the end of the newest segment with a record cut off, or with records
-//! whose bytes reached the disk out of order. None of them was flushed, so none was
-//! acknowledged: opening keeps the records up to the first one that fails its checksum and
-//! clears the rest of the file. In any older segment such a record is corruption, and an error.
+//! whose bytes reached the disk out of order. None of them was synced, so none was
+//! acknowledged, and opening drops them. A record that *was* synced and now fails its checksum
+//! is another matter: the disk damaged it, the node acknowledged the entries in it, and a node
+//! that restarted without them could help elect a leader that lacks a committed entry. The two
+//! are told apart by the *synced mark*: the offset in the newest segment up to which a sync is
+//! known to have completed (always the end of a record).
+//!
+//! The mark is written into the segment's own header, in one of two slots taken in turn, by
+//! the flush that follows: before a flush's `fdatasync`, the end covered by the previous
+//! completed sync is written to a slot, and that same `fdatasync` makes it durable. So no sync
+//! is added, a mark on disk never claims bytes whose own sync had not completed (a mark written
+//! with the sync that covers its bytes could reach the disk before them), and a slot torn by a
+//! crash leaves the other, one flush older. The mark trails by one flush: the records of the
+//! newest flush are below it only once a later flush (with later records) has written it.
+//!
+//! Opening the newest segment takes the higher of the valid slots as the mark. A record that
+//! is cut off, fails its checksum, or is missing (zeros, a file cut short) *below* the mark is
+//! [`StorageError::LogDamagedBelowSynced`], and the store does not open: the node must be
+//! rebuilt from the cluster (removed, then started on an empty data directory with `--join`).
+//! Only at or above the mark is it a torn tail: the records from there on are dropped with a
+//! warning, the rest of the file is cleared, and the log goes on. Every segment but the newest
+//! was synced whole before the next was created, so any bad record in one is damage too, with
+//! the same error.
+//!
+//! ## Stores written before the mark
+//!
+//! Their segments begin `"RLSEG001" ‖ sequence u64` (16 bytes, records from there, no mark).
+//! They are read as before: such a segment, if newest, has the mark 0, so any bad record in it
+//! is a possible torn tail and dropped (with a warning that damage cannot be told from a torn
+//! write there). Opening then seals it (synced) and starts a new segment in the format above,
+//! so every record written from then on is covered by a mark. A release that does not know the
+//! mark refuses the new segments ("not a log segment (bad header)") instead of misreading them.
+//!
+//! The `log/` directory's entry in the store's directory is synced when `log/` is created, and
+//! a new segment file's entry in `log/` by the sync that follows its creation.
 //!
 //! A segment is deleted once every entry it holds is at or below the durable snapshot point
 //! (the caller says which point is durable), oldest first.
@@ -32,14 +68,24 @@ use std::fs::File;
 use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use super::codec::{decode_entry, push_run_entry, run_records, RUN_VERSION};
 use super::StorageError;
 use crate::raft::{Entry, Index, Term};
 
-const MAGIC: &[u8; 8] = b"RLSEG001";
-const SEGMENT_HEADER: u64 = 16;
+/// The magic of segments with a synced mark (see the module documentation).
+const MAGIC: &[u8; 8] = b"RLSEG002";
+/// The magic of segments written before the synced mark.
+const MAGIC_V1: &[u8; 8] = b"RLSEG001";
+/// Where records begin in a segment: after the magic, the sequence and two mark slots.
+pub(crate) const SEGMENT_HEADER: u64 = 48;
+/// Where records begin in a segment written before the synced mark.
+pub(crate) const SEGMENT_HEADER_V1: u64 = 16;
+/// The offsets of the two slots of the synced mark in a segment's header.
+const MARK_SLOTS: [u64; 2] = [16, 32];
+const MARK_BYTES: usize = 16;
 const FRAME: usize = 8;
 const KIND_RUN: u8 = 1;
 const KIND_RESET: u8 = 2;
@@ -61,12 +107,104 @@ struct Segment {
     file: Arc<File>,
     /// The highest index of any entry (or reset point) written to this segment.
     max_index: Index,
+    /// Where its records begin: [`SEGMENT_HEADER`], or [`SEGMENT_HEADER_V1`] for a segment
+    /// written before the synced mark.
+    header: u64,
+    /// Its synced mark; `None` for a segment written before the mark (never written to again:
+    /// opening seals it).
+    mark: Option<Arc<SyncedMark>>,
+}
+
+/// The synced mark of a segment (see the module documentation): what its syncs have covered,
+/// and what of that its header records. Shared with the syncs that run on another thread;
+/// only one sync runs at a time.
+struct SyncedMark {
+    seq: u64,
+    /// The end of the bytes covered by a completed sync.
+    synced: AtomicU64,
+    /// The highest mark written to a slot.
+    written: AtomicU64,
+    /// The slot the next mark goes to (0 or 1).
+    next_slot: AtomicUsize,
+}
+
+impl SyncedMark {
+    fn new(seq: u64, synced: u64, written: u64, next_slot: usize) -> Arc<Self> {
+        Arc::new(SyncedMark {
+            seq,
+            synced: AtomicU64::new(synced),
+            written: AtomicU64::new(written),
+            next_slot: AtomicUsize::new(next_slot),
+        })
+    }
+
+    /// Before a sync of `file`: writes the end that earlier syncs covered into the next slot,
+    /// if it moved since the last mark written, for this sync to make durable with the rest.
+    fn write_before_sync(&self, file: &File) -> Result<(), StorageError> {
+        let synced = self.synced.load(Ordering::Acquire);
+        if synced <= self.written.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let slot = self.next_slot.load(Ordering::Acquire) % 2;
+        file.write_all_at(&mark_bytes(self.seq, synced), MARK_SLOTS[slot])
+            .map_err(io("writing the log's synced mark"))?;
+        self.next_slot.store(1 - slot, Ordering::Release);
+        self.written.store(synced, Ordering::Release);
+        Ok(())
+    }
+
+    /// After a sync that covered the segment up to `end` completed.
+    fn synced_to(&self, end: u64) {
+        self.synced.fetch_max(end, Ordering::AcqRel);
+    }
+}
+
+/// One slot of the synced mark: the end `synced`, with a checksum that also covers the
+/// segment's sequence (so a slot copied from another segment does not pass).
+fn mark_bytes(seq: u64, synced: u64) -> [u8; MARK_BYTES] {
+    let mut slot = [0u8; MARK_BYTES];
+    slot[..8].copy_from_slice(&synced.to_be_bytes());
+    let crc = mark_crc(seq, synced);
+    slot[8..12].copy_from_slice(&crc.to_be_bytes());
+    slot
+}
+
+fn mark_crc(seq: u64, synced: u64) -> u32 {
+    let mut hasher = crc32fast::Hasher::new();
+    hasher.update(&seq.to_be_bytes());
+    hasher.update(&synced.to_be_bytes());
+    hasher.finalize()
+}
+
+/// What a mark slot holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum MarkSlot {
+    /// Never written.
+    Empty,
+    Valid(u64),
+    /// Fails its checksum: torn by a crash while it was rewritten, or damaged.
+    Bad,
+}
+
+fn read_mark_slot(seq: u64, slot: &[u8]) -> MarkSlot {
+    if slot.iter().all(|b| *b == 0) {
+        return MarkSlot::Empty;
+    }
+    let synced = u64::from_be_bytes(slot[..8].try_into().unwrap_or_default());
+    let crc = u32::from_be_bytes(slot[8..12].try_into().unwrap_or_default());
+    if crc == mark_crc(seq, synced) && slot[12..16] == [0; 4] {
+        MarkSlot::Valid(synced)
+    } else {
+        MarkSlot::Bad
+    }
 }
 
 /// A sync of the log taken off its owner's thread ([`SegmentLog::take_sync_job`]).
 #[derive(Default)]
 pub(crate) struct SegmentSync {
     file: Option<Arc<File>>,
+    /// The file's synced mark, and the end of what was written to it when the job was taken.
+    mark: Option<(Arc<SyncedMark>, u64)>,
     dir: Option<PathBuf>,
 }
 
@@ -76,6 +214,7 @@ impl SegmentSync {
     pub(crate) fn merge(&mut self, later: SegmentSync) {
         if later.file.is_some() {
             self.file = later.file;
+            self.mark = later.mark;
         }
         if later.dir.is_some() {
             self.dir = later.dir;
@@ -84,7 +223,13 @@ impl SegmentSync {
 
     pub(crate) fn run(&self) -> Result<(), StorageError> {
         if let Some(file) = &self.file {
+            if let Some((mark, _)) = &self.mark {
+                mark.write_before_sync(file)?;
+            }
             file.sync_data().map_err(io("syncing the log"))?;
+            if let Some((mark, end)) = &self.mark {
+                mark.synced_to(*end);
+            }
         }
         if let Some(dir) = &self.dir {
             sync_dir(dir)?;
@@ -123,6 +268,16 @@ fn corrupt(path: &Path, offset: u64, problem: impl Into<String>) -> StorageError
         tree: "log segment",
         key: format!("{} offset {offset}", path.display()),
         problem: problem.into(),
+    }
+}
+
+/// A record that was synced is bad: see [`StorageError::LogDamagedBelowSynced`].
+fn damaged(path: &Path, offset: u64, synced_to: u64, problem: &str) -> StorageError {
+    StorageError::LogDamagedBelowSynced {
+        file: path.display().to_string(),
+        offset,
+        synced_to,
+        problem: problem.to_string(),
     }
 }
 
@@ -166,6 +321,23 @@ fn sync_dir(dir: &Path) -> Result<(), StorageError> {
         .map_err(io("syncing the log's directory"))
 }
 
+/// Creates the log's directory if it is not there, and then syncs the directory that holds
+/// it, so that the new directory's entry survives a power cut (its segments' entries are in
+/// it and synced with it).
+fn create_log_dir(dir: &Path) -> Result<(), StorageError> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    std::fs::create_dir_all(dir).map_err(io("creating the log's directory"))?;
+    let parent = match dir.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => Path::new("."),
+    };
+    File::open(parent)
+        .and_then(|d| d.sync_all())
+        .map_err(io("syncing the store's directory after creating the log's"))
+}
+
 /// Reserves the segment's blocks up front, so that an `fdatasync` after a write has no file
 /// size or block allocation to record (about a third faster here). A filesystem that cannot
 /// preallocate just grows the file.
@@ -184,7 +356,7 @@ impl SegmentLog {
     /// Opens the segments in `dir` (creating the directory and a first segment if there are
     /// none) and replays them.
     pub(crate) fn open(dir: &Path, segment_bytes: u64) -> Result<Self, StorageError> {
-        std::fs::create_dir_all(dir).map_err(io("creating the log's directory"))?;
+        create_log_dir(dir)?;
         let mut log = SegmentLog {
             dir: dir.to_path_buf(),
             segment_bytes: segment_bytes.max(SEGMENT_HEADER + 64),
@@ -207,6 +379,16 @@ impl SegmentLog {
             let last = i + 1 == seqs.len();
             log.replay_segment(seq, last)?;
         }
+        if log.segments.back().is_some_and(|s| s.mark.is_none()) {
+            // A segment written before the synced mark: sealed here, so that everything written
+            // from now on goes to a segment that has one.
+            tracing::info!(
+                "the log's newest segment has no synced mark (written by an older release); \
+                 it is sealed and the log goes on in a new segment that has one"
+            );
+            log.roll()?;
+            log.sync()?;
+        }
         Ok(log)
     }
 
@@ -224,6 +406,7 @@ impl SegmentLog {
             .map_err(io("creating a log segment"))?;
         let mut header = MAGIC.to_vec();
         header.extend_from_slice(&seq.to_be_bytes());
+        header.resize(SEGMENT_HEADER as usize, 0);
         file.write_all_at(&header, 0)
             .map_err(io("writing a log segment's header"))?;
         preallocate(&file, SEGMENT_HEADER, self.segment_bytes);
@@ -231,6 +414,8 @@ impl SegmentLog {
             seq,
             file: Arc::new(file),
             max_index: 0,
+            header: SEGMENT_HEADER,
+            mark: Some(SyncedMark::new(seq, SEGMENT_HEADER, SEGMENT_HEADER, 0)),
         });
         self.write_offset = SEGMENT_HEADER;
         self.dir_unsynced = true;
@@ -239,8 +424,9 @@ impl SegmentLog {
     }
 
     /// Reads one segment and replays its records. In the newest segment (`last`) the first
-    /// record that is cut off or fails its checksum ends the log, and what follows it is
-    /// cleared; in any other it is an error.
+    /// record at or above its synced mark that is cut off or fails its checksum ends the log,
+    /// and what follows it is cleared; below the mark, or in any other segment, it is
+    /// [`StorageError::LogDamagedBelowSynced`].
     fn replay_segment(&mut self, seq: u64, last: bool) -> Result<(), StorageError> {
         let path = self.path(seq);
         let file = std::fs::OpenOptions::new()
@@ -252,10 +438,12 @@ impl SegmentLog {
         (&file)
             .read_to_end(&mut bytes)
             .map_err(io("reading a log segment"))?;
-        if bytes.len() < SEGMENT_HEADER as usize
-            || &bytes[..8] != MAGIC
-            || bytes[8..16] != seq.to_be_bytes()
-        {
+        let header = match bytes.get(..8) {
+            Some(magic) if magic == MAGIC => SEGMENT_HEADER,
+            Some(magic) if magic == MAGIC_V1 => SEGMENT_HEADER_V1,
+            _ => 0,
+        };
+        if header == 0 || bytes.len() < header as usize || bytes[8..16] != seq.to_be_bytes() {
             if last && bytes.iter().all(|b| *b == 0) {
                 // Created, but its header never reached the disk: nothing was written to it.
                 drop(file);
@@ -265,49 +453,112 @@ impl SegmentLog {
             }
             return Err(corrupt(&path, 0, "not a log segment (bad header)"));
         }
+        // The synced mark: below it every record was synced. Only the newest segment's
+        // matters; every other one was synced whole before the next was created.
+        let slots = if header == SEGMENT_HEADER {
+            MARK_SLOTS.map(|at| read_mark_slot(seq, &bytes[at as usize..at as usize + MARK_BYTES]))
+        } else {
+            [MarkSlot::Empty; 2]
+        };
+        let valid = |slot: MarkSlot| match slot {
+            MarkSlot::Valid(end) => Some(end),
+            _ => None,
+        };
+        let mark_on_disk = slots.iter().filter_map(|s| valid(*s)).max().unwrap_or(0);
+        if last && slots.contains(&MarkSlot::Bad) {
+            tracing::warn!(
+                segment = %path.display(),
+                mark = mark_on_disk,
+                "a slot of the log's synced mark fails its checksum (a crash while it was \
+                 rewritten, or damage); the other slot is used"
+            );
+        }
+        let mark = if last { mark_on_disk } else { 0 };
         let mut segment = Segment {
             seq,
             file: Arc::new(file),
             max_index: 0,
+            header,
+            mark: None,
         };
-        let mut offset = SEGMENT_HEADER as usize;
+        let mut offset = header as usize;
         let end = loop {
             let rest = &bytes[offset..];
+            let at = offset as u64;
             if rest.len() < FRAME {
+                if at < mark {
+                    return Err(damaged(
+                        &path,
+                        at,
+                        mark,
+                        "the segment ends before its synced mark",
+                    ));
+                }
                 break offset;
             }
             let len = u32::from_be_bytes(rest[..4].try_into().unwrap_or_default()) as usize;
             let crc = u32::from_be_bytes(rest[4..8].try_into().unwrap_or_default());
             if len == 0 && crc == 0 {
+                if at < mark {
+                    return Err(damaged(
+                        &path,
+                        at,
+                        mark,
+                        "records below the synced mark are gone (zeros where they were)",
+                    ));
+                }
                 break offset;
             }
             let whole = rest.len() >= FRAME + len
                 && crc32fast::hash(&rest[FRAME..FRAME + len]) == crc
                 && len > 0;
             if !whole {
-                if last {
-                    break offset;
+                if !last {
+                    return Err(damaged(
+                        &path,
+                        at,
+                        bytes.len() as u64,
+                        "a record is cut off or fails its checksum in a segment that is not the \
+                         newest (synced whole before the next one was begun)",
+                    ));
                 }
-                return Err(corrupt(
-                    &path,
-                    offset as u64,
-                    "a record is cut off or fails its checksum in a segment that is not the newest",
-                ));
+                if at < mark {
+                    return Err(damaged(
+                        &path,
+                        at,
+                        mark,
+                        "a record below the synced mark is cut off or fails its checksum",
+                    ));
+                }
+                break offset;
             }
             let body = &rest[FRAME..FRAME + len];
-            self.replay_record(&mut segment, offset as u64 + FRAME as u64, body)
-                .map_err(|problem| corrupt(&path, offset as u64, problem))?;
+            self.replay_record(&mut segment, at + FRAME as u64, body)
+                .map_err(|problem| corrupt(&path, at, problem))?;
             offset += FRAME + len;
         };
         if last {
             let discarded = bytes[end..].iter().filter(|b| **b != 0).count();
             if discarded > 0 {
-                tracing::warn!(
-                    segment = %path.display(),
-                    offset = end,
-                    "the log's newest segment ends with bytes that are not whole records (writes \
-                     cut off by a crash, never acknowledged); they are cleared"
-                );
+                if header == SEGMENT_HEADER {
+                    tracing::warn!(
+                        segment = %path.display(),
+                        offset = end,
+                        synced_mark = mark,
+                        "the log's newest segment ends, above its synced mark, with bytes that \
+                         are not whole records (writes cut off by a crash, never \
+                         acknowledged); they are cleared"
+                    );
+                } else {
+                    tracing::warn!(
+                        segment = %path.display(),
+                        offset = end,
+                        "the log's newest segment, written by a release without the synced \
+                         mark, ends with bytes that are not whole records; they are taken for \
+                         writes cut off by a crash and cleared (damage to synced records cannot \
+                         be told from that in such a segment)"
+                    );
+                }
             }
             // Whatever follows the last whole record goes, so that no stale record can line
             // up behind a later one.
@@ -321,6 +572,21 @@ impl SegmentLog {
                 .sync_all()
                 .map_err(io("syncing a log segment"))?;
             self.write_offset = end as u64;
+            if header == SEGMENT_HEADER {
+                // Everything up to `end` is synced now; the next sync's mark says so. The slot
+                // that does not hold the mark on disk is rewritten first.
+                let next_slot = match slots {
+                    [MarkSlot::Valid(a), MarkSlot::Valid(b)] => usize::from(a > b),
+                    [MarkSlot::Valid(_), _] => 1,
+                    _ => 0,
+                };
+                segment.mark = Some(SyncedMark::new(
+                    seq,
+                    end as u64,
+                    mark_on_disk.max(SEGMENT_HEADER),
+                    next_slot,
+                ));
+            }
         }
         self.segments.push_back(segment);
         Ok(())
@@ -474,9 +740,8 @@ impl SegmentLog {
         let crc = crc32fast::hash(&buf[FRAME..]);
         buf[..4].copy_from_slice(&len.to_be_bytes());
         buf[4..FRAME].copy_from_slice(&crc.to_be_bytes());
-        if self.write_offset > SEGMENT_HEADER
-            && self.write_offset + buf.len() as u64 > self.segment_bytes
-        {
+        let header = self.current()?.header;
+        if self.write_offset > header && self.write_offset + buf.len() as u64 > self.segment_bytes {
             self.roll()?;
         }
         let offset = self.write_offset;
@@ -550,10 +815,13 @@ impl SegmentLog {
     pub(crate) fn take_sync_job(&mut self) -> SegmentSync {
         let mut job = SegmentSync::default();
         if std::mem::take(&mut self.unsynced) {
-            job.file = self
-                .segments
-                .back()
-                .map(|segment| Arc::clone(&segment.file));
+            if let Some(segment) = self.segments.back() {
+                job.file = Some(Arc::clone(&segment.file));
+                job.mark = segment
+                    .mark
+                    .as_ref()
+                    .map(|mark| (Arc::clone(mark), self.write_offset));
+            }
         }
         if std::mem::take(&mut self.dir_unsynced) {
             job.dir = Some(self.dir.clone());

@@ -879,7 +879,9 @@ impl SledStorage {
         Ok(())
     }
 
-    /// Steps 1 and 2 of [`SledStorage::install`].
+    /// Steps 1 and 2 of [`SledStorage::install`]. An install still under way is finished
+    /// first (its bytes are all `staging` keeps: they may go only once its state is written),
+    /// and then `data` is staged whatever `staged` says.
     fn start_install(
         &mut self,
         meta: &SnapshotMeta,
@@ -887,6 +889,8 @@ impl SledStorage {
         staged: bool,
     ) -> Result<(), StorageError> {
         let cursor = snapshot_pairs(&data)?.cursor(&data);
+        let staged = staged && self.pending_install.is_none();
+        self.finish_pending_install()?;
         if !staged {
             self.stage_whole(meta, &data)?;
         }
@@ -897,6 +901,18 @@ impl SledStorage {
             cursor,
             cleared: false,
         });
+        Ok(())
+    }
+
+    /// Writes the rest of an install under way, if any, and removes its staged bytes.
+    fn finish_pending_install(&mut self) -> Result<(), StorageError> {
+        if let Some(pending) = &self.pending_install {
+            tracing::info!(
+                index = pending.meta.index,
+                "finishing the install under way before the next snapshot's"
+            );
+            while !self.continue_install(usize::MAX)? {}
+        }
         Ok(())
     }
 
@@ -1162,11 +1178,16 @@ impl SledStorage {
             decode_index_term(&mark).map_err(|e| e.at("meta", "installing".into()))?;
         let staged = self.read_staged()?;
         let Some((meta, data)) = staged.filter(|(m, _)| m.index == index && m.term == term) else {
+            // Releases before the transfer was refused during an install let a newer
+            // transfer replace the bytes an install needed. The snapshot point has moved and
+            // the state is half written: nothing here can finish it.
             return Err(StorageError::Engine {
                 action: "finishing an interrupted snapshot install",
                 detail: format!(
                     "meta/installing names the snapshot at index {index} term {term}, but \
-                     staging does not hold it"
+                     staging does not hold it, so the install cannot be finished. Rebuild the \
+                     node from the cluster: remove it (`lockctl members remove --id <this \
+                     node's id>`), then start it on an empty data directory with --join"
                 ),
             });
         };
@@ -1454,6 +1475,8 @@ impl Storage for SledStorage {
         meta: &SnapshotMeta,
         data: &Bytes,
     ) -> Result<(), StorageError> {
+        // An install still under way is finished first; that empties `staging`.
+        self.finish_pending_install()?;
         let staged = self.holds_staged(meta, data.len() as u64)?;
         self.start_install(meta, data.clone(), staged)
     }
@@ -1462,7 +1485,10 @@ impl Storage for SledStorage {
         SledStorage::continue_install(self, max_pairs)
     }
 
+    /// Refused while an install is under way: its snapshot's bytes are in `staging`, where the
+    /// next open finds them if a crash interrupts it (see [`SledStorage::install`]).
     fn begin_snapshot(&mut self, meta: &SnapshotMeta) -> Result<(), StorageError> {
+        self.check_no_install("staging a snapshot transfer")?;
         self.staged_bytes = None;
         self.sled_unsynced = true;
         self.staging
@@ -1477,6 +1503,7 @@ impl Storage for SledStorage {
     }
 
     fn write_snapshot_chunk(&mut self, offset: u64, chunk: &[u8]) -> Result<(), StorageError> {
+        self.check_no_install("staging a snapshot chunk")?;
         if self.staging.get(STAGING_META).ok().flatten().is_none() {
             return Err(StorageError::NoSnapshotInProgress);
         }
@@ -1499,6 +1526,7 @@ impl Storage for SledStorage {
     }
 
     fn finish_snapshot(&mut self) -> Result<SnapshotMeta, StorageError> {
+        self.check_no_install("finishing a snapshot transfer")?;
         let Some((meta, data)) = self.read_staged()? else {
             return Err(StorageError::NoSnapshotInProgress);
         };
