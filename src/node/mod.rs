@@ -3569,7 +3569,8 @@ mod lifecycle_in_the_node {
         c.core(1).peer_version(3, 0);
         assert!(c.core(1).runs_older_version(3));
         let now = c.now;
-        c.core(1).client_request(now, acquire("rolled-back"), 1, 9);
+        c.core(1)
+            .client_request(now, super::drive_halves::acquire("rolled-back"), 1, 9);
         c.core(1).drive().unwrap();
         c.settle([]);
         c.tick_leader(5);
