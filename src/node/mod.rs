@@ -3559,6 +3559,67 @@ mod lifecycle_in_the_node {
         assert_eq!(c.core(1).known_members()[&3].incarnation, 33);
     }
 
+    /// Asks node `to` for its PreVote in a later term (which changes no term), from node 2
+    /// with a long log; returns whether it was granted.
+    fn grants_vote(c: &mut Cluster, to: NodeId) -> bool {
+        let term = c.core(to).raft().term() + 1;
+        let now = c.now;
+        c.core(to).take_effects();
+        c.core(to).step(
+            now,
+            Message {
+                from: 2,
+                to,
+                term,
+                body: crate::raft::MessageBody::Vote {
+                    pre_vote: true,
+                    last_log_index: 1_000,
+                    last_log_term: term,
+                    leadership_transfer: true,
+                },
+            },
+        );
+        c.core(to).drive().unwrap();
+        c.core(to).take_effects().into_iter().any(|e| {
+            matches!(
+                e,
+                Effect::Send(Message {
+                    body: crate::raft::MessageBody::VoteResponse { granted: true, .. },
+                    ..
+                })
+            )
+        })
+    }
+
+    #[test]
+    fn a_node_on_a_new_data_directory_votes_only_once_its_log_admits_it() {
+        // Every node of this harness says incarnation 77: node 3's record (3) is an earlier
+        // incarnation, as after a lost disk.
+        let settings = NodeSettings {
+            identity: info(0, 77),
+            ..NodeSettings::default()
+        };
+        let mut c = named_cluster(settings);
+        c.core(3).set_awaiting_admission(true);
+        assert!(c.core(3).is_awaiting_admission());
+        assert!(!c.core(3).raft().in_elections());
+        assert!(!grants_vote(&mut c, 3), "voted before its admission");
+        // The leader replaces the old incarnation and records the new one.
+        assert_eq!(c.core(1).join(3, info(3, 77)), Ok(JoinOutcome::Replacing));
+        c.tick_leader(10);
+        assert_eq!(c.core(1).join(3, info(3, 77)), Ok(JoinOutcome::Accepted));
+        c.tick_leader(10);
+        c.tick(3);
+        assert!(
+            !c.core(3).is_awaiting_admission(),
+            "its record is in its log"
+        );
+        assert!(c.core(3).raft().in_elections());
+        assert!(grants_vote(&mut c, 3), "an admitted node votes");
+        // And the leader promoted it only once its log held that record.
+        assert!(c.core(1).raft().membership().voters.contains(&3));
+    }
+
     #[test]
     fn a_member_rolled_back_to_an_older_build_is_not_heard_until_it_runs_a_current_one() {
         let mut c = named_cluster(NodeSettings::default());

@@ -656,27 +656,6 @@ fn readmitted_members_do_not_vote_before_their_admission() {
 }
 
 #[test]
-#[ignore = "a search: how many seeds the admission_ignored switch alone takes to be caught"]
-fn search_admission_ignored() {
-    for (nodes, intensity) in [(3, 3), (5, 1), (3, 1)] {
-        for seed in 0..1500 {
-            let mut cfg = SimConfig::new(seed, nodes);
-            cfg.crash_intensity = intensity;
-            cfg.node_bugs = NodeBugs {
-                admission_ignored: true,
-                ..NodeBugs::default()
-            };
-            if let Some((_, v)) = run_seed(cfg).violation {
-                println!(
-                    "admission_ignored: seed {seed} nodes {nodes} intensity {intensity}: {}",
-                    v.invariant
-                );
-            }
-        }
-    }
-}
-
-#[test]
 fn caught_promoted_before_admission() {
     // A learner promoted before its log holds the record of its incarnation is a voter that
     // stays out of elections: a cluster that needs its vote never elects again.
