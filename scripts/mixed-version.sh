@@ -4,7 +4,10 @@
 # its data with NEW, and loaded again. Prints each load's result and each node's
 # raftlock_peer_streams_opened_total, and fails if a load had errors or, when OLD is a RaftLock
 # without plain Raft streams, if the new nodes did not reach node 1 over gRPC before its upgrade
-# and over plain streams after it.
+# and over plain streams after it. Then, with every node on NEW (so the cluster raises its
+# version), node 1 is rolled back to OLD on its data: the other two must keep serving (the load
+# goes to them only) and say that node 1 runs an older RaftLock, whose messages they ignore
+# until it runs NEW again; last, node 1 on NEW again, loaded with all three.
 #
 #   scripts/mixed-version.sh OLD_LOCK_NODE [NEW_LOCK_NODE] [OLD_HAS_PLAIN_STREAMS=no]
 #
@@ -57,4 +60,18 @@ start 1 "$NEW"; sleep 4
 load; show
 to_new=$(( $(opened 2 1 plain) + $(opened 3 1 plain) ))
 [ "$to_new" -gt 0 ] || { echo "FAIL: no plain stream to node 1 after its upgrade"; exit 1; }
+version() { curl -s "127.0.0.1:${P[$(($1 + 2))]}/status" | sed -n 's/.*"clusterVersion":\([0-9]*\).*/\1/p'; }
+echo "== every node on NEW: cluster version $(version 2)"
+echo "== node 1 rolled back to $OLD after the version was raised"
+kill -9 "$(cat "$D/pid1")"; sleep 1
+start 1 "$OLD"; sleep 4
+E="127.0.0.1:${P[4]},127.0.0.1:${P[5]}" load
+if ! grep -q "runs an older RaftLock" "$D/n2.log" "$D/n3.log"; then
+  echo "note: no node said node 1 runs an older RaftLock (OLD says the cluster's version, or it did not start: see below)"
+  tail -3 "$D/n1.log"
+fi
+echo "== node 1 on $NEW again"
+kill -9 "$(cat "$D/pid1")"; sleep 1
+start 1 "$NEW"; sleep 4
+load
 echo "OK"
