@@ -33,7 +33,7 @@ fn tool_available(name: &str) -> bool {
     found
 }
 
-/// Names every node must export (the README lists them).
+/// Names every node must export (docs/observability.md lists them).
 const REQUIRED: &[&str] = &[
     "raftlock_term",
     "raftlock_is_leader",
@@ -652,7 +652,7 @@ async fn prometheus_scrapes_the_cluster() {
 
     // Every panel draws something from this run: a range query over the whole run returns at
     // least one finite point for one of the panel's queries. The answers are kept for
-    // scripts/plot-panels.py, which draws the README's picture of the key panels.
+    // scripts/plot-panels.py, which draws docs/observability.md's picture of the key panels.
     let end = unix_seconds();
     let begin = end - started.elapsed().as_secs_f64() - 5.0;
     let mut empty = Vec::new();
@@ -823,16 +823,14 @@ fn span_names() -> Vec<String> {
     names
 }
 
-/// The README's observability section has one table row per metric, span and alert.
+/// docs/observability.md has one table row per metric, span and alert.
 #[test]
-fn readme_lists_every_metric_span_and_alert() {
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).expect("README");
-    let start = readme
-        .find("\n## Observability")
-        .expect("an Observability section");
-    let section = &readme[start + 1..];
-    let section = &section[..section[3..].find("\n## ").map_or(section.len(), |e| e + 3)];
+fn observability_doc_lists_every_metric_span_and_alert() {
+    let section = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/docs/observability.md"
+    ))
+    .expect("docs/observability.md");
     let rows: Vec<&str> = section
         .lines()
         .filter_map(|l| l.strip_prefix("| `"))
@@ -853,7 +851,7 @@ fn readme_lists_every_metric_span_and_alert() {
         .collect();
     assert!(
         missing.is_empty(),
-        "README's Observability section has no row for {missing:?}"
+        "docs/observability.md has no row for {missing:?}"
     );
     let unknown: Vec<&&str> = rows
         .iter()
@@ -867,6 +865,6 @@ fn readme_lists_every_metric_span_and_alert() {
         .collect();
     assert!(
         unknown.is_empty(),
-        "README's Observability section lists what does not exist: {unknown:?}"
+        "docs/observability.md lists what does not exist: {unknown:?}"
     );
 }
