@@ -128,7 +128,7 @@ impl ClientBuilder {
 
     /// Whether the client acknowledges the answers it received (`ackBelow`), so that the
     /// cluster forgets them at once instead of keeping each for its retention (which caps a
-    /// cluster's sustained request rate; README, *Acknowledging answers*). Request ids are then
+    /// cluster's sustained request rate; docs/protocol.md, *Acknowledging answers*). Request ids are then
     /// plain numbers from one counter of this client. Default: on with the default client id,
     /// which no other process uses; off with an explicit [`ClientBuilder::client_id`], since two
     /// processes running with one client id at the same time would number their requests alike

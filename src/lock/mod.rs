@@ -1,6 +1,6 @@
 //! The lock state machine: FIFO locks with TTLs, one cluster-wide fencing sequence, exactly-once
 //! requests and a replicated key-value store — a pure, deterministic function of the committed
-//! log (README: "What RaftLock guarantees").
+//! log (docs/guarantees.md).
 //!
 //! It never does I/O, never reads a clock and never draws randomness: every replica applying the
 //! same log reaches byte-identical state. Leases are enforced by the leader proposing `Expire`.

@@ -1,6 +1,6 @@
 //! Tests of the lock state machine: a model-based test against a small reference model, with
 //! snapshot/restore and restarts mixed in; determinism (same log, same bytes; restore from a
-//! snapshot at every index); and one targeted test per guarantee the README states.
+//! snapshot at every index); and one targeted test per guarantee docs/guarantees.md states.
 //!
 //! Randomness comes from a seeded splitmix64 so every failure names its seed and replays exactly.
 
@@ -47,7 +47,7 @@ struct MWaiter {
     ttl: u64,
 }
 
-/// The lock rules (README: "What RaftLock guarantees") written as plainly as possible,
+/// The lock rules (docs/guarantees.md) written as plainly as possible,
 /// independently of `machine.rs`.
 #[derive(Clone, Debug, Default)]
 struct Model {

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use crate::lock::FencingToken;
 use crate::raft::NodeId;
 
-/// The closed set of error codes a client can receive (README: "Wire protocols").
+/// The closed set of error codes a client can receive (docs/protocol.md, *Errors*).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum ErrorCode {

@@ -1655,7 +1655,7 @@ impl<S: Storage, R> NodeCore<S, R> {
 
     /// On election (or a snapshot installed while leading): every held lock gets a full TTL
     /// from now, every queued waiter its wait timeout or a reclaim window from now, whichever is
-    /// longer, in which its client can re-attach (README: "What RaftLock guarantees").
+    /// longer, in which its client can re-attach (docs/guarantees.md).
     ///
     /// The locks are visited `rebuild_keys_per_tick` at a time, the rest on the following ticks,
     /// so that a leader of a million locks does not fall silent for longer than an election

@@ -111,8 +111,8 @@ struct Args {
     /// Refuse signed client tokens that expire further ahead than this (e.g. 24h).
     #[arg(long)]
     client_jwt_max_lifetime: Option<String>,
-    /// Identities, their bearer tokens and rights on the client port (JSON; see the README's
-    /// security section). Without it the client port takes requests from anyone.
+    /// Identities, their bearer tokens and rights on the client port (JSON; see
+    /// docs/security.md). Without it the client port takes requests from anyone.
     #[arg(long)]
     client_auth_file: Option<String>,
     /// A secret shared with the data store: grants and renewals then carry a MAC of their

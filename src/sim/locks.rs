@@ -306,7 +306,7 @@ impl LockChecker {
     }
 }
 
-/// The answers the README says the exactly-once table keeps, written out here rather than
+/// The answers docs/guarantees.md says the exactly-once table keeps, written out here rather than
 /// taken from the state machine, so that the history check holds the machine to the document:
 /// for a request sent with `ackBelow` (`Sequenced`) every answer but a refusal of the request
 /// itself; for a plain one, the answers that changed something.

@@ -1,4 +1,4 @@
-//! The Prometheus metrics of a lock node (listed in the README). Names are fixed: the Grafana
+//! The Prometheus metrics of a lock node (listed in docs/observability.md). Names are fixed: the Grafana
 //! dashboard (`deploy/grafana`) and the chart's alert rules use exactly these. Base units, `_total` for counters, prefix
 //! `raftlock_`.
 

@@ -1152,7 +1152,7 @@ async fn locks_part(n: u64, base: &Path, run: &str) -> Result<Value, String> {
     // Wipe: SIGKILL the other follower and delete its data directory. First it is started
     // again as it was (same id, `--initial-cluster`), which Raft does not allow for (a voter
     // never loses its log): for a bounded time, see whether it catches up. Then the documented
-    // way (README: a voter whose data was lost is removed before it joins again): remove it
+    // way (docs/operations.md, start modes: a voter whose data was lost is removed before it joins again): remove it
     // through the leader's peer port and start it with `--join`; it must catch up by installing
     // a snapshot from the leader.
     let f2 = followers[1];
