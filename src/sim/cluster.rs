@@ -1572,7 +1572,10 @@ impl Cluster {
             _ => false,
         };
         if self.cfg.trace && damaged {
-            eprintln!("t={} node {id} crashes with a damaged log sector", self.now_us);
+            eprintln!(
+                "t={} node {id} crashes with a damaged log sector",
+                self.now_us
+            );
         }
         self.start_or_decide(id);
     }

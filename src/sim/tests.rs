@@ -701,11 +701,17 @@ fn segments_on_a_simulated_disk_survive_power_cuts_torn_writes_and_bad_sectors()
         let mut cfg = SimConfig::new(seed, 3);
         cfg.segments_disk = true;
         let outcome = run_clean(&cfg);
-        assert!(outcome.stats.committed > 0, "seed {seed}: nothing committed");
+        assert!(
+            outcome.stats.committed > 0,
+            "seed {seed}: nothing committed"
+        );
         total.add(&outcome.stats);
     }
     assert!(total.power_cuts > 0, "no power cut: {total:?}");
     assert!(total.torn_writes > 0, "no torn write: {total:?}");
     assert!(total.corrupt_sectors > 0, "no corrupt sector: {total:?}");
-    assert!(total.damaged_disks > 0, "no damaged disk found at a restart: {total:?}");
+    assert!(
+        total.damaged_disks > 0,
+        "no damaged disk found at a restart: {total:?}"
+    );
 }

@@ -347,7 +347,10 @@ impl SimFile {
 impl LogFile for SimFile {
     fn write_all_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
         self.with(|state, ino| {
-            let inode = state.inodes.get_mut(&ino).ok_or_else(|| io::Error::other("the file is gone"))?;
+            let inode = state
+                .inodes
+                .get_mut(&ino)
+                .ok_or_else(|| io::Error::other("the file is gone"))?;
             let at = offset as usize;
             if inode.current.len() < at + buf.len() {
                 inode.current.resize(at + buf.len(), 0);
@@ -360,7 +363,10 @@ impl LogFile for SimFile {
 
     fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         self.with(|state, ino| {
-            let inode = state.inodes.get(&ino).ok_or_else(|| io::Error::other("the file is gone"))?;
+            let inode = state
+                .inodes
+                .get(&ino)
+                .ok_or_else(|| io::Error::other("the file is gone"))?;
             let at = offset as usize;
             match inode.current.get(at..at + buf.len()) {
                 Some(bytes) => {
@@ -376,7 +382,13 @@ impl LogFile for SimFile {
     }
 
     fn read_all(&self) -> io::Result<Vec<u8>> {
-        self.with(|state, ino| Ok(state.inodes.get(&ino).map(|i| i.current.clone()).unwrap_or_default()))
+        self.with(|state, ino| {
+            Ok(state
+                .inodes
+                .get(&ino)
+                .map(|i| i.current.clone())
+                .unwrap_or_default())
+        })
     }
 
     fn set_len(&self, len: u64) -> io::Result<()> {

@@ -304,7 +304,10 @@ impl MemStorage {
     }
 
     /// [`Storage::recover`] with the log `entries` (a store that keeps the log elsewhere).
-    pub(crate) fn recover_with_log(&self, entries: Vec<Entry>) -> Result<RecoveredState, StorageError> {
+    pub(crate) fn recover_with_log(
+        &self,
+        entries: Vec<Entry>,
+    ) -> Result<RecoveredState, StorageError> {
         if let Some(detail) = &self.broken {
             return Err(StorageError::Engine {
                 action: "finishing an interrupted snapshot install",

@@ -215,16 +215,19 @@ pub(crate) fn damage_range(path: &Path, bytes: &[u8], newest: bool) -> std::ops:
     let end = if newest {
         MARK_SLOTS
             .iter()
-            .filter_map(
-                |&at| match read_mark_slot(seq, &bytes[at as usize..at as usize + MARK_BYTES]) {
+            .filter_map(|&at| {
+                match read_mark_slot(seq, &bytes[at as usize..at as usize + MARK_BYTES]) {
                     MarkSlot::Valid(end) => Some(end),
                     _ => None,
-                },
-            )
+                }
+            })
             .max()
             .unwrap_or(0)
     } else {
-        bytes.iter().rposition(|b| *b != 0).map_or(0, |at| at as u64 + 1)
+        bytes
+            .iter()
+            .rposition(|b| *b != 0)
+            .map_or(0, |at| at as u64 + 1)
     };
     SEGMENT_HEADER..end.min(bytes.len() as u64)
 }
@@ -269,7 +272,8 @@ impl SegmentSync {
             }
         }
         if let Some((fs, dir)) = &self.dir {
-            fs.sync_dir(dir).map_err(io("syncing the log's directory"))?;
+            fs.sync_dir(dir)
+                .map_err(io("syncing the log's directory"))?;
         }
         Ok(())
     }

@@ -460,12 +460,10 @@ impl Storage for SimSegmentsStorage {
                 snapshot_index: meta.index,
             });
         }
-        self.log()?
-            .term(index)
-            .ok_or(StorageError::Unavailable {
-                index,
-                last_index: self.last_index(),
-            })
+        self.log()?.term(index).ok_or(StorageError::Unavailable {
+            index,
+            last_index: self.last_index(),
+        })
     }
 
     fn first_index(&self) -> Index {
@@ -552,7 +550,10 @@ mod tests {
         assert_eq!(disk.durable_bytes(&dir.join("a")).unwrap(), b"synced");
         let a = disk.open(&dir.join("a")).unwrap();
         assert_eq!(a.read_all().unwrap(), b"synced");
-        assert!(disk.open(&dir.join("b")).is_err(), "b's entry was never synced");
+        assert!(
+            disk.open(&dir.join("b")).is_err(),
+            "b's entry was never synced"
+        );
         assert_eq!(disk.stats().power_cuts, 1);
     }
 
@@ -615,7 +616,10 @@ mod tests {
             }
             store.crash();
             assert_eq!(store.recover().unwrap().last_index(), 40);
-            assert!(store.corrupt_synced_sector(), "seed {seed}: nothing to damage");
+            assert!(
+                store.corrupt_synced_sector(),
+                "seed {seed}: nothing to damage"
+            );
             assert!(store.log_damaged(), "seed {seed}");
             assert!(
                 matches!(
