@@ -51,6 +51,14 @@ struct Args {
     /// Disable the lifecycle faults (every node restarted at once, a node's disk wiped).
     #[arg(long)]
     no_lifecycle: bool,
+    /// Keep every node's Raft log in the segments engine on a simulated disk: crashes are
+    /// power cuts that may tear the last unsynced write, and synced sectors now and then go bad.
+    #[arg(long)]
+    segments_disk: bool,
+    /// With --segments-disk: the chance per event, in parts per million, of a damaged synced
+    /// sector on a member whose peers hold every committed entry.
+    #[arg(long, default_value_t = 400)]
+    corrupt_sector_ppm: u32,
 }
 
 fn main() -> ExitCode {
@@ -68,6 +76,8 @@ fn main() -> ExitCode {
         cfg.crash_intensity = args.crash_intensity;
         cfg.background_flushes = args.background_flushes;
         cfg.lifecycle = !args.no_lifecycle;
+        cfg.segments_disk = args.segments_disk;
+        cfg.corrupt_sector_ppm = args.corrupt_sector_ppm;
         cfg.trace = std::env::var_os("RAFTLOCK_SIM_TRACE").is_some();
         let outcome = run_seed(cfg.clone());
         total.add(&outcome.stats);
@@ -82,7 +92,7 @@ fn main() -> ExitCode {
         }
     }
     println!(
-        "sim: seeds={} violations={} elections={} leader_changes={} partitions={} crashes={} pauses={} membership_changes={} committed={} grants={} expiries={} snapshots={} compactions={} transfers={} history_ops={} hold_intervals_checked={} reads_checked={} linearizability_checks={} lin_unchecked={} client_expiries={} redirects={} retries={} log_ticks={} acknowledging={} acknowledged_refusals={} overlapped_readies={} nodes_at_cluster_version={}/{} restarts_all={} wipes={} wipes_bootstrap_alone={} bootstrap_waits={} replacements={} joins={}",
+        "sim: seeds={} violations={} elections={} leader_changes={} partitions={} crashes={} pauses={} membership_changes={} committed={} grants={} expiries={} snapshots={} compactions={} transfers={} history_ops={} hold_intervals_checked={} reads_checked={} linearizability_checks={} lin_unchecked={} client_expiries={} redirects={} retries={} log_ticks={} acknowledging={} acknowledged_refusals={} overlapped_readies={} nodes_at_cluster_version={}/{} restarts_all={} wipes={} wipes_bootstrap_alone={} bootstrap_waits={} replacements={} joins={} power_cuts={} torn_writes={} corrupt_sectors={} damaged_disks={}",
         args.seeds,
         violations,
         total.elections,
@@ -117,6 +127,10 @@ fn main() -> ExitCode {
         total.bootstrap_waits,
         total.replacements,
         total.joins,
+        total.power_cuts,
+        total.torn_writes,
+        total.corrupt_sectors,
+        total.damaged_disks,
     );
     if violations == 0 {
         ExitCode::SUCCESS

@@ -32,7 +32,7 @@ use crate::node::api::{ClientOp, ClientReply};
 use crate::node::lifecycle::{JoinOutcome, PeerAnswer, StartDecision};
 use crate::node::{Effect, NodeCore, NodeSettings, Observation};
 use crate::raft::{Config, Index, InitialState, Membership, Message, NodeId, Raft, Term};
-use crate::storage::{MemStorage, Storage, StorageError};
+use crate::storage::{MemStorage, SimDiskStats, SimSegmentsStorage, Storage, StorageError};
 
 /// What one simulation run does.
 #[derive(Clone, Debug)]
@@ -84,6 +84,15 @@ pub struct SimConfig {
     /// start decision lock-node makes (node 1, the bootstrap node, asks its peers; every other
     /// node joins).
     pub lifecycle: bool,
+    /// Every node keeps its Raft log in the segments engine's own code on a simulated disk
+    /// ([`SimSegmentsStorage`]) instead of [`MemStorage`]: a crash is a power cut that may tear
+    /// the last unsynced write, and now and then (see `corrupt_sector_ppm`) a synced sector
+    /// goes bad.
+    pub segments_disk: bool,
+    /// With `segments_disk` and lifecycle faults: the chance per event, in parts per million,
+    /// that a member whose peers hold every committed entry crashes with a damaged synced
+    /// sector in its log (found at its restart, which then treats the disk as lost).
+    pub corrupt_sector_ppm: u32,
     #[cfg(test)]
     pub bugs: crate::raft::config::Bugs,
     #[cfg(any(test, feature = "mutations"))]
@@ -108,6 +117,8 @@ impl SimConfig {
             trace: false,
             background_flushes: false,
             lifecycle: true,
+            segments_disk: false,
+            corrupt_sector_ppm: 400,
             #[cfg(test)]
             bugs: Default::default(),
             #[cfg(any(test, feature = "mutations"))]
@@ -159,6 +170,12 @@ pub struct SimStats {
     pub bootstrap_waits: u64,
     pub replacements: u64,
     pub joins: u64,
+    /// The simulated disks (`segments_disk`): power cuts, power cuts that tore a write, synced
+    /// sectors damaged, and restarts that found the damage and took the disk for lost.
+    pub power_cuts: u64,
+    pub torn_writes: u64,
+    pub corrupt_sectors: u64,
+    pub damaged_disks: u64,
 }
 
 impl SimStats {
@@ -195,6 +212,10 @@ impl SimStats {
         self.bootstrap_waits += other.bootstrap_waits;
         self.replacements += other.replacements;
         self.joins += other.joins;
+        self.power_cuts += other.power_cuts;
+        self.torn_writes += other.torn_writes;
+        self.corrupt_sectors += other.corrupt_sectors;
+        self.damaged_disks += other.damaged_disks;
     }
 }
 
@@ -207,7 +228,159 @@ pub struct SimOutcome {
     pub violation: Option<(u64, Violation)>,
 }
 
-type Core = NodeCore<MemStorage, ReplyTo>;
+type Core = NodeCore<SimStore, ReplyTo>;
+
+/// A node's disk: [`MemStorage`], or the segments engine on a simulated disk
+/// ([`SimConfig::segments_disk`]).
+pub enum SimStore {
+    Mem(MemStorage),
+    Segments(Box<SimSegmentsStorage>),
+}
+
+/// Calls the same method on whichever store it is.
+macro_rules! each_store {
+    ($store:expr, $s:ident => $call:expr) => {
+        match $store {
+            SimStore::Mem($s) => $call,
+            SimStore::Segments($s) => $call,
+        }
+    };
+}
+
+impl SimStore {
+    fn new(segments: bool, seed: u64) -> Self {
+        if segments {
+            SimStore::Segments(Box::new(SimSegmentsStorage::new(seed)))
+        } else {
+            SimStore::Mem(MemStorage::new())
+        }
+    }
+
+    fn set_background_flushes(&mut self, on: bool) {
+        each_store!(self, s => s.set_background_flushes(on))
+    }
+
+    fn has_pending_flushes(&self) -> bool {
+        each_store!(self, s => s.has_pending_flushes())
+    }
+
+    fn complete_flushes(&mut self) {
+        each_store!(self, s => s.complete_flushes())
+    }
+
+    fn arm_power_cut(&mut self, on_vote_only: bool) {
+        each_store!(self, s => s.arm_power_cut(on_vote_only))
+    }
+
+    fn disarm_power_cut(&mut self) {
+        each_store!(self, s => s.disarm_power_cut())
+    }
+
+    fn crash(&mut self) {
+        each_store!(self, s => s.crash())
+    }
+
+    fn disk_stats(&self) -> SimDiskStats {
+        match self {
+            SimStore::Mem(_) => SimDiskStats::default(),
+            SimStore::Segments(s) => s.disk_stats(),
+        }
+    }
+}
+
+impl Storage for SimStore {
+    fn recover(&self) -> Result<crate::storage::RecoveredState, StorageError> {
+        each_store!(self, s => s.recover())
+    }
+    fn append(&mut self, entries: &[crate::raft::Entry]) -> Result<(), StorageError> {
+        each_store!(self, s => s.append(entries))
+    }
+    fn set_hard_state(&mut self, hard_state: crate::raft::HardState) -> Result<(), StorageError> {
+        each_store!(self, s => s.set_hard_state(hard_state))
+    }
+    fn apply(
+        &mut self,
+        applied_index: Index,
+        changes: &[crate::storage::KvChange],
+    ) -> Result<(), StorageError> {
+        each_store!(self, s => s.apply(applied_index, changes))
+    }
+    fn install_snapshot(
+        &mut self,
+        meta: &crate::raft::SnapshotMeta,
+        data: &[u8],
+    ) -> Result<(), StorageError> {
+        each_store!(self, s => s.install_snapshot(meta, data))
+    }
+    fn begin_install(
+        &mut self,
+        meta: &crate::raft::SnapshotMeta,
+        data: &bytes::Bytes,
+    ) -> Result<(), StorageError> {
+        each_store!(self, s => s.begin_install(meta, data))
+    }
+    fn begin_install_staged(
+        &mut self,
+        meta: &crate::raft::SnapshotMeta,
+        data: &bytes::Bytes,
+    ) -> Result<(), StorageError> {
+        each_store!(self, s => s.begin_install_staged(meta, data))
+    }
+    fn continue_install(&mut self, max_pairs: usize) -> Result<bool, StorageError> {
+        each_store!(self, s => s.continue_install(max_pairs))
+    }
+    fn begin_snapshot(&mut self, meta: &crate::raft::SnapshotMeta) -> Result<(), StorageError> {
+        each_store!(self, s => s.begin_snapshot(meta))
+    }
+    fn write_snapshot_chunk(&mut self, offset: u64, chunk: &[u8]) -> Result<(), StorageError> {
+        each_store!(self, s => s.write_snapshot_chunk(offset, chunk))
+    }
+    fn finish_snapshot(&mut self) -> Result<crate::raft::SnapshotMeta, StorageError> {
+        each_store!(self, s => s.finish_snapshot())
+    }
+    fn build_snapshot(&self) -> Result<crate::raft::Snapshot, StorageError> {
+        each_store!(self, s => s.build_snapshot())
+    }
+    fn snapshot_job(&self) -> Result<crate::storage::SnapshotJob, StorageError> {
+        each_store!(self, s => s.snapshot_job())
+    }
+    fn snapshot_job_with(
+        &self,
+        convert: crate::storage::PairsConvert,
+    ) -> Result<crate::storage::SnapshotJob, StorageError> {
+        each_store!(self, s => s.snapshot_job_with(convert))
+    }
+    fn compact(&mut self, upto: Index) -> Result<(), StorageError> {
+        each_store!(self, s => s.compact(upto))
+    }
+    fn entries(&self, lo: Index, hi: Index) -> Result<Vec<crate::raft::Entry>, StorageError> {
+        each_store!(self, s => s.entries(lo, hi))
+    }
+    fn term(&self, index: Index) -> Result<Term, StorageError> {
+        each_store!(self, s => s.term(index))
+    }
+    fn first_index(&self) -> Index {
+        each_store!(self, s => s.first_index())
+    }
+    fn last_index(&self) -> Index {
+        each_store!(self, s => s.last_index())
+    }
+    fn applied_index(&self) -> Index {
+        each_store!(self, s => s.applied_index())
+    }
+    fn flush(&mut self) -> Result<(), StorageError> {
+        each_store!(self, s => s.flush())
+    }
+    fn start_flush(&mut self) -> Result<u64, StorageError> {
+        each_store!(self, s => s.start_flush())
+    }
+    fn flushed(&mut self) -> Result<u64, StorageError> {
+        each_store!(self, s => s.flushed())
+    }
+    fn wait_flushed(&mut self) -> Result<(), StorageError> {
+        each_store!(self, s => s.wait_flushed())
+    }
+}
 
 /// Largest drift of a node's clock from real time, in parts per million.
 pub const NODE_DRIFT_PPM: i64 = 5_000;
@@ -284,7 +457,7 @@ struct SimNode {
     id: NodeId,
     core: Option<Core>,
     /// The disk while the node is down.
-    disk: Option<MemStorage>,
+    disk: Option<SimStore>,
     initial_membership: Membership,
     tick_us: u64,
     next_tick_us: u64,
@@ -359,6 +532,10 @@ pub struct Cluster {
     lifecycle_rng: ChaCha8Rng,
     /// The cluster ids seen in any node's state: one per run.
     cluster_ids: BTreeSet<u128>,
+    /// Seeds the simulated disks and draws their damage (`segments_disk`).
+    disk_rng: ChaCha8Rng,
+    /// What the disks that were replaced (wiped) had counted.
+    retired_disks: SimDiskStats,
 }
 
 const MAX_MEMBERS: usize = 7;
@@ -386,6 +563,7 @@ impl Cluster {
         let max_batch_bytes = *[1, 100, 512, 4096].choose(&mut rng).expect("non-empty");
         let max_uncommitted_entries = *[6, 24, 100_000].choose(&mut rng).expect("non-empty");
         let lifecycle_rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ 0x6c69_6665_6379_636c);
+        let disk_rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ 0x6469_736b_7365_6773);
         let mut clients = SimClients::new(4, 3, 1, &mut rng);
         clients.trace = cfg.trace;
         let mut cluster = Cluster {
@@ -397,6 +575,8 @@ impl Cluster {
             figure8_rounds: 0,
             lifecycle_rng,
             cluster_ids: BTreeSet::new(),
+            disk_rng,
+            retired_disks: SimDiskStats::default(),
             healed_at: None,
             marker_done: false,
             max_inflight_appends,
@@ -422,12 +602,23 @@ impl Cluster {
         cluster
     }
 
+    /// An empty disk of the kind the run uses.
+    fn new_disk(&mut self) -> SimStore {
+        let seed = if self.cfg.segments_disk {
+            self.disk_rng.random()
+        } else {
+            0
+        };
+        SimStore::new(self.cfg.segments_disk, seed)
+    }
+
     fn add_node(&mut self, id: NodeId, initial_membership: Membership) {
+        let disk = self.new_disk();
         let tick_us = self.rng.random_range(8_000..=12_000);
         let node = SimNode {
             id,
             core: None,
-            disk: Some(MemStorage::new()),
+            disk: Some(disk),
             initial_membership,
             tick_us,
             next_tick_us: self.now_us + self.rng.random_range(0..tick_us),
@@ -523,7 +714,29 @@ impl Cluster {
         let settings = self.node_settings(id);
         let now = self.now_us;
         let node = self.nodes.get_mut(&id).expect("node exists");
-        let mut storage = node.disk.take().unwrap_or_default();
+        let Some(mut storage) = node.disk.take() else {
+            self.checker.violations.push(Violation {
+                invariant: "restart",
+                detail: format!("node {id} has no disk to start from"),
+            });
+            return;
+        };
+        if matches!(&storage, SimStore::Segments(s) if s.log_damaged()) {
+            // A damaged sector below the log's synced mark: the node must not open, and is
+            // rebuilt from the cluster on an empty disk (a corrupt sector is only injected
+            // where the other members hold every committed entry).
+            node.disk = Some(storage);
+            self.stats.damaged_disks += 1;
+            if self.cfg.trace {
+                eprintln!(
+                    "t={} node {id}'s log is damaged below its synced mark: its disk is lost",
+                    self.now_us
+                );
+            }
+            let incarnation = self.disk_rng.random::<u64>().max(1);
+            self.lose_disk(id, incarnation, false);
+            return;
+        }
         storage.set_background_flushes(self.cfg.background_flushes);
         let started = (|| -> Result<Core, String> {
             let recovered = storage.recover().map_err(|e| e.to_string())?;
@@ -678,6 +891,20 @@ impl Cluster {
                 }
             }
         }
+        let mut disks = self.retired_disks;
+        for node in self.nodes.values() {
+            let stats = match (&node.core, &node.disk) {
+                (Some(core), _) => core.storage().disk_stats(),
+                (None, Some(disk)) => disk.disk_stats(),
+                (None, None) => SimDiskStats::default(),
+            };
+            disks.power_cuts += stats.power_cuts;
+            disks.torn_writes += stats.torn_writes;
+            disks.corrupt_sectors += stats.corrupt_sectors;
+        }
+        self.stats.power_cuts = disks.power_cuts;
+        self.stats.torn_writes = disks.torn_writes;
+        self.stats.corrupt_sectors = disks.corrupt_sectors;
         self.stats.committed = self.checker.max_committed();
         self.stats.grants = self.locks.grants;
         self.stats.expiries = self.locks.expiries;
@@ -1284,6 +1511,73 @@ impl Cluster {
         } else if roll < 600 {
             self.wipe_random();
         }
+        if self.cfg.segments_disk
+            && self.disk_rng.random_range(0..1_000_000) < self.cfg.corrupt_sector_ppm
+        {
+            self.corrupt_random();
+        }
+    }
+
+    /// A member crashes and a synced sector of its log goes bad (found when it restarts,
+    /// which takes the disk for lost). Only where losing the disk is safe, as in
+    /// [`Cluster::wipe_random`], and only on a member whose peers in the leader's
+    /// configuration are all up and have committed everything the leader has: they hold
+    /// every committed entry.
+    fn corrupt_random(&mut self) {
+        if self.volume_on_its_way_back() {
+            return;
+        }
+        let Some(leader) = self.leader() else { return };
+        let membership = self.membership_of(leader);
+        let leader_commit = self.nodes[&leader]
+            .core
+            .as_ref()
+            .map_or(0, |c| c.raft().commit_index());
+        let smallest = self
+            .nodes
+            .values()
+            .filter_map(|n| n.core.as_ref())
+            .map(|c| c.raft().membership().voters.len())
+            .min()
+            .unwrap_or(0);
+        if smallest < 3 {
+            return;
+        }
+        let members: Vec<NodeId> = membership
+            .members()
+            .filter(|id| {
+                self.nodes
+                    .get(id)
+                    .is_some_and(|n| !n.decommissioned && n.retire_at.is_none())
+            })
+            .collect();
+        let caught_up = |id: &NodeId| {
+            self.nodes.get(id).is_some_and(|n| {
+                n.core
+                    .as_ref()
+                    .is_some_and(|c| c.raft().commit_index() >= leader_commit)
+            })
+        };
+        let candidates: Vec<NodeId> = members
+            .iter()
+            .copied()
+            .filter(|id| members.iter().filter(|o| *o != id).all(caught_up))
+            .collect();
+        let Some(&id) = candidates.choose(&mut self.disk_rng) else {
+            return;
+        };
+        self.crash_node(id);
+        let damaged = match self.nodes.get_mut(&id).and_then(|n| n.disk.as_mut()) {
+            Some(SimStore::Segments(store)) => store.corrupt_synced_sector(),
+            _ => false,
+        };
+        if self.cfg.trace && damaged {
+            eprintln!(
+                "t={} node {id} crashes with a damaged log sector",
+                self.now_us
+            );
+        }
+        self.start_or_decide(id);
     }
 
     /// Every node stopped at once (a power cut, a node-pool upgrade, every pod deleted) and
@@ -1342,6 +1636,12 @@ impl Cluster {
         self.crash_node(id);
         let incarnation = self.lifecycle_rng.random::<u64>().max(1);
         let alone = id == BOOTSTRAP_ID && self.lifecycle_rng.random_bool(0.5);
+        self.lose_disk(id, incarnation, alone);
+    }
+
+    /// A member's disk is gone: it starts on an empty one as the new `incarnation` (with
+    /// `alone`, the bootstrap node comes back while every other node is down).
+    fn lose_disk(&mut self, id: NodeId, incarnation: u64, alone: bool) {
         if self.cfg.trace {
             eprintln!(
                 "t={} node {id}'s disk is wiped (new incarnation {incarnation:x}){}",
@@ -1356,8 +1656,14 @@ impl Cluster {
             }
         }
         self.checker.on_wipe(id);
+        let disk = self.new_disk();
         let node = self.nodes.get_mut(&id).expect("exists");
-        node.disk = Some(MemStorage::new());
+        if let Some(old) = node.disk.replace(disk) {
+            let stats = old.disk_stats();
+            self.retired_disks.power_cuts += stats.power_cuts;
+            self.retired_disks.torn_writes += stats.torn_writes;
+            self.retired_disks.corrupt_sectors += stats.corrupt_sectors;
+        }
         node.incarnation = incarnation;
         node.awaiting_admission = true;
         if id == BOOTSTRAP_ID {

@@ -50,6 +50,12 @@ pub fn replay_command(cfg: &SimConfig) -> String {
     if !cfg.lifecycle {
         cmd.push_str(" --no-lifecycle");
     }
+    if cfg.segments_disk {
+        cmd.push_str(" --segments-disk");
+        if cfg.corrupt_sector_ppm != 400 {
+            cmd.push_str(&format!(" --corrupt-sector-ppm {}", cfg.corrupt_sector_ppm));
+        }
+    }
     if cfg.crash_intensity != 1 {
         cmd.push_str(&format!(" --crash-intensity {}", cfg.crash_intensity));
     }

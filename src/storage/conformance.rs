@@ -197,6 +197,44 @@ impl Default for BackgroundMemHarness {
 
 forwarding_harness!(BackgroundMemHarness: MemStorage);
 
+/// [`super::SimSegmentsStorage`]: the segments engine on a simulated disk; a restart is a
+/// power cut (the last unsynced write may be torn) and an open of the log. Small segments, so
+/// that the checks roll over to new segments and delete old ones.
+pub(crate) struct SimSegmentsHarness {
+    store: super::SimSegmentsStorage,
+}
+
+impl Default for SimSegmentsHarness {
+    fn default() -> Self {
+        SimSegmentsHarness {
+            store: super::SimSegmentsStorage::with_segment_bytes(7, TEST_SEGMENT_BYTES),
+        }
+    }
+}
+
+impl Harness for SimSegmentsHarness {
+    type Store = super::SimSegmentsStorage;
+    fn store(&mut self) -> &mut super::SimSegmentsStorage {
+        &mut self.store
+    }
+    fn restart(&mut self) {
+        self.store.crash();
+    }
+}
+
+/// [`SimSegmentsHarness`] whose flushes complete in the background.
+pub(crate) struct BackgroundSimSegmentsHarness(SimSegmentsHarness);
+
+impl Default for BackgroundSimSegmentsHarness {
+    fn default() -> Self {
+        let mut harness = SimSegmentsHarness::default();
+        harness.store.set_background_flushes(true);
+        BackgroundSimSegmentsHarness(harness)
+    }
+}
+
+forwarding_harness!(BackgroundSimSegmentsHarness: super::SimSegmentsStorage);
+
 /// Reopens a sled directory in this process. sled 0.34's background flusher can still hold the
 /// directory's file lock for a moment after the last handle is dropped, so "could not acquire
 /// lock" is retried for a bounded time; any other error fails the test.
@@ -1395,6 +1433,29 @@ mod segments_background {
     use super::BackgroundSegmentsHarness;
 
     all_conformance_tests!(BackgroundSegmentsHarness);
+}
+
+mod sim_segments {
+    use super::SimSegmentsHarness;
+
+    all_conformance_tests!(SimSegmentsHarness);
+}
+
+mod sim_segments_background {
+    use super::BackgroundSimSegmentsHarness;
+
+    all_conformance_tests!(BackgroundSimSegmentsHarness);
+}
+
+#[test]
+fn mem_and_sim_segments_agree_on_random_operations() {
+    for seed in 0..8 {
+        super::conformance::check_differential(
+            &mut MemHarness::default(),
+            &mut SimSegmentsHarness::default(),
+            seed,
+        );
+    }
 }
 
 #[test]

@@ -206,6 +206,11 @@ impl MemStorage {
         self.background_flushes = on;
     }
 
+    /// Whether flushes complete in the background.
+    pub(crate) fn background_flushes(&self) -> bool {
+        self.background_flushes
+    }
+
     /// Whether a background flush was started and is not done.
     pub fn has_pending_flushes(&self) -> bool {
         !self.pending.is_empty()
@@ -215,17 +220,116 @@ impl MemStorage {
     /// strikes here as it would in [`Storage::flush`]: the node learns of it from its next
     /// [`Storage::flushed`].
     pub fn complete_flushes(&mut self) {
-        while let Some((ticket, image)) = self.pending.pop_front() {
-            if let Some(on_vote_only) = self.power_cut {
-                if !on_vote_only || image.hard_state.vote != self.durable.hard_state.vote {
-                    self.crash();
-                    self.struck = true;
-                    return;
-                }
+        while let Some(strikes) = self.next_flush_strikes() {
+            if strikes {
+                self.crash();
+                self.struck = true;
+                return;
             }
+            self.complete_one_flush();
+        }
+    }
+
+    /// Whether a background flush is waiting, and if so whether an armed power cut strikes it.
+    pub(crate) fn next_flush_strikes(&self) -> Option<bool> {
+        let (_, image) = self.pending.front()?;
+        Some(self.power_cut.is_some_and(|on_vote_only| {
+            !on_vote_only || image.hard_state.vote != self.durable.hard_state.vote
+        }))
+    }
+
+    /// Completes the oldest background flush waiting (no power cut strikes it).
+    pub(crate) fn complete_one_flush(&mut self) {
+        if let Some((ticket, image)) = self.pending.pop_front() {
             self.durable = image;
             self.done_ticket = ticket;
         }
+    }
+
+    /// Whether an armed power cut strikes a [`Storage::flush`] made now.
+    pub(crate) fn flush_strikes(&self) -> bool {
+        self.power_cut.is_some_and(|on_vote_only| {
+            !on_vote_only || self.current.hard_state.vote != self.durable.hard_state.vote
+        })
+    }
+
+    /// Makes everything written durable at once, the background flushes waiting included,
+    /// with no power cut (a store that composes this one syncs its own parts before).
+    pub(crate) fn persist_all(&mut self) {
+        self.durable = self.current.clone();
+        self.pending.clear();
+        self.done_ticket = self.last_ticket;
+    }
+
+    /// Whether the term or vote written differs from the durable one.
+    pub(crate) fn hard_state_unsynced(&self) -> bool {
+        let (now, durable) = (&self.current.hard_state, &self.durable.hard_state);
+        now.term != durable.term || now.vote != durable.vote
+    }
+
+    /// The snapshot point as written, and as durable.
+    pub(crate) fn snapshot_meta(&self) -> &SnapshotMeta {
+        &self.current.snapshot_meta
+    }
+
+    pub(crate) fn durable_snapshot_index(&self) -> Index {
+        self.durable.snapshot_meta.index
+    }
+
+    /// The snapshot a transfer staged, if any.
+    pub(crate) fn staged_meta(&self) -> Option<SnapshotMeta> {
+        self.current.staging.as_ref().map(|(meta, _)| meta.clone())
+    }
+
+    /// Moves the snapshot point to `meta` (a compaction whose term and membership a store
+    /// that keeps the log elsewhere worked out), dropping the entries up to it from this log.
+    pub(crate) fn set_snapshot_point(&mut self, meta: SnapshotMeta) {
+        let img = &mut self.current;
+        img.log = img.log.split_off(&(meta.index + 1));
+        img.snapshot_meta = meta;
+    }
+
+    /// The applied state in the snapshot encoding.
+    pub(crate) fn encode_state(&self) -> bytes::Bytes {
+        encode_snapshot_data(
+            self.current
+                .state
+                .iter()
+                .map(|(k, v)| (k.as_slice(), v.as_slice())),
+        )
+    }
+
+    pub(crate) fn check_no_install_for(&self, action: &'static str) -> Result<(), StorageError> {
+        self.check_no_install(action)
+    }
+
+    /// [`Storage::recover`] with the log `entries` (a store that keeps the log elsewhere).
+    pub(crate) fn recover_with_log(
+        &self,
+        entries: Vec<Entry>,
+    ) -> Result<RecoveredState, StorageError> {
+        if let Some(detail) = &self.broken {
+            return Err(StorageError::Engine {
+                action: "finishing an interrupted snapshot install",
+                detail: detail.clone(),
+            });
+        }
+        let img = &self.current;
+        let membership = membership_after(&img.snapshot_meta.membership, &entries)?;
+        let state = RecoveredState {
+            hard_state: img.hard_state,
+            snapshot_meta: img.snapshot_meta.clone(),
+            entries,
+            membership,
+            applied_index: img.applied_index,
+            applied_state: img
+                .state
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+        };
+        check_recovered(&state)?;
+        Ok(state)
     }
 
     /// Disarms a power cut armed by [`MemStorage::arm_power_cut`].
@@ -255,29 +359,7 @@ impl MemStorage {
 
 impl Storage for MemStorage {
     fn recover(&self) -> Result<RecoveredState, StorageError> {
-        if let Some(detail) = &self.broken {
-            return Err(StorageError::Engine {
-                action: "finishing an interrupted snapshot install",
-                detail: detail.clone(),
-            });
-        }
-        let img = &self.current;
-        let entries: Vec<Entry> = img.log.values().cloned().collect();
-        let membership = membership_after(&img.snapshot_meta.membership, &entries)?;
-        let state = RecoveredState {
-            hard_state: img.hard_state,
-            snapshot_meta: img.snapshot_meta.clone(),
-            entries,
-            membership,
-            applied_index: img.applied_index,
-            applied_state: img
-                .state
-                .iter()
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect(),
-        };
-        check_recovered(&state)?;
-        Ok(state)
+        self.recover_with_log(self.current.log.values().cloned().collect())
     }
 
     fn append(&mut self, entries: &[Entry]) -> Result<(), StorageError> {

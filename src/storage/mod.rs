@@ -26,9 +26,13 @@ mod conformance;
 mod error;
 #[cfg(feature = "server")]
 mod flusher;
+#[cfg(feature = "server")]
+mod logfs;
 mod memory;
 #[cfg(feature = "server")]
 mod segment_log;
+#[cfg(feature = "server")]
+mod sim_segments;
 #[cfg(feature = "server")]
 mod sled_store;
 
@@ -41,7 +45,11 @@ pub use codec::{
 pub use error::StorageError;
 #[cfg(feature = "server")]
 pub use flusher::{FlushObserver, FlushWaker};
+#[cfg(feature = "server")]
+pub use logfs::{SimDisk, SimDiskStats};
 pub use memory::MemStorage;
+#[cfg(feature = "server")]
+pub use sim_segments::{SimSegmentsStorage, SIM_SEGMENT_BYTES};
 #[cfg(feature = "server")]
 pub use sled_store::{LogEngine, SledOptions, SledStorage};
 

@@ -64,14 +64,12 @@
 //! (the caller says which point is durable), oldest first.
 
 use std::collections::VecDeque;
-use std::fs::File;
-use std::io::Read;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use super::codec::{decode_entry, push_run_entry, run_records, RUN_VERSION};
+use super::logfs::{LogFile, LogFs, StdFs};
 use super::StorageError;
 use crate::raft::{Entry, Index, Term};
 
@@ -104,7 +102,7 @@ struct Loc {
 struct Segment {
     seq: u64,
     /// Shared with a sync running on another thread ([`SegmentLog::take_sync_job`]).
-    file: Arc<File>,
+    file: Arc<dyn LogFile>,
     /// The highest index of any entry (or reset point) written to this segment.
     max_index: Index,
     /// Where its records begin: [`SEGMENT_HEADER`], or [`SEGMENT_HEADER_V1`] for a segment
@@ -140,7 +138,7 @@ impl SyncedMark {
 
     /// Before a sync of `file`: writes the end that earlier syncs covered into the next slot,
     /// if it moved since the last mark written, for this sync to make durable with the rest.
-    fn write_before_sync(&self, file: &File) -> Result<(), StorageError> {
+    fn write_before_sync(&self, file: &dyn LogFile) -> Result<(), StorageError> {
         let synced = self.synced.load(Ordering::Acquire);
         if synced <= self.written.load(Ordering::Acquire) {
             return Ok(());
@@ -199,13 +197,55 @@ fn read_mark_slot(seq: u64, slot: &[u8]) -> MarkSlot {
     }
 }
 
+/// The part of a segment file's synced bytes (`bytes`, as a file system that lost power keeps
+/// them) where a changed byte is damage the engine must report as
+/// [`StorageError::LogDamagedBelowSynced`]: in the newest segment (`newest`), the records below
+/// its synced mark; in any other, every record. Empty for a file that is not a segment. For
+/// tests that damage a simulated disk ([`super::SimDisk::corrupt_synced_sector`]).
+pub(crate) fn damage_range(path: &Path, bytes: &[u8], newest: bool) -> std::ops::Range<u64> {
+    let seq = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_suffix(SUFFIX))
+        .and_then(|stem| stem.parse::<u64>().ok());
+    let Some(seq) = seq else { return 0..0 };
+    if bytes.get(..8) != Some(MAGIC.as_slice()) || bytes.len() < SEGMENT_HEADER as usize {
+        return 0..0;
+    }
+    let end = if newest {
+        MARK_SLOTS
+            .iter()
+            .filter_map(|&at| {
+                match read_mark_slot(seq, &bytes[at as usize..at as usize + MARK_BYTES]) {
+                    MarkSlot::Valid(end) => Some(end),
+                    _ => None,
+                }
+            })
+            .max()
+            .unwrap_or(0)
+    } else {
+        bytes
+            .iter()
+            .rposition(|b| *b != 0)
+            .map_or(0, |at| at as u64 + 1)
+    };
+    SEGMENT_HEADER..end.min(bytes.len() as u64)
+}
+
+/// The sequence number of a segment file's name, if it is one.
+pub(crate) fn segment_seq(path: &Path) -> Option<u64> {
+    let name = path.file_name()?.to_str()?;
+    let stem = name.strip_suffix(SUFFIX)?;
+    (stem.len() == 20).then(|| stem.parse().ok()).flatten()
+}
+
 /// A sync of the log taken off its owner's thread ([`SegmentLog::take_sync_job`]).
 #[derive(Default)]
 pub(crate) struct SegmentSync {
-    file: Option<Arc<File>>,
+    file: Option<Arc<dyn LogFile>>,
     /// The file's synced mark, and the end of what was written to it when the job was taken.
     mark: Option<(Arc<SyncedMark>, u64)>,
-    dir: Option<PathBuf>,
+    dir: Option<(Arc<dyn LogFs>, PathBuf)>,
 }
 
 impl SegmentSync {
@@ -224,15 +264,16 @@ impl SegmentSync {
     pub(crate) fn run(&self) -> Result<(), StorageError> {
         if let Some(file) = &self.file {
             if let Some((mark, _)) = &self.mark {
-                mark.write_before_sync(file)?;
+                mark.write_before_sync(file.as_ref())?;
             }
             file.sync_data().map_err(io("syncing the log"))?;
             if let Some((mark, end)) = &self.mark {
                 mark.synced_to(*end);
             }
         }
-        if let Some(dir) = &self.dir {
-            sync_dir(dir)?;
+        if let Some((fs, dir)) = &self.dir {
+            fs.sync_dir(dir)
+                .map_err(io("syncing the log's directory"))?;
         }
         Ok(())
     }
@@ -240,6 +281,8 @@ impl SegmentSync {
 
 /// The log's segment files; see the module documentation.
 pub(crate) struct SegmentLog {
+    /// Every file operation goes through it: [`StdFs`] in lock-node.
+    fs: Arc<dyn LogFs>,
     dir: PathBuf,
     segment_bytes: u64,
     /// Oldest first; the last one is written to.
@@ -286,17 +329,16 @@ fn segment_name(seq: u64) -> String {
 }
 
 /// The sequence numbers of the segment files in `dir`, in order.
-fn list_segments(dir: &Path) -> Result<Vec<u64>, StorageError> {
+fn list_segments(fs: &dyn LogFs, dir: &Path) -> Result<Vec<u64>, StorageError> {
     let mut seqs = Vec::new();
-    let read = match std::fs::read_dir(dir) {
-        Ok(read) => read,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(seqs),
-        Err(e) => return Err(io("listing the log's segment files")(e)),
+    let Some(names) = fs
+        .list_dir(dir)
+        .map_err(io("listing the log's segment files"))?
+    else {
+        return Ok(seqs);
     };
-    for item in read {
-        let item = item.map_err(io("listing the log's segment files"))?;
-        let name = item.file_name();
-        let Some(name) = name.to_str() else { continue };
+    for name in &names {
+        let name = name.as_str();
         let Some(stem) = name.strip_suffix(SUFFIX) else {
             continue;
         };
@@ -315,49 +357,44 @@ fn list_segments(dir: &Path) -> Result<Vec<u64>, StorageError> {
     Ok(seqs)
 }
 
-fn sync_dir(dir: &Path) -> Result<(), StorageError> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(io("syncing the log's directory"))
-}
-
 /// Creates the log's directory if it is not there, and then syncs the directory that holds
 /// it, so that the new directory's entry survives a power cut (its segments' entries are in
 /// it and synced with it).
-fn create_log_dir(dir: &Path) -> Result<(), StorageError> {
-    if dir.is_dir() {
+fn create_log_dir(fs: &dyn LogFs, dir: &Path) -> Result<(), StorageError> {
+    if fs.is_dir(dir) {
         return Ok(());
     }
-    std::fs::create_dir_all(dir).map_err(io("creating the log's directory"))?;
+    fs.create_dir_all(dir)
+        .map_err(io("creating the log's directory"))?;
     let parent = match dir.parent() {
         Some(parent) if !parent.as_os_str().is_empty() => parent,
         _ => Path::new("."),
     };
-    File::open(parent)
-        .and_then(|d| d.sync_all())
+    fs.sync_dir(parent)
         .map_err(io("syncing the store's directory after creating the log's"))
-}
-
-/// Reserves the segment's blocks up front, so that an `fdatasync` after a write has no file
-/// size or block allocation to record (about a third faster here). A filesystem that cannot
-/// preallocate just grows the file.
-fn preallocate(file: &File, from: u64, to: u64) {
-    if to > from {
-        let _ = nix::fcntl::posix_fallocate(file, from as i64, (to - from) as i64);
-    }
 }
 
 impl SegmentLog {
     /// Whether `dir` holds any segment file.
     pub(crate) fn exists_in(dir: &Path) -> Result<bool, StorageError> {
-        Ok(!list_segments(dir)?.is_empty())
+        Ok(!list_segments(&StdFs, dir)?.is_empty())
     }
 
     /// Opens the segments in `dir` (creating the directory and a first segment if there are
     /// none) and replays them.
     pub(crate) fn open(dir: &Path, segment_bytes: u64) -> Result<Self, StorageError> {
-        create_log_dir(dir)?;
+        Self::open_on(Arc::new(StdFs), dir, segment_bytes)
+    }
+
+    /// [`SegmentLog::open`] on the file system `fs`.
+    pub(crate) fn open_on(
+        fs: Arc<dyn LogFs>,
+        dir: &Path,
+        segment_bytes: u64,
+    ) -> Result<Self, StorageError> {
+        create_log_dir(fs.as_ref(), dir)?;
         let mut log = SegmentLog {
+            fs,
             dir: dir.to_path_buf(),
             segment_bytes: segment_bytes.max(SEGMENT_HEADER + 64),
             segments: VecDeque::new(),
@@ -369,7 +406,7 @@ impl SegmentLog {
             buf: Vec::new(),
             spans: Vec::new(),
         };
-        let seqs = list_segments(dir)?;
+        let seqs = list_segments(log.fs.as_ref(), dir)?;
         if seqs.is_empty() {
             log.create_segment(1)?;
             log.sync()?;
@@ -398,21 +435,19 @@ impl SegmentLog {
 
     fn create_segment(&mut self, seq: u64) -> Result<(), StorageError> {
         let path = self.path(seq);
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&path)
+        let file = self
+            .fs
+            .create_new(&path)
             .map_err(io("creating a log segment"))?;
         let mut header = MAGIC.to_vec();
         header.extend_from_slice(&seq.to_be_bytes());
         header.resize(SEGMENT_HEADER as usize, 0);
         file.write_all_at(&header, 0)
             .map_err(io("writing a log segment's header"))?;
-        preallocate(&file, SEGMENT_HEADER, self.segment_bytes);
+        file.preallocate(SEGMENT_HEADER, self.segment_bytes);
         self.segments.push_back(Segment {
             seq,
-            file: Arc::new(file),
+            file,
             max_index: 0,
             header: SEGMENT_HEADER,
             mark: Some(SyncedMark::new(seq, SEGMENT_HEADER, SEGMENT_HEADER, 0)),
@@ -429,15 +464,8 @@ impl SegmentLog {
     /// [`StorageError::LogDamagedBelowSynced`].
     fn replay_segment(&mut self, seq: u64, last: bool) -> Result<(), StorageError> {
         let path = self.path(seq);
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)
-            .map_err(io("opening a log segment"))?;
-        let mut bytes = Vec::new();
-        (&file)
-            .read_to_end(&mut bytes)
-            .map_err(io("reading a log segment"))?;
+        let file = self.fs.open(&path).map_err(io("opening a log segment"))?;
+        let bytes = file.read_all().map_err(io("reading a log segment"))?;
         let header = match bytes.get(..8) {
             Some(magic) if magic == MAGIC => SEGMENT_HEADER,
             Some(magic) if magic == MAGIC_V1 => SEGMENT_HEADER_V1,
@@ -447,7 +475,9 @@ impl SegmentLog {
             if last && bytes.iter().all(|b| *b == 0) {
                 // Created, but its header never reached the disk: nothing was written to it.
                 drop(file);
-                std::fs::remove_file(&path).map_err(io("removing an empty log segment"))?;
+                self.fs
+                    .remove_file(&path)
+                    .map_err(io("removing an empty log segment"))?;
                 let next = self.segments.back().map_or(1, |s| s.seq + 1);
                 return self.create_segment(next.max(seq));
             }
@@ -476,7 +506,7 @@ impl SegmentLog {
         let mark = if last { mark_on_disk } else { 0 };
         let mut segment = Segment {
             seq,
-            file: Arc::new(file),
+            file,
             max_index: 0,
             header,
             mark: None,
@@ -566,7 +596,7 @@ impl SegmentLog {
                 .file
                 .set_len(end as u64)
                 .map_err(io("clearing the end of a log segment"))?;
-            preallocate(&segment.file, end as u64, self.segment_bytes);
+            segment.file.preallocate(end as u64, self.segment_bytes);
             segment
                 .file
                 .sync_all()
@@ -824,7 +854,7 @@ impl SegmentLog {
             }
         }
         if std::mem::take(&mut self.dir_unsynced) {
-            job.dir = Some(self.dir.clone());
+            job.dir = Some((Arc::clone(&self.fs), self.dir.clone()));
         }
         job
     }
@@ -844,7 +874,9 @@ impl SegmentLog {
                 break;
             }
             let path = self.path(oldest.seq);
-            std::fs::remove_file(&path).map_err(io("removing a compacted log segment"))?;
+            self.fs
+                .remove_file(&path)
+                .map_err(io("removing a compacted log segment"))?;
             self.segments.pop_front();
             removed += 1;
         }
