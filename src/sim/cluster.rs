@@ -231,7 +231,9 @@ pub struct SimOutcome {
 type Core = NodeCore<SimStore, ReplyTo>;
 
 /// A node's disk: [`MemStorage`], or the segments engine on a simulated disk
-/// ([`SimConfig::segments_disk`]).
+/// ([`SimConfig::segments_disk`]). One per simulated node, made at its start and moved only
+/// with it: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
 pub enum SimStore {
     Mem(MemStorage),
     Segments(Box<SimSegmentsStorage>),

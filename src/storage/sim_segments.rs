@@ -578,7 +578,7 @@ mod tests {
             assert!(bytes[100..].iter().all(|b| *b == 7));
             let end = start as usize + kept;
             assert!(
-                kept == 0 || kept == 2000 || end % SECTOR as usize == 0,
+                kept == 0 || kept == 2000 || end.is_multiple_of(SECTOR as usize),
                 "seed {seed}: kept {kept} bytes ending at {end}"
             );
             assert_eq!(was_torn, kept > 0 && kept < 2000);
