@@ -23,6 +23,8 @@ pub mod node;
 pub mod raft;
 #[cfg(feature = "server")]
 pub mod server;
+// The simulator runs the segments engine, which lives with the server's storage.
+#[cfg(feature = "server")]
 pub mod sim;
 pub mod storage;
 #[cfg(feature = "server")]

@@ -207,6 +207,7 @@ impl MemStorage {
     }
 
     /// Whether flushes complete in the background.
+    #[cfg_attr(not(feature = "server"), allow(dead_code))] // for the simulated segments store
     pub(crate) fn background_flushes(&self) -> bool {
         self.background_flushes
     }
@@ -247,6 +248,7 @@ impl MemStorage {
     }
 
     /// Whether an armed power cut strikes a [`Storage::flush`] made now.
+    #[cfg_attr(not(feature = "server"), allow(dead_code))] // for the simulated segments store
     pub(crate) fn flush_strikes(&self) -> bool {
         self.power_cut.is_some_and(|on_vote_only| {
             !on_vote_only || self.current.hard_state.vote != self.durable.hard_state.vote
@@ -255,6 +257,7 @@ impl MemStorage {
 
     /// Makes everything written durable at once, the background flushes waiting included,
     /// with no power cut (a store that composes this one syncs its own parts before).
+    #[cfg_attr(not(feature = "server"), allow(dead_code))] // for the simulated segments store
     pub(crate) fn persist_all(&mut self) {
         self.durable = self.current.clone();
         self.pending.clear();
@@ -262,27 +265,32 @@ impl MemStorage {
     }
 
     /// Whether the term or vote written differs from the durable one.
+    #[cfg_attr(not(feature = "server"), allow(dead_code))] // for the simulated segments store
     pub(crate) fn hard_state_unsynced(&self) -> bool {
         let (now, durable) = (&self.current.hard_state, &self.durable.hard_state);
         now.term != durable.term || now.vote != durable.vote
     }
 
     /// The snapshot point as written, and as durable.
+    #[cfg_attr(not(feature = "server"), allow(dead_code))] // for the simulated segments store
     pub(crate) fn snapshot_meta(&self) -> &SnapshotMeta {
         &self.current.snapshot_meta
     }
 
+    #[cfg_attr(not(feature = "server"), allow(dead_code))] // for the simulated segments store
     pub(crate) fn durable_snapshot_index(&self) -> Index {
         self.durable.snapshot_meta.index
     }
 
     /// The snapshot a transfer staged, if any.
+    #[cfg_attr(not(feature = "server"), allow(dead_code))] // for the simulated segments store
     pub(crate) fn staged_meta(&self) -> Option<SnapshotMeta> {
         self.current.staging.as_ref().map(|(meta, _)| meta.clone())
     }
 
     /// Moves the snapshot point to `meta` (a compaction whose term and membership a store
     /// that keeps the log elsewhere worked out), dropping the entries up to it from this log.
+    #[cfg_attr(not(feature = "server"), allow(dead_code))] // for the simulated segments store
     pub(crate) fn set_snapshot_point(&mut self, meta: SnapshotMeta) {
         let img = &mut self.current;
         img.log = img.log.split_off(&(meta.index + 1));
@@ -290,6 +298,7 @@ impl MemStorage {
     }
 
     /// The applied state in the snapshot encoding.
+    #[cfg_attr(not(feature = "server"), allow(dead_code))] // for the simulated segments store
     pub(crate) fn encode_state(&self) -> bytes::Bytes {
         encode_snapshot_data(
             self.current
@@ -299,6 +308,7 @@ impl MemStorage {
         )
     }
 
+    #[cfg_attr(not(feature = "server"), allow(dead_code))] // for the simulated segments store
     pub(crate) fn check_no_install_for(&self, action: &'static str) -> Result<(), StorageError> {
         self.check_no_install(action)
     }
