@@ -513,20 +513,7 @@ impl Storage for MemStorage {
     }
 
     fn entries(&self, lo: Index, hi: Index) -> Result<Vec<Entry>, StorageError> {
-        let snapshot_index = self.current.snapshot_meta.index;
-        if lo <= snapshot_index {
-            return Err(StorageError::Compacted {
-                index: lo,
-                snapshot_index,
-            });
-        }
-        let last_index = self.last_index();
-        if hi > last_index + 1 {
-            return Err(StorageError::Unavailable {
-                index: hi - 1,
-                last_index,
-            });
-        }
+        super::check_entries_range(lo, hi, self.current.snapshot_meta.index, self.last_index())?;
         Ok(self
             .current
             .log

@@ -319,6 +319,29 @@ fn check_append(
 }
 
 /// Checks a recovered state for the invariants both implementations guarantee.
+/// The errors every engine gives `entries(lo, hi)` for a range it cannot serve: `lo` at or
+/// below the snapshot point (compacted), or `hi` past the end of the log.
+fn check_entries_range(
+    lo: Index,
+    hi: Index,
+    snapshot_index: Index,
+    last_index: Index,
+) -> Result<(), StorageError> {
+    if lo <= snapshot_index {
+        return Err(StorageError::Compacted {
+            index: lo,
+            snapshot_index,
+        });
+    }
+    if hi > last_index + 1 {
+        return Err(StorageError::Unavailable {
+            index: hi - 1,
+            last_index,
+        });
+    }
+    Ok(())
+}
+
 fn check_recovered(state: &RecoveredState) -> Result<(), StorageError> {
     let mut previous_term = state.snapshot_meta.term;
     for (expected, entry) in (state.snapshot_meta.index + 1..).zip(&state.entries) {

@@ -1600,18 +1600,7 @@ impl Storage for SledStorage {
     }
 
     fn entries(&self, lo: Index, hi: Index) -> Result<Vec<Entry>, StorageError> {
-        if lo <= self.snapshot_meta.index {
-            return Err(StorageError::Compacted {
-                index: lo,
-                snapshot_index: self.snapshot_meta.index,
-            });
-        }
-        if hi > self.last_index + 1 {
-            return Err(StorageError::Unavailable {
-                index: hi - 1,
-                last_index: self.last_index,
-            });
-        }
+        super::check_entries_range(lo, hi, self.snapshot_meta.index, self.last_index)?;
         self.read_entries(lo, hi)
     }
 
