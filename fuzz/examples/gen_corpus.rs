@@ -13,7 +13,6 @@ use std::path::Path;
 use bytes::Bytes;
 use prost::Message as _;
 use raftlock::lock::{Command, FencingToken, Limits, LockStateMachine};
-use raftlock_fuzz::small_limits;
 use raftlock::node::api::{ApiError, ClientOp, ClientReply, ErrorCode, QueuedInfo};
 use raftlock::raft::{
     Config, Entry, EntryPayload, HardState, InitialState, Membership, MembershipChange, Message,
@@ -23,6 +22,7 @@ use raftlock::server::convert::message_to_pb;
 use raftlock::server::proto::{lock as lpb, peer as ppb, seed004 as spb};
 use raftlock::storage::codec_fuzzing as codec;
 use raftlock::storage::encode_snapshot_data;
+use raftlock_fuzz::small_limits;
 
 fn write(target: &str, name: &str, bytes: &[u8]) {
     let dir = Path::new("corpus").join(target);
