@@ -20,6 +20,10 @@
 #       Then actionlint on .github/workflows/*.yml.
 #       Exits non-zero if any check fails.
 #
+#   scripts/check-chart.sh --tools-only
+#       Only installs the tools when missing (.ci/run does this in the background while Rust
+#       builds).
+#
 #   scripts/check-chart.sh --render-only OUTDIR [--release NAME] [--namespace NS] [VALUES.yaml ...]
 #       Only renders the chart (default release "raftlock", namespace "default") with the given
 #       values files (merged left to right, like helm -f) and writes every manifest, hooks and
@@ -61,6 +65,12 @@ ensure_actionlint() {
   command -v actionlint >/dev/null 2>&1
 }
 
+if [ "${1:-}" = "--tools-only" ]; then
+  ensure_python_tools
+  ensure_actionlint
+  exit 0
+fi
+
 if [ "${1:-}" = "--render-only" ]; then
   shift
   [ $# -ge 1 ] || { echo "usage: $0 --render-only OUTDIR [--release NAME] [--namespace NS] [VALUES.yaml ...]" >&2; exit 2; }
@@ -86,7 +96,7 @@ if [ "${1:-}" = "--render-only" ]; then
     --out "$outdir/manifests.yaml" ${values[@]+"${values[@]}"}
 fi
 
-[ $# -eq 0 ] || { echo "usage: $0 [--render-only OUTDIR ...]" >&2; exit 2; }
+[ $# -eq 0 ] || { echo "usage: $0 [--tools-only | --render-only OUTDIR ...]" >&2; exit 2; }
 
 ensure_python_tools
 newest="$("$PYTHON" -c 'import kubernetes_validate as k; print(k.latest_version())')"
