@@ -55,15 +55,6 @@ fn acquire(key: &str, client: &str, request: &str, wait_ms: u64) -> Value {
            "ttl": 30_000, "waitTimeout": wait_ms})
 }
 
-fn code_of(reply: &Value) -> String {
-    reply["error"]["code"].as_str().unwrap_or("").to_string()
-}
-
-async fn metric(addr: &str, series: &str, labels: &[&str]) -> f64 {
-    let (_, text) = http_get(addr, "/metrics").await.unwrap();
-    metric_sum(&text, series, labels)
-}
-
 /// Key-value writes with no credentials stop at the byte budget, on every replica alike, and
 /// a lock is still granted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -96,7 +87,7 @@ async fn key_value_bytes_stop_at_the_budget() {
             if r["success"] == true {
                 stored += 1;
             } else {
-                assert_eq!(code_of(&r), "BUSY", "{r}");
+                assert_eq!(error_code(&r), "BUSY", "{r}");
                 let message = r["error"]["message"].as_str().unwrap_or("");
                 assert!(message.contains("[limit: data_bytes]"), "{r}");
                 refused += 1;
@@ -115,7 +106,7 @@ async fn key_value_bytes_stop_at_the_budget() {
     // 1 MiB holds 17 values of 60 KiB (and their keys), not 18.
     assert_eq!(stored, 17, "stored {stored}, refused {refused}");
     assert_eq!(refused, 183);
-    let counted = metric(
+    let counted = scraped_metric(
         &addr,
         "raftlock_limit_refusals_total",
         &["limit=\"data_bytes\""],
@@ -185,7 +176,7 @@ async fn idle_sockets_do_not_stall_the_peer_port() {
     let mut ws = ws_connect(&cluster.client_addr_of(leader)).await;
     let r = ws_request(&mut ws, &acquire("jobs/a", "honest", "h1", 0)).await;
     assert_eq!(r["success"], true, "{r}");
-    let refused = metric(
+    let refused = scraped_metric(
         &target.client_addr(),
         "raftlock_peer_requests_refused_total",
         &["reason=\"address_limit\""],
@@ -240,7 +231,7 @@ async fn anonymous_upgrades_take_no_connection_slot() {
     let (mut ws, _) = tokio_tungstenite::connect_async(request).await.unwrap();
     let r = ws_request(&mut ws, &acquire("jobs/a", "w1", "h1", 0)).await;
     assert_eq!(r["success"], true, "{r}");
-    let refused = metric(
+    let refused = scraped_metric(
         &addr,
         "raftlock_client_connections_refused_total",
         &["reason=\"unauthenticated\""],
@@ -370,7 +361,7 @@ async fn one_identity_cannot_lock_out_the_others() {
     let granted = outcomes.iter().filter(|r| r["success"] == true).count();
     assert_eq!(granted, 3, "{outcomes:?}");
     let refusal = outcomes.iter().find(|r| r["success"] != true).unwrap();
-    assert_eq!(code_of(refusal), "BUSY", "{refusal}");
+    assert_eq!(error_code(refusal), "BUSY", "{refusal}");
     assert!(
         refusal["error"]["message"]
             .as_str()
@@ -438,7 +429,7 @@ async fn one_address_holds_at_most_its_share_of_connections() {
         }
     }
     assert_eq!(closed, 15, "connections closed by the node");
-    let refused = metric(
+    let refused = scraped_metric(
         &addr,
         "raftlock_client_connections_refused_total",
         &["reason=\"address_limit\""],

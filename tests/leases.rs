@@ -40,10 +40,6 @@ fn token_of(reply: &Value) -> u64 {
         .unwrap_or_else(|| panic!("no token in {reply}"))
 }
 
-fn code_of(reply: &Value) -> &str {
-    reply["error"]["code"].as_str().unwrap_or("")
-}
-
 fn addr_of(cluster: &Cluster, id: u64) -> String {
     cluster
         .nodes
@@ -75,7 +71,7 @@ async fn request(ws: &mut Ws, msg: &Value) -> Value {
         let reply = reply_to(ws, id, Duration::from_secs(10))
             .await
             .unwrap_or_else(|| panic!("no reply within 10s to {msg}"));
-        if !matches!(code_of(&reply), "UNAVAILABLE" | "NO_LEADER") {
+        if !matches!(error_code(&reply), "UNAVAILABLE" | "NO_LEADER") {
             return reply;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -129,7 +125,7 @@ async fn request_following_redirects(
         let reply = reply_to(&mut ws, &id, reply_timeout)
             .await
             .unwrap_or_else(|| panic!("{target} did not answer {msg} within {reply_timeout:?}"));
-        let code = code_of(&reply).to_string();
+        let code = error_code(&reply).to_string();
         history.push(format!("{target}: {code}"));
         match code.as_str() {
             "NOT_LEADER" => {
@@ -321,7 +317,7 @@ async fn raised_ttl_survives_failover() {
         "B was granted k 5 s after the failover although A renewed it for 30 s: {tried}"
     );
     assert!(
-        ["WAIT_TIMEOUT", "BUSY"].contains(&code_of(&tried)),
+        ["WAIT_TIMEOUT", "BUSY"].contains(&error_code(&tried)),
         "B's try-acquire must be refused as busy: {tried}"
     );
     let leader_now = cluster.wait_for_leader(LEADER_TIMEOUT).await;
@@ -350,7 +346,7 @@ async fn renew_race(addr: String, key: String, delay: Duration) -> Result<bool, 
     let grant = acquire(&key, "A", &format!("{key}/a1"), 400, None);
     let mut ga = request(&mut a, &grant).await;
     for _ in 0..50 {
-        if !RETRY_CODES.contains(&code_of(&ga)) {
+        if !RETRY_CODES.contains(&error_code(&ga)) {
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -364,14 +360,14 @@ async fn renew_race(addr: String, key: String, delay: Duration) -> Result<bool, 
     let mut rn = request(&mut a, &renewal).await;
     // A leadership change (a loaded machine) answers "retry with the same request id": do so.
     for _ in 0..20 {
-        if !RETRY_CODES.contains(&code_of(&rn)) {
+        if !RETRY_CODES.contains(&error_code(&rn)) {
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
         rn = request(&mut a, &renewal).await;
     }
     if rn["success"] != true {
-        let code = code_of(&rn);
+        let code = error_code(&rn);
         assert!(
             ["STALE_TOKEN", "NOT_HOLDER"].contains(&code),
             "unexpected answer to the renewal of {key}: {rn}"
@@ -395,8 +391,8 @@ async fn renew_race(addr: String, key: String, delay: Duration) -> Result<bool, 
         }
         // Refused as busy, or not decided now (a leadership change): either way not granted.
         assert!(
-            ["WAIT_TIMEOUT", "BUSY"].contains(&code_of(&tried))
-                || RETRY_CODES.contains(&code_of(&tried)),
+            ["WAIT_TIMEOUT", "BUSY"].contains(&error_code(&tried))
+                || RETRY_CODES.contains(&error_code(&tried)),
             "unexpected answer to B's try-acquire of {key}: {tried}"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -466,7 +462,7 @@ async fn acquire_by_current_holder_with_new_request_id_is_already_held() {
         again["success"], false,
         "a second acquire by the holder must not look like a new grant: {again}"
     );
-    assert_eq!(code_of(&again), "ALREADY_HELD", "{again}");
+    assert_eq!(error_code(&again), "ALREADY_HELD", "{again}");
     assert_eq!(again["error"]["currentToken"], token, "{again}");
 
     let retry = request(&mut a, &acquire("k", "A", "r1", 10_000, None)).await;
@@ -516,12 +512,12 @@ async fn a_retried_grant_reports_the_time_left_and_never_an_ended_hold() {
         );
     } else {
         // Only possible when retries across a leader change took the lease past its end.
-        assert_eq!(code_of(&retry), "STALE_TOKEN", "{retry}");
+        assert_eq!(error_code(&retry), "STALE_TOKEN", "{retry}");
     }
     // The lease runs out and B takes the lock; A's retry must not look like a grant.
     let gb = ask(acquire("k", "B", "b1", 10_000, Some(10_000))).await;
     assert_eq!(gb["success"], true, "{gb}");
     let late = ask(acquire("k", "A", "r1", 1_500, None)).await;
     assert_eq!(late["success"], false, "{late}");
-    assert_eq!(code_of(&late), "STALE_TOKEN", "{late}");
+    assert_eq!(error_code(&late), "STALE_TOKEN", "{late}");
 }

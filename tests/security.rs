@@ -94,10 +94,6 @@ fn acquire(key: &str, client: &str, request: &str) -> Value {
            "ttl": 30_000, "waitTimeout": 0})
 }
 
-fn code_of(reply: &Value) -> &str {
-    reply["error"]["code"].as_str().unwrap_or("")
-}
-
 async fn get_as(addr: &str, path: &str, token: Option<&str>) -> (u16, Value) {
     get_json_as(addr, path, token).await.unwrap()
 }
@@ -132,12 +128,12 @@ async fn clients_need_a_token_stay_in_their_prefixes_and_only_the_holder_release
 
     // Outside its prefixes: PERMISSION_DENIED.
     let r = ws_request(&mut billing, &acquire("payroll/run", "w1", "b2")).await;
-    assert_eq!(code_of(&r), "PERMISSION_DENIED", "{r}");
+    assert_eq!(error_code(&r), "PERMISSION_DENIED", "{r}");
     // An operation it lacks (a KV write): PERMISSION_DENIED.
     let put = json!({"commandType": 2, "key": "billing/x", "value": "1", "clientId": "w1",
                      "requestId": "b3"});
     let r = ws_request(&mut billing, &put).await;
-    assert_eq!(code_of(&r), "PERMISSION_DENIED", "{r}");
+    assert_eq!(error_code(&r), "PERMISSION_DENIED", "{r}");
 
     // payroll may release any key, but it is not the holder, whatever client id it claims: the
     // token and the holder's name (which it could read off a listing) are not enough.
@@ -148,12 +144,12 @@ async fn clients_need_a_token_stay_in_their_prefixes_and_only_the_holder_release
                              "fencingToken": {"key": "billing/run", "value": token}});
         let r = ws_request(&mut payroll, &release).await;
         assert_eq!(r["success"], false, "{claimed}: {r}");
-        assert_eq!(code_of(&r), "NOT_HOLDER", "{claimed}: {r}");
+        assert_eq!(error_code(&r), "NOT_HOLDER", "{claimed}: {r}");
         let renew = json!({"commandType": 5, "key": "billing/run", "clientId": claimed,
                            "requestId": format!("pr-{claimed}"), "ttl": 60_000,
                            "fencingToken": {"key": "billing/run", "value": token}});
         let r = ws_request(&mut payroll, &renew).await;
-        assert_eq!(code_of(&r), "NOT_HOLDER", "{claimed}: {r}");
+        assert_eq!(error_code(&r), "NOT_HOLDER", "{claimed}: {r}");
     }
     // A token-less release by another identity does not release it either.
     let r = ws_request(
@@ -445,7 +441,7 @@ async fn signed_tokens_carry_the_identity_and_its_rights_until_they_expire() {
     assert_eq!(g["success"], true, "{g}");
     let token = g["fencingToken"]["value"].as_u64().unwrap();
     let r = ws_request(&mut ws, &acquire("payroll/jwt", "w1", "j2")).await;
-    assert_eq!(code_of(&r), "PERMISSION_DENIED", "{r}");
+    assert_eq!(error_code(&r), "PERMISSION_DENIED", "{r}");
 
     // Another identity's token, with the same client id, is not the holder.
     let payroll = sign(
@@ -457,7 +453,7 @@ async fn signed_tokens_carry_the_identity_and_its_rights_until_they_expire() {
     let release = json!({"commandType": 4, "key": "billing/jwt", "clientId": "w1",
                          "requestId": "p1", "fencingToken": {"key": "billing/jwt", "value": token}});
     let r = ws_request(&mut other, &release).await;
-    assert_eq!(code_of(&r), "NOT_HOLDER", "{r}");
+    assert_eq!(error_code(&r), "NOT_HOLDER", "{r}");
 
     // Refused: another key, alg none, expired, granting nothing, and a made-up string.
     let claims = json!({"sub": "billing", "exp": unix_now() + 600,
@@ -501,7 +497,7 @@ async fn signed_tokens_carry_the_identity_and_its_rights_until_they_expire() {
     assert_eq!(r["success"], true, "{r}");
     tokio::time::sleep(Duration::from_secs(3)).await;
     let r = ws_request(&mut ws, &acquire("billing/short2", "w2", "s2")).await;
-    assert_eq!(code_of(&r), "UNAUTHENTICATED", "{r}");
+    assert_eq!(error_code(&r), "UNAUTHENTICATED", "{r}");
     assert!(
         r["error"]["message"]
             .as_str()
@@ -535,5 +531,5 @@ async fn signed_tokens_carry_the_identity_and_its_rights_until_they_expire() {
     );
     let end = ws_recv(&mut watch, Duration::from_secs(10)).await.unwrap();
     assert_eq!(end["requestId"], "w1", "{end}");
-    assert_eq!(code_of(&end), "UNAUTHENTICATED", "{end}");
+    assert_eq!(error_code(&end), "UNAUTHENTICATED", "{end}");
 }

@@ -22,14 +22,6 @@ fn acquire(key: &str, client: &str, request: &str) -> Value {
            "requestId": request, "waitTimeout": 0})
 }
 
-fn error_code(reply: &Value) -> String {
-    reply["error"]["code"]
-        .as_str()
-        .or_else(|| reply["errorCode"].as_str())
-        .unwrap_or_default()
-        .to_string()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sessions_are_bounded_and_close_through_the_log() {
     let cluster = Cluster::start_with(3, |_| {

@@ -251,6 +251,22 @@ pub fn metric_sum(text: &str, series: &str, labels: &[&str]) -> f64 {
         .sum()
 }
 
+/// A WebSocket reply's error code (`error.code`, or a seed client's `errorCode`); empty for a
+/// success.
+pub fn error_code(reply: &Value) -> &str {
+    reply["error"]["code"]
+        .as_str()
+        .or_else(|| reply["errorCode"].as_str())
+        .unwrap_or_default()
+}
+
+/// The node at `addr`'s `/metrics`, summed over the samples of `series` that carry every one of
+/// `labels` (see [`metric_sum`]).
+pub async fn scraped_metric(addr: &str, series: &str, labels: &[&str]) -> f64 {
+    let (_, text) = http_get(addr, "/metrics").await.expect("/metrics");
+    metric_sum(&text, series, labels)
+}
+
 /// Three nodes whose exactly-once table keeps at most 40 answers, each for a minute: a client
 /// that does not acknowledge its answers runs out of room within seconds.
 pub fn cluster_with_a_small_table() -> Cluster {
