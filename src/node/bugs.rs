@@ -1,0 +1,71 @@
+//! Known bugs the simulator and the chaos harness must catch: the switches ([`NodeBugs`]) and
+//! how the node asks for one (`bug`, always false outside test and `mutations` builds).
+
+use super::NodeCore;
+use crate::storage::Storage;
+
+/// Lease and housekeeping bugs that the simulator and the chaos harness must catch (switched on
+/// in test builds and in a lock-node built with the `mutations` feature, never otherwise).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NodeBugs {
+    /// The lease ends when the release that handed the lock to a waiter is answered.
+    pub lease_ended_after_hand_off: bool,
+    /// Only grants answering a local pending proposal start a lease.
+    pub lease_only_for_local_grants: bool,
+    /// Expiry checks only the token (a renew racing it is acknowledged, then expired).
+    pub expiry_checks_only_token: bool,
+    /// A new leader ends the leases it inherits at once instead of giving each a full TTL from
+    /// its election (it cannot know when the old leader last renewed them).
+    pub no_lease_wait_after_election: bool,
+    /// An expiry or cancel proposal is never retried.
+    pub housekeeping_never_retried: bool,
+    /// A Ready's answers leave, and its entries apply, as soon as its flush is started rather
+    /// than done (with flushes that complete in the background).
+    pub finish_before_flush_done: bool,
+    /// A node with an empty data directory starts a new cluster when its peers do not answer
+    /// (instead of only when every one answered that it has no data).
+    pub bootstrap_when_unreachable: bool,
+    /// The leader takes a voter's join as from the member it knows, whatever its incarnation
+    /// (a member that lost its data goes on voting with an empty log).
+    pub incarnation_ignored: bool,
+    /// A node on a new data directory takes part in elections at once, before its log holds
+    /// the entry that admitted it (it can vote with a log it does not have yet).
+    pub admission_ignored: bool,
+    /// The leader promotes a learner once caught up, before its log holds the entry that
+    /// recorded its incarnation (it would be a voter that does not vote).
+    pub promoted_before_admission: bool,
+}
+
+impl NodeBugs {
+    /// The bug named `name` switched on (the names of the fields above), for a lock-node built
+    /// with the `mutations` feature to show that the chaos checker catches it.
+    pub fn named(name: &str) -> Option<NodeBugs> {
+        let mut bugs = NodeBugs::default();
+        match name {
+            "lease_ended_after_hand_off" => bugs.lease_ended_after_hand_off = true,
+            "lease_only_for_local_grants" => bugs.lease_only_for_local_grants = true,
+            "expiry_checks_only_token" => bugs.expiry_checks_only_token = true,
+            "no_lease_wait_after_election" => bugs.no_lease_wait_after_election = true,
+            "housekeeping_never_retried" => bugs.housekeeping_never_retried = true,
+            "finish_before_flush_done" => bugs.finish_before_flush_done = true,
+            "bootstrap_when_unreachable" => bugs.bootstrap_when_unreachable = true,
+            "incarnation_ignored" => bugs.incarnation_ignored = true,
+            "admission_ignored" => bugs.admission_ignored = true,
+            "promoted_before_admission" => bugs.promoted_before_admission = true,
+            _ => return None,
+        }
+        Some(bugs)
+    }
+}
+
+impl<S: Storage, R> NodeCore<S, R> {
+    #[cfg(any(test, feature = "mutations"))]
+    pub(super) fn bug(&self, which: impl Fn(&NodeBugs) -> bool) -> bool {
+        which(&self.cfg.bugs)
+    }
+
+    #[cfg(not(any(test, feature = "mutations")))]
+    pub(super) fn bug(&self, _which: impl Fn(&NodeBugs) -> bool) -> bool {
+        false
+    }
+}

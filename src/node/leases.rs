@@ -1,0 +1,209 @@
+//! The leader's leases and waiter deadlines: following the applied state after every command,
+//! and rebuilt a bounded number of locks per tick after an election.
+
+use std::sync::Arc;
+
+use super::{Lease, Micros, NodeCore, Observation, Rebuild, WaitDeadline, MS};
+use crate::lock::{Command, Event, Outcome};
+use crate::storage::Storage;
+
+impl<S: Storage, R> NodeCore<S, R> {
+    /// Makes the leader's lease of the command's key match the applied state.
+    pub(super) fn follow_lease(
+        &mut self,
+        command: &Command,
+        applied: &crate::lock::Applied,
+        local_started: Option<Micros>,
+    ) {
+        let key = command.key();
+        if matches!(command, Command::Put { .. } | Command::Delete { .. }) {
+            return;
+        }
+        if self.bug(|b| b.lease_only_for_local_grants) {
+            // Only answers to this node's own proposals move leases.
+            let grant_by_event = applied
+                .events
+                .iter()
+                .any(|e| matches!(e, Event::Granted { .. }));
+            if local_started.is_none() || grant_by_event {
+                return;
+            }
+        }
+        let holder = self.sm.holder(key);
+        let now = self.now;
+        let lease = self.leases.get(key).cloned();
+        match (holder, lease.as_ref()) {
+            (None, None) => {}
+            (None, Some(_)) => {
+                if self.bug(|b| b.lease_ended_after_hand_off) {
+                    return;
+                }
+                let expired = matches!(applied.outcome, Outcome::Expired { .. });
+                self.end_lease(key, expired);
+            }
+            (Some(h), lease) => {
+                let same =
+                    lease.is_some_and(|l| l.token == h.token && l.lease_index == h.lease_index);
+                if same {
+                    return;
+                }
+                if lease.is_some_and(|l| l.token != h.token) {
+                    self.end_lease(key, matches!(applied.outcome, Outcome::Expired { .. }));
+                }
+                if self.bug(|b| b.lease_ended_after_hand_off)
+                    && matches!(
+                        command,
+                        Command::Release { .. } | Command::ReleaseHeld { .. }
+                    )
+                {
+                    // The release's answer ends the lease the hand-off just started.
+                    return;
+                }
+                // A renewal keeps the lease's key and start.
+                let existing = self
+                    .leases
+                    .get_key_value(key)
+                    .map(|(k, l)| (k.clone(), l.started));
+                let new_holder = existing.is_none();
+                let (lease_key, started) = existing.unwrap_or_else(|| (Arc::from(key), now));
+                self.leases.insert(
+                    lease_key,
+                    Lease {
+                        token: h.token,
+                        lease_index: h.lease_index,
+                        deadline: now + h.ttl_ms * MS,
+                        started,
+                        expiry_proposed_at: None,
+                    },
+                );
+                if new_holder {
+                    let id = (h.client_id.clone(), h.request_id.clone());
+                    let waited_us = self
+                        .waiting
+                        .get(&id)
+                        .map(|w| w.enqueued)
+                        .or(local_started)
+                        .map(|at| now.saturating_sub(at));
+                    self.observe(Observation::Granted { waited_us });
+                } else {
+                    self.observe(Observation::Renewed);
+                }
+            }
+        }
+    }
+
+    /// Gives a waiter that just joined a queue its cancel deadline, whoever proposed it: its wait
+    /// timeout, or — when its client is not attached here — the reclaim window.
+    pub(super) fn follow_waiter(
+        &mut self,
+        command: &Command,
+        applied: &crate::lock::Applied,
+        local: Option<(Micros, bool)>,
+    ) {
+        let Command::Acquire {
+            key,
+            client_id,
+            request_id,
+            wait_timeout_ms,
+            ..
+        } = command
+        else {
+            return;
+        };
+        if applied.replayed || !matches!(applied.outcome, Outcome::Queued { .. }) {
+            return;
+        }
+        let at = match (wait_timeout_ms, local) {
+            (Some(ms), Some((started, _))) => started + ms * MS,
+            (Some(ms), None) => self.now + ms * MS,
+            // Waits until granted while its client is attached here.
+            (None, Some((_, true))) => return,
+            (None, _) => self.now + self.cfg.waiter_reclaim_us,
+        };
+        self.wait_deadlines.insert(
+            (client_id.clone(), request_id.clone()),
+            WaitDeadline {
+                key: key.clone(),
+                at,
+                cancel_proposed_at: None,
+            },
+        );
+    }
+
+    fn end_lease(&mut self, key: &str, expired: bool) {
+        if let Some(lease) = self.leases.remove(key) {
+            let held_us = self.now.saturating_sub(lease.started);
+            self.observe(Observation::LeaseEnded { held_us, expired });
+        }
+    }
+
+    /// On election (or a snapshot installed while leading): every held lock gets a full TTL
+    /// from now, every queued waiter its wait timeout or a reclaim window from now, whichever is
+    /// longer, in which its client can re-attach (docs/guarantees.md).
+    ///
+    /// The locks are visited `rebuild_keys_per_tick` at a time, the rest on the following ticks,
+    /// so that a leader of a million locks does not fall silent for longer than an election
+    /// timeout. Deadlines count from the election whenever a lock is reached; a lock not reached
+    /// yet has no lease here and so cannot expire early (it can only expire late, by at most the
+    /// walk's duration). A lease or wait deadline set meanwhile by an applied command is newer
+    /// and is kept.
+    pub(super) fn rebuild_deadlines(&mut self) {
+        self.leases.clear();
+        self.wait_deadlines.clear();
+        self.rebuild = Some(Rebuild {
+            since: self.now,
+            after: None,
+        });
+        self.continue_rebuild();
+    }
+
+    /// One step of the walk started by [`NodeCore::rebuild_deadlines`].
+    pub(super) fn continue_rebuild(&mut self) {
+        let Some(rebuild) = self.rebuild.take() else {
+            return;
+        };
+        let since = rebuild.since;
+        let limit = self.cfg.rebuild_keys_per_tick.max(1);
+        let locks = self.sm.locks_after(rebuild.after.as_deref(), limit);
+        let done = locks.len() < limit;
+        let no_wait = self.bug(|b| b.no_lease_wait_after_election);
+        let mut last = None;
+        for (key, held, waiters) in locks {
+            if let Some(h) = held {
+                if !self.leases.contains_key(key.as_str()) {
+                    let full_ttl = if no_wait { 0 } else { h.ttl_ms * MS };
+                    let lease = Lease {
+                        token: h.token,
+                        lease_index: h.lease_index,
+                        deadline: since + full_ttl,
+                        started: since,
+                        expiry_proposed_at: None,
+                    };
+                    self.leases.insert(Arc::from(key.as_str()), lease);
+                }
+            }
+            for w in waiters {
+                let id = (w.client_id, w.request_id);
+                if self.wait_deadlines.contains_key(&id) {
+                    continue;
+                }
+                let mut at = since + self.cfg.waiter_reclaim_us;
+                if let Some(ms) = w.wait_timeout_ms {
+                    at = at.max(since + ms * MS);
+                }
+                self.wait_deadlines.insert(
+                    id,
+                    WaitDeadline {
+                        key: w.key,
+                        at,
+                        cancel_proposed_at: None,
+                    },
+                );
+            }
+            last = Some(key);
+        }
+        if !done {
+            self.rebuild = Some(Rebuild { since, after: last });
+        }
+    }
+}

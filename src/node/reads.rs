@@ -1,0 +1,45 @@
+//! Reads: linearizable `Get`s served once their ReadIndex is applied, and the `/locks` listing.
+
+use super::api::ClientReply;
+use super::{LockInfo, NodeCore, MS};
+use crate::storage::Storage;
+
+impl<S: Storage, R> NodeCore<S, R> {
+    pub(super) fn serve_reads(&mut self) {
+        if self.installing.is_some() {
+            // The Raft core counts the snapshot as applied; the state is not there yet.
+            return;
+        }
+        let applied = self.raft.applied_index();
+        let (ready, later): (Vec<_>, Vec<_>) = self
+            .read_indexes
+            .drain(..)
+            .partition(|(index, _)| *index <= applied);
+        self.read_indexes = later;
+        for (_, ctx) in ready {
+            if let Some((key, reply)) = self.reads.remove(&ctx) {
+                let value = self.sm.get(&key).map(|v| v.to_vec());
+                self.reply(reply, ClientReply::Value(value));
+            }
+        }
+    }
+
+    /// Locks and waiters whose key starts with `prefix` (at most `limit`).
+    pub fn list_locks(&self, prefix: &str, limit: usize) -> Vec<LockInfo> {
+        self.sm
+            .locks_with_prefix(prefix, limit)
+            .into_iter()
+            .map(|(key, held, waiters)| LockInfo {
+                expires_in_ms: held
+                    .as_ref()
+                    .and_then(|_| self.leases.get(key.as_str()))
+                    .map(|l| l.deadline.saturating_sub(self.now) / MS),
+                key,
+                holder: held.as_ref().map(|h| h.client_id.clone()),
+                fencing_token: held.as_ref().map(|h| h.token),
+                ttl_ms: held.as_ref().map(|h| h.ttl_ms),
+                waiters: waiters.into_iter().map(|w| w.client_id).collect(),
+            })
+            .collect()
+    }
+}
