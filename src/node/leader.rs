@@ -275,8 +275,6 @@ impl<S: Storage, R> NodeCore<S, R> {
         }
     }
 
-    /// Records the cluster version member `id` said it runs (the latest word counts: a member
-    /// restarted with an older RaftLock says a lower version).
     /// What member `id` says it runs, from its latest stream (0: a RaftLock from before
     /// cluster versions). Replaces what it said before: a member rolled back to an older build
     /// is no longer taken for a current one.

@@ -1,8 +1,8 @@
 //! How a node enters and stays in a cluster: whether a node with an empty data directory starts
-//! a new cluster, joins one or waits (`decide_start`), and the leader's side of it (joins,
-//! the replacement of a member that lost its data, the cluster id and the member table) in
-//! `NodeCore`. `lock-node` and the simulator run the same decisions: `lock-node` asks its
-//! `--join` peers over the network, the simulator answers for its nodes.
+//! a new cluster, joins one or waits (`decide_start`), and the leader's side of it (joins, the
+//! replacement of a member that lost its data, the cluster id and the member table) in
+//! `NodeCore` (src/node/membership.rs). `lock-node` and the simulator run the same decisions:
+//! `lock-node` asks its `--join` peers over the network, the simulator answers for its nodes.
 
 use crate::lock::MemberInfo;
 use crate::raft::NodeId;

@@ -502,7 +502,6 @@ impl<S: Storage, R> NodeCore<S, R> {
         &self.cfg
     }
 
-    /// Everything the shell must do, in order.
     /// Lets the leader's appends leave before its own flush, as the Raft dissertation allows
     /// (§10.2.1): `send` is called with each of a Ready's `messages_now` before storage flushes
     /// that Ready, and whatever it declines becomes an [`Effect::Send`] as usual. The leader still
@@ -522,6 +521,7 @@ impl<S: Storage, R> NodeCore<S, R> {
         self.flushed_sender = Some(send);
     }
 
+    /// Everything the shell must do, in order.
     pub fn take_effects(&mut self) -> Vec<Effect<R>> {
         std::mem::take(&mut self.effects)
     }

@@ -248,7 +248,7 @@ pub struct Raft {
 
     prev_soft: SoftState,
     prev_hard: HardState,
-    /// Set between `ready()` and `advance()` for the entries handed out.
+    /// Counts of elections, PreVotes, terms won and CheckQuorum step-downs, for metrics.
     stats: CoreStats,
     /// Test-only home of vote replies sent before their flush (the `vote_before_persist` bug).
     #[cfg(test)]
@@ -391,7 +391,6 @@ impl Raft {
             role: self.role,
         }
     }
-    /// Leader only: (match_index, next_index, state) for a follower.
     /// Appends in flight to `id` and their entry bytes (the leader's flow control).
     #[cfg(test)]
     pub(crate) fn inflight_to(&self, id: NodeId) -> (usize, usize) {
@@ -400,6 +399,7 @@ impl Raft {
             .map_or((0, 0), |pr| (pr.inflight_len(), pr.inflight_bytes()))
     }
 
+    /// Leader only: (match_index, next_index, state) for a follower.
     pub fn progress(&self, id: NodeId) -> Option<(Index, Index, ProgressState)> {
         self.progress
             .get(&id)
