@@ -220,10 +220,7 @@ impl<S: Storage, R> NodeCore<S, R> {
                 if matches!(code, RejectCode::QueueFull | RejectCode::LimitReached) {
                     let limit = match code {
                         RejectCode::QueueFull => "waiters_per_key",
-                        _ => message
-                            .rsplit_once("[limit: ")
-                            .and_then(|(_, rest)| rest.strip_suffix(']'))
-                            .unwrap_or("other"),
+                        _ => super::observations::limit_named(&message),
                     };
                     self.observe(Observation::LimitRefused {
                         limit: limit.to_string(),

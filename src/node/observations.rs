@@ -108,3 +108,12 @@ pub enum Observation {
         cancels: usize,
     },
 }
+
+/// The limit a refusal's message names (the state machine ends it with `[limit: <name>]`), for
+/// [`Observation::LimitRefused`]; `other` when it names none.
+pub(super) fn limit_named(message: &str) -> &str {
+    message
+        .rsplit_once("[limit: ")
+        .and_then(|(_, rest)| rest.strip_suffix(']'))
+        .unwrap_or("other")
+}

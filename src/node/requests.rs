@@ -165,11 +165,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             }
         };
         if let Some(Outcome::Rejected { message, .. }) = self.sm.quota_precheck(&command) {
-            let limit = message
-                .rsplit_once("[limit: ")
-                .and_then(|(_, rest)| rest.strip_suffix(']'))
-                .unwrap_or("other")
-                .to_string();
+            let limit = super::observations::limit_named(&message).to_string();
             self.observe(Observation::LimitRefused { limit });
             self.refuse(op_name, reply, ApiError::new(ErrorCode::Busy, message));
             return;
