@@ -14,7 +14,8 @@
 #       Secret, Secrets without fsGroup) fail to render with their message.
 #       Then the Prometheus files: the rendered PrometheusRule passes `promtool check rules` and
 #       carries exactly the alerts of deploy/prometheus/alerts.yml (whose copy in the chart,
-#       files/alerts.yml, deploy/prometheus/sync.py --check finds current),
+#       files/alerts.yml, deploy/prometheus/sync.py --check finds current), and its rewritten
+#       RaftLockAbsent and RaftLockInsufficientMembers select the release (promtool test rules),
 #       `promtool check config deploy/prometheus/prometheus.yml`, `promtool check rules` and
 #       `promtool test rules deploy/prometheus/tests/*.yml`; the Grafana dashboard is current.
 #       Then actionlint on .github/workflows/*.yml.
@@ -164,6 +165,58 @@ PY
       else
         promtool check rules "$tmp/$values-rules.yaml" || true
         echo "FAIL promtool check rules on the chart's PrometheusRule ($label)"
+        status=1
+      fi
+      # The rewritten selectors, as prometheus-operator labels the ServiceMonitor's targets
+      # (namespace, service; job is the Service's name): RaftLockAbsent watches this release
+      # only (another release's targets in the namespace do not keep it quiet) and names it by
+      # namespace and service; RaftLockInsufficientMembers counts this release's nodes. (Both
+      # value sets render release "raftlock" in "default" with ci/monitoring-values.yaml's
+      # runbookBaseURL.)
+      cat >"$tmp/$values-rules-test.yaml" <<TEST
+rule_files:
+  - $values-rules.yaml
+evaluation_interval: 1m
+tests:
+  - interval: 1m
+    input_series:
+      - series: 'up{namespace="default", service="other-headless", job="other-headless", instance="10.0.9.1:50050"}'
+        values: '1x20'
+    alert_rule_test:
+      - eval_time: 10m
+        alertname: RaftLockAbsent
+        exp_alerts:
+          - exp_labels: {severity: critical, namespace: default, service: raftlock-headless}
+            exp_annotations:
+              summary: "RaftLock: Prometheus has no target for the lock nodes in namespace default"
+              description: "For 5 minutes Prometheus has had no scrape target for the lock nodes (Service raftlock-headless): no \`up\` series at all, so every other RaftLock alert is blind. Either the cluster is gone (StatefulSet deleted or scaled to 0, every pod unschedulable) or service discovery lost it (ServiceMonitor, its labels or the scrape configuration changed)."
+              runbook_url: "https://git.example.com/raftlock/blob/main/docs/operations.md#raftlockabsent"
+  - interval: 1m
+    input_series:
+      - series: 'up{namespace="default", service="raftlock-headless", job="raftlock-headless", instance="10.0.0.1:50050"}'
+        values: '1x20'
+      - series: 'up{namespace="default", service="raftlock-headless", job="raftlock-headless", instance="10.0.0.2:50050"}'
+        values: '0x20'
+      - series: 'up{namespace="default", service="raftlock-headless", job="raftlock-headless", instance="10.0.0.3:50050"}'
+        values: '0x20'
+    alert_rule_test:
+      - eval_time: 10m
+        alertname: RaftLockAbsent
+        exp_alerts: []
+      - eval_time: 10m
+        alertname: RaftLockInsufficientMembers
+        exp_alerts:
+          - exp_labels: {severity: critical, namespace: default, job: raftlock-headless}
+            exp_annotations:
+              summary: "RaftLock (raftlock-headless): only 1 lock node(s) up, fewer than a quorum"
+              description: "For 2 minutes Prometheus has scraped fewer than a majority of the lock nodes of raftlock-headless: 1 up. Without a quorum no lock is granted, released or renewed, and holders lose their locks when their leases run out. The nodes that are down report nothing, so RaftLockNoLeader may stay silent: this alert stands for it."
+              runbook_url: "https://git.example.com/raftlock/blob/main/docs/operations.md#raftlockinsufficientmembers"
+TEST
+      if promtool test rules "$tmp/$values-rules-test.yaml" >/dev/null 2>&1; then
+        echo "ok   chart PrometheusRule ($label): RaftLockAbsent and RaftLockInsufficientMembers select this release"
+      else
+        promtool test rules "$tmp/$values-rules-test.yaml" || true
+        echo "FAIL promtool test rules on the chart's RaftLockAbsent and RaftLockInsufficientMembers ($label)"
         status=1
       fi
     else
