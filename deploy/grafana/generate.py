@@ -5,8 +5,39 @@ chart (charts/raftlock/files/raftlock-dashboard.json, which the chart's dashboar
     python3 deploy/grafana/generate.py          # rewrite both files
     python3 deploy/grafana/generate.py --check  # exit 1 if either file is out of date
 
-Every query selects `job` and `namespace` through dashboard variables, so one dashboard serves
-several clusters. The metrics are the ones lock-node and data-store export on /metrics.
+One dashboard, one cluster at a time. The variables:
+
+  namespace      single value, no "All": the namespace of the lock nodes (label_values of
+                 raftlock_term). A Prometheus with a plain static config (deploy/prometheus/
+                 prometheus.yml, tests/prometheus.rs) attaches no namespace label: the query finds
+                 no values, Grafana leaves the variable empty, and `namespace=~""` matches exactly
+                 the series without a namespace label. (A default of "All", `.*`, would merge
+                 the clusters of every namespace: that is what the variable must not do.)
+  job            single value, no "All": the lock nodes' scrape job in that namespace. Under the
+                 prometheus-operator the job is the Service's name (the chart's headless Service,
+                 one per release), so namespace and job together name one cluster; with a static
+                 config it is the job_name (`raftlock`).
+  pod            several values, default All (`.*`, which also matches no pod label): narrows the
+                 per-pod panels. The chart's ServiceMonitor needs no relabelling for it: the
+                 prometheus-operator adds `pod` (and `namespace`, `service`) to every target it
+                 finds through a Service's endpoints; the usual kubernetes-pods scrape config of
+                 the pods' prometheus.io annotations does the same. A static config has no pod
+                 label: the variable then offers only All, and the per-pod panels name each node
+                 by its `instance` instead (per_pod() below).
+  datastore_job  single value: the data store's scrape job in the namespace (its own Service
+                 under the operator, `raftlock-datastore` in the static config). The data-store
+                 panels select it, not `job`.
+
+Cluster-wide numbers (stats, totals, quantiles over every node) select the cluster and ignore
+`pod`; every stat aggregates `by (namespace, job)`, so even a selection that matched two clusters
+would show two values instead of adding them up. Lines drawn per node aggregate `by (pod,
+instance)`, select `pod=~"$pod"` and have the legend {{pod}}. tests/prometheus.rs evaluates every
+query with the variables as Grafana sets them for its one statically scraped cluster (namespace
+empty, job `raftlock`, datastore_job `raftlock-datastore`, pod `.*`) and wants data in every panel.
+
+The metrics are the ones lock-node and data-store export on /metrics. The dashboard is built from
+plain dictionaries (Grafana's JSON model, schemaVersion 39), not grafana-foundation-sdk: the
+output must be byte-for-byte reproducible for --check without a pinned extra dependency.
 """
 import json
 import os
@@ -17,10 +48,27 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 OUTPUTS = [os.path.join(HERE, "raftlock.json"),
            os.path.join(ROOT, "charts", "raftlock", "files", "raftlock-dashboard.json")]
 
-SEL = 'job=~"$job", namespace=~"$namespace"'
+# The one cluster the namespace and job variables select.
+SEL = 'namespace=~"$namespace", job=~"$job"'
+# ... and the pods the pod variable selects in it (per-pod panels only).
+POD_SEL = SEL + ', pod=~"$pod"'
 # The data store is scraped as a job of its own.
-DS_SEL = 'namespace=~"$namespace"'
+DS_SEL = 'namespace=~"$namespace", job=~"$datastore_job"'
+# Joins between two metrics of one node.
+NODE = "on(namespace, job, instance)"
 DS = {"type": "prometheus", "uid": "${datasource}"}
+
+
+def per_pod(expr):
+    """`expr`, which keeps the labels pod and instance, with `pod` set to `instance` on series
+    that have no pod label (a static scrape config), so that the legend {{pod}} names every node:
+    label_join writes "<pod>@<instance>" into a scratch label, label_replace copies what follows
+    the "@" into pod only when that value starts with "@" (pod empty), and the scratch label is
+    dropped again (set to the empty string)."""
+    return ('label_replace(label_replace(label_join('
+            f'{expr}, "pod_or_instance", "@", "pod", "instance"), '
+            '"pod", "$1", "pod_or_instance", "@(.+)"), '
+            '"pod_or_instance", "", "pod_or_instance", ".*")')
 
 
 class Layout:
@@ -80,11 +128,17 @@ def series(title, exprs, unit="short", description="", stack=False):
     }
 
 
-def quantiles(metric, by=""):
-    group = f"le{', ' + by if by else ''}"
-    suffix = f" {{{{{by}}}}}" if by else ""
-    return [(f"histogram_quantile({q}, sum by ({group}) (rate({metric}_bucket{{{SEL}}}[$__rate_interval])))",
-             f"p{int(q * 100)}{suffix}") for q in (0.5, 0.9, 0.99)]
+def quantiles(metric):
+    """p50, p90 and p99 over every node of the cluster."""
+    return [(f"histogram_quantile({q}, sum by (le) (rate({metric}_bucket{{{SEL}}}[$__rate_interval])))",
+             f"p{int(q * 100)}") for q in (0.5, 0.9, 0.99)]
+
+
+def p99_per_pod(metric, by="", legend="{{pod}}"):
+    """p99 of each node (and of each `by` label value on it), so that one slow node stands out."""
+    group = "le, pod, instance" + (f", {by}" if by else "")
+    return (per_pod(f"histogram_quantile(0.99, sum by ({group}) "
+                    f"(rate({metric}_bucket{{{POD_SEL}}}[$__rate_interval])))"), legend)
 
 
 RELEASE_RENEW = ',op=~"release|renew"'
@@ -98,34 +152,47 @@ def at_client_port(extra=""):
                        "raftlock_grpc_request_duration_seconds"))
 
 
+def per_cluster(agg, expr):
+    """A stat's value: `agg` of `expr` for each cluster, never summed across clusters."""
+    return f"{agg} by (namespace, job) ({expr})"
+
+
+def from_leader(metric):
+    """`metric` as the cluster's leader reports it."""
+    return per_cluster("max", f"{metric}{{{SEL}}} and {NODE} raftlock_is_leader{{{SEL}}} == 1")
+
+
 def dashboard():
     L = Layout()
     L.row("Cluster")
     L.line(
-        stat("Leader", [(f"max(raftlock_is_leader{{{SEL}}} * on(instance) group_left() "
-                         f"raftlock_term{{{SEL}}}) > 0 or vector(0)", "term")],
+        stat("Leader", [(per_cluster("max", f"raftlock_is_leader{{{SEL}}} * {NODE} group_left() "
+                                            f"raftlock_term{{{SEL}}}")
+                         + " > 0 or on() vector(0)", "term")],
              description="Term of the current leader (0: no node leads)."),
-        stat("Nodes that know a leader", [(f"sum(raftlock_has_leader{{{SEL}}})", "")],
-             description="Nodes reporting a known leader; fewer than a majority means no lock "
-                         "can be granted."),
-        stat("Term", [(f"max(raftlock_term{{{SEL}}})", "")]),
-        stat("Nodes scraped", [(f"count(up{{{SEL}}} == 1)", "")]),
-        stat("Locks held", [(f"max(raftlock_locks_held{{{SEL}}} and on(instance) "
-                             f"raftlock_is_leader{{{SEL}}} == 1)", "")],
+        stat("Nodes that know a leader",
+             [(per_cluster("sum", f"raftlock_has_leader{{{SEL}}}"), "{{job}}")],
+             description="Nodes of the selected cluster reporting a known leader; fewer than a "
+                         "majority means no lock can be granted."),
+        stat("Term", [(per_cluster("max", f"raftlock_term{{{SEL}}}"), "{{job}}")]),
+        stat("Nodes scraped", [(per_cluster("sum", f"up{{{SEL}}}"), "{{job}}")],
+             description="Lock nodes of the selected cluster whose /metrics answered the last "
+                         "scrape."),
+        stat("Locks held", [(from_leader("raftlock_locks_held"), "{{job}}")],
              description="As the leader reports it."),
-        stat("Waiters", [(f"max(raftlock_lock_waiters{{{SEL}}} and on(instance) "
-                          f"raftlock_is_leader{{{SEL}}} == 1)", "")]),
-        stat("Cluster version", [(f"min(raftlock_cluster_version{{{SEL}}})", "")],
+        stat("Waiters", [(from_leader("raftlock_lock_waiters"), "{{job}}")]),
+        stat("Cluster version", [(per_cluster("min", f"raftlock_cluster_version{{{SEL}}}"), "{{job}}")],
              description="The lowest any node reports: the log commands every member "
                          "understands. After a rolling upgrade it rises once every node runs "
                          "the new release."),
         h=4)
     L.line(
-        series("Role per node", [(f"raftlock_is_leader{{{SEL}}}", "{{instance}}")],
-               description="1 while the node leads."),
+        series("Role per node",
+               [(per_pod(f"max by (pod, instance) (raftlock_is_leader{{{POD_SEL}}})"), "{{pod}}")],
+               description="1 while the pod leads."),
         series("Elections and leader changes",
-               [(f"sum by (instance) (increase(raftlock_elections_total{{{SEL}}}[$__rate_interval]))",
-                 "elections started {{instance}}"),
+               [(per_pod(f"sum by (pod, instance) (increase(raftlock_elections_total{{{POD_SEL}}}[$__rate_interval]))"),
+                 "elections started {{pod}}"),
                 (f"sum(increase(raftlock_leader_changes_total{{{SEL}}}[$__rate_interval]))",
                  "leader changes seen (all nodes)")]),
     )
@@ -133,27 +200,39 @@ def dashboard():
     L.line(
         series("Replication lag (entries) per follower",
                [(f"max by (peer) (raftlock_replication_lag_entries{{{SEL}}})", "node {{peer}}")],
-               description="Entries the leader has that each follower has not acknowledged."),
+               description="Entries the leader has that each follower (by node id) has not "
+                           "acknowledged."),
         series("Replication lag (seconds) per follower",
-               [(f"max by (peer) (raftlock_replication_lag_seconds{{{SEL}}} and on(instance) "
+               [(f"max by (peer) (raftlock_replication_lag_seconds{{{SEL}}} and {NODE} "
                  f"raftlock_is_leader{{{SEL}}} == 1)", "node {{peer}}")],
                unit="s",
                description="Age of the oldest entry each follower has not acknowledged "
                            "(0 when caught up)."),
-        series("Peer round trip", quantiles("raftlock_peer_rtt_seconds", "peer"), unit="s"),
+        series("Peer round trip",
+               [p99_per_pod("raftlock_peer_rtt_seconds", "peer", "{{pod}} to node {{peer}}")],
+               unit="s",
+               description="p99 heartbeat round trip measured by each pod (the leader sends the "
+                           "heartbeats) to each peer, by node id: one slow link or node stands "
+                           "out."),
     )
     L.line(
         series("Commit and apply rate",
-               [(f"max by (instance) (rate(raftlock_commit_index{{{SEL}}}[$__rate_interval]))",
-                 "commit {{instance}}"),
-                (f"max by (instance) (rate(raftlock_applied_index{{{SEL}}}[$__rate_interval]))",
-                 "apply {{instance}}")], unit="ops"),
+               [(per_pod(f"max by (pod, instance) (rate(raftlock_commit_index{{{POD_SEL}}}[$__rate_interval]))"),
+                 "commit {{pod}}"),
+                (per_pod(f"max by (pod, instance) (rate(raftlock_applied_index{{{POD_SEL}}}[$__rate_interval]))"),
+                 "apply {{pod}}")], unit="ops"),
         series("Proposals",
                [(f"sum(rate(raftlock_proposals_committed_total{{{SEL}}}[$__rate_interval]))", "committed"),
                 (f"sum(rate(raftlock_proposals_failed_total{{{SEL}}}[$__rate_interval]))", "failed"),
                 (f"sum(raftlock_proposals_pending{{{SEL}}})", "pending")]),
-        series("Storage flush (fsync) latency", quantiles("raftlock_fsync_duration_seconds"),
-               unit="s", description="One flush covers a whole Raft Ready."),
+        series("Storage flush (fsync) latency",
+               [p99_per_pod("raftlock_fsync_duration_seconds", legend="p99 {{pod}}"),
+                (f"histogram_quantile(0.5, sum by (le) (rate(raftlock_fsync_duration_seconds_bucket{{{SEL}}}[$__rate_interval])))",
+                 "p50 all nodes")],
+               unit="s",
+               description="p99 of one flush on each pod, so that one slow disk stands out, and "
+                           "the median over all nodes for comparison. One flush covers a whole "
+                           "Raft Ready."),
     )
     L.line(
         series("Snapshots",
@@ -163,14 +242,15 @@ def dashboard():
                [(f"sum by (peer) (rate(raftlock_peer_messages_dropped_total{{{SEL}}}[$__rate_interval]))",
                  "to node {{peer}}")]),
         series("Flushes on the flush thread",
-               [(f"max by (instance) (raftlock_flush_thread_active{{{SEL}}})", "on {{instance}}"),
-                (f"sum by (instance) (increase(raftlock_flush_thread_switches_total{{{SEL}}}[$__rate_interval]))",
-                 "switches {{instance}}")],
+               [(per_pod(f"max by (pod, instance) (raftlock_flush_thread_active{{{POD_SEL}}})"),
+                 "on {{pod}}"),
+                (per_pod(f"sum by (pod, instance) (increase(raftlock_flush_thread_switches_total{{{POD_SEL}}}[$__rate_interval]))"),
+                 "switches {{pod}}")],
                description="1 while a node's flushes run on its flush thread (--background-flush; "
                            "auto uses it while the node is busy), and how often auto switched."),
         series("Raft streams opened",
-               [(f"sum by (instance, kind) (raftlock_peer_streams_opened_total{{{SEL}}})",
-                 "{{kind}} from {{instance}}")],
+               [(per_pod(f"sum by (pod, instance, kind) (raftlock_peer_streams_opened_total{{{POD_SEL}}})"),
+                 "{{kind}} from {{pod}}")],
                description="Raft message streams each node opened to its peers since it started, "
                            "by kind: plain (length-prefixed frames, the default) or grpc "
                            "(--peer-stream grpc, or the fallback for a peer that does not take "
@@ -196,15 +276,13 @@ def dashboard():
                [(f"sum by (op, result) (rate(raftlock_requests_total{{{SEL}}}[$__rate_interval]))",
                  "{{op}} {{result}}")], unit="reqps", stack=True),
         series("Client connections",
-               [(f"sum by (instance) (raftlock_client_connections{{{SEL}}})", "{{instance}}")]),
+               [(per_pod(f"sum by (pod, instance) (raftlock_client_connections{{{POD_SEL}}})"), "{{pod}}")]),
         series("Unknown request fields ignored",
                [(f"sum(rate(raftlock_ignored_fields_total{{{SEL}}}[$__rate_interval]))", "fields")]),
         series("Exactly-once table",
-               [(f"max(raftlock_answers_remembered{{{SEL}}} and on(instance) "
-                 f"raftlock_is_leader{{{SEL}}} == 1)", "answers kept"),
-                (f"max(raftlock_answers_recent{{{SEL}}} and on(instance) "
-                 f"raftlock_is_leader{{{SEL}}} == 1)", "recent (within the retention)"),
-                (f"max(raftlock_answers_max{{{SEL}}})", "bound")],
+               [(from_leader("raftlock_answers_remembered"), "answers kept"),
+                (from_leader("raftlock_answers_recent"), "recent (within the retention)"),
+                (per_cluster("max", f"raftlock_answers_max{{{SEL}}}"), "bound")],
                description="Answers kept for retries, as the leader reports them. The leader "
                            "paces new acquires, puts and deletes (BUSY) to keep the recent "
                            "ones below the bound (alert RaftLockRequestsPaced)."),
@@ -238,29 +316,49 @@ def dashboard():
         series("Fenced writes by result",
                [(f"sum by (result) (rate(raftlock_datastore_writes_total{{{DS_SEL}}}[$__rate_interval]))",
                  "{{result}}")], unit="ops",
-               description="stale: a write with an older token than one already accepted — a "
-                           "holder that lost its lock, stopped by fencing."),
+               description="The data store selected by the datastore_job variable. stale: a write "
+                           "with an older token than one already accepted — a holder that lost "
+                           "its lock, stopped by fencing."),
         series("Torn lines repaired at start",
                [(f"sum(raftlock_datastore_repaired_lines_total{{{DS_SEL}}})", "lines")]),
     )
 
-    def var(name, query, label):
-        return {"name": name, "label": label, "type": "query", "datasource": DS,
-                "query": {"query": query, "refId": name}, "definition": query,
-                "includeAll": True, "multi": True, "allValue": ".*", "refresh": 2,
-                "current": {"selected": True, "text": ["All"], "value": ["$__all"]}}
+    def var(name, label, query, description, multi=False):
+        """A query variable. Single-valued ones have no "All" and start on the first value the
+        query finds (Grafana picks it when `current` is empty); multi-valued ones start on All."""
+        v = {"name": name, "label": label, "description": description, "type": "query",
+             "datasource": DS, "query": {"query": query, "refId": name}, "definition": query,
+             "refresh": 2, "sort": 1, "hide": 0, "multi": multi, "includeAll": multi}
+        if multi:
+            v["allValue"] = ".*"
+            v["current"] = {"selected": True, "text": ["All"], "value": ["$__all"]}
+        else:
+            v["current"] = {}
+        return v
 
     return {
         "title": "RaftLock", "uid": "raftlock-overview", "tags": ["raftlock", "raft", "locks"],
-        "description": "RaftLock cluster: leadership, replication, storage, locks and the fenced "
-                       "data store.",
+        "description": "One RaftLock cluster (the namespace and job variables): leadership, "
+                       "replication, storage and locks, per pod where it matters, and the "
+                       "fenced data store.",
         "editable": True, "schemaVersion": 39, "version": 1, "graphTooltip": 1,
         "time": {"from": "now-1h", "to": "now"}, "refresh": "30s",
         "templating": {"list": [
             {"name": "datasource", "label": "Data source", "type": "datasource",
              "query": "prometheus", "current": {}},
-            var("namespace", "label_values(raftlock_term, namespace)", "Namespace"),
-            var("job", 'label_values(raftlock_term{namespace=~"$namespace"}, job)', "Job"),
+            var("namespace", "Namespace", "label_values(raftlock_term, namespace)",
+                "Namespace of the lock nodes. Empty where the scrape adds no namespace label "
+                "(a static config): then it selects the series without one."),
+            var("job", "Cluster (job)", 'label_values(raftlock_term{namespace=~"$namespace"}, job)',
+                "The lock nodes' scrape job: under the prometheus-operator the cluster's headless "
+                "Service, one per release."),
+            var("pod", "Pod",
+                'label_values(raftlock_term{namespace=~"$namespace", job=~"$job"}, pod)',
+                "Pods drawn in the per-pod panels (All also covers a scrape without pod labels, "
+                "whose nodes those panels name by instance).", multi=True),
+            var("datastore_job", "Data store (job)",
+                'label_values(raftlock_datastore_repaired_lines_total{namespace=~"$namespace"}, job)',
+                "The data store's scrape job, which the data-store panels select."),
         ]},
         "annotations": {"list": []},
         "panels": L.panels,
