@@ -35,13 +35,40 @@ instance)`, select `pod=~"$pod"` and have the legend {{pod}}. tests/prometheus.r
 query with the variables as Grafana sets them for its one statically scraped cluster (namespace
 empty, job `raftlock`, datastore_job `raftlock-datastore`, pod `.*`) and wants data in every panel.
 
-The metrics are the ones lock-node and data-store export on /metrics. The dashboard is built from
-plain dictionaries (Grafana's JSON model, schemaVersion 39), not grafana-foundation-sdk: the
-output must be byte-for-byte reproducible for --check without a pinned extra dependency.
+The metrics are the ones lock-node and data-store export on /metrics.
+
+The dashboard is built with Grafana's maintained model, the grafana-foundation-sdk package
+(builders for the dashboard, its variables, stat and time series panels and Prometheus queries),
+pinned to SDK_VERSION: --check compares bytes, and another SDK release may write other defaults.
+scripts/check-chart.sh installs that version; by hand:
+
+    pip install 'grafana-foundation-sdk==<SDK_VERSION below>'
+
+(The package's versions carry an epoch, so a bare `pip install grafana-foundation-sdk` picks the
+newest build of the oldest Grafana schema, not the newest schema.)
 """
+import importlib.metadata
 import json
 import os
 import sys
+
+SDK_VERSION = "1769699379!11.6.0"
+try:
+    _installed = importlib.metadata.version("grafana-foundation-sdk")
+except importlib.metadata.PackageNotFoundError:
+    _installed = None
+if _installed != SDK_VERSION:
+    sys.exit(f"deploy/grafana/generate.py needs grafana-foundation-sdk {SDK_VERSION} "
+             f"(installed: {_installed}): pip install 'grafana-foundation-sdk=={SDK_VERSION}'")
+
+from grafana_foundation_sdk.builders import common as common_b  # noqa: E402
+from grafana_foundation_sdk.builders import dashboard as dashboard_b  # noqa: E402
+from grafana_foundation_sdk.builders import prometheus as prometheus_b  # noqa: E402
+from grafana_foundation_sdk.builders import stat as stat_b  # noqa: E402
+from grafana_foundation_sdk.builders import timeseries as timeseries_b  # noqa: E402
+from grafana_foundation_sdk.cog.encoder import JSONEncoder  # noqa: E402
+from grafana_foundation_sdk.models import common as common_m  # noqa: E402
+from grafana_foundation_sdk.models import dashboard as dashboard_m  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -56,7 +83,7 @@ POD_SEL = SEL + ', pod=~"$pod"'
 DS_SEL = 'namespace=~"$namespace", job=~"$datastore_job"'
 # Joins between two metrics of one node.
 NODE = "on(namespace, job, instance)"
-DS = {"type": "prometheus", "uid": "${datasource}"}
+DS = dashboard_m.DataSourceRef(type_val="prometheus", uid="${datasource}")
 
 
 def per_pod(expr):
@@ -72,22 +99,24 @@ def per_pod(expr):
 
 
 class Layout:
-    def __init__(self):
+    """Places rows and lines of panels on the dashboard's 24-column grid, top to bottom (every
+    position is given explicitly: the SDK's automatic placement wraps only at exactly 24)."""
+
+    def __init__(self, dashboard):
+        self.dashboard = dashboard
         self.y = 0
         self.next_id = 1
-        self.panels = []
 
     def row(self, title):
-        self.panels.append({"type": "row", "title": title, "collapsed": False, "id": self._id(),
-                            "gridPos": {"h": 1, "w": 24, "x": 0, "y": self.y}, "panels": []})
+        self.dashboard.with_row(dashboard_b.Row(title).id(self._id()).grid_pos(
+            dashboard_m.GridPos(h=1, w=24, x=0, y=self.y)))
         self.y += 1
 
     def line(self, *panels, h=8):
         w = 24 // len(panels)
         for i, p in enumerate(panels):
-            p["id"] = self._id()
-            p["gridPos"] = {"h": h, "w": w, "x": i * w, "y": self.y}
-            self.panels.append(p)
+            self.dashboard.with_panel(p.id(self._id()).grid_pos(
+                dashboard_m.GridPos(h=h, w=w, x=i * w, y=self.y)))
         self.y += h
 
     def _id(self):
@@ -95,37 +124,38 @@ class Layout:
         return self.next_id - 1
 
 
-def target(expr, legend, ref="A"):
-    return {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": ref}
+def with_targets(panel, exprs):
+    """Adds one Prometheus query per (expression, legend), refIds A, B, ..."""
+    for i, (expr, legend) in enumerate(exprs):
+        panel.with_target(prometheus_b.Dataquery().expr(expr).legend_format(legend)
+                          .ref_id(chr(65 + i)).datasource(DS))
+    return panel
 
 
-def stat(title, exprs, unit="none", description="", mappings=None, thresholds=None):
-    return {
-        "type": "stat", "title": title, "description": description, "datasource": DS,
-        "targets": [target(e, l, chr(65 + i)) for i, (e, l) in enumerate(exprs)],
-        "fieldConfig": {"defaults": {
-            "unit": unit, "mappings": mappings or [],
-            "thresholds": thresholds or {"mode": "absolute",
-                                         "steps": [{"color": "green", "value": None}]},
-        }, "overrides": []},
-        "options": {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-                    "colorMode": "value", "graphMode": "none", "textMode": "auto"},
-    }
+def stat(title, exprs, unit="none", description=""):
+    panel = (stat_b.Panel().title(title).description(description).datasource(DS).unit(unit)
+             .thresholds(dashboard_b.ThresholdsConfig().mode(dashboard_m.ThresholdsMode.ABSOLUTE)
+                         .steps([dashboard_m.Threshold(color="green", value=None)]))
+             .reduce_options(common_b.ReduceDataOptions().calcs(["lastNotNull"]).fields("")
+                             .values(False))
+             .color_mode(common_m.BigValueColorMode.VALUE)
+             .graph_mode(common_m.BigValueGraphMode.NONE)
+             .text_mode(common_m.BigValueTextMode.AUTO))
+    return with_targets(panel, exprs)
 
 
 def series(title, exprs, unit="short", description="", stack=False):
-    return {
-        "type": "timeseries", "title": title, "description": description, "datasource": DS,
-        "targets": [target(e, l, chr(65 + i)) for i, (e, l) in enumerate(exprs)],
-        "fieldConfig": {"defaults": {
-            "unit": unit,
-            "custom": {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 10 if stack else 0,
-                       "stacking": {"mode": "normal" if stack else "none", "group": "A"},
-                       "showPoints": "never"},
-        }, "overrides": []},
-        "options": {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
-                    "tooltip": {"mode": "multi", "sort": "desc"}},
-    }
+    stacking = common_m.StackingMode.NORMAL if stack else common_m.StackingMode.NONE
+    panel = (timeseries_b.Panel().title(title).description(description).datasource(DS).unit(unit)
+             .draw_style(common_m.GraphDrawStyle.LINE).line_width(1)
+             .fill_opacity(10 if stack else 0)
+             .stacking(common_b.StackingConfig().mode(stacking).group("A"))
+             .show_points(common_m.VisibilityMode.NEVER)
+             .legend(common_b.VizLegendOptions().display_mode(common_m.LegendDisplayMode.LIST)
+                     .placement(common_m.LegendPlacement.BOTTOM).show_legend(True))
+             .tooltip(common_b.VizTooltipOptions().mode(common_m.TooltipDisplayMode.MULTI)
+                      .sort(common_m.SortOrder.DESCENDING)))
+    return with_targets(panel, exprs)
 
 
 def quantiles(metric):
@@ -163,7 +193,14 @@ def from_leader(metric):
 
 
 def dashboard():
-    L = Layout()
+    board = (dashboard_b.Dashboard("RaftLock").uid("raftlock-overview")
+             .tags(["raftlock", "raft", "locks"])
+             .description("One RaftLock cluster (the namespace and job variables): leadership, "
+                          "replication, storage and locks, per pod where it matters, and the "
+                          "fenced data store.")
+             .editable().tooltip(dashboard_m.DashboardCursorSync.CROSSHAIR)
+             .time("now-1h", "now").refresh("30s").version(1))
+    L = Layout(board)
     L.row("Cluster")
     L.line(
         stat("Leader", [(per_cluster("max", f"raftlock_is_leader{{{SEL}}} * {NODE} group_left() "
@@ -325,48 +362,39 @@ def dashboard():
 
     def var(name, label, query, description, multi=False):
         """A query variable. Single-valued ones have no "All" and start on the first value the
-        query finds (Grafana picks it when `current` is empty); multi-valued ones start on All."""
-        v = {"name": name, "label": label, "description": description, "type": "query",
-             "datasource": DS, "query": {"query": query, "refId": name}, "definition": query,
-             "refresh": 2, "sort": 1, "hide": 0, "multi": multi, "includeAll": multi}
+        query finds (Grafana picks it when no value is saved); multi-valued ones start on All."""
+        v = (dashboard_b.QueryVariable(name).label(label).description(description).query(query)
+             .datasource(DS).refresh(dashboard_m.VariableRefresh.ON_TIME_RANGE_CHANGED)
+             .sort(dashboard_m.VariableSort.ALPHABETICAL_ASC).multi(multi).include_all(multi))
         if multi:
-            v["allValue"] = ".*"
-            v["current"] = {"selected": True, "text": ["All"], "value": ["$__all"]}
-        else:
-            v["current"] = {}
+            v.all_value(".*").current(
+                dashboard_m.VariableOption(selected=True, text=["All"], value=["$__all"]))
         return v
 
-    return {
-        "title": "RaftLock", "uid": "raftlock-overview", "tags": ["raftlock", "raft", "locks"],
-        "description": "One RaftLock cluster (the namespace and job variables): leadership, "
-                       "replication, storage and locks, per pod where it matters, and the "
-                       "fenced data store.",
-        "editable": True, "schemaVersion": 39, "version": 1, "graphTooltip": 1,
-        "time": {"from": "now-1h", "to": "now"}, "refresh": "30s",
-        "templating": {"list": [
-            {"name": "datasource", "label": "Data source", "type": "datasource",
-             "query": "prometheus", "current": {}},
-            var("namespace", "Namespace", "label_values(raftlock_term, namespace)",
-                "Namespace of the lock nodes. Empty where the scrape adds no namespace label "
-                "(a static config): then it selects the series without one."),
-            var("job", "Cluster (job)", 'label_values(raftlock_term{namespace=~"$namespace"}, job)',
-                "The lock nodes' scrape job: under the prometheus-operator the cluster's headless "
-                "Service, one per release."),
-            var("pod", "Pod",
-                'label_values(raftlock_term{namespace=~"$namespace", job=~"$job"}, pod)',
-                "Pods drawn in the per-pod panels (All also covers a scrape without pod labels, "
-                "whose nodes those panels name by instance).", multi=True),
-            var("datastore_job", "Data store (job)",
-                'label_values(raftlock_datastore_repaired_lines_total{namespace=~"$namespace"}, job)',
-                "The data store's scrape job, which the data-store panels select."),
-        ]},
-        "annotations": {"list": []},
-        "panels": L.panels,
-    }
+    board.with_variable(dashboard_b.DatasourceVariable("datasource").label("Data source")
+                        .type("prometheus"))
+    board.with_variable(var(
+        "namespace", "Namespace", "label_values(raftlock_term, namespace)",
+        "Namespace of the lock nodes. Empty where the scrape adds no namespace label "
+        "(a static config): then it selects the series without one."))
+    board.with_variable(var(
+        "job", "Cluster (job)", 'label_values(raftlock_term{namespace=~"$namespace"}, job)',
+        "The lock nodes' scrape job: under the prometheus-operator the cluster's headless "
+        "Service, one per release."))
+    board.with_variable(var(
+        "pod", "Pod", 'label_values(raftlock_term{namespace=~"$namespace", job=~"$job"}, pod)',
+        "Pods drawn in the per-pod panels (All also covers a scrape without pod labels, "
+        "whose nodes those panels name by instance).", multi=True))
+    board.with_variable(var(
+        "datastore_job", "Data store (job)",
+        'label_values(raftlock_datastore_repaired_lines_total{namespace=~"$namespace"}, job)',
+        "The data store's scrape job, which the data-store panels select."))
+    return board.build()
 
 
 def main():
-    text = json.dumps(dashboard(), indent=2, sort_keys=False) + "\n"
+    # The SDK's encoder turns the model into plain JSON; indented like before for diffs.
+    text = json.dumps(json.loads(JSONEncoder().encode(dashboard())), indent=2) + "\n"
     if "--check" in sys.argv:
         stale = [p for p in OUTPUTS if not os.path.exists(p) or open(p).read() != text]
         for p in stale:
