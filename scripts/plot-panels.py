@@ -25,11 +25,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PANELS = [
-    ("Role per node", "{instance}", 1.0),
+    ("Role per node", "{pod}", 1.0),
     ("Elections and leader changes", None, 1.0),
     ("Replication lag (seconds) per follower", "peer {peer}", 1.0),
     ("Commit and apply rate", None, 1.0),
-    ("Storage flush (fsync) latency", None, 1000.0),
+    ("Storage flush (fsync) latency", "p99 {pod}", 1000.0),
     ("Lock operations", None, 1.0),
     ("Wait for a lock", None, 1000.0),
     ("Fenced writes by result", "{result}", 1.0),
