@@ -1,0 +1,380 @@
+//! Applying a committed command: the dispatch of [`LockStateMachine::apply`], the cluster
+//! commands handled in place (version, identity, members), the exactly-once replay of a retried
+//! request, and the validation of a request's sizes and fields against the limits.
+
+use super::super::command::{Command, FencingToken};
+use super::super::limits::Limits;
+use super::super::outcome::{Applied, Event, Outcome, RejectCode};
+use super::records::op_of;
+use super::{
+    ClusterIdentity, LockStateMachine, DIRTY_APPLIED, DIRTY_CLUSTER, DIRTY_CLUSTER_VERSION,
+    DIRTY_MEMBERS, MEMBERS_MAX, MEMBER_ADDR_MAX,
+};
+
+impl LockStateMachine {
+    /// Applies the command committed at `index`. Deterministic; never panics; an outcome other
+    /// than a *recorded* one changed nothing but the applied index.
+    pub fn apply(&mut self, index: u64, command: &Command) -> Applied {
+        if index <= self.applied_index {
+            let outcome = Outcome::rejected(
+                RejectCode::AlreadyApplied,
+                format!(
+                    "index {index} is not above the applied index {}",
+                    self.applied_index
+                ),
+            );
+            return Applied {
+                index,
+                outcome,
+                events: Vec::new(),
+                replayed: false,
+            };
+        }
+        self.applied_index = index;
+        self.dirty_meta |= DIRTY_APPLIED;
+        let mut events = Vec::new();
+        let mut replayed = false;
+        let outcome = self.apply_inner(command, &mut events, &mut replayed);
+        Applied {
+            index,
+            outcome,
+            events,
+            replayed,
+        }
+    }
+
+    fn apply_inner(
+        &mut self,
+        command: &Command,
+        events: &mut Vec<Event>,
+        replayed: &mut bool,
+    ) -> Outcome {
+        match command {
+            Command::SetLimits { limits } => return self.set_replicated_limits(limits),
+            Command::SetLimitsV1 { limits } => {
+                return self.set_replicated_limits(&limits.clone().into())
+            }
+            Command::Tick { elapsed_ms } => return self.tick(*elapsed_ms),
+            Command::SetClusterVersion { version } => {
+                if *version > self.cluster_version() {
+                    self.cluster_version = *version;
+                    self.dirty_meta |= DIRTY_CLUSTER_VERSION;
+                }
+                return Outcome::Stored;
+            }
+            Command::SetClusterId { id, forced_by } => {
+                if self.cluster.is_none() && *id != 0 {
+                    self.cluster = Some(ClusterIdentity {
+                        id: *id,
+                        forced_by: forced_by.chars().take(MEMBER_ADDR_MAX).collect(),
+                    });
+                    self.dirty_meta |= DIRTY_CLUSTER;
+                }
+                return Outcome::Stored;
+            }
+            Command::SetQuotas { quotas } => return self.set_quotas(quotas),
+            Command::SetMember { id, info } => {
+                match info {
+                    None => {
+                        if self.members.remove(id).is_some() {
+                            self.dirty_meta |= DIRTY_MEMBERS;
+                        }
+                    }
+                    Some(info)
+                        if *id != 0
+                            && info.peer_addr.len() <= MEMBER_ADDR_MAX
+                            && info.client_addr.len() <= MEMBER_ADDR_MAX
+                            && (self.members.len() < MEMBERS_MAX
+                                || self.members.contains_key(id)) =>
+                    {
+                        if self.members.get(id) != Some(info) {
+                            self.members.insert(*id, info.clone());
+                            self.dirty_meta |= DIRTY_MEMBERS;
+                        }
+                    }
+                    // Every replica refuses the same entries (the bounds are constants).
+                    Some(_) => {}
+                }
+                return Outcome::Stored;
+            }
+            Command::Sequenced {
+                ack_below,
+                command: inner,
+            } => {
+                if let Err(refusal) = self.acknowledge(*ack_below, inner) {
+                    return refusal;
+                }
+                let outcome = self.apply_inner(inner, events, replayed);
+                // An acknowledging request is answered once: its answer is kept even when it
+                // changed nothing (a lock found held, a stale token), or a copy delivered after
+                // that answer could act where the answer said nothing happened — a grant to a
+                // client told it was not granted. Its client's acknowledgement removes it.
+                // Refusals of bad input or of a full table are not kept: a retry is judged
+                // again.
+                // The plain request recorded what `is_recorded` keeps; the rest is kept here.
+                if !*replayed && !outcome.is_recorded() && outcome.is_remembered_for(command) {
+                    if let Some((client, request)) = inner.dedupe_id() {
+                        self.record(client, request, outcome.clone(), op_of(inner));
+                    }
+                }
+                return outcome;
+            }
+            _ => {}
+        }
+        if let Err(rejection) = self.validate(command) {
+            return rejection;
+        }
+        // Exactly-once: a retried request gets its original outcome back (dissertation §6.3).
+        if let Some((client, request)) = command.dedupe_id() {
+            if let Some(n) = self.record_number(client, request) {
+                let record = &self.dedupe[&n];
+                if record.op().is_some_and(|op| op != op_of(command)) {
+                    return Outcome::rejected(
+                        RejectCode::RequestIdReused,
+                        format!(
+                            "request id {request:?} of client {client:?} was used for another \
+                             operation or key; use a new request id"
+                        ),
+                    );
+                }
+                let recorded = record.outcome();
+                *replayed = true;
+                return match recorded {
+                    Outcome::Queued { .. } => {
+                        // Still waiting: answer with the current position.
+                        let position = self.position_of(command.key(), client, request);
+                        position.map_or(recorded, |p| Outcome::Queued { position: p })
+                    }
+                    other => other,
+                };
+            }
+            if let Err(refusal) = self.make_room(client) {
+                return refusal;
+            }
+        }
+        let outcome = match command {
+            Command::Acquire {
+                key,
+                client_id,
+                request_id,
+                ttl_ms,
+                wait_timeout_ms,
+            } => self.acquire(key, client_id, request_id, *ttl_ms, *wait_timeout_ms),
+            Command::Release {
+                key,
+                client_id,
+                token,
+                ..
+            } => self.release(key, client_id, token.value, events),
+            Command::Renew {
+                key,
+                client_id,
+                token,
+                ttl_ms,
+                ..
+            } => self.renew(key, client_id, token.value, *ttl_ms),
+            Command::CancelWait {
+                key,
+                client_id,
+                request_id,
+            } => self.cancel_wait(key, client_id, request_id, events),
+            Command::Put {
+                key, value, guard, ..
+            } => self.put(key, value, guard.as_ref()),
+            Command::Delete { key, guard, .. } => self.delete(key, guard.as_ref()),
+            Command::SetLimits { .. }
+            | Command::SetLimitsV1 { .. }
+            | Command::Tick { .. }
+            | Command::SetClusterVersion { .. }
+            | Command::SetClusterId { .. }
+            | Command::SetMember { .. }
+            | Command::SetQuotas { .. }
+            | Command::Sequenced { .. } => {
+                Outcome::rejected(RejectCode::InvalidRequest, "unreachable")
+            }
+            Command::ReleaseHeld { key, client_id, .. } => {
+                match self.locks.get(key.as_str()).and_then(|e| e.holder.as_ref()) {
+                    Some(h) if *h.client_id == **client_id => {
+                        self.vacate(key, events);
+                        Outcome::Released
+                    }
+                    Some(_) => Outcome::NotHolder,
+                    None => Outcome::StaleToken { current: None },
+                }
+            }
+            Command::Expire { key, token } => self.expire(key, *token, None, events),
+            Command::ExpireLease {
+                key,
+                token,
+                lease_index,
+            } => self.expire(key, *token, Some(*lease_index), events),
+        };
+        if outcome.is_recorded() {
+            if let Some((client, request)) = command.dedupe_id() {
+                self.record(client, request, outcome.clone(), op_of(command));
+            }
+        }
+        outcome
+    }
+
+    pub(super) fn validate(&self, command: &Command) -> Result<(), Outcome> {
+        let l = &self.limits;
+        let key = command.key();
+        if key.is_empty() {
+            return Err(Outcome::rejected(
+                RejectCode::InvalidRequest,
+                "key must not be empty",
+            ));
+        }
+        if key.len() > l.key_bytes_max {
+            return Err(Outcome::rejected(
+                RejectCode::TooLarge,
+                format!(
+                    "key is {} bytes; the limit is {}",
+                    key.len(),
+                    l.key_bytes_max
+                ),
+            ));
+        }
+        let ids: &[&str] = match command {
+            Command::Acquire {
+                client_id,
+                request_id,
+                ..
+            }
+            | Command::Release {
+                client_id,
+                request_id,
+                ..
+            }
+            | Command::ReleaseHeld {
+                client_id,
+                request_id,
+                ..
+            }
+            | Command::Renew {
+                client_id,
+                request_id,
+                ..
+            }
+            | Command::CancelWait {
+                client_id,
+                request_id,
+                ..
+            }
+            | Command::Put {
+                client_id,
+                request_id,
+                ..
+            }
+            | Command::Delete {
+                client_id,
+                request_id,
+                ..
+            } => &[client_id, request_id],
+            Command::Expire { .. }
+            | Command::ExpireLease { .. }
+            | Command::SetLimits { .. }
+            | Command::SetLimitsV1 { .. }
+            | Command::Tick { .. }
+            | Command::SetClusterVersion { .. }
+            | Command::SetClusterId { .. }
+            | Command::SetMember { .. }
+            | Command::SetQuotas { .. }
+            | Command::Sequenced { .. } => &[],
+        };
+        if ids.iter().any(|id| id.len() > l.id_bytes_max) {
+            return Err(Outcome::rejected(
+                RejectCode::TooLarge,
+                format!(
+                    "client and request ids are limited to {} bytes",
+                    l.id_bytes_max
+                ),
+            ));
+        }
+        match command {
+            Command::Acquire {
+                client_id,
+                ttl_ms,
+                wait_timeout_ms,
+                ..
+            } => {
+                if client_id.is_empty() {
+                    return Err(Outcome::rejected(
+                        RejectCode::InvalidRequest,
+                        "clientId is required",
+                    ));
+                }
+                check_ttl(*ttl_ms, l)?;
+                if wait_timeout_ms.is_some_and(|w| w > l.wait_timeout_ms_max) {
+                    return Err(Outcome::rejected(
+                        RejectCode::InvalidRequest,
+                        format!("wait timeout is limited to {} ms", l.wait_timeout_ms_max),
+                    ));
+                }
+            }
+            Command::Renew { ttl_ms, token, .. } => {
+                check_ttl(*ttl_ms, l)?;
+                check_token_key(token, key)?;
+            }
+            Command::Release { token, .. } => check_token_key(token, key)?,
+            Command::Put { value, guard, .. } => {
+                if value.len() > l.value_bytes_max {
+                    return Err(Outcome::rejected(
+                        RejectCode::TooLarge,
+                        format!(
+                            "value is {} bytes; the limit is {}",
+                            value.len(),
+                            l.value_bytes_max
+                        ),
+                    ));
+                }
+                check_guard(guard.as_ref(), l)?;
+            }
+            Command::Delete { guard, .. } => check_guard(guard.as_ref(), l)?,
+            Command::CancelWait { .. }
+            | Command::ReleaseHeld { .. }
+            | Command::Expire { .. }
+            | Command::ExpireLease { .. }
+            | Command::SetLimits { .. }
+            | Command::SetLimitsV1 { .. }
+            | Command::Tick { .. }
+            | Command::SetClusterVersion { .. }
+            | Command::SetClusterId { .. }
+            | Command::SetMember { .. }
+            | Command::SetQuotas { .. }
+            | Command::Sequenced { .. } => {}
+        }
+        Ok(())
+    }
+}
+
+fn check_ttl(ttl_ms: u64, l: &Limits) -> Result<(), Outcome> {
+    if ttl_ms == 0 || ttl_ms > l.ttl_ms_max {
+        return Err(Outcome::rejected(
+            RejectCode::InvalidRequest,
+            format!("ttl must be 1..={} ms", l.ttl_ms_max),
+        ));
+    }
+    Ok(())
+}
+
+fn check_token_key(token: &FencingToken, key: &str) -> Result<(), Outcome> {
+    if token.key != key {
+        return Err(Outcome::rejected(
+            RejectCode::InvalidRequest,
+            format!("the fencing token is for key {:?}, not {key:?}", token.key),
+        ));
+    }
+    Ok(())
+}
+
+fn check_guard(guard: Option<&FencingToken>, l: &Limits) -> Result<(), Outcome> {
+    match guard {
+        Some(g) if g.key.is_empty() || g.key.len() > l.key_bytes_max => Err(Outcome::rejected(
+            RejectCode::InvalidRequest,
+            "the guard token's key is empty or too long",
+        )),
+        _ => Ok(()),
+    }
+}

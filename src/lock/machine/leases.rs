@@ -1,0 +1,62 @@
+//! Leases: renewing a held lock's TTL (restarting its lease at the applied index) and the
+//! leader-proposed expiry of a lease that ran out (`Expire` / `ExpireLease`).
+
+use super::super::command::FencingToken;
+use super::super::outcome::{Event, Outcome};
+use super::LockStateMachine;
+
+impl LockStateMachine {
+    pub(super) fn renew(&mut self, key: &str, client_id: &str, token: u64, ttl_ms: u64) -> Outcome {
+        if let Err(refusal) = self.check_holder(key, client_id, token) {
+            return refusal;
+        }
+        let index = self.applied_index;
+        if let Some(holder) = self.locks.get_mut(key).and_then(|e| e.holder.as_mut()) {
+            holder.ttl_ms = ttl_ms;
+            holder.lease_index = index;
+        }
+        self.mark_lock(key);
+        Outcome::Renewed {
+            token: FencingToken {
+                key: key.to_string(),
+                value: token,
+            },
+            ttl_ms,
+        }
+    }
+
+    pub(super) fn expire(
+        &mut self,
+        key: &str,
+        token: u64,
+        lease_index: Option<u64>,
+        events: &mut Vec<Event>,
+    ) -> Outcome {
+        let holder = self.locks.get(key).and_then(|e| e.holder.clone());
+        match holder {
+            // A renew restarted the lease after the leader proposed this expiry.
+            Some(h) if h.token == token && lease_index.is_some_and(|i| i != h.lease_index) => {
+                Outcome::LeaseRenewed {
+                    lease_index: h.lease_index,
+                }
+            }
+            Some(h) if h.token == token => {
+                events.push(Event::Expired {
+                    client_id: h.client_id.to_string(),
+                    token: FencingToken {
+                        key: key.to_string(),
+                        value: token,
+                    },
+                });
+                self.vacate(key, events);
+                Outcome::Expired {
+                    client_id: h.client_id.into(),
+                }
+            }
+            Some(h) => Outcome::StaleToken {
+                current: Some(h.token),
+            },
+            None => Outcome::StaleToken { current: None },
+        }
+    }
+}
