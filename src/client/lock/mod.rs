@@ -76,7 +76,6 @@ impl RaftLockClient {
         ClientBuilder::default()
     }
 
-    /// The id this client was built with; owner ids of its locks are derived from it.
     /// Watches lock events under `prefix` (`""`: every key) on any node, from `from_index` (the
     /// events after that log index, while the nodes still keep them) or from now. The stream
     /// reconnects by itself and resumes without loss or repeats; see [`crate::client::Watch`].
@@ -97,6 +96,7 @@ impl RaftLockClient {
         .await
     }
 
+    /// The id this client was built with; owner ids of its locks are derived from it.
     pub fn client_id(&self) -> &str {
         &self.inner.client_id
     }
