@@ -799,7 +799,7 @@ fn span_names() -> Vec<String> {
     for file in [
         "src/node/api.rs",
         "src/server/driver.rs",
-        "src/server/ws.rs",
+        "src/server/exec.rs",
     ] {
         let path = format!("{}/{file}", env!("CARGO_MANIFEST_DIR"));
         let text = std::fs::read_to_string(&path).expect("source");

@@ -13,9 +13,10 @@ use tracing::{debug, error, info, warn};
 
 use super::config::NodeConfig;
 use super::driver::{Driver, DriverConfig, NodeStatus};
-use super::grpc::{LockApi, PeerApi};
+use super::grpc::LockApi;
 use super::grpc_seed::SeedLockApi;
 use super::http::{router, AppState, ClientLimits};
+use super::peer_api::PeerApi;
 use super::peer_stream;
 use super::proto::lock::lock_service_server::LockServiceServer;
 use super::proto::peer::peer_client::PeerClient;
@@ -1110,7 +1111,7 @@ pub(crate) fn serve_peers(
                     tokio_stream::StreamExt::map(TcpListenerStream::new(listener), |conn| {
                         if let Ok(tcp) = &conn {
                             let _ = tcp.set_nodelay(true);
-                            peer_stream::watch_liveness(tcp);
+                            super::sockets::watch_liveness(tcp);
                         }
                         conn
                     });
@@ -1148,7 +1149,7 @@ where
 {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     let slots = Arc::new(tokio::sync::Semaphore::new(PEER_CONNECTIONS_SNIFFED));
-    let per_address = super::listener::PerAddress::new(super::tls::MAX_PEER_HANDSHAKES_PER_ADDRESS);
+    let per_address = super::sockets::PerAddress::new(super::tls::MAX_PEER_HANDSHAKES_PER_ADDRESS);
     tokio::spawn(async move {
         let mut accepted = std::pin::pin!(accepted);
         loop {
@@ -1191,7 +1192,7 @@ where
                 drop(slot);
                 match sniffed {
                     Ok(Ok(peer_stream::Sniffed::Plain(conn))) => {
-                        peer_stream::serve(api, conn, max_message_bytes).await
+                        super::peer_api::serve(api, conn, max_message_bytes).await
                     }
                     Ok(Ok(peer_stream::Sniffed::Other(conn))) => {
                         let _ = tx.send(Ok(conn)).await;

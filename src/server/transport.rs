@@ -581,7 +581,7 @@ impl PeerSender {
             .await
             .map_err(|_| format!("connecting to {addr} timed out"))??;
         let _ = tcp.set_nodelay(true);
-        peer_stream::watch_liveness(&tcp);
+        super::sockets::watch_liveness(&tcp);
         match &self.dialer.tls {
             Some(tls) => {
                 let io = tls.dial(tcp, Some(self.to)).await?;
@@ -847,7 +847,7 @@ mod stream_kinds {
     use super::*;
     use crate::raft::MessageBody;
     use crate::server::driver::{Input, NodeStatus};
-    use crate::server::grpc::PeerApi;
+    use crate::server::peer_api::PeerApi;
     use crate::server::proto::peer::peer_server::PeerServer;
 
     /// The peer side: node 2's peer API, its driver queue, and its peer port's address.
