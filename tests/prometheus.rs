@@ -813,8 +813,13 @@ fn span_names() -> Vec<String> {
     let mut names = Vec::new();
     for file in [
         "src/node/api.rs",
-        "src/server/driver.rs",
-        "src/server/ws.rs",
+        "src/server/driver/mod.rs",
+        "src/server/driver/run.rs",
+        "src/server/driver/inputs.rs",
+        "src/server/driver/effects.rs",
+        "src/server/driver/status.rs",
+        "src/server/driver/timed_storage.rs",
+        "src/server/exec.rs",
     ] {
         let path = format!("{}/{file}", env!("CARGO_MANIFEST_DIR"));
         let text = std::fs::read_to_string(&path).expect("source");

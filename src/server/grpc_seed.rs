@@ -33,7 +33,7 @@ use tonic::{Request, Response, Status};
 use super::api::{ApiError, ClientOp, ClientReply, ErrorCode};
 use super::auth::{Caller, Operation};
 use super::driver::Input;
-use super::http::AppState;
+use super::exec::AppState;
 use super::proto::seed004 as spb;
 
 /// How long a follower waits to apply up to the leader's commit index before it judges a lease
@@ -100,7 +100,7 @@ impl SeedLockApi {
     async fn execute(&self, op: ClientOp, wait: Duration) -> Result<ClientReply, String> {
         match tokio::time::timeout(
             wait,
-            super::ws::execute_call(op, &self.state, "grpc-seed", None),
+            super::exec::execute_call(op, &self.state, "grpc-seed", None),
         )
         .await
         {
@@ -160,7 +160,7 @@ impl SeedLockApi {
     /// that acquired through any node and releases through this one is not refused because this
     /// follower had not applied its grant yet.
     async fn holder_with_lease(&self, key: &str, lease: u64) -> Result<String, String> {
-        if let Some(leader) = super::ws::forward_target(&self.state) {
+        if let Some(leader) = super::exec::forward_target(&self.state) {
             // Without an answer from the leader, judge on this node's state: the release is
             // checked again by the state machine when it applies.
             if let Ok(commit) = self.state.forwarder.leader_commit(&leader).await {

@@ -1,8 +1,6 @@
 //! The client port: WebSocket `/ws`, the gRPC `LockService`, and HTTP health, status, metrics
 //! and admin endpoints, all on one axum router.
 
-use std::sync::Arc;
-
 use axum::extract::{Path, Query, State, WebSocketUpgrade};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -10,41 +8,11 @@ use axum::routing::get;
 use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::json;
-use tokio::sync::{mpsc, oneshot, watch, Semaphore};
+use tokio::sync::oneshot;
 
 use super::api::{ClientOp, ClientReply};
 use super::driver::{Input, NodeStatus};
-use super::transport::AddressBook;
-use crate::telemetry::NodeMetrics;
-
-/// Bounds applied at the edge, before anything reaches the driver.
-#[derive(Clone, Debug)]
-pub struct ClientLimits {
-    pub max_connections: usize,
-    pub max_inflight_per_connection: usize,
-    pub max_message_bytes: usize,
-    pub max_key_bytes: usize,
-    pub max_value_bytes: usize,
-    pub max_ttl_ms: u64,
-    pub default_ttl_ms: u64,
-}
-
-#[derive(Clone)]
-pub struct AppState {
-    pub driver: mpsc::Sender<Input>,
-    pub status: watch::Receiver<NodeStatus>,
-    pub metrics: NodeMetrics,
-    pub limits: Arc<ClientLimits>,
-    pub connections: Arc<Semaphore>,
-    pub addresses: AddressBook,
-    pub forwarder: Arc<super::forward::Forwarder>,
-    /// Turns true when the node stops: WebSocket connections finish what is in flight and close.
-    pub shutdown: watch::Receiver<bool>,
-    /// Client authentication and fencing-token MACs.
-    pub security: Arc<super::auth::ClientSecurity>,
-    /// Applied lock events for watchers.
-    pub watch: Arc<super::watch::WatchHub>,
-}
+pub use super::exec::{AppState, ClientLimits};
 
 pub fn router(state: AppState) -> Router {
     Router::new()
@@ -258,7 +226,7 @@ async fn kv_get(
     if let Err(e) = caller.check_read(&key) {
         return refused(&e);
     }
-    match super::ws::execute(ClientOp::Get { key: key.clone() }, 0, &state).await {
+    match super::exec::execute(ClientOp::Get { key: key.clone() }, 0, &state).await {
         ClientReply::Value(v) => Json(json!({
             "key": key,
             "value": v.map(|b| String::from_utf8_lossy(&b).into_owned()),

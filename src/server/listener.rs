@@ -18,10 +18,8 @@
 //! same deadline, so a slow handshake never holds up accepting others. The WebSocket limit (`max_connections`) still applies on top,
 //! at the upgrade. This module decides nothing about locks or Raft.
 
-use std::collections::HashMap;
 use std::future::Future;
 use std::io;
-use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -33,6 +31,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Sleep;
 
+use super::sockets::{AddressSlot, PerAddress};
+
 /// How long a new connection may take to send a request the server answers (a WebSocket
 /// upgrade, an HTTP request, or an HTTP/2 preface).
 pub const REQUEST_HEAD_DEADLINE: Duration = Duration::from_secs(10);
@@ -40,61 +40,6 @@ pub const REQUEST_HEAD_DEADLINE: Duration = Duration::from_secs(10);
 /// TCP connections allowed beyond the WebSocket limit, for gRPC channels, HTTP requests,
 /// health probes and metric scrapes.
 pub const EXTRA_TCP_CONNECTIONS: usize = 256;
-
-/// Counts of something (open connections, handshakes in progress) per source address, each
-/// under a cap: one address cannot take what the node keeps for all. Clients behind SNAT or an
-/// ingress share an address, so the caps are generous by default.
-#[derive(Clone)]
-pub struct PerAddress {
-    cap: usize,
-    counts: Arc<std::sync::Mutex<HashMap<IpAddr, usize>>>,
-}
-
-/// One counted item of a [`PerAddress`]; counted until dropped.
-pub struct AddressSlot {
-    addr: IpAddr,
-    counts: Arc<std::sync::Mutex<HashMap<IpAddr, usize>>>,
-}
-
-impl PerAddress {
-    pub fn new(cap: usize) -> PerAddress {
-        PerAddress {
-            cap,
-            counts: Arc::default(),
-        }
-    }
-
-    /// A slot for `addr`, or None when it already holds `cap`.
-    pub fn try_take(&self, addr: IpAddr) -> Option<AddressSlot> {
-        let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
-        let count = counts.entry(addr).or_insert(0);
-        if *count >= self.cap {
-            return None;
-        }
-        *count += 1;
-        Some(AddressSlot {
-            addr,
-            counts: self.counts.clone(),
-        })
-    }
-
-    /// Addresses holding at least one slot (for tests and the status page).
-    pub fn addresses(&self) -> usize {
-        self.counts.lock().unwrap_or_else(|e| e.into_inner()).len()
-    }
-}
-
-impl Drop for AddressSlot {
-    fn drop(&mut self) {
-        let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(count) = counts.get_mut(&self.addr) {
-            *count -= 1;
-            if *count == 0 {
-                counts.remove(&self.addr);
-            }
-        }
-    }
-}
 
 /// A TCP listener with a cap on open connections and a deadline for a connection's first
 /// request.

@@ -14,7 +14,8 @@
 //! `proto/peer.proto`). Messages flow one way; the dialler learns that the stream ended when
 //! its read side ends. A node that does not take plain streams (a RaftLock from before them)
 //! answers the opening bytes as a bad HTTP/2 preface, and the dialler falls back to `Peer.Raft`
-//! (see `transport.rs`).
+//! (see `transport.rs`). The accepting side's checks and hand-off (`serve`) are in
+//! `peer_api.rs`, beside the `Peer` service whose checks they share.
 //!
 //! Why: on the commit path every request crosses the peer port twice (the leader's append, a
 //! follower's answer). Over gRPC each crossing passes through hyper's body pipe and connection
@@ -23,16 +24,13 @@
 
 use std::io;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Buf, BufMut, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
-use tracing::debug;
 
-use super::grpc::PeerApi;
 use super::proto::peer as ppb;
 use super::tls::PeerCert;
 
@@ -180,19 +178,6 @@ pub async fn dial<S: AsyncRead + AsyncWrite + Unpin>(
     }
 }
 
-/// Keepalive probes on a peer connection, and a bound on how long sent bytes may go
-/// unacknowledged: a peer whose host vanished is noticed within seconds, as the gRPC
-/// stream's HTTP/2 keepalive does, instead of after the kernel's retransmissions give up.
-pub fn watch_liveness(tcp: &TcpStream) {
-    let sock = socket2::SockRef::from(tcp);
-    let keepalive = socket2::TcpKeepalive::new()
-        .with_time(Duration::from_secs(5))
-        .with_interval(Duration::from_secs(1))
-        .with_retries(5);
-    let _ = sock.set_tcp_keepalive(&keepalive);
-    let _ = sock.set_tcp_user_timeout(Some(Duration::from_secs(10)));
-}
-
 /// A connection whose first bytes were read to see what it is, handed on with those bytes in
 /// front of the rest.
 pub struct Prefixed<S> {
@@ -304,78 +289,6 @@ impl ConnectionCert for super::tls::PeerTlsStream {
 
     fn source_ip(&self) -> Option<std::net::IpAddr> {
         self.tcp().peer_addr().ok().map(|a| a.ip())
-    }
-}
-
-/// Serves one plain Raft stream (its magic already read): checks its hello as `Peer.Raft`
-/// checks its metadata, answers, then hands its messages to the driver until it ends.
-pub async fn serve<S>(api: Arc<PeerApi>, io: S, max_message_bytes: usize)
-where
-    S: AsyncRead + AsyncWrite + ConnectionCert + Unpin,
-{
-    let cert = io.presented_cert();
-    let mut reader = FrameReader::new(io, HANDSHAKE_FRAME_MAX);
-    let hello =
-        match tokio::time::timeout(HANDSHAKE_DEADLINE, reader.next::<ppb::RaftStreamHello>()).await
-        {
-            Ok(Ok(Some(hello))) => hello,
-            Ok(Ok(None)) => return,
-            Ok(Err(err)) => {
-                debug!(cause = %err, "dropping a plain raft stream: bad hello");
-                return;
-            }
-            Err(_) => {
-                debug!("dropping a plain raft stream: no hello in time");
-                return;
-            }
-        };
-    let verdict = api
-        .check_token(Some(&hello.cluster_token))
-        .and_then(|()| {
-            if hello.node_id == 0 {
-                Err(tonic::Status::invalid_argument(
-                    "a raft stream's hello needs a node id",
-                ))
-            } else {
-                Ok(())
-            }
-        })
-        .and_then(|()| api.cert_speaks_for(cert.as_ref(), hello.node_id))
-        .and_then(|()| api.check_sender(hello.node_id, hello.incarnation, &hello.cluster_id));
-    let refused = match &verdict {
-        Ok(()) => String::new(),
-        Err(status) => status.message().to_string(),
-    };
-    let mut answer = BytesMut::new();
-    put_frame(&mut answer, &ppb::RaftStreamAccept { refused });
-    let answered = tokio::time::timeout(HANDSHAKE_DEADLINE, async {
-        reader.get_mut().write_all(&answer).await?;
-        reader.get_mut().flush().await
-    })
-    .await;
-    if verdict.is_err() || !matches!(answered, Ok(Ok(()))) {
-        return;
-    }
-    let version = (hello.version != 0).then_some(hello.version);
-    let mut incoming = api
-        .open_raft_stream(
-            hello.node_id,
-            hello.peer_addr,
-            hello.client_addr,
-            version,
-            hello.incarnation,
-        )
-        .await;
-    reader.set_max(max_message_bytes);
-    loop {
-        match reader.next::<ppb::RaftMessage>().await {
-            Ok(Some(msg)) => incoming.deliver(msg),
-            Ok(None) => return,
-            Err(err) => {
-                debug!(peer = hello.node_id, cause = %err, "a plain raft stream ended");
-                return;
-            }
-        }
     }
 }
 

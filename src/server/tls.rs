@@ -284,7 +284,7 @@ impl PeerTls {
         let (tx, rx) = mpsc::channel(MAX_PEER_HANDSHAKES);
         let tls = self.clone();
         let slots = Arc::new(tokio::sync::Semaphore::new(MAX_PEER_HANDSHAKES));
-        let per_address = super::listener::PerAddress::new(MAX_PEER_HANDSHAKES_PER_ADDRESS);
+        let per_address = super::sockets::PerAddress::new(MAX_PEER_HANDSHAKES_PER_ADDRESS);
         tokio::spawn(async move {
             loop {
                 let accepted = tokio::select! {
@@ -308,7 +308,7 @@ impl PeerTls {
                     continue;
                 };
                 let _ = tcp.set_nodelay(true);
-                super::peer_stream::watch_liveness(&tcp);
+                super::sockets::watch_liveness(&tcp);
                 let acceptor = tokio_rustls::TlsAcceptor::from(tls.configs().accept.clone());
                 let tx = tx.clone();
                 tokio::spawn(async move {

@@ -1,0 +1,167 @@
+//! Writing the answers: the JSON of a successful reply or an error, repeating the request's
+//! `key` and `requestId` ([`Echo`]), with fencing tokens and their MACs.
+
+use std::borrow::Cow;
+
+use serde_json::{json, Value};
+
+use super::WsRequest;
+use crate::fencing::FencingKey;
+use crate::lock::FencingToken;
+use crate::node::api::{ApiError, ClientReply, ErrorCode};
+
+/// What a reply repeats from its request: `key` and `requestId`, as the client sent them.
+#[derive(Clone, Debug)]
+pub struct Echo<'a> {
+    key: EchoValue<'a>,
+    request_id: EchoValue<'a>,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+#[serde(untagged)]
+enum EchoValue<'a> {
+    Json(&'a Value),
+    Text(Cow<'a, str>),
+}
+
+impl<'a> Echo<'a> {
+    /// The fields of a request parsed as JSON (`null` where absent).
+    pub fn of(raw: &'a Value) -> Self {
+        Echo {
+            key: EchoValue::Json(raw.get("key").unwrap_or(&Value::Null)),
+            request_id: EchoValue::Json(raw.get("requestId").unwrap_or(&Value::Null)),
+        }
+    }
+
+    pub(super) fn of_request(request: &WsRequest<'a>) -> Self {
+        Echo {
+            key: EchoValue::Text(request.key.clone()),
+            request_id: request
+                .request_id
+                .clone()
+                .map_or(EchoValue::Json(&Value::Null), EchoValue::Text),
+        }
+    }
+}
+
+pub fn error_json(raw: &Value, e: &ApiError) -> String {
+    error_reply(Echo::of(raw), e)
+}
+
+/// The error reply to a request whose echoed fields are `echo`.
+pub(super) fn error_reply(echo: Echo<'_>, e: &ApiError) -> String {
+    let Echo { key, request_id } = echo;
+    let mut error = json!({"code": e.code.as_str(), "message": e.message});
+    if e.leader_id != 0 {
+        error["leaderId"] = json!(e.leader_id);
+        error["leaderAddr"] = json!(e.leader_addr);
+    }
+    if let Some(token) = e.current_token {
+        error["currentToken"] = json!(token);
+    }
+    json!({"success": false, "key": key, "requestId": request_id, "error": error}).to_string()
+}
+
+/// A fencing token as JSON, with its MAC when the node has a fencing key.
+#[derive(serde::Serialize)]
+struct TokenJson<'a> {
+    key: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    mac: Option<String>,
+    value: u64,
+}
+
+impl<'a> TokenJson<'a> {
+    fn new(token: &'a FencingToken, key: Option<&FencingKey>) -> Self {
+        TokenJson {
+            key: &token.key,
+            mac: key.map(|k| k.mac(&token.key, token.value)),
+            value: token.value,
+        }
+    }
+}
+
+/// A successful reply. Written straight from borrowed fields rather than built as a
+/// `serde_json::Value` first (this runs for every request); fields are declared in
+/// alphabetical order, the order the replies have always had.
+#[derive(serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+struct OkReply<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cancelled: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    deleted: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    expires_in_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    fencing_token: Option<TokenJson<'a>>,
+    key: EchoValue<'a>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    released: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    renewed: Option<bool>,
+    request_id: EchoValue<'a>,
+    success: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    value: Option<Option<std::borrow::Cow<'a, str>>>,
+}
+
+pub(super) fn reply_json(
+    echo: Echo<'_>,
+    reply: &ClientReply,
+    release: bool,
+    fencing_key: Option<&FencingKey>,
+) -> String {
+    let mut ok = OkReply {
+        cancelled: None,
+        deleted: None,
+        expires_in_ms: None,
+        fencing_token: None,
+        key: echo.key.clone(),
+        released: None,
+        renewed: None,
+        request_id: echo.request_id.clone(),
+        success: true,
+        value: None,
+    };
+    match reply {
+        ClientReply::Granted {
+            token,
+            expires_in_ms,
+            ..
+        } => {
+            ok.fencing_token = Some(TokenJson::new(token, fencing_key));
+            ok.expires_in_ms = Some(*expires_in_ms);
+        }
+        ClientReply::Released => ok.released = Some(true),
+        ClientReply::Renewed {
+            token,
+            expires_in_ms,
+        } => {
+            ok.renewed = Some(true);
+            ok.fencing_token = Some(TokenJson::new(token, fencing_key));
+            ok.expires_in_ms = Some(*expires_in_ms);
+        }
+        ClientReply::WaitCancelled => ok.cancelled = Some(true),
+        ClientReply::Stored => {}
+        ClientReply::Deleted { existed } => ok.deleted = Some(*existed),
+        ClientReply::Value(v) => ok.value = Some(v.as_deref().map(String::from_utf8_lossy)),
+        ClientReply::Error(e) => {
+            let mut text: Value =
+                serde_json::from_str(&error_reply(echo, e)).unwrap_or(Value::Null);
+            if release {
+                text["released"] = json!(false);
+            }
+            return text.to_string();
+        }
+    }
+    serde_json::to_string(&ok).unwrap_or_else(|e| {
+        error_reply(
+            echo,
+            &ApiError::new(
+                ErrorCode::Unavailable,
+                format!("cannot write the reply: {e}"),
+            ),
+        )
+    })
+}
