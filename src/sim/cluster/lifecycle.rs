@@ -1,0 +1,321 @@
+//! Lifecycle faults: every node restarted at once, disks wiped or damaged, and a node on
+//! an empty disk deciding how to start and asking to join again.
+
+use rand::seq::IndexedRandom;
+use rand::Rng;
+
+use super::{sim_identity, Cluster, SimStore, BOOTSTRAP_ID};
+use crate::node::lifecycle::{JoinOutcome, PeerAnswer, StartDecision};
+use crate::raft::{Membership, NodeId};
+
+impl Cluster {
+    // ----- lifecycle faults --------------------------------------------------------------------
+
+    pub(super) fn inject_lifecycle(&mut self) {
+        if !self.cfg.lifecycle || !self.cfg.faults {
+            return;
+        }
+        let roll: u32 = self.lifecycle_rng.random_range(0..1_000_000);
+        if roll < 250 {
+            self.restart_all();
+        } else if roll < 600 {
+            self.wipe_random();
+        }
+        if self.cfg.segments_disk
+            && self.disk_rng.random_range(0..1_000_000) < self.cfg.corrupt_sector_ppm
+        {
+            self.corrupt_random();
+        }
+    }
+
+    /// A member crashes and a synced sector of its log goes bad (found when it restarts,
+    /// which takes the disk for lost). Only where losing the disk is safe, as in
+    /// [`Cluster::wipe_random`], and only on a member whose peers in the leader's
+    /// configuration are all up and have committed everything the leader has: they hold
+    /// every committed entry.
+    fn corrupt_random(&mut self) {
+        if self.volume_on_its_way_back() {
+            return;
+        }
+        let Some(leader) = self.leader() else { return };
+        let membership = self.membership_of(leader);
+        let leader_commit = self.nodes[&leader]
+            .core
+            .as_ref()
+            .map_or(0, |c| c.raft().commit_index());
+        let smallest = self
+            .nodes
+            .values()
+            .filter_map(|n| n.core.as_ref())
+            .map(|c| c.raft().membership().voters.len())
+            .min()
+            .unwrap_or(0);
+        if smallest < 3 {
+            return;
+        }
+        let members: Vec<NodeId> = membership
+            .members()
+            .filter(|id| {
+                self.nodes
+                    .get(id)
+                    .is_some_and(|n| !n.decommissioned && n.retire_at.is_none())
+            })
+            .collect();
+        let caught_up = |id: &NodeId| {
+            self.nodes.get(id).is_some_and(|n| {
+                n.core
+                    .as_ref()
+                    .is_some_and(|c| c.raft().commit_index() >= leader_commit)
+            })
+        };
+        let candidates: Vec<NodeId> = members
+            .iter()
+            .copied()
+            .filter(|id| members.iter().filter(|o| *o != id).all(caught_up))
+            .collect();
+        let Some(&id) = candidates.choose(&mut self.disk_rng) else {
+            return;
+        };
+        self.crash_node(id);
+        let damaged = match self.nodes.get_mut(&id).and_then(|n| n.disk.as_mut()) {
+            Some(SimStore::Segments(store)) => store.corrupt_synced_sector(),
+            _ => false,
+        };
+        if self.cfg.trace && damaged {
+            eprintln!(
+                "t={} node {id} crashes with a damaged log sector",
+                self.now_us
+            );
+        }
+        self.start_or_decide(id);
+    }
+
+    /// Every node stopped at once (a power cut, a node-pool upgrade, every pod deleted) and
+    /// started again from its disk.
+    fn restart_all(&mut self) {
+        let ids = self.alive_ids();
+        if ids.is_empty() {
+            return;
+        }
+        self.stats.restarts_all += 1;
+        if self.cfg.trace {
+            eprintln!("t={} every node restarts: {ids:?}", self.now_us);
+        }
+        for &id in &ids {
+            self.crash_node(id);
+        }
+        for id in ids {
+            self.start_or_decide(id);
+        }
+    }
+
+    /// A member's disk is lost (its volume deleted, its machine gone): it starts again on an
+    /// empty disk as a new incarnation. One at a time: no other node is still on its way back,
+    /// so the other members' disks hold every committed entry. The bootstrap node, half of the
+    /// time, comes back while every other node is down.
+    fn wipe_random(&mut self) {
+        if self.volume_on_its_way_back() {
+            return;
+        }
+        let Some(leader) = self.leader() else { return };
+        let membership = self.membership_of(leader);
+        let members: Vec<NodeId> = membership
+            .members()
+            .filter(|id| {
+                self.nodes
+                    .get(id)
+                    .is_some_and(|n| !n.decommissioned && n.retire_at.is_none())
+            })
+            .collect();
+        // Only where the others still hold a majority of intact disks in every node's view of
+        // the configuration (a two-voter configuration that loses one disk has lost its data).
+        let smallest = self
+            .nodes
+            .values()
+            .filter_map(|n| n.core.as_ref())
+            .map(|c| c.raft().membership().voters.len())
+            .min()
+            .unwrap_or(0);
+        if smallest < 3 {
+            return;
+        }
+        let Some(&id) = members.choose(&mut self.lifecycle_rng) else {
+            return;
+        };
+        self.stats.wipes += 1;
+        self.crash_node(id);
+        let incarnation = self.lifecycle_rng.random::<u64>().max(1);
+        let alone = id == BOOTSTRAP_ID && self.lifecycle_rng.random_bool(0.5);
+        self.lose_disk(id, incarnation, alone);
+    }
+
+    /// A member's disk is gone: it starts on an empty one as the new `incarnation` (with
+    /// `alone`, the bootstrap node comes back while every other node is down).
+    pub(super) fn lose_disk(&mut self, id: NodeId, incarnation: u64, alone: bool) {
+        if self.cfg.trace {
+            eprintln!(
+                "t={} node {id}'s disk is wiped (new incarnation {incarnation:x}){}",
+                self.now_us,
+                if alone { ", every other node down" } else { "" }
+            );
+        }
+        if alone {
+            self.stats.wipes_bootstrap_alone += 1;
+            for other in self.alive_ids() {
+                self.crash_node(other);
+            }
+        }
+        self.checker.on_wipe(id);
+        let disk = self.new_disk();
+        let node = self.nodes.get_mut(&id).expect("exists");
+        if let Some(old) = node.disk.replace(disk) {
+            let stats = old.disk_stats();
+            self.retired_disks.power_cuts += stats.power_cuts;
+            self.retired_disks.torn_writes += stats.torn_writes;
+            self.retired_disks.corrupt_sectors += stats.corrupt_sectors;
+        }
+        node.incarnation = incarnation;
+        node.awaiting_admission = true;
+        if id == BOOTSTRAP_ID {
+            node.undecided = true;
+        } else {
+            node.joining = true;
+            node.initial_membership = Membership::default();
+        }
+        self.start_or_decide(id);
+    }
+
+    /// Starts a node; the bootstrap node on an empty disk first decides how, as lock-node does
+    /// (`lifecycle::decide_start` over what each other node would answer), and stays down while
+    /// it must wait.
+    pub(super) fn start_or_decide(&mut self, id: NodeId) {
+        if self.nodes.get(&id).is_some_and(|n| n.undecided) {
+            let answers = self.start_answers(id);
+            #[cfg(any(test, feature = "mutations"))]
+            let bug = self.cfg.node_bugs.bootstrap_when_unreachable;
+            #[cfg(not(any(test, feature = "mutations")))]
+            let bug = false;
+            let decision = crate::node::lifecycle::decide_start(&answers, None, bug);
+            if self.cfg.trace {
+                eprintln!(
+                    "t={} node {id} decides {decision:?} from {answers:?}",
+                    self.now_us
+                );
+            }
+            let node = self.nodes.get_mut(&id).expect("exists");
+            match decision {
+                StartDecision::Bootstrap => {
+                    node.undecided = false;
+                    node.awaiting_admission = false;
+                    node.initial_membership = Membership::with_voters([id]);
+                }
+                StartDecision::Join => {
+                    node.undecided = false;
+                    node.joining = true;
+                    node.initial_membership = Membership::default();
+                }
+                StartDecision::Wait(_) => {
+                    self.stats.bootstrap_waits += 1;
+                    return;
+                }
+            }
+        }
+        self.start_node(id);
+    }
+
+    /// What every other node would answer node `id` asking about itself.
+    fn start_answers(&self, id: NodeId) -> Vec<(String, PeerAnswer)> {
+        self.nodes
+            .values()
+            .filter(|n| n.id != id && !n.decommissioned)
+            .map(|n| {
+                let answer = match &n.core {
+                    None => PeerAnswer::Unreachable,
+                    Some(_)
+                        if self.network.is_blocked(id, n.id)
+                            || self.network.is_blocked(n.id, id) =>
+                    {
+                        PeerAnswer::Unreachable
+                    }
+                    Some(core) => {
+                        let raft = core.raft();
+                        let empty = raft.last_index() == 0
+                            && raft.snapshot_index() == 0
+                            && raft.term() == 0
+                            && raft.membership().is_empty();
+                        if empty {
+                            PeerAnswer::Empty
+                        } else {
+                            PeerAnswer::Member {
+                                cluster_id: core.state_machine().cluster_id(),
+                                forced_by: None,
+                            }
+                        }
+                    }
+                };
+                (format!("sim-{}:peer", n.id), answer)
+            })
+            .collect()
+    }
+
+    /// A node on a wiped disk asks the leader to join, as lock-node's join loop does.
+    pub(super) fn ask_to_join(&mut self, id: NodeId) {
+        let Some(leader) = self.leader() else { return };
+        if self.network.is_blocked(id, leader) || self.network.is_blocked(leader, id) {
+            return;
+        }
+        if self.nodes.get(&id).is_none_or(|n| n.core.is_none()) {
+            return;
+        }
+        let info = sim_identity(id, self.nodes[&id].incarnation);
+        let Some(core) = self.nodes.get_mut(&leader).and_then(|n| n.core.as_mut()) else {
+            return;
+        };
+        let outcome = core.join(id, info);
+        let result = core.drive();
+        self.after_core(leader, result);
+        if self.cfg.trace {
+            eprintln!(
+                "t={} node {id} asks leader {leader} to join: {outcome:?}",
+                self.now_us
+            );
+        }
+        match outcome {
+            Ok(JoinOutcome::Accepted) => {
+                self.stats.joins += 1;
+                if let Some(node) = self.nodes.get_mut(&id) {
+                    node.joining = false;
+                    node.retire_at = None;
+                    if let Some(core) = node.core.as_mut() {
+                        core.set_joining(false);
+                    }
+                }
+            }
+            Ok(JoinOutcome::Replacing) => self.stats.replacements += 1,
+            Err(_) => {}
+        }
+    }
+
+    /// A node started on a wiped disk that is not a member again yet.
+    pub(super) fn volume_on_its_way_back(&self) -> bool {
+        self.nodes.values().any(|n| n.joining || n.undecided)
+    }
+
+    /// The configuration as node `id` (running) sees it.
+    pub(super) fn membership_of(&self, id: NodeId) -> Membership {
+        self.nodes[&id]
+            .core
+            .as_ref()
+            .expect("running")
+            .raft()
+            .membership()
+            .clone()
+    }
+
+    /// Whether `id` is a member of the current leader's configuration (`None`: no leader).
+    pub(super) fn member_again(&self, id: NodeId) -> Option<bool> {
+        let leader = self.leader()?;
+        let core = self.nodes[&leader].core.as_ref()?;
+        Some(core.raft().membership().contains(id))
+    }
+}
