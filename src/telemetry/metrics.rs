@@ -109,7 +109,7 @@ impl NodeMetrics {
             )),
             leader_changes_total: reg!(counter(
                 "raftlock_leader_changes_total",
-                "Times this node saw the leader change."
+                "Times this node saw a new leader (a change to no leader does not count)."
             )),
             elections_total: reg!(counter(
                 "raftlock_elections_total",

@@ -116,7 +116,11 @@ impl Driver {
                 .in_scope(|| info!(term, leader, "no longer leader"));
             }
             Observation::LeaderChanged { leader } => {
-                m.leader_changes_total.inc();
+                // A new leader counts, not the loss of one: a failover (leader, then none, then
+                // the next) is one change, as etcd counts `leader_changes_seen_total`.
+                if leader != 0 {
+                    m.leader_changes_total.inc();
+                }
                 self.cfg
                     .watch
                     .leader_changed(leader, self.core.raft().term());
