@@ -7,7 +7,7 @@
 #
 # Default bug: no_lease_wait_after_election — a new leader ends the leases it inherits at once
 # instead of waiting a full TTL, so it can grant a lock whose old holder still believes (by the
-# SDK's rule) that it holds it. Other names: the fields of `NodeBugs` in src/node/mod.rs.
+# SDK's rule) that it holds it. Other names: the fields of `NodeBugs` in src/node/bugs.rs.
 # The broken binary is kept apart (target/mutant/lock-node); the normal build is restored after.
 set -euo pipefail
 cd "$(dirname "$0")/.."

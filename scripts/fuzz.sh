@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Coverage-guided fuzzing (cargo fuzz, libFuzzer) of everything a client or a peer can send:
 #
-#   ws_request     a WebSocket text frame -> the request parser (src/server/ws.rs parse_text)
+#   ws_request     a WebSocket text frame -> the request parser (src/server/ws/parse.rs parse_text)
 #   grpc_messages  a gRPC body -> raftlock.lock.v1 and seed 004 api.LockService requests
 #   peer_messages  Raft stream messages -> the core's Message (src/server/convert.rs), forwarded
 #                  client operations and replies (JSON), membership and data RPC bodies, and the

@@ -13,7 +13,7 @@
 //!   snapshot built ─┘                                   └─► storage writes and flushes (S)
 //! ```
 //!
-//! `lock-node` (`src/server/driver.rs`) wraps it with sockets, threads, timers and encodings;
+//! `lock-node` (`src/server/driver/`) wraps it with sockets, threads, timers and encodings;
 //! the simulator (`src/sim`) runs the very same code for every simulated node on
 //! [`crate::storage::MemStorage`] with simulated time. Nothing here touches the network, a
 //! clock, a thread or an unseeded random source (`tests/purity.rs` enforces it).

@@ -1,7 +1,7 @@
 //! What a peer can make of this node's Raft core: `RaftMessage`s off a `Peer.Raft` stream,
 //! converted as the peer service does (`message_from_pb`), stepped into a live core between
 //! ticks, elections and proposals, with every `Ready` handed back at once (`advance`) as a driver
-//! whose disk is instant would. The core promises (src/raft/node.rs, `Raft::step`) that no
+//! whose disk is instant would. The core promises (src/raft/node/step.rs, `Raft::step`) that no
 //! message, however stale, duplicated, reordered or malformed, makes it panic.
 //!
 //! Input: chunks, each a 2-byte little-endian length and that many bytes (the last one takes what
