@@ -32,17 +32,10 @@ impl LockStateMachine {
         if !self.data.contains_key(key) && self.data.len() >= self.limits.data_entries_max {
             return limit_refusal("data_entries", "too many data keys".into());
         }
-        let old = self.data.get(key).map_or(0, |v| data_cost(key, v));
-        let total = self.data_bytes.saturating_sub(old) + data_cost(key, value);
-        if let Some(q) = self.quotas.as_ref().filter(|q| total > q.data_bytes_max) {
-            return limit_refusal(
-                "data_bytes",
-                format!(
-                    "the key-value data would pass its budget of {} bytes",
-                    q.data_bytes_max
-                ),
-            );
-        }
+        let total = match self.data_bytes_after_put(key, value) {
+            Ok(total) => total,
+            Err(refusal) => return refusal,
+        };
         self.data_bytes = total;
         self.data.insert(key.to_string(), value.to_vec());
         self.mark_dirty(DATA_PREFIX, key);

@@ -75,7 +75,7 @@ impl LockStateMachine {
     /// every replica. Apply still decides (this state may be behind what is in flight). A
     /// request already answered (a retry) is left to apply, which answers it from the table.
     pub fn quota_precheck(&self, command: &Command) -> Option<Outcome> {
-        let q = self.quotas.as_ref()?;
+        self.quotas.as_ref()?;
         match command.request() {
             Command::Put {
                 key,
@@ -87,17 +87,7 @@ impl LockStateMachine {
                 if self.record_number(client_id, request_id).is_some() {
                     return None;
                 }
-                let old = self.data.get(key.as_str()).map_or(0, |v| data_cost(key, v));
-                let total = self.data_bytes.saturating_sub(old) + data_cost(key, value);
-                (total > q.data_bytes_max).then(|| {
-                    limit_refusal(
-                        "data_bytes",
-                        format!(
-                            "the key-value data would pass its budget of {} bytes",
-                            q.data_bytes_max
-                        ),
-                    )
-                })
+                self.data_bytes_after_put(key, value).err()
             }
             Command::Acquire {
                 key,
@@ -113,6 +103,23 @@ impl LockStateMachine {
                     .err()
             }
             _ => None,
+        }
+    }
+
+    /// The key-value bytes once `value` is stored under `key`, or the refusal when that passes
+    /// the data budget (only while quotas are in force). `put` and `quota_precheck` both ask.
+    pub(super) fn data_bytes_after_put(&self, key: &str, value: &[u8]) -> Result<u64, Outcome> {
+        let old = self.data.get(key).map_or(0, |v| data_cost(key, v));
+        let total = self.data_bytes.saturating_sub(old) + data_cost(key, value);
+        match self.quotas.as_ref() {
+            Some(q) if total > q.data_bytes_max => Err(limit_refusal(
+                "data_bytes",
+                format!(
+                    "the key-value data would pass its budget of {} bytes",
+                    q.data_bytes_max
+                ),
+            )),
+            _ => Ok(total),
         }
     }
 
