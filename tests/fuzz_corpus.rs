@@ -98,7 +98,11 @@ fn replay(target: &str, body: fn(&[u8])) {
             failures.push(format!("{}", path.display()));
         }
         runs += 1;
-        let mut mixer = Mixer(n as u64 ^ target.len() as u64 * 0x1000_0000);
+        // Seeded by the target's name and the input's place, so every input has its own mutants.
+        let name = target.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+        });
+        let mut mixer = Mixer(name ^ n as u64);
         for m in 0..MUTANTS_PER_INPUT {
             let mutant = mutate(&input, &mut mixer);
             if catch_unwind(AssertUnwindSafe(|| body(&mutant))).is_err() {
