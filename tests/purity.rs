@@ -1,6 +1,7 @@
-//! The consensus core (`src/raft`) and the lock state machine (`src/lock`) must stay pure: no
-//! async runtime, no clock, no network, no filesystem, no storage engine and no unseeded
-//! randomness. This test reads their sources and fails on any such import.
+//! Rules on how the code is built, read off its sources. The consensus core (`src/raft`), the lock
+//! state machine (`src/lock`) and the node (`src/node`) must stay pure: no async runtime, no clock,
+//! no network, no filesystem, no storage engine and no unseeded randomness. And the modules of
+//! `src/server` use each other in layers, never in a circle.
 
 use std::path::{Path, PathBuf};
 
@@ -153,5 +154,135 @@ fn simulator_and_core_use_ordered_collections() {
         found.is_empty(),
         "unordered collections make runs of one seed differ:\n{}",
         found.join("\n")
+    );
+}
+
+/// The modules of `src/server` (its files and directories) that each one uses, read off its
+/// `crate::server::…` and `super::…` paths (`super::super::…` in a directory module's files).
+/// Test modules are left out: a test may reach anything.
+fn server_module_uses(root: &Path) -> std::collections::BTreeMap<String, Vec<String>> {
+    let modules: std::collections::BTreeSet<String> = std::fs::read_dir(root)
+        .expect("src/server")
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().to_string();
+            let stem = name.strip_suffix(".rs").unwrap_or(&name).to_string();
+            (stem != "mod" && (e.path().is_dir() || name.ends_with(".rs"))).then_some(stem)
+        })
+        .collect();
+    let mut uses = std::collections::BTreeMap::new();
+    for module in &modules {
+        let mut files = Vec::new();
+        let dir = root.join(module);
+        if dir.is_dir() {
+            rust_files(&dir, &mut files);
+        } else {
+            files.push(root.join(format!("{module}.rs")));
+        }
+        let mut used = std::collections::BTreeSet::new();
+        for file in files {
+            let name = file.file_name().unwrap().to_string_lossy().to_string();
+            if name == "tests.rs" || name == "stream_kinds.rs" {
+                continue;
+            }
+            let source = std::fs::read_to_string(&file).expect("source");
+            let source = source
+                .split("#[cfg(test)]\nmod tests {")
+                .next()
+                .unwrap_or("");
+            // Comments may name any module (the layer picture does).
+            let source: String = code_lines(source)
+                .map(|(_, code)| format!("{code}\n"))
+                .collect();
+            // `super::` is `src/server` in its own files and in a directory module's `mod.rs`.
+            let parent = if file.parent() == Some(root) || name == "mod.rs" {
+                "super::"
+            } else {
+                "super::super::"
+            };
+            for prefix in ["crate::server::", parent] {
+                for (at, _) in source.match_indices(prefix) {
+                    let rest = &source[at + prefix.len()..];
+                    // `super::x` or `super::{x, y::z}`
+                    let names: Vec<&str> = match rest.strip_prefix('{') {
+                        Some(group) => group
+                            .split('}')
+                            .next()
+                            .unwrap_or("")
+                            .split(',')
+                            .map(|item| item.trim().split("::").next().unwrap_or(""))
+                            .collect(),
+                        None => vec![rest
+                            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                            .next()
+                            .unwrap_or("")],
+                    };
+                    for used_module in names {
+                        if used_module != module && modules.contains(used_module) {
+                            used.insert(used_module.to_string());
+                        }
+                    }
+                }
+            }
+        }
+        uses.insert(module.clone(), used.into_iter().collect());
+    }
+    uses
+}
+
+/// A circle of modules that use each other, if there is one.
+fn circle(uses: &std::collections::BTreeMap<String, Vec<String>>) -> Option<Vec<String>> {
+    fn visit(
+        module: &str,
+        uses: &std::collections::BTreeMap<String, Vec<String>>,
+        done: &mut std::collections::BTreeSet<String>,
+        path: &mut Vec<String>,
+    ) -> Option<Vec<String>> {
+        if let Some(at) = path.iter().position(|m| m == module) {
+            let mut found = path[at..].to_vec();
+            found.push(module.to_string());
+            return Some(found);
+        }
+        if !done.insert(module.to_string()) {
+            return None;
+        }
+        path.push(module.to_string());
+        for next in uses.get(module).into_iter().flatten() {
+            if let Some(found) = visit(next, uses, done, path) {
+                return Some(found);
+            }
+        }
+        path.pop();
+        None
+    }
+    let mut done = std::collections::BTreeSet::new();
+    uses.keys()
+        .find_map(|module| visit(module, uses, &mut done, &mut Vec::new()))
+}
+
+/// No two modules of `src/server` use each other, directly or around a circle: the front ends
+/// (WebSocket, gRPC, HTTP) use the shared request execution, which uses the driver and the
+/// transports, which use TLS and sockets — never the other way (src/server/mod.rs draws it).
+#[test]
+fn server_modules_form_no_circle() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/server");
+    let uses = server_module_uses(&root);
+    assert!(uses.len() > 20, "src/server read wrongly: {uses:?}");
+    assert!(
+        uses["ws"].contains(&"exec".to_string()),
+        "the WebSocket front end's use of exec was not seen: {uses:?}"
+    );
+    if let Some(found) = circle(&uses) {
+        panic!(
+            "modules of src/server use each other in a circle: {}",
+            found.join(" -> ")
+        );
+    }
+    // The check itself finds a circle when there is one.
+    let mut broken = uses.clone();
+    broken.get_mut("tls").unwrap().push("ws".into());
+    assert!(
+        circle(&broken).is_some(),
+        "a circle through tls -> ws went unseen"
     );
 }
