@@ -33,6 +33,9 @@ fn tool_available(name: &str) -> bool {
     found
 }
 
+/// The scrape job of the second, one-node cluster.
+const OTHER_JOB: &str = "raftlock-other";
+
 /// Names every node must export (docs/observability.md lists them).
 const REQUIRED: &[&str] = &[
     "raftlock_term",
@@ -55,6 +58,13 @@ const REQUIRED: &[&str] = &[
     "raftlock_client_sessions",
     "raftlock_lock_grants_total",
     "raftlock_client_connections",
+    "raftlock_entries_committed_total",
+    "raftlock_election_duration_seconds_bucket",
+    "raftlock_store_size_bytes",
+    "raftlock_build_info",
+    "process_cpu_seconds_total",
+    "process_resident_memory_bytes",
+    "process_open_fds",
 ];
 
 /// Percent-encodes a query parameter (PromQL has `+`, `&`, `#`, quotes and newlines).
@@ -315,8 +325,13 @@ async fn prometheus_scrapes_the_cluster() {
     }
     let started = Instant::now();
     let mut cluster = Cluster::start(3);
+    // A second cluster of one node, scraped as a job of its own: the dashboard must show each
+    // cluster apart.
+    let other = Cluster::start(1);
     let store = DataStoreProc::start().await;
     let leader = cluster.wait_for_leader(Duration::from_secs(20)).await;
+    other.wait_for_leader(Duration::from_secs(20)).await;
+    let other_addr = other.nodes[0].client_addr();
     // Some lock traffic so the lock metrics have values: this lock stays held.
     let addr = cluster.nodes[(leader - 1) as usize].client_addr();
     let mut ws = ws_connect(&addr).await;
@@ -326,7 +341,40 @@ async fn prometheus_scrapes_the_cluster() {
     )
     .await;
     assert_eq!(r["success"], true, "{r}");
+    // Connections by protocol: this WebSocket, and a connection that sent the HTTP/2 preface
+    // (as every gRPC channel does first), each counted once while open.
+    let mut h2 = tokio::net::TcpStream::connect(&addr)
+        .await
+        .expect("connect");
+    tokio::io::AsyncWriteExt::write_all(&mut h2, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        .await
+        .expect("preface");
+    let connections = |protocol: &'static str| {
+        let addr = addr.clone();
+        async move {
+            let label = format!("protocol=\"{protocol}\"");
+            scraped_metric(&addr, "raftlock_client_connections{", &[&label]).await
+        }
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while connections("grpc").await != 1.0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(connections("websocket").await, 1.0);
+    assert_eq!(connections("grpc").await, 1.0);
+    drop(h2);
     drop(ws);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while (connections("websocket").await, connections("grpc").await) != (0.0, 0.0)
+        && Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        (connections("websocket").await, connections("grpc").await),
+        (0.0, 0.0),
+        "closed connections still counted"
+    );
 
     for node in &cluster.nodes {
         let (status, body) = http_get(&node.client_addr(), "/metrics")
@@ -392,7 +440,8 @@ async fn prometheus_scrapes_the_cluster() {
         "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n  evaluation_interval: 1s\n\
          rule_files:\n{rule_files}\
          scrape_configs:\n  - job_name: raftlock\n    static_configs:\n      - targets: [{targets}]\n\
-         \x20 - job_name: raftlock-datastore\n    static_configs:\n      - targets: ['{}']\n",
+         \x20 - job_name: raftlock-datastore\n    static_configs:\n      - targets: ['{}']\n\
+         \x20 - job_name: {OTHER_JOB}\n    static_configs:\n      - targets: ['{other_addr}']\n",
         store.addr
     );
     let config_path = dir.path().join("prometheus.yml");
@@ -430,9 +479,13 @@ async fn prometheus_scrapes_the_cluster() {
         tokio::time::sleep(Duration::from_millis(500)).await;
         let up = query(&prom_addr, "sum(up{job=\"raftlock\"})").await;
         let store_up = query(&prom_addr, "sum(up{job=\"raftlock-datastore\"})").await;
-        let leaders = query(&prom_addr, "sum(raftlock_is_leader)").await;
-        let held = query(&prom_addr, "max(raftlock_locks_held)").await;
-        let lag = query(&prom_addr, "count(raftlock_replication_lag_seconds)").await;
+        let leaders = query(&prom_addr, "sum(raftlock_is_leader{job=\"raftlock\"})").await;
+        let held = query(&prom_addr, "max(raftlock_locks_held{job=\"raftlock\"})").await;
+        let lag = query(
+            &prom_addr,
+            "count(raftlock_replication_lag_seconds{job=\"raftlock\"})",
+        )
+        .await;
         let value = |v: &Value| value_of(&v["data"]["result"][0]);
         last = serde_json::json!({"up": up, "store_up": store_up, "leaders": leaders, "held": held, "lag": lag});
         if value(&up) == Some(3.0)
@@ -493,10 +546,46 @@ async fn prometheus_scrapes_the_cluster() {
     contended_hand_offs(&addr, "before", 3).await;
     tokio::time::sleep(PHASE).await;
     let killed_addr = cluster.node(leader).client_addr();
+    // Each survivor's count of new leaders and its term, before the kill.
+    let survivors: Vec<String> = cluster
+        .nodes
+        .iter()
+        .filter(|n| n.id != leader)
+        .map(|n| n.client_addr())
+        .collect();
+    let mut counts_before = Vec::new();
+    for s in &survivors {
+        counts_before.push((
+            scraped_metric(s, "raftlock_leader_changes_total", &[]).await,
+            scraped_metric(s, "raftlock_term ", &[]).await,
+        ));
+    }
     let killed_at = unix_seconds();
     cluster.node(leader).kill();
     let new_leader = cluster.wait_for_leader(Duration::from_secs(20)).await;
     assert_ne!(new_leader, leader);
+    // One failover is one leader change on each survivor: exactly one where one election
+    // decided it, and never more than the terms that passed (a node sees one leader a term).
+    for (s, (changes, term)) in survivors.iter().zip(&counts_before) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while http_json(s, "/status")
+            .await
+            .map(|st| st["leaderId"].as_u64())
+            != Ok(Some(new_leader))
+            && Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let changes_after = scraped_metric(s, "raftlock_leader_changes_total", &[]).await;
+        let term_after = scraped_metric(s, "raftlock_term ", &[]).await;
+        let (moved, terms) = (changes_after - changes, term_after - term);
+        assert!(
+            moved >= 1.0 && moved <= terms.max(1.0) && (terms != 1.0 || moved == 1.0),
+            "survivor {s}: raftlock_leader_changes_total moved by {moved} over {terms} term(s) \
+             for one leader kill"
+        );
+        eprintln!("survivor {s}: leader changes +{moved} over {terms} term(s)");
+    }
     let new_addr = cluster.node(new_leader).client_addr();
     let after = lock_cycles(&new_addr, "after", 150, workload_deadline + PHASE * 2).await;
     contended_hand_offs(&new_addr, "after", 3).await;
@@ -687,6 +776,84 @@ async fn prometheus_scrapes_the_cluster() {
         empty.is_empty(),
         "dashboard panels with no data from this run: {empty:?}"
     );
+
+    // Two clusters scraped: with the job variable on either, the stats count that cluster's
+    // nodes only (three-node cluster: two up after the kill, both knowing the new leader; the
+    // other: one), and the per-pod panels draw that cluster's nodes only.
+    let panels = dashboard_panels();
+    let stat_of = |title: &str| {
+        panels
+            .iter()
+            .find(|(t, _)| t == title)
+            .map(|(_, exprs)| exprs[0].clone())
+            .unwrap_or_else(|| panic!("no panel {title}"))
+    };
+    let own: Vec<String> = cluster.nodes.iter().map(|n| n.client_addr()).collect();
+    for (job, expected, instances) in [
+        ("raftlock", 2.0, own.clone()),
+        (OTHER_JOB, 1.0, vec![other_addr.clone()]),
+    ] {
+        for title in ["Nodes scraped", "Nodes that know a leader"] {
+            let q = dashboard_variables_for(&stat_of(title), "1m", job);
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let got = loop {
+                let got: Vec<(Value, Option<f64>)> = samples(&prom_addr, &q)
+                    .await
+                    .iter()
+                    .map(|s| (s["metric"]["job"].clone(), value_of(s)))
+                    .collect();
+                if got == vec![(Value::from(job), Some(expected))] || Instant::now() > deadline {
+                    break got;
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            };
+            assert_eq!(
+                got,
+                vec![(Value::from(job), Some(expected))],
+                "stat {title:?} with job {job}: {q}"
+            );
+        }
+        let q = dashboard_variables_for(&stat_of("Role per node"), "1m", job);
+        let drawn: Vec<String> = samples(&prom_addr, &q)
+            .await
+            .iter()
+            .filter_map(|s| s["metric"]["pod"].as_str().map(str::to_string))
+            .collect();
+        assert!(
+            !drawn.is_empty() && drawn.iter().all(|pod| instances.contains(pod)),
+            "Role per node with job {job} draws {drawn:?}, not only {instances:?}"
+        );
+    }
+
+    // Every node of the cluster stopped: the critical alert stands in for the nodes that can
+    // no longer report (pending at once, firing after its `for`).
+    for node in &mut cluster.nodes {
+        node.kill();
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let outage = loop {
+        let active = http_json(&prom_addr, "/api/v1/alerts")
+            .await
+            .unwrap_or(Value::Null);
+        let found = active["data"]["alerts"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|a| {
+                a["labels"]["alertname"] == "RaftLockInsufficientMembers"
+                    && a["labels"]["severity"] == "critical"
+                    && a["labels"]["job"] == "raftlock"
+            })
+            .cloned();
+        if found.is_some() || Instant::now() > deadline {
+            break found;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    assert!(
+        outage.is_some(),
+        "no critical RaftLockInsufficientMembers with every node stopped"
+    );
     eprintln!(
         "prometheus test: {before} + {after} lock cycles, leader {leader} killed, new leader \
          {new_leader} (lag in seconds of the killed node and the live follower: {lags:?}), {} rules \
@@ -702,11 +869,16 @@ async fn prometheus_scrapes_the_cluster() {
 /// `datastore_job` are the two scrape jobs, `pod` is All (`.*`). A variable left over (a `$`
 /// before a letter; label_replace's `$1` is not one) is a variable this function does not know.
 fn dashboard_variables(expr: &str, rate_interval: &str) -> String {
+    dashboard_variables_for(expr, rate_interval, "raftlock")
+}
+
+/// [`dashboard_variables`] with the `job` variable set to `job`.
+fn dashboard_variables_for(expr: &str, rate_interval: &str, job: &str) -> String {
     let q = expr
         .replace("$__rate_interval", rate_interval)
         .replace("$namespace", "")
         .replace("$datastore_job", "raftlock-datastore")
-        .replace("$job", "raftlock")
+        .replace("$job", job)
         .replace("$pod", ".*");
     assert!(
         !q.split('$')

@@ -199,9 +199,9 @@ async fn keepalive_notices_a_silent_connection_and_moves_on() {
     assert_eq!(client.get("ka/k").await.unwrap().as_deref(), Some("2"));
 }
 
-/// `forwarded` requests a node counted (`raftlock_requests_total{result="forwarded"}`).
+/// Requests a node forwarded to the leader (`raftlock_requests_forwarded_total`).
 async fn forwarded_count(addr: &str) -> f64 {
-    requests_counted(addr, None, "forwarded").await
+    scraped_metric(addr, "raftlock_requests_forwarded_total{", &[]).await
 }
 
 /// The client `c` still talks to `follower`, which forwarded at least an acquire and a release

@@ -1,10 +1,12 @@
 //! OpenTelemetry traces from real lock-node processes: an OTLP/gRPC receiver built from the
 //! OpenTelemetry protocol crates collects what a three-node cluster exports when
 //! `OTEL_EXPORTER_OTLP_ENDPOINT` points at it. A client's acquire sent to a follower with a
-//! `traceparent` shows up as one trace across both nodes — the follower's span (forwarded) and the
-//! leader's — with the key, client, outcome and fencing token as attributes, under the standard
-//! resource (`service.name`, `OTEL_RESOURCE_ATTRIBUTES`). Raft's own spans (elections, batches,
-//! fsyncs, replication) arrive too. The Rust SDK (`trace_context`) and `lockctl` (the
+//! `traceparent` shows up as one trace across both nodes — the follower's span, its client span
+//! of the hop (`lock.forward`) and the leader's span (forwarded) — with the key, client, outcome
+//! and fencing token as attributes, under the standard resource (`service.name`,
+//! `OTEL_RESOURCE_ATTRIBUTES`). The leader's span links to the batch that carried the request,
+//! whose children are the fsync that made it durable and the replication to the followers. An
+//! acquire answered `WAIT_TIMEOUT` is marked failed (`error.type`). The Rust SDK (`trace_context`) and `lockctl` (the
 //! `TRACEPARENT` environment variable) continue their caller's trace the same way, and an acquire
 //! that waited in the queue records its place in line and its wait.
 //!
@@ -109,9 +111,22 @@ async fn spans_arrive_over_otlp_and_one_trace_crosses_the_forward() {
     std::env::remove_var("OTEL_SERVICE_NAME");
     std::env::remove_var("OTEL_SDK_DISABLED");
 
-    let cluster = Cluster::start(3);
+    // JSON logs with each answer logged (debug, the request execution only).
+    let cluster = Cluster::start_custom(
+        3,
+        |node| {
+            node.env.extend([
+                ("RAFTLOCK_LOG_FORMAT".into(), "json".into()),
+                (
+                    "RUST_LOG".into(),
+                    "info,raftlock::server::exec=debug".into(),
+                ),
+            ])
+        },
+        |_| Vec::new(),
+    );
     let leader = cluster.wait_for_leader(Duration::from_secs(20)).await;
-    let (_, follower) = follower_knowing(&cluster, leader).await;
+    let (follower_id, follower) = follower_knowing(&cluster, leader).await;
 
     let mut ws = ws_connect(&follower).await;
     let reply = ws_request(
@@ -163,10 +178,64 @@ async fn spans_arrive_over_otlp_and_one_trace_crosses_the_forward() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
 
-    // The follower's span is the child of the client's span and is marked forwarded; the
-    // leader's span is the child of the follower's.
+    // The follower's span is the child of the client's span and is marked forwarded; the hop to
+    // the leader is a client span under it, and the leader's span is the hop's child.
     assert_eq!(hex(&follower_span.span.parent_span_id), PARENT_ID);
-    assert_eq!(leader_span.span.parent_span_id, follower_span.span.span_id);
+    let spans = collector.spans.lock().expect("lock").clone();
+    let hop = spans
+        .iter()
+        .find(|r| {
+            r.span.name == "raftlock.peer.Peer/ForwardClient" && hex(&r.span.trace_id) == TRACE_ID
+        })
+        .unwrap_or_else(|| {
+            let names: Vec<&str> = spans.iter().map(|r| r.span.name.as_str()).collect();
+            panic!("no client span of the forward hop in the trace: {names:?}")
+        });
+    assert_eq!(hop.span.parent_span_id, follower_span.span.span_id);
+    // SpanKind 3 is CLIENT in the OTLP protocol.
+    assert_eq!(hop.span.kind, 3, "{:?}", hop.span);
+    assert_eq!(
+        attr_str(&hop.span.attributes, "rpc.system").as_deref(),
+        Some("grpc")
+    );
+    assert_eq!(leader_span.span.parent_span_id, hop.span.span_id);
+    assert_eq!(
+        attr_str(&leader_span.span.attributes, "rpc.system").as_deref(),
+        Some("grpc")
+    );
+
+    // The leader's span links to the batch that carried the request; the fsync that made it
+    // durable and the replication to the followers are that batch's children.
+    let batch_id = leader_span
+        .span
+        .links
+        .first()
+        .map(|l| l.span_id.clone())
+        .expect("the leader's request span links to its batch");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let spans = collector.spans.lock().expect("lock").clone();
+        let batch = spans.iter().find(|r| r.span.span_id == batch_id);
+        let child = |name: &str| {
+            spans
+                .iter()
+                .any(|r| r.span.name == name && r.span.parent_span_id == batch_id)
+        };
+        if batch.is_some_and(|b| b.span.name == "raft.batch")
+            && child("raft.fsync")
+            && child("raft.replicate")
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the linked batch {} ({:?}) with an fsync and a replication under it did not \
+             arrive",
+            hex(&batch_id),
+            batch.map(|b| &b.span.name)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     for (who, r) in [("follower", &follower_span), ("leader", &leader_span)] {
         let a = &r.span.attributes;
         assert_eq!(attr_str(a, "key").as_deref(), Some("traced"), "{who}");
@@ -194,6 +263,24 @@ async fn spans_arrive_over_otlp_and_one_trace_crosses_the_forward() {
         attr(&follower_span.span.attributes, "forwarded"),
         Some(AnyValue::BoolValue(true))
     );
+
+    // A log line of the request, on the follower and on the leader, carries its trace id and
+    // request id.
+    for (who, id) in [("follower", follower_id), ("leader", leader)] {
+        let node = cluster.nodes.iter().find(|n| n.id == id).expect("node");
+        let log = std::fs::read_to_string(node.data_dir.with_extension("log")).unwrap_or_default();
+        let line = log
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .find(|l| {
+                l["fields"]["message"] == "request answered" && l["span"]["request_id"] == "r1"
+            });
+        let Some(line) = line else {
+            panic!("no JSON log line of the request on the {who}:\n{log}");
+        };
+        assert_eq!(line["span"]["trace_id"], TRACE_ID, "{who}: {line}");
+        assert_eq!(line["fields"]["outcome"], "granted", "{who}: {line}");
+    }
     let spans = collector.spans.lock().expect("lock").clone();
     let election = spans
         .iter()
@@ -317,6 +404,39 @@ async fn spans_arrive_over_otlp_and_one_trace_crosses_the_forward() {
     );
     assert_eq!(hex(&cli_span.span.parent_span_id), CLI_PARENT_ID);
     assert_eq!(attr(&cli_span.span.attributes, "queue_position"), None);
+
+    // An acquire that does not wait for a held lock is answered WAIT_TIMEOUT: a failed span.
+    let mut ws = ws_connect(&leader_addr).await;
+    let refused = ws_request(
+        &mut ws,
+        &json!({"commandType": 3, "key": "cli-key", "clientId": "late", "requestId": "w1",
+                "ttl": 30000, "waitTimeout": 0}),
+    )
+    .await;
+    assert_eq!(refused["error"]["code"], "WAIT_TIMEOUT", "{refused}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let failed = loop {
+        let spans = collector.spans.lock().expect("lock").clone();
+        if let Some(r) = spans.iter().find(|r| {
+            r.span.name == "lock.acquire"
+                && attr_str(&r.span.attributes, "client_id").as_deref() == Some("late")
+        }) {
+            break r.clone();
+        }
+        assert!(Instant::now() < deadline, "no span of the refused acquire");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(
+        attr_str(&failed.span.attributes, "error.type").as_deref(),
+        Some("WAIT_TIMEOUT")
+    );
+    // Status code 2 is ERROR in the OTLP protocol.
+    assert_eq!(
+        failed.span.status.as_ref().map(|s| s.code),
+        Some(2),
+        "{:?}",
+        failed.span.status
+    );
     drop(cluster);
     server.abort();
 }

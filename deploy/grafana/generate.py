@@ -254,9 +254,9 @@ def dashboard():
     )
     L.line(
         series("Commit and apply rate",
-               [(per_pod(f"max by (pod, instance) (rate(raftlock_commit_index{{{POD_SEL}}}[$__rate_interval]))"),
+               [(per_pod(f"max by (pod, instance) (rate(raftlock_entries_committed_total{{{POD_SEL}}}[$__rate_interval]))"),
                  "commit {{pod}}"),
-                (per_pod(f"max by (pod, instance) (rate(raftlock_applied_index{{{POD_SEL}}}[$__rate_interval]))"),
+                (per_pod(f"max by (pod, instance) (rate(raftlock_entries_applied_total{{{POD_SEL}}}[$__rate_interval]))"),
                  "apply {{pod}}")], unit="ops"),
         series("Proposals",
                [(f"sum(rate(raftlock_proposals_committed_total{{{SEL}}}[$__rate_interval]))", "committed"),
@@ -295,6 +295,32 @@ def dashboard():
                            "breaking; a grpc line still climbing after an upgrade means an older "
                            "node is still in the cluster."),
     )
+    L.line(
+        series("Time to elect a leader",
+               [p99_per_pod("raftlock_election_duration_seconds", legend="p99 {{pod}}")],
+               unit="s",
+               description="How long each pod went without a leader, from its first campaign "
+                           "(PreVote) to knowing the winner: p99 over the elections in the "
+                           "interval. Empty while no election happens."),
+        series("Store on disk",
+               [(per_pod(f"max by (pod, instance) (raftlock_store_size_bytes{{{POD_SEL}}})"),
+                 "{{pod}}")],
+               unit="bytes",
+               description="Bytes of the files under each pod's data directory: the Raft log, "
+                           "the applied state and snapshots, measured every 15 s."),
+        series("Log entries since the last snapshot",
+               [(per_pod(f"max by (pod, instance) (raftlock_log_entries{{{POD_SEL}}})"),
+                 "{{pod}}")],
+               description="Entries kept in each pod's Raft log; they fall back when the log is "
+                           "compacted to a snapshot."),
+        series("Process CPU and memory",
+               [(per_pod(f"sum by (pod, instance) (rate(process_cpu_seconds_total{{{POD_SEL}}}[$__rate_interval]))"),
+                 "CPU cores {{pod}}"),
+                (per_pod(f"max by (pod, instance) (process_resident_memory_bytes{{{POD_SEL}}}) / 2^30"),
+                 "resident GiB {{pod}}")],
+               description="CPU (cores in use) and resident memory (GiB) of each lock-node "
+                           "process."),
+    )
     L.row("Locks")
     L.line(
         series("Lock operations",
@@ -313,7 +339,11 @@ def dashboard():
                [(f"sum by (op, result) (rate(raftlock_requests_total{{{SEL}}}[$__rate_interval]))",
                  "{{op}} {{result}}")], unit="reqps", stack=True),
         series("Client connections",
-               [(per_pod(f"sum by (pod, instance) (raftlock_client_connections{{{POD_SEL}}})"), "{{pod}}")]),
+               [(per_pod(f"sum by (pod, instance, protocol) (raftlock_client_connections{{{POD_SEL}}})"),
+                 "{{protocol}} {{pod}}")],
+               description="Open client connections on each pod by protocol: websocket "
+                           "(upgraded), grpc (HTTP/2) and http (HTTP/1.1: requests, probes and "
+                           "scrapes, and WebSocket connections before their upgrade)."),
         series("Unknown request fields ignored",
                [(f"sum(rate(raftlock_ignored_fields_total{{{SEL}}}[$__rate_interval]))", "fields")]),
         series("Exactly-once table",

@@ -69,6 +69,10 @@ struct Args {
     /// How many times its live content the log may grow to before it is compacted (at least 2).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(2..))]
     compact_ratio: u64,
+    /// Log lines as `text` or `json` (one object a line, for a log collector).
+    #[arg(long, env = "RAFTLOCK_LOG_FORMAT", default_value = "text",
+          value_parser = ["text", "json"])]
+    log_format: String,
 }
 
 /// Runs the data store with the given command line (the first item is the program name).
@@ -103,7 +107,7 @@ fn read_secret(path: &std::path::Path, what: &str) -> Result<String, String> {
 }
 
 async fn serve(args: Args) -> ExitCode {
-    crate::telemetry::init_logging(false, "info");
+    crate::telemetry::init_logging(args.log_format == "json", "info");
     let limits = DataStoreLimits {
         max_data_bytes: args.max_data_bytes,
         recent_writes: args.recent_writes,

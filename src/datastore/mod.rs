@@ -272,6 +272,7 @@ impl DataStore {
             }
         };
         let registry = Registry::new();
+        crate::telemetry::metrics::register_process_and_build(&registry);
         let writes = IntCounterVec::new(
             Opts::new(
                 "raftlock_datastore_writes_total",

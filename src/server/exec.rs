@@ -74,17 +74,33 @@ pub fn request_span(op: &ClientOp, via: &'static str, traceparent: Option<&str>)
         client_id = op.client_id(),
         request_id = op.request_id(),
         via,
+        rpc.system = tracing::field::Empty,
+        rpc.method = tracing::field::Empty,
         forwarded = tracing::field::Empty,
         outcome = tracing::field::Empty,
+        error.type = tracing::field::Empty,
+        otel.status_code = tracing::field::Empty,
+        otel.status_message = tracing::field::Empty,
         fencing_token = tracing::field::Empty,
         queue_position = tracing::field::Empty,
         wait_ms = tracing::field::Empty,
         trace_id = tracing::field::Empty,
     );
     if !span.is_disabled() {
+        if matches!(via, "grpc" | "grpc-seed" | "forwarded") {
+            span.record("rpc.system", "grpc");
+            span.record("rpc.method", op.name());
+        }
         crate::telemetry::adopt_parent(&span, traceparent);
     }
     span
+}
+
+/// Marks `span` failed with `code` (OpenTelemetry status ERROR and `error.type`).
+pub fn mark_error(span: &Span, code: &str, message: &str) {
+    span.record("error.type", code);
+    span.record("otel.status_code", "ERROR");
+    span.record("otel.status_message", message);
 }
 
 /// The `traceparent` a gRPC caller sent in its metadata.
@@ -101,6 +117,14 @@ pub fn finish_span(span: &Span, reply: &ClientReply) {
         return;
     }
     span.record("outcome", reply.result_label());
+    // One log line per answer at debug level (RUST_LOG=raftlock::server::exec=debug), carrying
+    // the span's request_id and trace_id.
+    span.in_scope(|| tracing::debug!(outcome = reply.result_label(), "request answered"));
+    if let ClientReply::Error(e) = reply {
+        // Every error answer is a failed request, WAIT_TIMEOUT included: the client did not get
+        // what it asked for.
+        mark_error(span, e.code.as_str(), &e.message);
+    }
     if let ClientReply::Granted { token, .. } | ClientReply::Renewed { token, .. } = reply {
         // As a signed integer: OpenTelemetry has no unsigned type (u64 would become a string).
         span.record(
@@ -235,8 +259,8 @@ async fn forward_to(
 ) -> ClientReply {
     state
         .metrics
-        .requests_total
-        .with_label_values(&[op.name(), "forwarded"])
+        .requests_forwarded_total
+        .with_label_values(&[op.name()])
         .inc();
     // A leader of a release before acknowledgements could not read them, and this follower's
     // applied cluster version may be behind the leader's: rather than strip `ackBelow` (and
@@ -266,15 +290,38 @@ async fn forward_to(
     }
     let span = Span::current();
     span.record("forwarded", true);
-    let traceparent = if span.is_disabled() {
+    // The hop to the leader is a client span of its own, the parent of the leader's server
+    // span: a trace shows the time spent between the two nodes.
+    let hop = if span.is_disabled() {
+        Span::none()
+    } else {
+        tracing::debug_span!(
+            "lock.forward",
+            otel.name = "raftlock.peer.Peer/ForwardClient",
+            otel.kind = "client",
+            rpc.system = "grpc",
+            rpc.service = "raftlock.peer.Peer",
+            rpc.method = "ForwardClient",
+            server.address = peer,
+            error.type = tracing::field::Empty,
+            otel.status_code = tracing::field::Empty,
+            otel.status_message = tracing::field::Empty,
+        )
+    };
+    let traceparent = if hop.is_disabled() {
         None
     } else {
-        crate::telemetry::traceparent_of(&span)
+        crate::telemetry::traceparent_of(&hop)
     };
-    state
+    let reply = state
         .forwarder
         .forward(peer, &op, closed, traceparent)
-        .await
+        .instrument(hop.clone())
+        .await;
+    if let ClientReply::Error(e) = &reply {
+        mark_error(&hop, e.code.as_str(), &e.message);
+    }
+    reply
 }
 
 /// The leader's peer address, when this node is a follower that knows one.
@@ -299,6 +346,7 @@ pub async fn execute_here(op: ClientOp, conn: u64, state: &AppState) -> ClientRe
         op,
         conn,
         reply: tx,
+        span: Span::current(),
     };
     if state.driver.try_send(input).is_err() {
         state

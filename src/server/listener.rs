@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use prometheus::IntCounterVec;
+use prometheus::{IntCounterVec, IntGauge, IntGaugeVec};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -54,17 +54,21 @@ pub struct ClientListener {
     per_address: PerAddress,
     head_deadline: Duration,
     refused: IntCounterVec,
+    connections: IntGaugeVec,
 }
 
 impl ClientListener {
+    /// `metrics` gives the counter of refused connections and the gauge of open ones by
+    /// protocol.
     pub fn new(
         inner: TcpListener,
         max_connections: usize,
         max_per_address: usize,
         head_deadline: Duration,
-        refused: IntCounterVec,
+        metrics: &crate::telemetry::NodeMetrics,
         tls: Option<Arc<super::tls::ClientTls>>,
     ) -> ClientListener {
+        let refused = metrics.client_connections_refused_total.clone();
         for reason in [
             "limit",
             "address_limit",
@@ -82,6 +86,7 @@ impl ClientListener {
             per_address: PerAddress::new(max_per_address),
             head_deadline,
             refused,
+            connections: metrics.client_connections.clone(),
         }
     }
 }
@@ -130,6 +135,7 @@ impl axum::serve::Listener for ClientListener {
                         stream: ClientIo::Plain(stream),
                         deadline: Some(deadline),
                         refused: self.refused.clone(),
+                        protocol: Protocol::Unknown(self.connections.clone()),
                         _slot: slot,
                     },
                     addr,
@@ -137,6 +143,7 @@ impl axum::serve::Listener for ClientListener {
             };
             let acceptor = tls.acceptor();
             let refused = self.refused.clone();
+            let connections = self.connections.clone();
             self.handshakes.spawn(async move {
                 let handshake = tokio::select! {
                     done = acceptor.accept(stream) => done,
@@ -152,6 +159,7 @@ impl axum::serve::Listener for ClientListener {
                             // A fresh deadline for the first request after the handshake.
                             deadline: Some(Box::pin(tokio::time::sleep(REQUEST_HEAD_DEADLINE))),
                             refused,
+                            protocol: Protocol::Unknown(connections),
                             _slot: slot,
                         },
                         addr,
@@ -178,13 +186,54 @@ pub struct GuardedStream {
     /// head). While armed and passed, reads fail and the server closes the connection.
     deadline: Option<Pin<Box<Sleep>>>,
     refused: IntCounterVec,
+    /// Counted in `raftlock_client_connections{protocol}` once its first bytes tell HTTP/2
+    /// (gRPC) from HTTP/1.1.
+    protocol: Protocol,
     _slot: (OwnedSemaphorePermit, AddressSlot),
 }
+
+/// Which `raftlock_client_connections{protocol}` gauge a connection counts in.
+enum Protocol {
+    /// Nothing read yet.
+    Unknown(IntGaugeVec),
+    /// Counted in this gauge until the connection is dropped.
+    Counted(IntGauge),
+}
+
+/// What every HTTP/2 connection (so every gRPC channel) sends first (RFC 9113 §3.4).
+const HTTP2_PREFACE: &[u8] = b"PRI * HTTP/2.0";
 
 impl GuardedStream {
     fn answered(&mut self, written: &Poll<io::Result<usize>>) {
         if matches!(written, Poll::Ready(Ok(n)) if *n > 0) {
             self.deadline = None;
+        }
+    }
+
+    /// Counts the connection by the first bytes it sent: the HTTP/2 preface (gRPC), or else
+    /// HTTP/1.1 (plain HTTP, and WebSocket until its upgrade moves it to `websocket`).
+    fn classify(&mut self, first: &[u8]) {
+        if first.is_empty() {
+            return;
+        }
+        if let Protocol::Unknown(gauges) = &self.protocol {
+            let n = first.len().min(HTTP2_PREFACE.len());
+            let label = if first[..n] == HTTP2_PREFACE[..n] {
+                "grpc"
+            } else {
+                "http"
+            };
+            let gauge = gauges.with_label_values(&[label]);
+            gauge.inc();
+            self.protocol = Protocol::Counted(gauge);
+        }
+    }
+}
+
+impl Drop for GuardedStream {
+    fn drop(&mut self) {
+        if let Protocol::Counted(gauge) = &self.protocol {
+            gauge.dec();
         }
     }
 }
@@ -206,7 +255,15 @@ impl AsyncRead for GuardedStream {
                 )));
             }
         }
-        Pin::new(&mut this.stream).poll_read(cx, buf)
+        if matches!(this.protocol, Protocol::Counted(_)) {
+            return Pin::new(&mut this.stream).poll_read(cx, buf);
+        }
+        let before = buf.filled().len();
+        let read = Pin::new(&mut this.stream).poll_read(cx, buf);
+        if matches!(read, Poll::Ready(Ok(()))) {
+            this.classify(&buf.filled()[before..]);
+        }
+        read
     }
 }
 

@@ -505,6 +505,7 @@ impl ppb::peer_server::Peer for PeerApi {
                 op,
                 conn: 0,
                 reply: tx,
+                span: tracing::Span::none(),
             })
             .await
             .map_err(|_| Status::unavailable("shutting down"))?;
@@ -549,6 +550,7 @@ impl ppb::peer_server::Peer for PeerApi {
             op,
             conn,
             reply: tx,
+            span: span.clone(),
         }) {
             Ok(()) => {
                 let started = std::time::Instant::now();

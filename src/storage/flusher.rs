@@ -71,7 +71,7 @@ struct Shared {
 }
 
 pub(crate) struct Flusher {
-    jobs: Option<mpsc::Sender<(u64, FlushJob)>>,
+    jobs: Option<mpsc::Sender<(u64, FlushJob, tracing::Span)>>,
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
     last_ticket: u64,
@@ -79,7 +79,7 @@ pub(crate) struct Flusher {
 
 impl Flusher {
     pub(crate) fn start(wake: FlushWaker, observe: FlushObserver) -> Result<Flusher, StorageError> {
-        let (tx, rx) = mpsc::channel::<(u64, FlushJob)>();
+        let (tx, rx) = mpsc::channel::<(u64, FlushJob, tracing::Span)>();
         let shared = Arc::new(Shared {
             done: Mutex::new(Done::default()),
             changed: Condvar::new(),
@@ -106,7 +106,12 @@ impl Flusher {
         let sent = self
             .jobs
             .as_ref()
-            .is_some_and(|jobs| jobs.send((self.last_ticket, job)).is_ok());
+            // The submitter's span (the driver's batch, when traced) becomes the parent of the
+            // sync that makes the job durable.
+            .is_some_and(|jobs| {
+                jobs.send((self.last_ticket, job, tracing::Span::current()))
+                    .is_ok()
+            });
         if !sent {
             // The thread stopped after a failure, which `done` reports.
             self.done()?;
@@ -163,20 +168,29 @@ fn lock(m: &Mutex<Done>) -> std::sync::MutexGuard<'_, Done> {
 }
 
 fn run(
-    rx: mpsc::Receiver<(u64, FlushJob)>,
+    rx: mpsc::Receiver<(u64, FlushJob, tracing::Span)>,
     shared: Arc<Shared>,
     wake: FlushWaker,
     observe: FlushObserver,
 ) {
-    while let Ok((mut ticket, mut job)) = rx.recv() {
-        // Everything queued meanwhile rides on this flush.
+    while let Ok((mut ticket, mut job, parent)) = rx.recv() {
+        // Everything queued meanwhile rides on this flush: a child of the first submitter's
+        // batch, following from the others'.
         let mut merged = 1u64;
-        while let Ok((later_ticket, later)) = rx.try_recv() {
+        let mut others = Vec::new();
+        while let Ok((later_ticket, later, later_parent)) = rx.try_recv() {
             ticket = later_ticket;
             job.merge(later);
             merged += 1;
+            others.push(later_parent);
         }
-        let span = tracing::debug_span!("raft.fsync", flushes = merged);
+        let span = tracing::debug_span!(parent: &parent, "raft.fsync", flushes = merged);
+        if !span.is_disabled() {
+            for other in &others {
+                span.follows_from(other);
+            }
+        }
+        drop(others);
         let _entered = span.enter();
         let started = Instant::now();
         let result = job.run();

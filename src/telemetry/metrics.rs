@@ -48,13 +48,22 @@ pub struct NodeMetrics {
     pub lock_releases_total: IntCounter,
     pub lock_expirations_total: IntCounter,
     pub lock_renewals_total: IntCounter,
-    pub client_connections: IntGauge,
+    pub client_connections: IntGaugeVec,
     pub client_connections_refused_total: IntCounterVec,
     pub tls_reloads_total: IntCounterVec,
     pub peer_connections_refused_total: IntCounterVec,
     pub limit_refusals_total: IntCounterVec,
     pub ignored_fields_total: IntCounter,
     pub requests_total: IntCounterVec,
+    pub requests_received_total: IntCounterVec,
+    pub requests_forwarded_total: IntCounterVec,
+    pub entries_committed_total: IntCounter,
+    pub entries_applied_total: IntCounter,
+    pub log_entries: IntGauge,
+    pub store_size_bytes: IntGauge,
+    pub election_duration_seconds: Histogram,
+    pub snapshot_install_duration_seconds: Histogram,
+    pub snapshot_bytes: IntGaugeVec,
     pub peer_messages_dropped_total: IntCounterVec,
     pub peer_streams_opened_total: IntCounterVec,
     pub cluster_info: IntGaugeVec,
@@ -68,6 +77,9 @@ impl std::fmt::Debug for NodeMetrics {
 
 const SNAPSHOT_BUCKETS: &[f64] = &[
     0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
+const ELECTION_BUCKETS: &[f64] = &[
+    0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0,
 ];
 const LATENCY_BUCKETS: &[f64] = &[
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
@@ -248,9 +260,13 @@ impl NodeMetrics {
                 "Locks expired because their lease ran out."
             )),
             lock_renewals_total: reg!(counter("raftlock_lock_renewals_total", "Leases renewed.")),
-            client_connections: reg!(gauge(
-                "raftlock_client_connections",
-                "Open client WebSocket connections."
+            client_connections: reg!(IntGaugeVec::new(
+                Opts::new(
+                    "raftlock_client_connections",
+                    "Open client connections by protocol: websocket (upgraded), grpc (HTTP/2) \
+                     and http (HTTP/1.1 not upgraded, or not yet)."
+                ),
+                &["protocol"]
             )),
             client_connections_refused_total: reg!(IntCounterVec::new(
                 Opts::new(
@@ -306,9 +322,62 @@ impl NodeMetrics {
             requests_total: reg!(IntCounterVec::new(
                 Opts::new(
                     "raftlock_requests_total",
-                    "Client requests by operation and result."
+                    "Client requests answered by this node, by operation and result (granted, \
+                     ok, or an error code; a request forwarded to the leader is counted there)."
                 ),
                 &["op", "result"]
+            )),
+            requests_received_total: reg!(IntCounterVec::new(
+                Opts::new(
+                    "raftlock_requests_received_total",
+                    "Client requests taken off this node's driver queue to be executed here."
+                ),
+                &["op"]
+            )),
+            requests_forwarded_total: reg!(IntCounterVec::new(
+                Opts::new(
+                    "raftlock_requests_forwarded_total",
+                    "Client requests this follower forwarded to the leader."
+                ),
+                &["op"]
+            )),
+            entries_committed_total: reg!(counter(
+                "raftlock_entries_committed_total",
+                "Log entries this node learned committed (the rise of raftlock_commit_index \
+                 since it started)."
+            )),
+            entries_applied_total: reg!(counter(
+                "raftlock_entries_applied_total",
+                "Log entries this node applied to its lock state (snapshot installs included)."
+            )),
+            log_entries: reg!(gauge(
+                "raftlock_log_entries",
+                "Entries in this node's Raft log since its last snapshot."
+            )),
+            store_size_bytes: reg!(gauge(
+                "raftlock_store_size_bytes",
+                "Bytes of the files under the data directory (log, state and snapshots), \
+                 measured every 15 s."
+            )),
+            election_duration_seconds: reg!(hist(
+                "raftlock_election_duration_seconds",
+                "From this node starting to campaign (its first PreVote after a leader was \
+                 lost) to knowing a leader, whoever won.",
+                ELECTION_BUCKETS
+            )),
+            snapshot_install_duration_seconds: reg!(hist(
+                "raftlock_snapshot_install_duration_seconds",
+                "Installing a snapshot from the leader, from its first chunk to the state \
+                 in place.",
+                SNAPSHOT_BUCKETS
+            )),
+            snapshot_bytes: reg!(IntGaugeVec::new(
+                Opts::new(
+                    "raftlock_snapshot_bytes",
+                    "Size of the last snapshot this node encoded for a follower (encoded) or \
+                     installed from the leader (installed)."
+                ),
+                &["kind"]
             )),
             peer_messages_dropped_total: reg!(IntCounterVec::new(
                 Opts::new(
@@ -331,6 +400,13 @@ impl NodeMetrics {
         for kind in ["taken", "encoded", "installed"] {
             metrics.snapshots_total.with_label_values(&[kind]);
         }
+        for kind in ["encoded", "installed"] {
+            metrics.snapshot_bytes.with_label_values(&[kind]);
+        }
+        for protocol in ["websocket", "grpc", "http"] {
+            metrics.client_connections.with_label_values(&[protocol]);
+        }
+        register_process_and_build(&metrics.registry);
         metrics
     }
 
@@ -343,6 +419,29 @@ impl NodeMetrics {
         }
         String::from_utf8(buf).unwrap_or_default()
     }
+}
+
+/// Registers the process metrics (`process_cpu_seconds_total`, `process_resident_memory_bytes`,
+/// `process_open_fds` and the rest, read from `/proc` at each scrape) and
+/// `raftlock_build_info{version}` in `registry`: the lock node and the data store export both.
+pub fn register_process_and_build(registry: &Registry) {
+    #[cfg(target_os = "linux")]
+    {
+        // Registering twice in one registry is the only way this fails; each registry is new.
+        let _ = registry.register(Box::new(
+            prometheus::process_collector::ProcessCollector::for_self(),
+        ));
+    }
+    let info = IntGaugeVec::new(
+        Opts::new(
+            "raftlock_build_info",
+            "1, labelled with the RaftLock version this process runs.",
+        ),
+        &["version"],
+    )
+    .expect("metric definition is valid");
+    info.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
+    let _ = registry.register(Box::new(info));
 }
 
 impl Default for NodeMetrics {
@@ -376,6 +475,10 @@ mod tests {
             "raftlock_requests_total{op=\"acquire\",result=\"granted\"} 1",
             "raftlock_replication_lag_entries{peer=\"2\"} 5",
             "raftlock_replication_lag_seconds{peer=\"2\"} 1.5",
+            "raftlock_client_connections{protocol=\"grpc\"} 0",
+            "raftlock_build_info{version=",
+            "process_resident_memory_bytes",
+            "process_open_fds",
         ] {
             assert!(text.contains(name), "missing {name} in:\n{text}");
         }

@@ -1,11 +1,15 @@
 //! Metrics, logging and trace export shared by the binaries.
 //!
 //! Traces go out over OTLP/gRPC when `OTEL_EXPORTER_OTLP_ENDPOINT` (or
-//! `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set and `OTEL_SDK_DISABLED` is not `true`; the
-//! OpenTelemetry SDK reads the other standard variables itself (`OTEL_SERVICE_NAME`,
-//! `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_TRACES_SAMPLER`, `OTEL_TRACES_SAMPLER_ARG`). Without an
-//! endpoint no span leaves the process and the node's own spans are not even created: they are
-//! at `debug` level, which the log filter leaves off by default.
+//! `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set, `OTEL_SDK_DISABLED` is not `true` and
+//! `OTEL_TRACES_EXPORTER` is `otlp` (the default) rather than `none`;
+//! `OTEL_EXPORTER_OTLP_PROTOCOL` (or `…_TRACES_PROTOCOL`) may only be `grpc`, and
+//! `OTEL_PROPAGATORS` may be `tracecontext` (the default) or `none`: anything else turns trace
+//! export off with a log line that says why. The OpenTelemetry SDK reads the other standard
+//! variables itself (`OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_TRACES_SAMPLER`,
+//! `OTEL_TRACES_SAMPLER_ARG`). Without an endpoint no span leaves the process and the node's
+//! own spans are not even created: they are at `debug` level, which the log filter leaves off
+//! by default. A failed export is logged (target `opentelemetry_sdk`).
 //!
 //! Trace context travels in the W3C `traceparent` format: a WebSocket request's `traceparent`
 //! field, gRPC metadata `traceparent`, and the peer call that forwards a request to the leader.
@@ -13,6 +17,8 @@
 pub mod metrics;
 
 use std::collections::HashMap;
+use std::io::IsTerminal;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use opentelemetry::propagation::TextMapPropagator;
 use opentelemetry::trace::TracerProvider as _;
@@ -55,12 +61,58 @@ impl Drop for TelemetryGuard {
     }
 }
 
+/// Whether a `traceparent` is taken from callers and passed on (`OTEL_PROPAGATORS` is not
+/// `none`).
+static PROPAGATE: AtomicBool = AtomicBool::new(true);
+
 /// Whether the environment asks for trace export.
 pub fn otlp_configured() -> bool {
     let set = |name: &str| std::env::var(name).is_ok_and(|v| !v.trim().is_empty());
     let disabled =
         std::env::var("OTEL_SDK_DISABLED").is_ok_and(|v| v.trim().eq_ignore_ascii_case("true"));
-    !disabled && (set("OTEL_EXPORTER_OTLP_ENDPOINT") || set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+    let exporter_none =
+        std::env::var("OTEL_TRACES_EXPORTER").is_ok_and(|v| v.trim().eq_ignore_ascii_case("none"));
+    !disabled
+        && !exporter_none
+        && (set("OTEL_EXPORTER_OTLP_ENDPOINT") || set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+}
+
+/// Why the standard `OTEL_*` variables ask for something this build cannot do, if they do.
+/// Reads `OTEL_TRACES_EXPORTER`, `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` (then
+/// `OTEL_EXPORTER_OTLP_PROTOCOL`) and `OTEL_PROPAGATORS`.
+pub fn otel_env_problem(var: impl Fn(&str) -> Option<String>) -> Option<String> {
+    let value = |name: &str| var(name).map(|v| v.trim().to_ascii_lowercase());
+    if let Some(exporter) = value("OTEL_TRACES_EXPORTER") {
+        if exporter != "otlp" && exporter != "none" && !exporter.is_empty() {
+            return Some(format!(
+                "OTEL_TRACES_EXPORTER={exporter} is not supported (otlp or none)"
+            ));
+        }
+    }
+    let protocol = value("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        .or_else(|| value("OTEL_EXPORTER_OTLP_PROTOCOL"));
+    if let Some(protocol) = protocol.filter(|p| !p.is_empty() && p != "grpc") {
+        return Some(format!(
+            "OTLP protocol {protocol} is not supported: this build exports over grpc only \
+             (OTEL_EXPORTER_OTLP_PROTOCOL=grpc, port 4317 on a collector)"
+        ));
+    }
+    if let Some(propagators) = value("OTEL_PROPAGATORS") {
+        for p in propagators.split(',').map(str::trim) {
+            if !matches!(p, "tracecontext" | "none" | "baggage" | "") {
+                return Some(format!(
+                    "OTEL_PROPAGATORS names {p}: only tracecontext (W3C traceparent) is \
+                     supported"
+                ));
+            }
+        }
+    }
+    None
+}
+
+/// Whether `OTEL_PROPAGATORS` leaves trace context on (anything but `none` alone).
+fn propagators_on(var: impl Fn(&str) -> Option<String>) -> bool {
+    var("OTEL_PROPAGATORS").is_none_or(|v| !v.trim().eq_ignore_ascii_case("none"))
 }
 
 /// Installs the `tracing` subscriber (a `RUST_LOG`-style filter, text or JSON lines on stderr)
@@ -74,26 +126,51 @@ pub fn init_logging(json: bool, default_filter: &str) {
 /// when export is on (the gRPC exporter needs one). JSON log lines carry the fields of the spans
 /// they are in, including `trace_id` on client requests.
 pub fn init(json: bool, default_filter: &str, service: Option<&str>) -> TelemetryGuard {
+    use tracing_subscriber::filter::FilterExt;
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
-    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let env = |name: &str| std::env::var(name).ok();
+    PROPAGATE.store(propagators_on(env), Ordering::Relaxed);
+    let problem = service.and_then(|_| otel_env_problem(env));
+    let exporting = service.is_some() && otlp_configured() && problem.is_none();
+    // Colour codes only on a terminal: logs sent to a file or a collector stay plain text.
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
     let fmt = if json {
-        fmt.json().with_current_span(true).boxed()
+        fmt.json()
+            .with_current_span(true)
+            .with_span_list(false)
+            .boxed()
     } else {
         fmt.boxed()
     };
+    // With JSON logs or trace export, the request span (debug level) is kept for the log lines
+    // too: a line logged while a request runs carries its request_id and trace_id.
+    let request_spans = json || exporting;
+    let fmt_filter = filter.or(tracing_subscriber::filter::filter_fn(move |meta| {
+        request_spans && meta.is_span() && meta.name() == "lock.request"
+    }));
     let mut provider = None;
     let mut otel_layer = None;
-    if let Some(service) = service.filter(|_| otlp_configured()) {
+    if let Some(service) = service.filter(|_| exporting) {
         match build_provider(service) {
             Ok(p) => {
                 let tracer = p.tracer("raftlock");
-                // The node's spans are at debug level; the log filter does not gate them.
-                let spans = EnvFilter::new("warn,raftlock=debug");
+                // The node's spans are at debug level; the log filter does not gate them. The
+                // SDK's own logs (a failed export) go to the log, never into a trace.
+                let spans = EnvFilter::new(
+                    "warn,raftlock=debug,opentelemetry=off,opentelemetry_sdk=off,\
+                     opentelemetry_otlp=off,opentelemetry-otlp=off",
+                );
+                // Spans, and events from info up (a debug log line is not a span event).
+                let events = tracing_subscriber::filter::filter_fn(|meta| {
+                    meta.is_span() || *meta.level() <= tracing::Level::INFO
+                });
                 otel_layer = Some(
                     tracing_opentelemetry::layer()
                         .with_tracer(tracer)
-                        .with_filter(spans),
+                        .with_filter(spans.and(events)),
                 );
                 opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
                 provider = Some(p);
@@ -102,9 +179,12 @@ pub fn init(json: bool, default_filter: &str, service: Option<&str>) -> Telemetr
         }
     }
     let _ = tracing_subscriber::registry()
-        .with(fmt.with_filter(filter))
+        .with(fmt.with_filter(fmt_filter))
         .with(otel_layer)
         .try_init();
+    if let Some(problem) = problem {
+        tracing::warn!(%problem, "trace export is off");
+    }
     TelemetryGuard { provider }
 }
 
@@ -126,6 +206,7 @@ fn build_provider(service: &str) -> Result<SdkTracerProvider, String> {
 /// Makes `span` a child of the W3C `traceparent` a client or peer sent (ignored when absent or
 /// malformed), and records its trace id as the span's `trace_id` field (for JSON logs).
 pub fn adopt_parent(span: &tracing::Span, traceparent: Option<&str>) {
+    let traceparent = traceparent.filter(|_| PROPAGATE.load(Ordering::Relaxed));
     if let Some(tp) = traceparent.filter(|t| !t.is_empty() && t.len() <= 128) {
         let carrier = HashMap::from([("traceparent".to_string(), tp.to_string())]);
         let cx = TraceContextPropagator::new().extract(&carrier);
@@ -146,7 +227,64 @@ pub fn record_trace_id(span: &tracing::Span) {
 
 /// The W3C `traceparent` of `span`, to send on to the next hop (None when not traced).
 pub fn traceparent_of(span: &tracing::Span) -> Option<String> {
+    if !PROPAGATE.load(Ordering::Relaxed) {
+        return None;
+    }
     let mut carrier: HashMap<String, String> = HashMap::new();
     TraceContextPropagator::new().inject_context(&span.context(), &mut carrier);
     carrier.remove("traceparent")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vars<'a>(set: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |name| {
+            set.iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn standard_variables_are_honoured_or_refused_with_a_reason() {
+        assert_eq!(otel_env_problem(vars(&[])), None);
+        for ok in [
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+            ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "GRPC"),
+            ("OTEL_TRACES_EXPORTER", "none"),
+            ("OTEL_TRACES_EXPORTER", "otlp"),
+            ("OTEL_PROPAGATORS", "tracecontext,baggage"),
+            ("OTEL_PROPAGATORS", "none"),
+        ] {
+            assert_eq!(otel_env_problem(vars(&[ok])), None, "{ok:?}");
+        }
+        for refused in [
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+            ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json"),
+            ("OTEL_TRACES_EXPORTER", "zipkin"),
+            ("OTEL_PROPAGATORS", "tracecontext,b3"),
+        ] {
+            let why = otel_env_problem(vars(&[refused])).expect("refused");
+            assert!(
+                why.contains(&refused.1.to_ascii_lowercase().replace("tracecontext,", "")),
+                "{why}"
+            );
+        }
+        // The traces-specific protocol wins over the general one.
+        assert_eq!(
+            otel_env_problem(vars(&[
+                ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+                ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc"),
+            ])),
+            None
+        );
+        assert!(propagators_on(vars(&[])));
+        assert!(propagators_on(vars(&[(
+            "OTEL_PROPAGATORS",
+            "tracecontext"
+        )])));
+        assert!(!propagators_on(vars(&[("OTEL_PROPAGATORS", " None ")])));
+    }
 }

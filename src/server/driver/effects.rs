@@ -156,6 +156,9 @@ impl Driver {
             }
             Observation::SnapshotEncoded { index, bytes } => {
                 m.snapshots_total.with_label_values(&["encoded"]).inc();
+                m.snapshot_bytes
+                    .with_label_values(&["encoded"])
+                    .set(bytes as i64);
                 let took = self.snapshot_started.take().map(|at| at.elapsed());
                 if let Some(took) = took {
                     m.snapshot_duration_seconds.observe(took.as_secs_f64());
@@ -171,16 +174,22 @@ impl Driver {
             }
             Observation::SnapshotInstallStarted { index, bytes } => {
                 self.install_started = Some(Instant::now());
+                self.install_bytes = bytes as u64;
                 info!(
                     index,
                     bytes, "installing a snapshot from the leader; votes are answered meanwhile"
                 );
             }
             Observation::SnapshotInstalled { index } => {
-                let took_ms = self
-                    .install_started
-                    .take()
-                    .map(|t| t.elapsed().as_millis() as u64);
+                let took = self.install_started.take().map(|t| t.elapsed());
+                if let Some(took) = took {
+                    m.snapshot_install_duration_seconds
+                        .observe(took.as_secs_f64());
+                }
+                let took_ms = took.map(|t| t.as_millis() as u64);
+                m.snapshot_bytes
+                    .with_label_values(&["installed"])
+                    .set(self.install_bytes as i64);
                 self.cfg.watch.reset(index);
                 m.snapshots_total.with_label_values(&["installed"]).inc();
                 tracing::debug_span!("raft.snapshot", kind = "installed", index = index as i64)

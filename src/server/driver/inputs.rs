@@ -14,11 +14,25 @@ impl Driver {
         for input in batch {
             match input {
                 Input::Peer(msg) => self.step_peer(now, msg),
-                Input::Client { op, conn, reply } => {
+                Input::Client {
+                    op,
+                    conn,
+                    reply,
+                    span,
+                } => {
                     crate::server::probe::event("picked");
+                    if !span.is_disabled() {
+                        // A link from the request to the batch (and so to the fsync and the
+                        // replication) that carried it; the batch, which may carry a thousand
+                        // requests, links to none.
+                        use opentelemetry::trace::TraceContextExt;
+                        use tracing_opentelemetry::OpenTelemetrySpanExt;
+                        let batch = tracing::Span::current().context();
+                        span.add_link(batch.span().span_context().clone());
+                    }
                     self.metrics
-                        .requests_total
-                        .with_label_values(&[op.name(), "received"])
+                        .requests_received_total
+                        .with_label_values(&[op.name()])
                         .inc();
                     self.core.client_request(now, op, conn, reply);
                 }

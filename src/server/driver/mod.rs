@@ -55,6 +55,8 @@ pub enum Input {
         op: ClientOp,
         conn: u64,
         reply: oneshot::Sender<ClientReply>,
+        /// The request's span (disabled when not traced): linked to the batch that carries it.
+        span: tracing::Span,
     },
     /// A client connection closed; its queued waiters become reclaimable.
     Disconnected {
@@ -207,6 +209,14 @@ pub struct Driver {
     logged_stats: crate::raft::CoreStats,
     /// The last leader this node knew.
     leader_seen: NodeId,
+    /// When this node began campaigning with no leader known (for
+    /// `raftlock_election_duration_seconds`).
+    election_started: Option<std::time::Instant>,
+    /// The commit and applied indexes last counted in `raftlock_entries_*_total` (none before
+    /// the first status: what the node recovered is not counted).
+    indexes_counted: Option<(crate::raft::Index, crate::raft::Index)>,
+    /// The size of the snapshot being installed (for `raftlock_snapshot_bytes{kind="installed"}`).
+    install_bytes: u64,
 }
 
 impl Driver {
@@ -348,6 +358,9 @@ impl Driver {
             cluster_id_cell,
             logged_stats: Default::default(),
             leader_seen: 0,
+            election_started: None,
+            indexes_counted: None,
+            install_bytes: 0,
         }
     }
 

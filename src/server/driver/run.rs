@@ -9,7 +9,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::{error, info, warn};
 
-use super::{Driver, SLOW_TURN, TURN_BUDGET};
+use super::{Driver, Input, SLOW_TURN, TURN_BUDGET};
 use crate::storage::StorageError;
 
 impl Driver {
@@ -62,11 +62,18 @@ impl Driver {
                             Err(_) => break,
                         }
                     }
-                    let span = tracing::debug_span!(
-                        "raft.batch",
-                        inputs = batch.len() as i64,
-                        commit_index = tracing::field::Empty,
-                    );
+                    // Traced only when it carries work: a client request, or entries from the
+                    // leader. Heartbeats and their answers (tens a second on an idle cluster)
+                    // make no trace.
+                    let span = if batch.iter().any(carries_work) {
+                        tracing::debug_span!(
+                            "raft.batch",
+                            inputs = batch.len() as i64,
+                            commit_index = tracing::field::Empty,
+                        )
+                    } else {
+                        tracing::Span::none()
+                    };
                     let _entered = span.enter();
                     inputs = batch.len();
                     self.handle_inputs(batch);
@@ -197,5 +204,17 @@ impl Driver {
                 return;
             }
         }
+    }
+}
+
+/// Whether an input is work a trace should show: a client request, or log entries to append.
+fn carries_work(input: &Input) -> bool {
+    match input {
+        Input::Client { .. } => true,
+        Input::Peer(msg) => matches!(
+            &msg.body,
+            crate::raft::MessageBody::Append { entries, .. } if !entries.is_empty()
+        ),
+        _ => false,
     }
 }

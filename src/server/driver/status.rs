@@ -114,7 +114,27 @@ impl Driver {
         m.commit_index.set(commit_index as i64);
         m.applied_index.set(applied_index as i64);
         m.last_log_index.set(last_index as i64);
+        m.log_entries
+            .set(last_index.saturating_sub(raft.snapshot_index()) as i64);
+        if let Some((committed, applied)) = self.indexes_counted {
+            m.entries_committed_total
+                .inc_by(commit_index.saturating_sub(committed));
+            m.entries_applied_total
+                .inc_by(applied_index.saturating_sub(applied));
+        }
+        self.indexes_counted = Some((commit_index, applied_index));
         let stats = raft.stats();
+        let campaigned = stats.pre_votes_started != self.logged_stats.pre_votes_started
+            || stats.elections_started != self.logged_stats.elections_started;
+        if campaigned && leader_id == 0 && self.election_started.is_none() {
+            self.election_started = Some(std::time::Instant::now());
+        }
+        if leader_id != 0 {
+            if let Some(started) = self.election_started.take() {
+                m.election_duration_seconds
+                    .observe(started.elapsed().as_secs_f64());
+            }
+        }
         if stats.pre_votes_started != self.logged_stats.pre_votes_started
             || stats.elections_started != self.logged_stats.elections_started
             || stats.quorum_lost != self.logged_stats.quorum_lost

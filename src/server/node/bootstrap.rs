@@ -111,7 +111,7 @@ pub(super) async fn decide_bootstrap(
     let probe = serve_while_starting(
         client_listener,
         client_tls,
-        metrics.client_connections_refused_total.clone(),
+        metrics,
         waiting.clone(),
         stop_rx,
     );

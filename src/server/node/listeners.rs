@@ -21,7 +21,7 @@ use crate::server::tls::{ClientTls, PeerTls};
 pub(super) fn serve_while_starting(
     listener: &TcpListener,
     tls: Option<Arc<ClientTls>>,
-    refused: prometheus::IntCounterVec,
+    metrics: &crate::telemetry::NodeMetrics,
     waiting: Arc<std::sync::RwLock<String>>,
     mut stop: watch::Receiver<bool>,
 ) -> Option<tokio::task::JoinHandle<()>> {
@@ -45,7 +45,7 @@ pub(super) fn serve_while_starting(
         64,
         16,
         crate::server::listener::REQUEST_HEAD_DEADLINE,
-        refused,
+        metrics,
         tls,
     );
     Some(tokio::spawn(async move {

@@ -484,7 +484,7 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
     let app = router(state).merge(grpc_routes);
     let mut client_shutdown = shutdown.clone();
     let max_tcp_connections = cfg.max_connections + super::listener::EXTRA_TCP_CONNECTIONS;
-    let refused = metrics.client_connections_refused_total.clone();
+    let listener_metrics = metrics.clone();
     let max_per_address = cfg.max_connections_per_address;
     let client_task = tokio::spawn(async move {
         let client_listener = super::listener::ClientListener::new(
@@ -492,7 +492,7 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
             max_tcp_connections,
             max_per_address,
             super::listener::REQUEST_HEAD_DEADLINE,
-            refused,
+            &listener_metrics,
             client_tls,
         );
         axum::serve(client_listener, app)
@@ -502,6 +502,11 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
             .await
     });
 
+    tokio::spawn(measure_store_size(
+        cfg.data_dir.clone(),
+        metrics.store_size_bytes.clone(),
+        shutdown.clone(),
+    ));
     tokio::spawn(refresh_addresses(
         cfg.clone(),
         incarnation,
@@ -543,4 +548,43 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
         tokio::time::timeout(Duration::from_secs(5), client_task),
     );
     Ok(())
+}
+
+/// Every 15 s, the bytes of the files under the data directory into
+/// `raftlock_store_size_bytes`, walked on a blocking thread (the walk is bounded: the directory
+/// holds the node's own few dozen files).
+async fn measure_store_size(
+    dir: std::path::PathBuf,
+    gauge: prometheus::IntGauge,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    loop {
+        let walk = dir.clone();
+        if let Ok(bytes) = tokio::task::spawn_blocking(move || dir_bytes(&walk, 4)).await {
+            gauge.set(bytes as i64);
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(std::time::Duration::from_secs(15)) => {}
+            _ = shutdown.wait_for(|s| *s) => return,
+        }
+    }
+}
+
+/// The bytes of the regular files under `dir`, `depth` directories deep at most.
+fn dir_bytes(dir: &std::path::Path, depth: u32) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    let mut total = 0;
+    for entry in entries.flatten() {
+        let Ok(kind) = entry.file_type() else {
+            continue;
+        };
+        if kind.is_file() {
+            total += entry.metadata().map_or(0, |m| m.len());
+        } else if kind.is_dir() && depth > 0 {
+            total += dir_bytes(&entry.path(), depth - 1);
+        }
+    }
+    total
 }

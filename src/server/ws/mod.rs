@@ -176,7 +176,18 @@ const INVALID_OP: &str = "invalid";
 /// Serves one WebSocket connection until it closes.
 pub async fn serve_socket(socket: WebSocket, state: AppState, caller: Caller) {
     let conn = next_conn();
-    state.metrics.client_connections.inc();
+    // This connection counts as WebSocket, no longer as HTTP, until it ends (the listener
+    // counted it as HTTP/1.1 and takes it off when the TCP connection closes).
+    let websocket = state
+        .metrics
+        .client_connections
+        .with_label_values(&["websocket"]);
+    let http = state
+        .metrics
+        .client_connections
+        .with_label_values(&["http"]);
+    websocket.inc();
+    http.dec();
     let (closed_tx, closed_rx) = tokio::sync::watch::channel(false);
     let (mut sink, mut stream) = socket.split();
     let (out_tx, mut out_rx) = mpsc::channel::<Outgoing>(state.limits.max_inflight_per_connection);
@@ -292,12 +303,12 @@ pub async fn serve_socket(socket: WebSocket, state: AppState, caller: Caller) {
     }
     let _ = closed_tx.send(true);
     let _ = shared.state.driver.send(Input::Disconnected { conn }).await;
-    let metrics = shared.state.metrics.client_connections.clone();
     // The writer ends once the last request in flight has dropped its reference (and with it
     // the last sender of replies).
     drop(shared);
     let _ = writer.await;
-    metrics.dec();
+    websocket.dec();
+    http.inc();
 }
 
 /// Parses, validates and executes one request; returns the JSON reply and the request's

@@ -288,7 +288,9 @@ pub(super) async fn connections_part(n: usize, base: &Path, run: &str) -> Result
     tokio::time::sleep_until(window_start.into()).await;
     let rss_holding = rss_of(pid);
     let cpu_start = cpu_of(pid, ticks);
-    let node_connections = metric(&addr, "raftlock_client_connections").await.ok();
+    let node_connections = metric(&addr, "raftlock_client_connections{protocol=\"websocket\"}")
+        .await
+        .ok();
     let locks_held = status(&addr).await.ok().map(|s| field(&s, "locksHeld"));
     let metrics_start = http_get(&addr, "/metrics")
         .await
