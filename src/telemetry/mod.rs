@@ -3,7 +3,8 @@
 //! Traces go out over OTLP/gRPC when `OTEL_EXPORTER_OTLP_ENDPOINT` (or
 //! `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set, `OTEL_SDK_DISABLED` is not `true` and
 //! `OTEL_TRACES_EXPORTER` is `otlp` (the default) rather than `none`;
-//! `OTEL_EXPORTER_OTLP_PROTOCOL` (or `…_TRACES_PROTOCOL`) may only be `grpc`, and
+//! `OTEL_EXPORTER_OTLP_PROTOCOL` (or `…_TRACES_PROTOCOL`) may be `grpc` (the default) or
+//! `http/protobuf`, and
 //! `OTEL_PROPAGATORS` may be `tracecontext` (the default) or `none`: anything else turns trace
 //! export off with a log line that says why. The OpenTelemetry SDK reads the other standard
 //! variables itself (`OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_TRACES_SAMPLER`,
@@ -15,6 +16,7 @@
 //! field, gRPC metadata `traceparent`, and the peer call that forwards a request to the leader.
 
 pub mod metrics;
+mod otlp_http;
 
 use std::collections::HashMap;
 use std::io::IsTerminal;
@@ -91,10 +93,12 @@ pub fn otel_env_problem(var: impl Fn(&str) -> Option<String>) -> Option<String> 
     }
     let protocol = value("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
         .or_else(|| value("OTEL_EXPORTER_OTLP_PROTOCOL"));
-    if let Some(protocol) = protocol.filter(|p| !p.is_empty() && p != "grpc") {
+    if let Some(protocol) =
+        protocol.filter(|p| !p.is_empty() && p != "grpc" && p != "http/protobuf")
+    {
         return Some(format!(
-            "OTLP protocol {protocol} is not supported: this build exports over grpc only \
-             (OTEL_EXPORTER_OTLP_PROTOCOL=grpc, port 4317 on a collector)"
+            "OTLP protocol {protocol} is not supported: grpc (port 4317 on a collector) or \
+             http/protobuf (port 4318)"
         ));
     }
     if let Some(propagators) = value("OTEL_PROPAGATORS") {
@@ -188,11 +192,29 @@ pub fn init(json: bool, default_filter: &str, service: Option<&str>) -> Telemetr
     TelemetryGuard { provider }
 }
 
+/// Whether the standard variables ask for OTLP over HTTP (`http/protobuf`) rather than gRPC.
+fn http_protocol(var: impl Fn(&str) -> Option<String>) -> bool {
+    var("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        .or_else(|| var("OTEL_EXPORTER_OTLP_PROTOCOL"))
+        .is_some_and(|p| p.trim().eq_ignore_ascii_case("http/protobuf"))
+}
+
 fn build_provider(service: &str) -> Result<SdkTracerProvider, String> {
-    let exporter = opentelemetry_otlp::SpanExporter::builder()
-        .with_tonic()
-        .build()
-        .map_err(|e| e.to_string())?;
+    use opentelemetry_otlp::{WithExportConfig, WithHttpConfig};
+    let exporter = if http_protocol(|name| std::env::var(name).ok()) {
+        let client =
+            otlp_http::RuntimeHttpClient::on_current_runtime(std::time::Duration::from_secs(10))?;
+        opentelemetry_otlp::SpanExporter::builder()
+            .with_http()
+            .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
+            .with_http_client(client)
+            .build()
+    } else {
+        opentelemetry_otlp::SpanExporter::builder()
+            .with_tonic()
+            .build()
+    }
+    .map_err(|e| e.to_string())?;
     let mut resource = opentelemetry_sdk::Resource::builder();
     if std::env::var("OTEL_SERVICE_NAME").is_err() {
         resource = resource.with_service_name(service.to_string());
@@ -252,6 +274,7 @@ mod tests {
         assert_eq!(otel_env_problem(vars(&[])), None);
         for ok in [
             ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
             ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "GRPC"),
             ("OTEL_TRACES_EXPORTER", "none"),
             ("OTEL_TRACES_EXPORTER", "otlp"),
@@ -261,8 +284,8 @@ mod tests {
             assert_eq!(otel_env_problem(vars(&[ok])), None, "{ok:?}");
         }
         for refused in [
-            ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
-            ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json"),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json"),
+            ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "udp"),
             ("OTEL_TRACES_EXPORTER", "zipkin"),
             ("OTEL_PROPAGATORS", "tracecontext,b3"),
         ] {
@@ -275,11 +298,20 @@ mod tests {
         // The traces-specific protocol wins over the general one.
         assert_eq!(
             otel_env_problem(vars(&[
-                ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+                ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json"),
                 ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc"),
             ])),
             None
         );
+        assert!(http_protocol(vars(&[(
+            "OTEL_EXPORTER_OTLP_PROTOCOL",
+            "HTTP/protobuf"
+        )])));
+        assert!(!http_protocol(vars(&[
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+            ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc"),
+        ])));
+        assert!(!http_protocol(vars(&[])));
         assert!(propagators_on(vars(&[])));
         assert!(propagators_on(vars(&[(
             "OTEL_PROPAGATORS",
