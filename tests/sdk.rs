@@ -356,11 +356,42 @@ async fn cancel_a_queued_wait() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     adv.cancel_wait(&pending).await.expect("cancel");
+    let cancelled_owner = pending.owner_id.clone();
     let err = pending.granted().await.unwrap_err();
     assert!(matches!(err, ClientError::WaitTimeout { .. }), "{err}");
     let leader = leader_addr(&cluster).await;
     assert_eq!(lock_info(&leader, "jobs").await["waiters"], json!([]));
+
+    // A wait that ended without a grant (cancelled, or timed out at the server) leaves its
+    // owner id holding and awaiting nothing: the next acquire of this client reuses it rather
+    // than opening one more session on the cluster.
+    let timed_out = adv.enqueue(
+        "jobs",
+        Duration::from_secs(5),
+        Some(Duration::from_millis(200)),
+        RetryPolicy::default(),
+    );
+    assert_eq!(timed_out.owner_id, cancelled_owner);
+    let err = timed_out.granted().await.unwrap_err();
+    assert!(matches!(err, ClientError::WaitTimeout { .. }), "{err}");
     lock.release().await.expect("release");
+    let granted = adv.enqueue("jobs", Duration::from_secs(5), None, RetryPolicy::default());
+    assert_eq!(granted.owner_id, cancelled_owner);
+    let handle = granted.granted().await.expect("granted");
+    assert_eq!(handle.owner_id(), cancelled_owner);
+    handle.release().await.expect("release");
+    // Enqueued acquires one after another, each granted and released, keep to one owner id.
+    for _ in 0..5 {
+        let pending = adv.enqueue("jobs", Duration::from_secs(5), None, RetryPolicy::default());
+        assert_eq!(pending.owner_id, cancelled_owner);
+        pending
+            .granted()
+            .await
+            .expect("granted")
+            .release()
+            .await
+            .expect("release");
+    }
 }
 
 /// The leader is SIGKILLed while an acquire waits in the queue: the acquire completes exactly

@@ -8,7 +8,6 @@ use tokio::task::JoinHandle;
 use super::super::conn::{ReplyKind, Request};
 use super::super::error::ClientError;
 use super::super::RetryPolicy;
-use super::ids::owner_id;
 use super::{LockHandle, RaftLockClient};
 
 /// Lower-level operations: queue a waiter and keep its request id, cancel it, and pick the retry
@@ -55,15 +54,20 @@ impl AdvancedClient {
         wait: Option<Duration>,
         policy: RetryPolicy,
     ) -> PendingAcquire {
-        let owner = owner_id(self.client.client_id());
+        // A spare owner id of this client (a new one only when none is free), given back when
+        // the wait ends without a grant: queued acquires do not each open a session.
+        let owner = self.client.inner.take_owner();
         let number = self.client.number_request(&owner);
         let request_id = number.id.clone();
         let client = self.client.clone();
         let (k, o) = (key.to_string(), owner.clone());
         let task = tokio::spawn(async move {
-            client
+            let result = client
                 .acquire_request(&k, ttl, wait, &o, &number, &policy)
-                .await
+                .await;
+            drop(number);
+            client.settle_owner(o, &result);
+            result
         });
         PendingAcquire {
             key: key.to_string(),
@@ -101,8 +105,12 @@ impl AdvancedClient {
     ) -> Result<LockHandle, ClientError> {
         let owner = self.client.inner.take_owner();
         let number = self.client.number_request(&owner);
-        self.client
+        let result = self
+            .client
             .acquire_request(key, ttl, wait, &owner, &number, policy)
-            .await
+            .await;
+        drop(number);
+        self.client.settle_owner(owner, &result);
+        result
     }
 }

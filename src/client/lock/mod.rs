@@ -135,8 +135,32 @@ impl RaftLockClient {
         let policy = self.inner.session.cfg.retry.clone();
         let owner = self.inner.take_owner();
         let number = self.number_request(&owner);
-        self.acquire_request(key, ttl, wait, &owner, &number, &policy)
-            .await
+        let result = self
+            .acquire_request(key, ttl, wait, &owner, &number, &policy)
+            .await;
+        drop(number);
+        self.settle_owner(owner, &result);
+        result
+    }
+
+    /// After an acquire under `owner`: the owner id is kept for reuse when the answer says for
+    /// sure that it holds and waits for nothing — the wait timed out (or was cancelled), or the
+    /// request was refused before or at the server. After a grant the handle gives it back on
+    /// release; after an unknown outcome (no answer in time) it is never reused, since a grant
+    /// whose answer was lost may still name it.
+    pub(crate) fn settle_owner(&self, owner: String, result: &Result<LockHandle, ClientError>) {
+        let nothing_held = match result {
+            Err(ClientError::WaitTimeout { .. } | ClientError::Config(_)) => true,
+            // ALREADY_HELD: the owner holds the key (a retry whose first grant was not
+            // remembered); REQUEST_ID_REUSED: what the id named is not known here.
+            Err(ClientError::Rejected { code, .. }) => {
+                !matches!(code.as_str(), "ALREADY_HELD" | "REQUEST_ID_REUSED")
+            }
+            _ => false,
+        };
+        if nothing_held {
+            self.inner.give_back_owner(owner);
+        }
     }
 
     /// One acquire under `owner` with `request_id`; every retry resends both unchanged, so a
