@@ -680,6 +680,24 @@ async fn voters_everywhere(cluster: &Cluster) -> bool {
         && status["learners"].as_array().is_none_or(|l| l.is_empty())
 }
 
+/// Whether node `id` answers `/status` with itself among three voters and no learner (a new
+/// incarnation answers only once it has joined, and names itself a voter once its promotion is
+/// applied).
+async fn sees_itself_a_voter(cluster: &Cluster, id: u64) -> bool {
+    let Ok(Ok(status)) = tokio::time::timeout(
+        Duration::from_secs(1),
+        http_json(&cluster.client_addr_of(id), "/status"),
+    )
+    .await
+    else {
+        return false;
+    };
+    let voters = status["voters"].as_array().cloned().unwrap_or_default();
+    voters.len() == 3
+        && voters.iter().any(|v| v.as_u64() == Some(id))
+        && status["learners"].as_array().is_none_or(|l| l.is_empty())
+}
+
 /// The node that says it leads, if one does within a second.
 async fn current_leader(cluster: &Cluster) -> Option<u64> {
     for node in cluster.nodes.iter().filter(|n| n.child.is_some()) {
@@ -868,7 +886,9 @@ async fn nemesis(
             faults.wipes += 1;
             let back = Instant::now() + Duration::from_secs(45);
             loop {
-                if voters_everywhere(cluster).await {
+                // The new incarnation itself must see it is a voter: the leader's list alone
+                // still names the old incarnation until the replacement is done.
+                if voters_everywhere(cluster).await && sees_itself_a_voter(cluster, id).await {
                     log.push(format!(
                         "{}ms: node {id} is a voter again",
                         started.elapsed().as_millis()
