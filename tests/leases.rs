@@ -521,3 +521,142 @@ async fn a_retried_grant_reports_the_time_left_and_never_an_ended_hold() {
     assert_eq!(late["success"], false, "{late}");
     assert_eq!(error_code(&late), "STALE_TOKEN", "{late}");
 }
+
+fn set_lock_delay(key: &str, client: &str, request: &str, delay_ms: u64) -> Value {
+    json!({"commandType": 9, "key": key, "clientId": client, "requestId": request,
+           "lockDelay": delay_ms})
+}
+
+/// Lock-delay: after a holder's lease *expires*, the key is granted to no one for the key's
+/// delay (a queued waiter included, an acquire that will not wait is told the lock is busy);
+/// after a *release* the next waiter is granted at once. Set over WebSocket, read back over
+/// gRPC's answer, and the delay still runs in full when the leader that timed it is killed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_lock_stays_unavailable_for_its_lock_delay() {
+    use raftlock::server::proto::lock::lock_service_client::LockServiceClient;
+    use raftlock::server::proto::lock::SetLockDelayRequest;
+
+    const TTL_MS: u64 = 600;
+    const DELAY_MS: u64 = 2_500;
+    let mut cluster = Cluster::start(3);
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let addr = addr_of(&cluster, leader);
+    wait_for_cluster_version(&addr, 6).await;
+    let mut ws = ws_connect(&addr).await;
+
+    // Bad input changes nothing: a delay above the longest TTL, and no delay at all.
+    let too_long = request(&mut ws, &set_lock_delay("d", "ops", "x1", 10 * 3_600_000)).await;
+    assert_eq!(error_code(&too_long), "INVALID_REQUEST", "{too_long}");
+    let missing = request(
+        &mut ws,
+        &json!({"commandType": 9, "key": "d", "clientId": "ops", "requestId": "x2"}),
+    )
+    .await;
+    assert_eq!(error_code(&missing), "INVALID_REQUEST", "{missing}");
+
+    let set = request(&mut ws, &set_lock_delay("d", "ops", "s1", DELAY_MS)).await;
+    assert_eq!(set["success"], true, "{set}");
+    assert_eq!(set["lockDelay"], DELAY_MS, "{set}");
+
+    // A release hands the key on at once: the delay is for expiries only.
+    let a = request(&mut ws, &acquire("d", "A", "a1", 30_000, None)).await;
+    let ta = token_of(&a);
+    let mut b = ws_connect(&addr).await;
+    ws_send(&mut b, &acquire("d", "B", "b1", 30_000, Some(20_000))).await;
+    let queued = reply_to(&mut b, "b1", Duration::from_secs(10)).await;
+    assert!(queued.is_none(), "B should wait, got {queued:?}");
+    let released = request(&mut ws, &release("d", "A", "a2", ta)).await;
+    assert_eq!(released["released"], true, "{released}");
+    let gb = reply_to(&mut b, "b1", Duration::from_secs(10))
+        .await
+        .expect("B is granted when A releases");
+    let tb = token_of(&gb);
+    let released = request(&mut b, &release("d", "B", "b2", tb)).await;
+    assert_eq!(released["released"], true, "{released}");
+
+    // An expiry starts the delay: C's lease runs out, D waits through the delay.
+    let gc = request(&mut ws, &acquire("d", "C", "c1", TTL_MS, None)).await;
+    let tc = token_of(&gc);
+    let granted_c = Instant::now();
+    let mut d = ws_connect(&addr).await;
+    ws_send(&mut d, &acquire("d", "D", "d1", 30_000, Some(30_000))).await;
+    // Once C has expired (its entry gone from /locks or held by no one), an acquire that will
+    // not wait is refused while the delay runs.
+    let expired_by = Instant::now() + Duration::from_secs(10);
+    loop {
+        let entry = lock_entry(&addr, "d").await;
+        if entry.is_null() || entry["holder"].is_null() {
+            break;
+        }
+        assert!(Instant::now() < expired_by, "C never expired: {entry}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let busy = request(&mut ws, &acquire("d", "E", "e1", 30_000, Some(0))).await;
+    if granted_c.elapsed() < Duration::from_millis(TTL_MS + DELAY_MS - 500) {
+        assert_eq!(error_code(&busy), "WAIT_TIMEOUT", "{busy}");
+    }
+    // The leader that timed the delay dies; the next one times it again in full.
+    cluster.node(leader).kill();
+    let elected = new_leader(&cluster, leader).await;
+    let gd = reply_to(&mut d, "d1", Duration::from_secs(40)).await;
+    let gd = match gd {
+        // D's connection was to the killed leader: ask again on the new one (same request id).
+        Some(reply) if reply["success"] == true => reply,
+        _ => {
+            let survivors: Vec<String> = cluster
+                .nodes
+                .iter()
+                .filter(|n| n.id != leader)
+                .map(|n| n.client_addr())
+                .collect();
+            request_following_redirects(
+                &addr_of(&cluster, elected),
+                &survivors,
+                &acquire("d", "D", "d1", 30_000, Some(30_000)),
+                Duration::from_secs(35),
+                Duration::from_secs(60),
+            )
+            .await
+        }
+    };
+    assert_eq!(gd["success"], true, "{gd}");
+    let waited = granted_c.elapsed();
+    assert!(token_of(&gd) > tc);
+    // The delay is timed by nodes whose clocks may run fast by a little: allow 5%.
+    let least = Duration::from_millis(TTL_MS + DELAY_MS * 95 / 100);
+    assert!(
+        waited >= least,
+        "D was granted {waited:?} after C's grant: C's TTL ({TTL_MS} ms) and the lock-delay \
+         ({DELAY_MS} ms) had not both passed"
+    );
+    eprintln!("D granted {waited:?} after C's grant (TTL {TTL_MS} ms + delay {DELAY_MS} ms)");
+
+    // gRPC: the setting is removed with 0; an empty key is refused.
+    let new_addr = addr_of(&cluster, elected);
+    let mut grpc = LockServiceClient::connect(format!("http://{new_addr}"))
+        .await
+        .expect("gRPC connect");
+    let removed = grpc
+        .set_lock_delay(SetLockDelayRequest {
+            resource_name: "d".into(),
+            owner_id: "ops".into(),
+            delay_ms: 0,
+            request_id: "g1".into(),
+        })
+        .await
+        .expect("gRPC answer")
+        .into_inner();
+    assert!(removed.error_code.is_empty(), "{removed:?}");
+    assert_eq!(removed.delay_ms, 0);
+    let refused = grpc
+        .set_lock_delay(SetLockDelayRequest {
+            resource_name: String::new(),
+            owner_id: "ops".into(),
+            delay_ms: 100,
+            request_id: "g2".into(),
+        })
+        .await
+        .expect("gRPC answer")
+        .into_inner();
+    assert_eq!(refused.error_code, "INVALID_REQUEST", "{refused:?}");
+}

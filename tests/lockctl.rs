@@ -175,6 +175,33 @@ fn acquire_prints_the_owner_id_release_needs() {
         out.status.success() && text.contains("client id ops#"),
         "{text}"
     );
+    // A key's lock-delay, set and removed; bad input is refused with a reason.
+    rt.block_on(wait_for_cluster_version(&eps[0], 6));
+    let out = lockctl(&eps)
+        .args(["--output", "json", "lock-delay", "k", "1500ms"])
+        .output()
+        .expect("lock-delay");
+    assert!(out.status.success(), "{out:?}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(v["lockDelayMs"], 1500, "{v}");
+    let out = lockctl(&eps)
+        .args(["lock-delay", "k", "0s"])
+        .output()
+        .expect("lock-delay");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("no lock-delay"),
+        "{text}"
+    );
+    let out = lockctl(&eps)
+        .args(["lock-delay", "k", "30days"])
+        .output()
+        .expect("lock-delay");
+    assert!(!out.status.success(), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("lock-delay is limited"),
+        "{out:?}"
+    );
 }
 
 fn is_running(pid: u32) -> bool {
@@ -446,6 +473,7 @@ fn completions_and_man_page_cover_every_subcommand() {
         "acquire",
         "release",
         "renew",
+        "lock-delay",
         "run",
         "locks",
         "status",
@@ -483,7 +511,11 @@ fn completions_and_man_page_cover_every_subcommand() {
         "not the lockctl page: {page}"
     );
     for sub in subcommands {
-        assert!(page.contains(sub), "the man page lacks {sub}");
+        // roff writes a hyphen as `\-`.
+        assert!(
+            page.contains(&sub.replace('-', "\\-")),
+            "the man page lacks {sub}"
+        );
     }
     let out = Command::new(LOCKCTL)
         .args(["completions", "cmd-exe"])

@@ -751,3 +751,53 @@ async fn many_requests_in_flight_on_one_connection_each_get_their_answer() {
         .expect("locks");
     assert_eq!(v["locks"].as_array().map(Vec::len), Some(0), "{v}");
 }
+
+/// `set_lock_delay`: a lock whose holder let its lease run out is granted to the next client
+/// only after the key's lock-delay; the setting is removed with `Duration::ZERO`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lock_delay_holds_an_expired_key_back() {
+    let cluster = Cluster::start(3);
+    let addr = leader_addr(&cluster).await;
+    wait_for_cluster_version(&addr, 6).await;
+    let ops = client(&endpoints(&cluster), "sdk-ops");
+    let delay = Duration::from_millis(2_000);
+    assert_eq!(
+        ops.set_lock_delay("cron/nightly", delay)
+            .await
+            .expect("set"),
+        delay
+    );
+    let worker = client(&endpoints(&cluster), "sdk-worker");
+    let ttl = Duration::from_millis(500);
+    let held = worker
+        .try_acquire("cron/nightly", ttl, Duration::ZERO)
+        .await
+        .expect("try")
+        .expect("free");
+    let granted = Instant::now();
+    // The worker goes silent: no renewal, no release.
+    let other = client(&endpoints(&cluster), "sdk-other");
+    let next = other
+        .try_acquire(
+            "cron/nightly",
+            Duration::from_secs(5),
+            Duration::from_secs(15),
+        )
+        .await
+        .expect("try")
+        .expect("granted after the TTL and the delay");
+    let waited = granted.elapsed();
+    assert!(next.fencing_token() > held.fencing_token());
+    assert!(
+        waited >= ttl + delay * 95 / 100,
+        "granted {waited:?} after the silent holder's grant: within its TTL and lock-delay"
+    );
+    assert!(!held.is_valid());
+    next.release().await.expect("release");
+    assert_eq!(
+        ops.set_lock_delay("cron/nightly", Duration::ZERO)
+            .await
+            .expect("remove"),
+        Duration::ZERO
+    );
+}

@@ -137,6 +137,19 @@ pub enum Command {
     /// (needs cluster version 5). Proposed by a leader whose configured quotas differ from the
     /// replicated ones: the leader's flags win, so a rolling restart with new flags changes them.
     SetQuotas { quotas: super::limits::Quotas },
+    /// Sets `key`'s lock-delay (needs cluster version 6): after a holder's lease of `key`
+    /// *expires*, the key is granted to no one for `delay_ms`, for resources that cannot check
+    /// fencing tokens. 0 removes the setting (a delay already running still runs out).
+    SetLockDelay {
+        key: String,
+        delay_ms: u64,
+        client_id: String,
+        request_id: String,
+    },
+    /// Proposed by the leader once `key`'s lock-delay, started when the lease of fencing token
+    /// `token` expired, has run for its length on the leader's clock (needs cluster version 6).
+    /// Applies only while that delay runs; the next waiter is granted in the same apply.
+    EndLockDelay { key: String, token: u64 },
     /// A client request that acknowledges earlier answers (needs cluster version 3). Its
     /// `command`'s request id is the request's sequence number in its client's session (decimal,
     /// from 1), and `ack_below` says the client has the answer of every request of its session
@@ -204,7 +217,9 @@ impl Command {
             | Command::Put { key, .. }
             | Command::Delete { key, .. }
             | Command::Expire { key, .. }
-            | Command::ExpireLease { key, .. } => key,
+            | Command::ExpireLease { key, .. }
+            | Command::SetLockDelay { key, .. }
+            | Command::EndLockDelay { key, .. } => key,
             Command::SetLimits { .. }
             | Command::SetLimitsV1 { .. }
             | Command::Tick { .. }
@@ -254,6 +269,11 @@ impl Command {
                 ..
             }
             | Command::Delete {
+                client_id,
+                request_id,
+                ..
+            }
+            | Command::SetLockDelay {
                 client_id,
                 request_id,
                 ..
@@ -379,6 +399,16 @@ mod tests {
             Command::SetClusterVersion { version: 2 },
             Command::SetQuotas {
                 quotas: crate::lock::limits::Quotas::default(),
+            },
+            Command::SetLockDelay {
+                key: "orders".into(),
+                delay_ms: 5_000,
+                client_id: "ops".into(),
+                request_id: "d-1".into(),
+            },
+            Command::EndLockDelay {
+                key: "orders".into(),
+                token: 17,
             },
             Command::Sequenced {
                 ack_below: 6,

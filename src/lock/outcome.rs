@@ -70,6 +70,10 @@ pub enum Outcome {
     /// The guard token no longer holds the named lock; nothing was written. `current` is the
     /// guard lock's holder token value, if held.
     GuardRejected { current: Option<u64> },
+    /// *Recorded.* The key's lock-delay is now `delay_ms` (0: none).
+    LockDelaySet { delay_ms: u64 },
+    /// The key's running lock-delay ended (and the next waiter, if any, was granted).
+    LockDelayEnded,
     /// Input beyond a limit or invalid; nothing changed.
     Rejected { code: RejectCode, message: String },
 }
@@ -88,6 +92,7 @@ impl Outcome {
                 | Outcome::WaitCancelled
                 | Outcome::Stored
                 | Outcome::Deleted { .. }
+                | Outcome::LockDelaySet { .. }
         )
     }
 
@@ -143,6 +148,15 @@ pub enum Event {
         client_id: String,
         token: FencingToken,
     },
+    /// The lease of `token` expired on a key with a lock-delay: no one is granted the key
+    /// until the leader's `EndLockDelay`, `delay_ms` from now on its clock.
+    LockDelayStarted {
+        key: String,
+        token: u64,
+        delay_ms: u64,
+    },
+    /// The lock-delay that started when `token` expired ended.
+    LockDelayEnded { key: String, token: u64 },
     /// A waiter left the queue without being granted (`CancelWait`: timeout, disconnect, or the
     /// client's own cancel).
     WaiterRemoved {

@@ -62,6 +62,11 @@ struct Model {
     clock: u64,
     /// Index of the command being applied (the caller counts it: one per `apply`).
     index: u64,
+    /// The cluster version (lock-delay needs 6).
+    version: u32,
+    /// Lock-delays by key: the configured length and the token whose expiry started the delay
+    /// running now.
+    delays: BTreeMap<String, (u64, Option<u64>)>,
 }
 
 impl Model {
@@ -192,6 +197,21 @@ impl Model {
     }
 
     /// The holder leaves; the first waiter takes over with a new token.
+    fn delay_running(&self, key: &str) -> Option<u64> {
+        self.delays.get(key).and_then(|d| d.1)
+    }
+
+    /// The holder's lease expired: the key's lock-delay starts, or the next waiter is granted.
+    fn expire_holder(&mut self, key: &str, token: u64) {
+        match self.delays.get_mut(key) {
+            Some(d) if d.0 > 0 => {
+                d.1 = Some(token);
+                self.holders.remove(key);
+            }
+            _ => self.hand_off(key),
+        }
+    }
+
     fn hand_off(&mut self, key: &str) {
         self.holders.remove(key);
         let next = self.queues.get_mut(key).and_then(VecDeque::pop_front);
@@ -262,7 +282,7 @@ impl Model {
                 ttl_ms,
                 wait_timeout_ms,
             } => match self.holders.get(key) {
-                None => {
+                None if self.delay_running(key).is_none() => {
                     if self.keys_in_use() >= self.limits.locks_held_max {
                         return Outcome::Rejected {
                             code: RejectCode::LimitReached,
@@ -294,7 +314,18 @@ impl Model {
                     },
                     ttl_ms: h.ttl,
                 },
-                Some(_) => {
+                _ => {
+                    // Held, or free while its lock-delay runs.
+                    let idle = self.queues.get(key).is_none_or(VecDeque::is_empty);
+                    if !self.holders.contains_key(key)
+                        && idle
+                        && self.keys_in_use() >= self.limits.locks_held_max
+                    {
+                        return Outcome::Rejected {
+                            code: RejectCode::LimitReached,
+                            message: String::new(),
+                        };
+                    }
                     let q = self.queues.entry(key.clone()).or_default();
                     if let Some(p) = q.iter().position(|w| &w.client == client_id) {
                         return Outcome::AlreadyQueued {
@@ -376,7 +407,7 @@ impl Model {
                 },
                 Some(h) if h.token == *token => {
                     let client_id = h.client.clone();
-                    self.hand_off(key);
+                    self.expire_holder(key, *token);
                     Outcome::Expired { client_id }
                 }
                 Some(h) => Outcome::StaleToken {
@@ -404,15 +435,67 @@ impl Model {
                 self.tick(*elapsed_ms);
                 Outcome::Stored
             }
-            Command::SetClusterVersion { .. }
-            | Command::SetClusterId { .. }
+            Command::SetClusterVersion { version } => {
+                self.version = self.version.max(*version);
+                Outcome::Stored
+            }
+            Command::SetLockDelay { key, delay_ms, .. } => {
+                if self.version < 6 || *delay_ms > self.limits.ttl_ms_max {
+                    return Outcome::Rejected {
+                        code: RejectCode::InvalidRequest,
+                        message: String::new(),
+                    };
+                }
+                let count = self.delays.len();
+                match self.delays.get_mut(key) {
+                    Some(d) if *delay_ms == 0 && d.1.is_none() => {
+                        self.delays.remove(key);
+                    }
+                    Some(d) => d.0 = *delay_ms,
+                    None if *delay_ms == 0 => {}
+                    None if count >= self.limits.locks_held_max => {
+                        return Outcome::Rejected {
+                            code: RejectCode::LimitReached,
+                            message: String::new(),
+                        }
+                    }
+                    None => {
+                        self.delays.insert(key.clone(), (*delay_ms, None));
+                    }
+                }
+                Outcome::LockDelaySet {
+                    delay_ms: *delay_ms,
+                }
+            }
+            Command::EndLockDelay { key, token } => {
+                if self.version < 6 {
+                    return Outcome::Rejected {
+                        code: RejectCode::InvalidRequest,
+                        message: String::new(),
+                    };
+                }
+                match self.delay_running(key) {
+                    Some(t) if t == *token => {
+                        let configured = self.delays.get(key).map_or(0, |d| d.0);
+                        if configured == 0 {
+                            self.delays.remove(key);
+                        } else if let Some(d) = self.delays.get_mut(key) {
+                            d.1 = None;
+                        }
+                        self.hand_off(key);
+                        Outcome::LockDelayEnded
+                    }
+                    current => Outcome::StaleToken { current },
+                }
+            }
+            Command::SetClusterId { .. }
             | Command::SetMember { .. }
             | Command::SetQuotas { .. } => Outcome::Stored,
             Command::Sequenced { .. } => unreachable!("the model's commands acknowledge nothing"),
             Command::Expire { key, token } => match self.holders.get(key) {
                 Some(h) if h.token == *token => {
                     let client_id = h.client.clone();
-                    self.hand_off(key);
+                    self.expire_holder(key, *token);
                     Outcome::Expired { client_id }
                 }
                 Some(h) => Outcome::StaleToken {
@@ -490,6 +573,11 @@ fn ids(cmd: &Command) -> Option<(&str, &str)> {
             client_id,
             request_id,
             ..
+        }
+        | Command::SetLockDelay {
+            client_id,
+            request_id,
+            ..
         } if !request_id.is_empty() => Some((client_id, request_id)),
         _ => None,
     }
@@ -508,7 +596,9 @@ fn model_op(cmd: &Command) -> ModelOp {
         Command::CancelWait { .. } => "cancel",
         Command::Put { .. } => "put",
         Command::Delete { .. } => "delete",
+        Command::SetLockDelay { .. } => "lock_delay",
         Command::Expire { .. }
+        | Command::EndLockDelay { .. }
         | Command::ExpireLease { .. }
         | Command::SetLimits { .. }
         | Command::SetLimitsV1 { .. }
@@ -544,7 +634,7 @@ fn random_command(rng: &mut Rng, seq: u64) -> Command {
     let client_id = rng.pick(CLIENTS).to_string();
     let request_id = format!("r{}", rng.below(12));
     let token = |rng: &mut Rng| seq.saturating_sub(rng.below(4)) + rng.below(2);
-    match rng.below(100) {
+    match rng.below(125) {
         0..=34 => Command::Acquire {
             key,
             client_id,
@@ -610,6 +700,19 @@ fn random_command(rng: &mut Rng, seq: u64) -> Command {
             client_id,
             request_id,
         },
+        // Lock-delay: the cluster raised to the version that has it, a key's delay set or
+        // removed, the leader ending a delay (with a token that may or may not be the one).
+        100..=102 => Command::SetClusterVersion { version: 6 },
+        103..=109 => Command::SetLockDelay {
+            key,
+            delay_ms: rng.below(2) * 1000,
+            client_id,
+            request_id,
+        },
+        110..=124 => Command::EndLockDelay {
+            key,
+            token: token(rng),
+        },
         // The log clock moves (occasionally by more than one tick may carry).
         _ => Command::Tick {
             elapsed_ms: rng.below(3_000) + if rng.below(10) == 0 { 20_000 } else { 0 },
@@ -672,14 +775,16 @@ fn observe_model(m: &Model) -> Observed {
 
 /// Runs one random sequence against the model; returns how many requests a session or table
 /// bound refused and how many sessions ticks closed (so the caller can check both happened).
-fn run_model_case(seed: u64, steps: usize) -> (usize, usize) {
+fn run_model_case(seed: u64, steps: usize) -> (usize, usize, usize) {
     let mut refused = 0;
     let mut closed = 0;
+    let mut delays_ended = 0;
     let mut rng = Rng(seed);
     let limits = small_limits();
     let mut sm = LockStateMachine::new(limits.clone());
     let mut model = Model::new(limits.clone());
     let mut history: Vec<String> = Vec::new();
+    let mut stored: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
     for step in 0..steps {
         // Occasionally snapshot and restore (a follower installing a snapshot, or a restart).
         if rng.below(20) == 0 {
@@ -697,6 +802,27 @@ fn run_model_case(seed: u64, steps: usize) -> (usize, usize) {
         let index = step as u64 + 1;
         let sessions_before = sm.session_count();
         let got = normalize(sm.apply(index, &cmd).outcome);
+        // What the machine writes to storage is its state: read back, it is the same state
+        // (a node that restarts must not differ from one that did not).
+        for (k, v) in sm.take_changes() {
+            match v {
+                Some(v) => stored.insert(k, v),
+                None => stored.remove(&k),
+            };
+        }
+        if step % 10 == 9 {
+            let pairs = super::stored_to_snapshot_pairs(stored.clone().into_iter().collect())
+                .unwrap_or_else(|e| panic!("seed {seed} step {step}: stored pairs: {e}"));
+            let reread = LockStateMachine::from_kv_with_limits(pairs, limits.clone())
+                .unwrap_or_else(|e| panic!("seed {seed} step {step}: stored state: {e}"));
+            assert!(
+                reread.snapshot() == sm.snapshot(),
+                "seed {seed} step {step}: the stored state differs from the state in memory\n\
+                 stored: {:?}\nmemory: {:?}",
+                reread.to_kv(),
+                sm.to_kv()
+            );
+        }
         if matches!(cmd, Command::Tick { .. }) {
             closed += sessions_before - sm.session_count();
         }
@@ -726,6 +852,18 @@ fn run_model_case(seed: u64, steps: usize) -> (usize, usize) {
             tail()
         );
         assert_eq!(sm.fencing_sequence(), model.seq, "seed {seed} step {step}");
+        if matches!(got, Outcome::LockDelayEnded) {
+            delays_ended += 1;
+        }
+        for k in KEYS {
+            assert_eq!(
+                sm.lock_delay(k)
+                    .map(|d| (d.delay_ms, d.running.map(|r| r.0))),
+                model.delays.get(*k).cloned(),
+                "seed {seed} step {step}: lock-delay of {k}\nlast commands:\n{}",
+                tail()
+            );
+        }
         for k in ["d0", "d1", "d2"] {
             assert_eq!(
                 sm.get(k),
@@ -734,17 +872,20 @@ fn run_model_case(seed: u64, steps: usize) -> (usize, usize) {
             );
         }
     }
-    (refused, closed)
+    (refused, closed, delays_ended)
 }
 
 #[test]
 fn model_based_random_sequences() {
-    let (mut refused, mut closed) = (0, 0);
+    let (mut refused, mut closed, mut delays_ended) = (0, 0, 0);
     for seed in 0..400 {
-        let (r, c) = run_model_case(seed, 300);
+        let (r, c, d) = run_model_case(seed, 300);
         refused += r;
         closed += c;
+        delays_ended += d;
     }
+    // Lock-delays start on expiries and the leader's end hands the key on.
+    assert!(delays_ended > 50, "only {delays_ended} lock-delays ended");
     // The runs reach the session bounds and close idle sessions (small limits make them).
     assert!(refused > 100, "only {refused} requests met a session bound");
     assert!(closed > 100, "only {closed} sessions closed");

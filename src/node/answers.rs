@@ -26,7 +26,9 @@ impl<S: Storage, R> NodeCore<S, R> {
                         queued: None,
                     },
                 ),
-                Event::Expired { .. } => {}
+                Event::Expired { .. }
+                | Event::LockDelayStarted { .. }
+                | Event::LockDelayEnded { .. } => {}
                 Event::WaiterRemoved {
                     client_id,
                     request_id,
@@ -207,7 +209,10 @@ impl<S: Storage, R> NodeCore<S, R> {
             Outcome::NotWaiting => {
                 ClientReply::error(ErrorCode::NotWaiting, "no such waiting request")
             }
-            Outcome::Expired { .. } | Outcome::LeaseRenewed { .. } => return,
+            Outcome::Expired { .. } | Outcome::LeaseRenewed { .. } | Outcome::LockDelayEnded => {
+                return
+            }
+            Outcome::LockDelaySet { delay_ms } => ClientReply::LockDelaySet { delay_ms },
             Outcome::Stored => ClientReply::Stored,
             Outcome::Deleted { existed } => ClientReply::Deleted { existed },
             Outcome::GuardRejected { current } => ClientReply::error(

@@ -156,6 +156,14 @@ pub enum ClientOp {
     /// `ack_below` (`Command::Sequenced`). Built only around an acquire, release, renewal, put or
     /// delete; never nested.
     Sequenced { ack_below: u64, op: Box<ClientOp> },
+    /// Sets `key`'s lock-delay (0 removes it): after a holder's lease of `key` expires, no one
+    /// is granted the key for `delay_ms`.
+    SetLockDelay {
+        key: String,
+        delay_ms: u64,
+        client_id: String,
+        request_id: String,
+    },
 }
 
 /// What a client operation does to the exactly-once table (see `node::pacing`).
@@ -218,6 +226,7 @@ impl ClientOp {
             ClientOp::Acquire { request_id, .. }
             | ClientOp::Put { request_id, .. }
             | ClientOp::Delete { request_id, .. }
+            | ClientOp::SetLockDelay { request_id, .. }
                 if !request_id.is_empty() =>
             {
                 AnswerKind::Starts
@@ -241,6 +250,7 @@ impl ClientOp {
             ClientOp::CancelWait { .. } => "cancel_wait",
             ClientOp::Put { .. } => "put",
             ClientOp::Delete { .. } => "delete",
+            ClientOp::SetLockDelay { .. } => "set_lock_delay",
             ClientOp::Get { .. } | ClientOp::Sequenced { .. } => "get",
         }
     }
@@ -254,6 +264,7 @@ impl ClientOp {
             ClientOp::CancelWait { .. } => "lock.cancel_wait",
             ClientOp::Put { .. } => "kv.put",
             ClientOp::Delete { .. } => "kv.delete",
+            ClientOp::SetLockDelay { .. } => "lock.set_lock_delay",
             ClientOp::Get { .. } | ClientOp::Sequenced { .. } => "kv.get",
         }
     }
@@ -267,7 +278,8 @@ impl ClientOp {
             | ClientOp::Renew { client_id, .. }
             | ClientOp::CancelWait { client_id, .. }
             | ClientOp::Put { client_id, .. }
-            | ClientOp::Delete { client_id, .. } => client_id,
+            | ClientOp::Delete { client_id, .. }
+            | ClientOp::SetLockDelay { client_id, .. } => client_id,
             ClientOp::Get { .. } | ClientOp::Sequenced { .. } => "",
         }
     }
@@ -281,7 +293,8 @@ impl ClientOp {
             | ClientOp::Renew { client_id, .. }
             | ClientOp::CancelWait { client_id, .. }
             | ClientOp::Put { client_id, .. }
-            | ClientOp::Delete { client_id, .. } => Some(client_id),
+            | ClientOp::Delete { client_id, .. }
+            | ClientOp::SetLockDelay { client_id, .. } => Some(client_id),
             ClientOp::Get { .. } | ClientOp::Sequenced { .. } => None,
         }
     }
@@ -295,7 +308,8 @@ impl ClientOp {
             | ClientOp::Renew { request_id, .. }
             | ClientOp::CancelWait { request_id, .. }
             | ClientOp::Put { request_id, .. }
-            | ClientOp::Delete { request_id, .. } => request_id,
+            | ClientOp::Delete { request_id, .. }
+            | ClientOp::SetLockDelay { request_id, .. } => request_id,
             ClientOp::Get { .. } | ClientOp::Sequenced { .. } => "",
         }
     }
@@ -309,6 +323,7 @@ impl ClientOp {
             | ClientOp::CancelWait { key, .. }
             | ClientOp::Put { key, .. }
             | ClientOp::Delete { key, .. }
+            | ClientOp::SetLockDelay { key, .. }
             | ClientOp::Get { key } => key,
             ClientOp::Sequenced { .. } => "",
         }
@@ -347,6 +362,10 @@ pub enum ClientReply {
     },
     Value(Option<Vec<u8>>),
     Error(ApiError),
+    /// The key's lock-delay is now `delay_ms` (0: none).
+    LockDelaySet {
+        delay_ms: u64,
+    },
 }
 
 impl ClientReply {
@@ -363,6 +382,7 @@ impl ClientReply {
             ClientReply::WaitCancelled => "cancelled",
             ClientReply::Stored | ClientReply::Deleted { .. } => "stored",
             ClientReply::Value(_) => "read",
+            ClientReply::LockDelaySet { .. } => "stored",
             ClientReply::Error(e) => e.code.as_str(),
         }
     }

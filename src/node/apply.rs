@@ -53,6 +53,7 @@ impl<S: Storage, R> NodeCore<S, R> {
                         let local = pending.as_ref().map(|p| (p.started, p.reply.is_some()));
                         self.follow_lease(request, &applied, local.map(|l| l.0));
                         self.follow_waiter(request, &applied, local);
+                        self.follow_lock_delays(&applied);
                     }
                     self.on_events(&applied.events);
                     if self.cfg.observe_lock_events {

@@ -34,6 +34,12 @@ pub struct NodeBugs {
     /// The leader promotes a learner once caught up, before its log holds the entry that
     /// recorded its incarnation (it would be a voter that does not vote).
     pub promoted_before_admission: bool,
+    /// The leader ends a lock-delay as soon as it starts (the key is granted again at once
+    /// after an expiry).
+    pub lock_delay_ended_at_once: bool,
+    /// A new leader ends the lock-delays it inherits at once instead of timing each again in
+    /// full from its election (it cannot know when the old leader started them).
+    pub lock_delay_not_restarted_after_election: bool,
 }
 
 impl NodeBugs {
@@ -52,6 +58,10 @@ impl NodeBugs {
             "incarnation_ignored" => bugs.incarnation_ignored = true,
             "admission_ignored" => bugs.admission_ignored = true,
             "promoted_before_admission" => bugs.promoted_before_admission = true,
+            "lock_delay_ended_at_once" => bugs.lock_delay_ended_at_once = true,
+            "lock_delay_not_restarted_after_election" => {
+                bugs.lock_delay_not_restarted_after_election = true
+            }
             _ => return None,
         }
         Some(bugs)

@@ -110,6 +110,8 @@ pub fn lock_events(command: &Command, applied: &Applied) -> Vec<LockEvent> {
             }
             // Reported above from the Expire command's outcome.
             Event::Expired { .. } => {}
+            // Not lock events of the watch stream (its grant after the delay is).
+            Event::LockDelayStarted { .. } | Event::LockDelayEnded { .. } => {}
         }
     }
     out

@@ -38,6 +38,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             });
             self.leases.clear();
             self.wait_deadlines.clear();
+            self.lock_delays.clear();
             self.rebuild = None;
             self.promote_when_caught_up.clear();
             self.clock_ticked_at = None;
@@ -105,6 +106,15 @@ impl<S: Storage, R> NodeCore<S, R> {
                 });
             }
         }
+        let left = limit - commands.len();
+        for (key, d) in self.lock_delays.due_first(now, left) {
+            if d.at <= now && due(d.end_proposed_at) {
+                commands.push(Command::EndLockDelay {
+                    key: key.to_string(),
+                    token: d.token,
+                });
+            }
+        }
         let expiries = commands.len();
         let left = limit - commands.len();
         for ((client_id, request_id), d) in self.wait_deadlines.due_first(now, left) {
@@ -125,6 +135,10 @@ impl<S: Storage, R> NodeCore<S, R> {
                         Command::Expire { key, .. } | Command::ExpireLease { key, .. } => {
                             self.leases
                                 .update(key.as_str(), |l| l.expiry_proposed_at = Some(now));
+                        }
+                        Command::EndLockDelay { key, .. } => {
+                            self.lock_delays
+                                .update(key.as_str(), |d| d.end_proposed_at = Some(now));
                         }
                         Command::CancelWait {
                             client_id,

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::{Lease, Micros, NodeCore, Observation, Rebuild, WaitDeadline, MS};
+use super::{DelayDeadline, Lease, Micros, NodeCore, Observation, Rebuild, WaitDeadline, MS};
 use crate::lock::{Command, Event, Outcome};
 use crate::storage::Storage;
 
@@ -130,6 +130,58 @@ impl<S: Storage, R> NodeCore<S, R> {
         );
     }
 
+    /// Times the lock-delays an applied command started, and forgets those it ended.
+    pub(super) fn follow_lock_delays(&mut self, applied: &crate::lock::Applied) {
+        for event in &applied.events {
+            match event {
+                Event::LockDelayStarted {
+                    key,
+                    token,
+                    delay_ms,
+                } => {
+                    let length = if self.bug(|b| b.lock_delay_ended_at_once) {
+                        0
+                    } else {
+                        delay_ms * MS
+                    };
+                    self.lock_delays.insert(
+                        Arc::from(key.as_str()),
+                        DelayDeadline {
+                            token: *token,
+                            at: self.now + length,
+                            end_proposed_at: None,
+                        },
+                    );
+                }
+                Event::LockDelayEnded { key, .. } => {
+                    self.lock_delays.remove(key.as_str());
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// On election: every running lock-delay is timed again in full from now (when the old
+    /// leader started it is not known here; a delay may last longer, never shorter).
+    fn rebuild_lock_delays(&mut self, since: Micros) {
+        self.lock_delays.clear();
+        let restart = !self.bug(|b| b.lock_delay_not_restarted_after_election);
+        for d in self.sm.running_lock_delays() {
+            let Some((token, delay_ms)) = d.running else {
+                continue;
+            };
+            let length = if restart { delay_ms * MS } else { 0 };
+            self.lock_delays.insert(
+                Arc::from(d.key.as_str()),
+                DelayDeadline {
+                    token,
+                    at: since + length,
+                    end_proposed_at: None,
+                },
+            );
+        }
+    }
+
     fn end_lease(&mut self, key: &str, expired: bool) {
         if let Some(lease) = self.leases.remove(key) {
             let held_us = self.now.saturating_sub(lease.started);
@@ -150,6 +202,7 @@ impl<S: Storage, R> NodeCore<S, R> {
     pub(super) fn rebuild_deadlines(&mut self) {
         self.leases.clear();
         self.wait_deadlines.clear();
+        self.rebuild_lock_delays(self.now);
         self.rebuild = Some(Rebuild {
             since: self.now,
             after: None,

@@ -273,6 +273,25 @@ impl Deadline for WaitDeadline {
     }
 }
 
+/// When the leader ends a running lock-delay: its full length after the expiry applied here, or
+/// after this node's election when it inherited the delay.
+#[derive(Clone, Debug)]
+struct DelayDeadline {
+    /// The fencing token whose expiry started the delay.
+    token: u64,
+    at: Micros,
+    end_proposed_at: Option<Micros>,
+}
+
+impl Deadline for DelayDeadline {
+    fn deadline(&self) -> Micros {
+        self.at
+    }
+    fn proposed_at(&self) -> Option<Micros> {
+        self.end_proposed_at
+    }
+}
+
 /// When the leader cancels a queued waiter (wait timeout or reclaim window).
 #[derive(Clone, Debug)]
 struct WaitDeadline {
@@ -310,6 +329,8 @@ pub struct NodeCore<S: Storage, R> {
     leases: TimedMap<Arc<str>, Lease>,
     /// Leader only: when queued waiters are cancelled.
     wait_deadlines: TimedMap<(String, String), WaitDeadline>,
+    /// Leader only: when each running lock-delay ends (`EndLockDelay`).
+    lock_delays: TimedMap<Arc<str>, DelayDeadline>,
     /// Leader only: the walk over every lock that gives each its lease and its waiters their
     /// deadlines after an election, a bounded number of keys per tick.
     rebuild: Option<Rebuild>,
@@ -430,6 +451,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             waiting: BTreeMap::new(),
             leases: TimedMap::new(retry, never_retry),
             wait_deadlines: TimedMap::new(retry, never_retry),
+            lock_delays: TimedMap::new(retry, never_retry),
             rebuild: None,
             reads: BTreeMap::new(),
             read_indexes: Vec::new(),

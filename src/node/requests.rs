@@ -158,6 +158,32 @@ impl<S: Storage, R> NodeCore<S, R> {
                 client_id,
                 request_id,
             },
+            ClientOp::SetLockDelay {
+                key,
+                delay_ms,
+                client_id,
+                request_id,
+            } => {
+                let version = self.sm.cluster_version();
+                if version < crate::lock::LOCK_DELAY_VERSION {
+                    let err = ApiError::new(
+                        ErrorCode::InvalidRequest,
+                        format!(
+                            "lock-delay needs cluster version {} and this cluster runs {version}: \
+                             upgrade every member first",
+                            crate::lock::LOCK_DELAY_VERSION
+                        ),
+                    );
+                    self.refuse(op_name, reply, err);
+                    return;
+                }
+                Command::SetLockDelay {
+                    key,
+                    delay_ms,
+                    client_id,
+                    request_id,
+                }
+            }
             ClientOp::Sequenced { .. } => {
                 let err = ApiError::new(ErrorCode::InvalidRequest, "ackBelow given twice");
                 self.refuse(op_name, reply, err);

@@ -654,6 +654,14 @@ impl Caller {
             ClientOp::CancelWait { .. } => Operation::Cancel,
             ClientOp::Put { .. } | ClientOp::Delete { .. } => Operation::Write,
             ClientOp::Get { .. } | ClientOp::Sequenced { .. } => Operation::Read,
+            // A key's lock-delay holds back every client of the key: an operator's setting.
+            ClientOp::SetLockDelay { .. } if !self.sees_tokens() => {
+                return Err(ApiError::new(
+                    ErrorCode::PermissionDenied,
+                    "setting a key's lock-delay needs an admin identity",
+                ))
+            }
+            ClientOp::SetLockDelay { .. } => Operation::Write,
         };
         self.check(operation, op.key())?;
         // A guarded write names a lock too: it must be one the caller may use.

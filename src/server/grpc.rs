@@ -87,7 +87,11 @@ macro_rules! refused_by_code_and_message {
     )*};
 }
 
-refused_by_code_and_message!(lpb::ReleaseLockResponse, lpb::RenewLockResponse);
+refused_by_code_and_message!(
+    lpb::ReleaseLockResponse,
+    lpb::RenewLockResponse,
+    lpb::SetLockDelayResponse
+);
 
 fn check_key(state: &AppState, key: &str, owner: &str) -> Result<(), ApiError> {
     if key.is_empty() || owner.is_empty() {
@@ -294,6 +298,44 @@ impl lpb::lock_service_server::LockService for LockApi {
             other => out.error_message = format!("unexpected {other:?}"),
         }
         Ok(Response::new(out))
+    }
+
+    async fn set_lock_delay(
+        &self,
+        request: Request<lpb::SetLockDelayRequest>,
+    ) -> Result<Response<lpb::SetLockDelayResponse>, Status> {
+        let traceparent = super::exec::traceparent_header(request.metadata());
+        let caller = caller_of(&self.state, &request);
+        let r = request.into_inner();
+        let out = lpb::SetLockDelayResponse::default();
+        if let Err(e) = check_key(&self.state, &r.resource_name, &r.owner_id) {
+            return Ok(Response::new(out.refused(e)));
+        }
+        let mut op = ClientOp::SetLockDelay {
+            key: r.resource_name,
+            delay_ms: r.delay_ms,
+            client_id: r.owner_id,
+            request_id: r.request_id,
+        };
+        if let Err(e) = caller.authorize(&mut op) {
+            return Ok(Response::new(out.refused(e)));
+        }
+        let reply =
+            super::exec::execute_call(op, &self.state, "grpc", traceparent.as_deref()).await;
+        Ok(Response::new(match reply {
+            ClientReply::LockDelaySet { delay_ms } => lpb::SetLockDelayResponse { delay_ms, ..out },
+            ClientReply::Error(e) => lpb::SetLockDelayResponse {
+                error_code: e.code.as_str().into(),
+                error_message: e.message,
+                leader_id: e.leader_id,
+                leader_addr: e.leader_addr,
+                ..out
+            },
+            other => out.refused(ApiError::new(
+                ErrorCode::Unavailable,
+                format!("unexpected {other:?}"),
+            )),
+        }))
     }
 
     async fn get_status(

@@ -309,6 +309,13 @@ impl SimClients {
                     rng.random_range(1..50)
                 },
             },
+            // A key's lock-delay set (or removed): later expiries of the key hold it back.
+            (90..=92, None) => ClientOp::SetLockDelay {
+                key,
+                delay_ms: [0, 40, 150, 300][rng.random_range(0..4)],
+                client_id,
+                request_id,
+            },
             (_, None) => ClientOp::CancelWait {
                 key,
                 client_id,
@@ -713,6 +720,14 @@ impl SimClients {
                     Some(LockOp::Renewed {
                         token: *token,
                         ttl_us: ttl_ms * 1_000,
+                    })
+                }
+                (ClientOp::SetLockDelay { delay_ms, .. }, None) => Some(LockOp::SetDelayUnknown {
+                    delay_us: delay_ms * 1_000,
+                }),
+                (ClientOp::SetLockDelay { .. }, Some(ClientReply::LockDelaySet { delay_ms })) => {
+                    Some(LockOp::SetDelay {
+                        delay_us: delay_ms * 1_000,
                     })
                 }
                 (ClientOp::Release { token, .. } | ClientOp::Renew { token, .. }, Some(_)) => {

@@ -13,7 +13,10 @@
 //!   lock is free and with a token above every earlier grant's; a release or renew succeeds only
 //!   for the holder with its token. Leases end by time, not by an operation: between two
 //!   operations the search may let the holder's lease expire, but only once real time may have
-//!   reached its earliest expiry (see [`Search::expire`]).
+//!   reached its earliest expiry (see [`Search::expire`]). A key's lock-delay (set by an
+//!   operation like any other) holds the key back after an expiry: no grant until the delay may
+//!   have run out, measured from the expiry (see [`Search::end_delay`]); meanwhile an acquire
+//!   may be told the lock is busy.
 //! - **KV** (`data-*`): a register; puts write, gets return the latest write.
 //!
 //! An operation without an answer (the client gave up, or the run ended first) may take effect
@@ -77,6 +80,13 @@ pub enum LockOp {
     NotHolder {
         token: u64,
     },
+    /// The key's lock-delay was set to this (0: removed), or, without an answer, may have been.
+    SetDelay {
+        delay_us: u64,
+    },
+    SetDelayUnknown {
+        delay_us: u64,
+    },
 }
 
 /// What an operation on a KV key did. Values are numbered per key; `None` is "absent".
@@ -134,6 +144,10 @@ struct Holder {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 struct State {
     holder: Option<Holder>,
+    /// The key's lock-delay (µs).
+    delay_us: u64,
+    /// A lock-delay runs: the real time before which it cannot end.
+    delayed_until_lb: Option<u64>,
     /// Highest token granted so far.
     floor: u64,
     value: Option<u32>,
@@ -184,6 +198,8 @@ pub fn check_key(ops: &[LinOp], drift_ppm: u64, budget: u64) -> Verdict {
     };
     let start = State {
         holder: None,
+        delay_us: 0,
+        delayed_until_lb: None,
         floor: 0,
         value: None,
         time_lb: 0,
@@ -248,6 +264,11 @@ impl Search<'_> {
                 return Ok(true);
             }
         }
+        if let Some(next) = self.end_delay(&state, min_resp) {
+            if self.dfs(done, placed, next)? {
+                return Ok(true);
+            }
+        }
         Ok(false)
     }
 
@@ -271,8 +292,23 @@ impl Search<'_> {
     fn expire(&self, state: &State, min_resp: u64) -> Option<State> {
         let holder = state.holder?;
         let at = holder.expires_lb.max(state.time_lb);
+        // With a lock-delay, the key stays unavailable: the leader times the delay from its
+        // apply of the expiry (no earlier than this point) on a clock that may run fast.
+        let delayed_until_lb = (state.delay_us > 0).then(|| self.lease_end(at, state.delay_us));
         (at <= min_resp).then_some(State {
             holder: None,
+            delayed_until_lb,
+            time_lb: at,
+            ..*state
+        })
+    }
+
+    /// A running lock-delay ends between two operations, once real time may have reached its
+    /// earliest end (a new leader may time it again, so it may also end much later).
+    fn end_delay(&self, state: &State, min_resp: u64) -> Option<State> {
+        let at = state.delayed_until_lb?.max(state.time_lb);
+        (at <= min_resp).then_some(State {
+            delayed_until_lb: None,
             time_lb: at,
             ..*state
         })
@@ -294,7 +330,8 @@ impl Search<'_> {
         match op.kind {
             OpKind::Lock(lock) => match lock {
                 LockOp::Granted { token, ttl_us } => {
-                    if holder.is_some() || token <= state.floor {
+                    if holder.is_some() || state.delayed_until_lb.is_some() || token <= state.floor
+                    {
                         return None;
                     }
                     next.holder = Some(Holder {
@@ -305,7 +342,7 @@ impl Search<'_> {
                     next.floor = token;
                 }
                 LockOp::AcquireUnknown { ttl_us } => {
-                    if holder.is_some() {
+                    if holder.is_some() || state.delayed_until_lb.is_some() {
                         return None; // refused or queued: no effect, as if never placed
                     }
                     next.holder = Some(Holder {
@@ -323,7 +360,13 @@ impl Search<'_> {
                     }
                 }
                 LockOp::HeldByOther => {
-                    holder.filter(|h| h.client != me)?;
+                    // Held by another, or free while a lock-delay holds it back.
+                    if state.delayed_until_lb.is_none() {
+                        holder.filter(|h| h.client != me)?;
+                    }
+                }
+                LockOp::SetDelay { delay_us } | LockOp::SetDelayUnknown { delay_us } => {
+                    next.delay_us = delay_us;
                 }
                 LockOp::Released { token } | LockOp::ReleaseUnknown { token } => {
                     if !holds(token) {

@@ -21,6 +21,11 @@ struct KeyModel {
     /// Waiters in queue order.
     queue: VecDeque<(String, String)>,
     last_token: u64,
+    /// The key's configured lock-delay (ms), from the `SetLockDelay`s applied.
+    delay_ms: u64,
+    /// The lock-delay running now: the expired token, the delay's length, and the simulated
+    /// time (µs) the expiry was first applied.
+    delayed: Option<(u64, u64, u64)>,
 }
 
 /// Checks lock-level invariants over the applied log.
@@ -40,6 +45,16 @@ pub struct LockChecker {
     skipped: Vec<Index>,
     pub grants: u64,
     pub expiries: u64,
+    /// Lock-delays that started on an expiry, and that ended.
+    pub lock_delays: u64,
+    pub lock_delays_ended: u64,
+    /// Simulated time (µs), set by the cluster before each apply it reports.
+    pub now_us: u64,
+    /// When each index was first applied anywhere (µs), until the model consumed it.
+    first_applied_us: BTreeMap<Index, u64>,
+    /// The largest drift of a node's clock (ppm): a leader measures a delay of `d` in no less
+    /// than `d × (1 − drift)` of real time.
+    pub node_drift_ppm: u64,
     /// Applied `Tick`s (the log clock moving; idle client sessions close on them).
     pub ticks: u64,
     /// Applied requests that acknowledged answers, and delayed copies refused as acknowledged.
@@ -51,6 +66,14 @@ pub struct LockChecker {
 }
 
 impl LockChecker {
+    /// A checker for nodes whose clocks drift at most `ppm` from real time.
+    pub fn with_node_drift(ppm: u64) -> Self {
+        LockChecker {
+            node_drift_ppm: ppm,
+            ..LockChecker::default()
+        }
+    }
+
     fn fail(&mut self, invariant: &'static str, detail: String) {
         self.violations.push(Violation { invariant, detail });
     }
@@ -71,6 +94,7 @@ impl LockChecker {
             None => {
                 self.reference
                     .insert(index, (command.clone(), applied.clone()));
+                self.first_applied_us.insert(index, self.now_us);
                 self.advance_model();
             }
         }
@@ -102,6 +126,8 @@ impl LockChecker {
     }
 
     fn check_step(&mut self, index: Index, command: &Command, applied: &Applied) {
+        let applied_us = self.first_applied_us.remove(&index).unwrap_or(self.now_us);
+        self.check_lock_delay(index, command.request(), applied, applied_us);
         let remembered = documented_as_kept(command, &applied.outcome);
         if let Command::Sequenced {
             command: request, ..
@@ -192,7 +218,7 @@ impl LockChecker {
                 Outcome::Queued { .. },
             ) => {
                 let model = self.keys.entry(key.clone()).or_default();
-                if model.holder.is_none() {
+                if model.holder.is_none() && model.delayed.is_none() {
                     self.fail(
                         "no idle queue",
                         format!("index {index}: {client_id} queued on free key {key}"),
@@ -253,6 +279,8 @@ impl LockChecker {
                         .queue
                         .retain(|w| w != &(client_id.clone(), request_id.clone()));
                 }
+                // Checked by `check_lock_delay`.
+                Event::LockDelayStarted { .. } | Event::LockDelayEnded { .. } => {}
             }
         }
         if let (Command::Expire { .. } | Command::ExpireLease { .. }, Outcome::Expired { .. }) =
@@ -269,10 +297,91 @@ impl LockChecker {
         }
     }
 
+    /// Lock-delay, judged from the commands and outcomes alone: an expiry on a key whose
+    /// delay is set starts it (and no one is granted the key in that entry), an expiry on a key
+    /// without one does not; a delay ends only by the leader's `EndLockDelay` for its token, no
+    /// sooner than its length (less the largest clock drift) after the expiry was first
+    /// applied. `grant` checks that no grant comes while a delay runs.
+    fn check_lock_delay(&mut self, index: Index, command: &Command, applied: &Applied, at: u64) {
+        let started = applied.events.iter().find_map(|e| match e {
+            Event::LockDelayStarted {
+                token, delay_ms, ..
+            } => Some((*token, *delay_ms)),
+            _ => None,
+        });
+        let key = command.key().to_string();
+        match (command, &applied.outcome) {
+            (Command::SetLockDelay { delay_ms, .. }, Outcome::LockDelaySet { .. })
+                if !applied.replayed =>
+            {
+                self.keys.entry(key).or_default().delay_ms = *delay_ms;
+            }
+            (
+                Command::Expire { token, .. } | Command::ExpireLease { token, .. },
+                Outcome::Expired { .. },
+            ) => {
+                let configured = self.keys.entry(key.clone()).or_default().delay_ms;
+                let want = (configured > 0).then_some((*token, configured));
+                if started != want {
+                    self.fail(
+                        "lock-delay starts at expiry",
+                        format!(
+                            "index {index}: expiry of {key} token {token} started {started:?},                              the key's delay is {configured} ms"
+                        ),
+                    );
+                }
+                if let Some((token, delay_ms)) = started {
+                    self.lock_delays += 1;
+                    self.keys.entry(key).or_default().delayed = Some((token, delay_ms, at));
+                }
+            }
+            (Command::EndLockDelay { token, .. }, Outcome::LockDelayEnded) => {
+                let delayed = self.keys.entry(key.clone()).or_default().delayed.take();
+                match delayed {
+                    Some((t, delay_ms, since)) if t == *token => {
+                        self.lock_delays_ended += 1;
+                        let shortest = delay_ms * 1_000
+                            - (delay_ms * 1_000 * self.node_drift_ppm).div_ceil(1_000_000);
+                        if at < since + shortest {
+                            self.fail(
+                                "lock-delay lasts its length",
+                                format!(
+                                    "index {index}: the delay of {key} (token {t}, {delay_ms} ms)                                      ended {} µs after the expiry",
+                                    at - since
+                                ),
+                            );
+                        }
+                    }
+                    other => self.fail(
+                        "lock-delay ends once",
+                        format!("index {index}: {key} ended the delay of token {token}, running {other:?}"),
+                    ),
+                }
+            }
+            _ => {
+                if started.is_some() {
+                    self.fail(
+                        "lock-delay starts at expiry",
+                        format!("index {index}: {command:?} started a lock-delay"),
+                    );
+                }
+            }
+        }
+    }
+
     fn grant(&mut self, index: Index, key: &str, client: &str, request: &str, token: u64) {
         self.grants += 1;
         let model = self.keys.entry(key.to_string()).or_default();
         let mut failures = Vec::new();
+        if let Some((expired, delay_ms, _)) = model.delayed {
+            failures.push((
+                "no grant during lock-delay",
+                format!(
+                    "index {index}: {client} granted {key} during the {delay_ms} ms delay after \
+                     token {expired} expired"
+                ),
+            ));
+        }
         if let Some((holder, _, held)) = &model.holder {
             failures.push((
                 "mutual exclusion",
@@ -323,5 +432,6 @@ fn documented_as_kept(command: &Command, outcome: &Outcome) -> bool {
             | Outcome::WaitCancelled
             | Outcome::Stored
             | Outcome::Deleted { .. }
+            | Outcome::LockDelaySet { .. }
     )
 }

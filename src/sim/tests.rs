@@ -436,6 +436,36 @@ fn caught_no_lease_wait_after_election() {
     );
 }
 
+// ----- lock-delay bugs in the node logic ---------------------------------------------------------
+
+#[test]
+fn caught_lock_delay_ended_at_once() {
+    assert_node_bug_caught(
+        "lock_delay_ended_at_once",
+        100,
+        NodeBugs {
+            lock_delay_ended_at_once: true,
+            ..NodeBugs::default()
+        },
+        &["lock-delay lasts its length", "linearizable"],
+    );
+}
+
+#[test]
+fn caught_lock_delay_not_restarted_after_election() {
+    // A new leader cannot know when the old one started a running delay: it must time it again
+    // in full, or the key is granted before the delay has passed.
+    assert_node_bug_caught(
+        "lock_delay_not_restarted_after_election",
+        400,
+        NodeBugs {
+            lock_delay_not_restarted_after_election: true,
+            ..NodeBugs::default()
+        },
+        &["lock-delay lasts its length", "linearizable"],
+    );
+}
+
 #[test]
 fn caught_no_lease_for_grants_without_a_local_proposal() {
     assert_node_bug_caught(

@@ -117,6 +117,14 @@ enum Cmd {
         #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
         ttl: Duration,
     },
+    /// Set a key's lock-delay: after a holder's lease of KEY expires (not when it is released),
+    /// no one is granted KEY for DELAY (e.g. 10s; 0s removes it). For resources that cannot
+    /// check fencing tokens. Needs an admin identity when the cluster checks identities.
+    LockDelay {
+        key: String,
+        #[arg(value_parser = humantime::parse_duration)]
+        delay: Duration,
+    },
     /// Show a node's view of the cluster.
     Status {
         /// Ask this node (default: the first endpoint).
@@ -646,6 +654,26 @@ async fn dispatch(args: Args) -> ExitCode {
                 Ok(_) => {
                     emit(json_out, json!({"renewed": true, "key": key}), || {
                         println!("renewed {key} for {}", humantime::format_duration(*ttl))
+                    });
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail(e),
+            },
+            Err(e) => fail(e),
+        },
+        Cmd::LockDelay { key, delay } => match make_client(&args) {
+            Ok(c) => match c.set_lock_delay(key, *delay).await {
+                Ok(now) => {
+                    let ms = now.as_millis() as u64;
+                    emit(json_out, json!({"key": key, "lockDelayMs": ms}), || {
+                        if ms == 0 {
+                            println!("{key} has no lock-delay")
+                        } else {
+                            println!(
+                                "{key}: lock-delay {} after an expiry",
+                                humantime::format_duration(now)
+                            )
+                        }
                     });
                     ExitCode::SUCCESS
                 }

@@ -40,6 +40,9 @@ pub(crate) struct Request<'a> {
     /// request id is then this request's number).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ack_below: Option<u64>,
+    /// A key's lock-delay (ms), for `commandType` 9.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lock_delay: Option<u64>,
 }
 
 impl<'a> Request<'a> {
@@ -57,6 +60,7 @@ impl<'a> Request<'a> {
             traceparent: None,
             redirect: None,
             ack_below: None,
+            lock_delay: None,
         }
     }
 
@@ -101,6 +105,7 @@ pub(crate) struct ReplyBody {
     pub expires_in_ms: Option<u64>,
     pub fencing_token: Option<TokenReply>,
     pub value: Option<String>,
+    pub lock_delay: Option<u64>,
     pub error: Option<ErrorReply>,
     /// Set by the SDK, not the node: the reply carried this request's id but fields of types
     /// the SDK does not know (answered as a protocol error instead of never).

@@ -289,6 +289,43 @@ impl RaftLockClient {
         Ok(sent + ttl.saturating_sub(self.margin_for(ttl)))
     }
 
+    /// Sets `key`'s lock-delay: after a holder's lease of `key` *expires* (not when it is
+    /// released), the cluster grants the key to no one for `delay`, so that a resource that
+    /// cannot check fencing tokens is not used by the next holder while the expired one may
+    /// still be acting. `Duration::ZERO` removes the setting. Needs an admin identity when the
+    /// cluster checks identities; refused with `INVALID_REQUEST` until every member runs a
+    /// RaftLock that has lock-delay. Returns the delay now in force.
+    pub async fn set_lock_delay(
+        &self,
+        key: &str,
+        delay: Duration,
+    ) -> Result<Duration, ClientError> {
+        check_key(key)?;
+        let delay_ms = u64::try_from(delay.as_millis())
+            .map_err(|_| ClientError::Config(format!("lock-delay {delay:?} is too long")))?;
+        let owner = self.inner.client_id.clone();
+        let number = self.number_request(&owner);
+        let request = Request {
+            client_id: Some(&owner),
+            lock_delay: Some(delay_ms),
+            ack_below: number.ack_below,
+            ..Request::new(9, key, &number.id)
+        };
+        let reply = self
+            .inner
+            .session
+            .request(
+                &request,
+                ReplyKind::Normal,
+                None,
+                &self.inner.session.cfg.retry,
+            )
+            .await?;
+        Ok(Duration::from_millis(
+            reply.body.lock_delay.unwrap_or(delay_ms),
+        ))
+    }
+
     /// Linearizable read of a replicated KV key.
     pub async fn get(&self, key: &str) -> Result<Option<String>, ClientError> {
         check_key(key)?;

@@ -208,6 +208,14 @@ impl LockStateMachine {
                 token,
                 lease_index,
             } => self.expire(key, *token, Some(*lease_index), events),
+            Command::SetLockDelay { key, delay_ms, .. } => self.set_lock_delay(key, *delay_ms),
+            Command::EndLockDelay { key, token } => {
+                if self.cluster_version() < super::LOCK_DELAY_VERSION {
+                    Outcome::rejected(RejectCode::InvalidRequest, "needs cluster version 6")
+                } else {
+                    self.end_lock_delay(key, *token, events)
+                }
+            }
         };
         if outcome.is_recorded() {
             if let Some((client, request)) = command.dedupe_id() {
@@ -271,8 +279,14 @@ impl LockStateMachine {
                 client_id,
                 request_id,
                 ..
+            }
+            | Command::SetLockDelay {
+                client_id,
+                request_id,
+                ..
             } => &[client_id, request_id],
             Command::Expire { .. }
+            | Command::EndLockDelay { .. }
             | Command::ExpireLease { .. }
             | Command::SetLimits { .. }
             | Command::SetLimitsV1 { .. }
@@ -332,7 +346,16 @@ impl LockStateMachine {
                 check_guard(guard.as_ref(), l)?;
             }
             Command::Delete { guard, .. } => check_guard(guard.as_ref(), l)?,
+            Command::SetLockDelay { client_id, .. } => {
+                if client_id.is_empty() {
+                    return Err(Outcome::rejected(
+                        RejectCode::InvalidRequest,
+                        "clientId is required",
+                    ));
+                }
+            }
             Command::CancelWait { .. }
+            | Command::EndLockDelay { .. }
             | Command::ReleaseHeld { .. }
             | Command::Expire { .. }
             | Command::ExpireLease { .. }

@@ -5,10 +5,10 @@
 use super::super::command::encode_plain;
 use super::records::DedupeRecord;
 use super::{
-    LockStateMachine, DATA_PREFIX, DEDUPE_BLOCK, DIRTY_META_KEYS, LEGACY_BLOCKS_PER_WRITE,
-    LOCK_PREFIX, META_ACK_PREFIX, META_APPLIED, META_CLOCK, META_CLUSTER, META_CLUSTER_VERSION,
-    META_DEDUPE_BLOCK_PREFIX, META_DEDUPE_NEXT, META_DEDUPE_PREFIX, META_LIMITS, META_MEMBERS,
-    META_QUOTAS, META_SEQ,
+    LockStateMachine, DATA_PREFIX, DEDUPE_BLOCK, DELAY_PREFIX, DIRTY_META_KEYS,
+    LEGACY_BLOCKS_PER_WRITE, LOCK_PREFIX, META_ACK_PREFIX, META_APPLIED, META_CLOCK, META_CLUSTER,
+    META_CLUSTER_VERSION, META_DEDUPE_BLOCK_PREFIX, META_DEDUPE_NEXT, META_DEDUPE_PREFIX,
+    META_LIMITS, META_MEMBERS, META_QUOTAS, META_SEQ,
 };
 
 impl LockStateMachine {
@@ -34,6 +34,9 @@ impl LockStateMachine {
         }
         if let Some(k) = key.strip_prefix(DATA_PREFIX) {
             return self.data.get(k).cloned();
+        }
+        if let Some(k) = key.strip_prefix(DELAY_PREFIX) {
+            return self.delays.get(k).map(encode_plain);
         }
         if let Some(n) = key.strip_prefix(META_DEDUPE_PREFIX) {
             let n: u64 = n.parse().ok()?;

@@ -48,6 +48,7 @@ impl LockStateMachine {
                         value: token,
                     },
                 });
+                self.start_lock_delay(key, token, events);
                 self.vacate(key, events);
                 Outcome::Expired {
                     client_id: h.client_id.into(),

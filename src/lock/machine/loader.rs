@@ -8,9 +8,9 @@ use super::super::limits::Limits;
 use super::lock_entry::{LockEntry, LockEntryV1};
 use super::records::{DedupeRecord, DedupeRecordV1, DedupeRecordV2};
 use super::{
-    LockStateMachine, DATA_PREFIX, DEDUPE_BLOCK, LOCK_PREFIX, META_ACK_PREFIX, META_APPLIED,
-    META_CLOCK, META_CLUSTER, META_CLUSTER_VERSION, META_DEDUPE_BLOCK_PREFIX, META_DEDUPE_NEXT,
-    META_DEDUPE_PREFIX, META_LIMITS, META_MEMBERS, META_QUOTAS, META_SEQ,
+    LockStateMachine, DATA_PREFIX, DEDUPE_BLOCK, DELAY_PREFIX, LOCK_PREFIX, META_ACK_PREFIX,
+    META_APPLIED, META_CLOCK, META_CLUSTER, META_CLUSTER_VERSION, META_DEDUPE_BLOCK_PREFIX,
+    META_DEDUPE_NEXT, META_DEDUPE_PREFIX, META_LIMITS, META_MEMBERS, META_QUOTAS, META_SEQ,
 };
 
 impl LockStateMachine {
@@ -80,6 +80,8 @@ impl StateLoader {
             sm.locks.insert(Box::from(k), Box::new(entry));
         } else if let Some(k) = key.strip_prefix(DATA_PREFIX) {
             sm.data.insert(k.to_string(), value.to_vec());
+        } else if let Some(k) = key.strip_prefix(DELAY_PREFIX) {
+            sm.delays.insert(Box::from(k), decode_plain(value)?);
         } else if let Some(b) = key.strip_prefix(META_DEDUPE_BLOCK_PREFIX) {
             let b: u64 = b
                 .parse()

@@ -166,9 +166,11 @@ impl LockStateMachine {
             return refusal;
         }
         let waiters_max = self.limits.waiters_per_key_max;
+        // A running lock-delay keeps the key from everyone: acquires queue (or are told Busy).
+        let delayed = self.delay_running(key);
         let entry = self.locks.entry(Box::from(key)).or_default();
         match &entry.holder {
-            None => {
+            None if !delayed => {
                 self.fencing_seq += 1;
                 let token = self.fencing_seq;
                 entry.holder = Some(Holder {
@@ -198,7 +200,7 @@ impl LockStateMachine {
                 },
                 ttl_ms: holder.ttl_ms,
             },
-            Some(_) => {
+            _ => {
                 if let Some(p) = entry
                     .waiters
                     .iter()
@@ -208,10 +210,19 @@ impl LockStateMachine {
                         position: p as u32 + 1,
                     };
                 }
+                // Free but held back by a lock-delay, the key may have had no entry: a refusal
+                // leaves none behind (state the log did not change must stay byte-identical).
+                let unused = entry.holder.is_none() && entry.waiters.is_empty();
                 if wait_timeout_ms == Some(0) {
+                    if unused {
+                        self.locks.remove(key);
+                    }
                     return Outcome::Busy;
                 }
                 if entry.waiters.len() >= waiters_max {
+                    if unused {
+                        self.locks.remove(key);
+                    }
                     return Outcome::rejected(
                         RejectCode::QueueFull,
                         format!("{waiters_max} waiters already queue for this key"),
@@ -265,8 +276,10 @@ impl LockStateMachine {
         Outcome::Released
     }
 
-    /// The holder leaves; the next waiter (if any) is granted in the same apply.
+    /// The holder leaves; the next waiter (if any) is granted in the same apply, unless a
+    /// lock-delay runs on the key (its end grants the next waiter).
     pub(super) fn vacate(&mut self, key: &str, events: &mut Vec<Event>) {
+        let delayed = self.delay_running(key);
         let Some(entry) = self.locks.get_mut(key) else {
             return;
         };
@@ -279,7 +292,12 @@ impl LockStateMachine {
                 count_use(&mut self.identity_use, &old.client_id, -1, 0);
             }
         }
-        if let Some(next) = entry.waiters.pop_front() {
+        let next = if delayed {
+            None
+        } else {
+            entry.waiters.pop_front()
+        };
+        if let Some(next) = next {
             self.waiters -= 1;
             // The waiter's bytes now count as the holder's.
             if self.quotas.as_ref().is_some_and(|q| q.by_identity) {

@@ -7,7 +7,7 @@
 //!                                              └──► dirty keys ──take_changes()──► storage batch
 //! ```
 //! State lives in one key space: `lock/<key>` (holder, token, ttl, FIFO waiters), `data/<key>`
-//! (replicated values), `meta/seq` (the one fencing sequence), `meta/applied` and
+//! (replicated values), `delay/<key>` (lock-delay), `meta/seq` (the one fencing sequence), `meta/applied` and
 //! `meta/dedupe/<n>` (the exactly-once table, grouped into client sessions), `meta/clock` (the log
 //! clock). That is the state as snapshots carry it ([`LockStateMachine::to_kv`]). The changes
 //! written to the node's own storage ([`LockStateMachine::take_changes`]) keep the dedupe records
@@ -34,6 +34,7 @@
 //! - `locks` (and `lock_entry`, how one lock is kept): acquire, release, FIFO queues, views.
 //! - `leases`: renew and expiry.
 //! - `kv`: the replicated key-value store.
+//! - `delays`: lock-delay, the time a key stays unavailable after its holder's lease expired.
 //! - `sessions` (and `records`, one kept answer): client sessions, the exactly-once table, `Tick`.
 //! - `acks`: acknowledgements of answers ([`Command::Sequenced`]).
 //! - `quotas`: byte budgets, per-identity quotas, replicated limits.
@@ -42,6 +43,7 @@
 mod acks;
 mod apply;
 mod changes;
+mod delays;
 mod kv;
 mod leases;
 mod loader;
@@ -69,12 +71,15 @@ use records::DedupeRecord;
 use sessions::Session;
 
 pub use acks::sequence_number;
+pub use delays::LockDelayInfo;
 pub use loader::StateLoader;
 pub use locks::{HeldLock, WaiterInfo};
 pub use snapshot::{stored_to_snapshot_pairs, StoredToSnapshot};
 
 const LOCK_PREFIX: &str = "lock/";
 const DATA_PREFIX: &str = "data/";
+/// A key's lock-delay (`delays::LockDelay`); absent while the key has none.
+const DELAY_PREFIX: &str = "delay/";
 const META_SEQ: &str = "meta/seq";
 const META_APPLIED: &str = "meta/applied";
 /// One key per dedupe record, as written before records were stored in blocks (read back, and
@@ -112,7 +117,11 @@ const META_QUOTAS: &str = "meta/quotas";
 /// 4: [`Command::SetClusterId`] and [`Command::SetMember`], the `meta/cluster` and
 /// `meta/members` keys.
 /// 5: [`Command::SetQuotas`] and the `meta/quotas` key.
-pub const CLUSTER_VERSION: u32 = 5;
+/// 6: [`Command::SetLockDelay`] and [`Command::EndLockDelay`], the `delay/` keys.
+pub const CLUSTER_VERSION: u32 = 6;
+
+/// The cluster version [`Command::SetLockDelay`] and [`Command::EndLockDelay`] need.
+pub const LOCK_DELAY_VERSION: u32 = 6;
 
 /// The cluster version [`Command::SetQuotas`] needs.
 pub const QUOTAS_VERSION: u32 = 5;
@@ -181,6 +190,8 @@ pub struct LockStateMachine {
     /// Boxed keys and entries: a map slot of 24 bytes instead of 112, for a million held locks.
     locks: BTreeMap<Box<str>, Box<LockEntry>>,
     data: BTreeMap<String, Vec<u8>>,
+    /// Lock-delays by key: configured, and running after an expiry.
+    delays: BTreeMap<Box<str>, delays::LockDelay>,
     /// Dedupe records by insertion number (oldest first, evicted first).
     dedupe: BTreeMap<u64, Box<DedupeRecord>>,
     dedupe_next: u64,

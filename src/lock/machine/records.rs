@@ -222,6 +222,7 @@ pub(super) fn op_of(command: &Command) -> (u8, &str) {
         Command::CancelWait { .. } => 4,
         Command::Put { .. } => 5,
         Command::Delete { .. } => 6,
+        Command::SetLockDelay { .. } => 7,
         Command::Expire { .. }
         | Command::ExpireLease { .. }
         | Command::SetLimits { .. }
@@ -230,7 +231,8 @@ pub(super) fn op_of(command: &Command) -> (u8, &str) {
         | Command::SetClusterVersion { .. }
         | Command::SetClusterId { .. }
         | Command::SetMember { .. }
-        | Command::SetQuotas { .. } => 0,
+        | Command::SetQuotas { .. }
+        | Command::EndLockDelay { .. } => 0,
         Command::Sequenced { command, .. } => return op_of(command),
     };
     (kind, command.key())

@@ -43,6 +43,8 @@ pub const LOCK_RELEASE: u64 = 4;
 pub const LOCK_RENEW: u64 = 5;
 pub const CANCEL_WAIT: u64 = 6;
 pub const READ: u64 = 7;
+/// Sets a key's lock-delay (`lockDelay` ms; 0 removes it).
+pub const SET_LOCK_DELAY: u64 = 9;
 
 /// A request's fields (the strings borrowed from the frame or the parsed JSON where they need no
 /// unescaping). Unknown fields are refused here: the general path counts them and removes them
@@ -78,11 +80,15 @@ struct WsRequest<'a> {
     /// then the request's sequence number): the cluster forgets those answers.
     #[serde(default)]
     ack_below: Option<u64>,
+    /// SetLockDelay: the key's lock-delay in ms.
+    #[serde(default)]
+    lock_delay: Option<u64>,
 }
 
 /// The top-level fields of a request (`WsRequest`'s); others are ignored, and counted.
 const KNOWN_FIELDS: &[&str] = &[
     "commandType",
+    "lockDelay",
     "key",
     "clientId",
     "requestId",

@@ -10,7 +10,7 @@ use serde_json::Value;
 use super::reply::{error_json, error_reply, Echo};
 use super::{
     strip_unknown_fields, WsRequest, APPEND_DATA, CANCEL_WAIT, LOCK_ACQUIRE, LOCK_RELEASE,
-    LOCK_RENEW, READ, WATCH_COMMAND,
+    LOCK_RENEW, READ, SET_LOCK_DELAY, WATCH_COMMAND,
 };
 use crate::lock::FencingToken;
 use crate::node::api::{ApiError, ClientOp, ErrorCode};
@@ -187,6 +187,14 @@ pub(super) fn to_op(
             }
         }
         READ => ClientOp::Get { key },
+        SET_LOCK_DELAY => ClientOp::SetLockDelay {
+            key,
+            delay_ms: r
+                .lock_delay
+                .ok_or_else(|| invalid("`lockDelay` (ms) is required"))?,
+            client_id,
+            request_id,
+        },
         0 | 1 => {
             return Err(invalid(
                 "membership commands are for peers and admins, not clients",

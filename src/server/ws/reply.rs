@@ -97,6 +97,8 @@ struct OkReply<'a> {
     fencing_token: Option<TokenJson<'a>>,
     key: EchoValue<'a>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    lock_delay: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     released: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
     renewed: Option<bool>,
@@ -118,6 +120,7 @@ pub(super) fn reply_json(
         expires_in_ms: None,
         fencing_token: None,
         key: echo.key.clone(),
+        lock_delay: None,
         released: None,
         renewed: None,
         request_id: echo.request_id.clone(),
@@ -134,6 +137,7 @@ pub(super) fn reply_json(
             ok.expires_in_ms = Some(*expires_in_ms);
         }
         ClientReply::Released => ok.released = Some(true),
+        ClientReply::LockDelaySet { delay_ms } => ok.lock_delay = Some(*delay_ms),
         ClientReply::Renewed {
             token,
             expires_in_ms,

@@ -180,6 +180,7 @@ impl Cluster {
                         {
                             self.write_index.entry(value.clone()).or_insert(index);
                         }
+                        self.locks.now_us = self.now_us;
                         self.locks.on_apply(id, index, &command, &applied);
                     }
                     _ => self.locks.on_other_entry(index),

@@ -168,6 +168,9 @@ pub struct SimStats {
     pub transfers: u64,
     pub grants: u64,
     pub expiries: u64,
+    /// Lock-delays started by an expiry, and ended by the leader.
+    pub lock_delays: u64,
+    pub lock_delays_ended: u64,
     pub pauses: u64,
     pub history_ops: u64,
     pub beliefs_checked: u64,
@@ -218,6 +221,8 @@ impl SimStats {
         self.transfers += other.transfers;
         self.grants += other.grants;
         self.expiries += other.expiries;
+        self.lock_delays += other.lock_delays;
+        self.lock_delays_ended += other.lock_delays_ended;
         self.pauses += other.pauses;
         self.history_ops += other.history_ops;
         self.beliefs_checked += other.beliefs_checked;
@@ -398,7 +403,7 @@ impl Cluster {
         clients.trace = cfg.trace;
         let mut cluster = Cluster {
             clients,
-            locks: LockChecker::default(),
+            locks: LockChecker::with_node_drift(NODE_DRIFT_PPM.unsigned_abs()),
             lock_state_at: BTreeMap::new(),
             write_index: BTreeMap::new(),
             figure8: Figure8::Settle { since: 0 },

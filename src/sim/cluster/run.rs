@@ -88,6 +88,8 @@ impl Cluster {
         self.stats.committed = self.checker.max_committed();
         self.stats.grants = self.locks.grants;
         self.stats.expiries = self.locks.expiries;
+        self.stats.lock_delays = self.locks.lock_delays;
+        self.stats.lock_delays_ended = self.locks.lock_delays_ended;
         self.stats.ticks = self.locks.ticks;
         self.stats.acknowledging = self.locks.acknowledging;
         self.stats.acknowledged_refusals = self.locks.acknowledged_refusals;
