@@ -728,3 +728,32 @@ fn certs_issue_node_operator_and_client_certificates_under_two_cas() {
     );
     assert_eq!(read("client-ca.pem"), client_ca);
 }
+
+/// Every `$ lockctl …` line of docs/recipes.md runs as written against a real cluster.
+#[test]
+fn recipes_in_the_docs_run() {
+    let doc = include_str!("../docs/recipes.md");
+    let commands: Vec<Vec<&str>> = doc
+        .lines()
+        .filter_map(|l| l.strip_prefix("$ lockctl "))
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert!(commands.len() >= 3, "{commands:?}");
+    let cluster = Cluster::start(3);
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(cluster.wait_for_leader(Duration::from_secs(20)));
+    let eps = endpoints(&cluster);
+    rt.block_on(wait_for_cluster_version(&eps[0], 6));
+    for args in commands {
+        let out = lockctl(&eps).args(&args).output().expect("lockctl");
+        assert!(
+            out.status.success(),
+            "lockctl {args:?}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if args[0] == "run" {
+            assert!(String::from_utf8_lossy(&out.stdout).contains("settling"));
+        }
+    }
+}

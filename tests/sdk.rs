@@ -801,3 +801,92 @@ async fn lock_delay_holds_an_expired_key_back() {
         Duration::ZERO
     );
 }
+
+// ----- the Rust recipes of docs/recipes.md, run as written --------------------------------------
+
+const RECIPES_DOC: &str = include_str!("../docs/recipes.md");
+const THIS_FILE: &str = include_str!("sdk.rs");
+
+/// The lines between `// recipe: NAME` and `// recipe end` in `text`, each trimmed.
+fn recipe_lines(text: &str, name: &str) -> Vec<String> {
+    let start = format!("// recipe: {name}");
+    text.lines()
+        .map(str::trim)
+        .skip_while(|l| *l != start)
+        .skip(1)
+        .take_while(|l| *l != "// recipe end")
+        .map(String::from)
+        .collect()
+}
+
+static SETTLED_WITH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+async fn settle(token: u64) {
+    SETTLED_WITH.store(token, std::sync::atomic::Ordering::SeqCst);
+}
+
+async fn recipe_run_once(endpoints: Vec<String>) -> Result<(), Box<dyn std::error::Error>> {
+    // recipe: run-once
+    let client = RaftLockClient::builder().endpoints(endpoints).build()?;
+    if let Some(lock) = client
+        .try_acquire(
+            "jobs/nightly-settlement",
+            Duration::from_secs(15),
+            Duration::ZERO,
+        )
+        .await?
+    {
+        let mut renewer = lock.auto_renew();
+        tokio::select! {
+            _ = settle(lock.fencing_token()) => {}
+            reason = renewer.lost() => eprintln!("stopping: {reason}"),
+        }
+        lock.release().await?;
+    }
+    // recipe end
+    Ok(())
+}
+
+async fn recipe_lock_delay(endpoints: Vec<String>) -> Result<(), Box<dyn std::error::Error>> {
+    // recipe: lock-delay
+    let ops = RaftLockClient::builder().endpoints(endpoints).build()?;
+    ops.set_lock_delay("legacy/ledger", Duration::from_secs(10))
+        .await?;
+    // ... holders of "legacy/ledger" use it as usual; after an expiry, no grant for 10 s.
+    ops.set_lock_delay("legacy/ledger", Duration::ZERO).await?;
+    // recipe end
+    Ok(())
+}
+
+/// Every Rust recipe in docs/recipes.md is the code of a function here, and runs against a real
+/// cluster.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recipes_in_the_docs_run() {
+    let in_doc = RECIPES_DOC
+        .lines()
+        .filter(|l| l.trim().starts_with("// recipe: "))
+        .count();
+    assert_eq!(
+        in_doc, 2,
+        "docs/recipes.md has recipes this test does not run"
+    );
+    for name in ["run-once", "lock-delay"] {
+        let doc = recipe_lines(RECIPES_DOC, name);
+        assert!(!doc.is_empty(), "no recipe {name} in docs/recipes.md");
+        assert_eq!(
+            doc,
+            recipe_lines(THIS_FILE, name),
+            "docs/recipes.md's {name} differs from the code this test runs"
+        );
+    }
+    let cluster = Cluster::start(3);
+    let addr = leader_addr(&cluster).await;
+    wait_for_cluster_version(&addr, 6).await;
+    recipe_run_once(endpoints(&cluster))
+        .await
+        .expect("run-once recipe");
+    assert!(SETTLED_WITH.load(std::sync::atomic::Ordering::SeqCst) > 0);
+    recipe_lock_delay(endpoints(&cluster))
+        .await
+        .expect("lock-delay recipe");
+}
