@@ -591,6 +591,16 @@ async fn an_expired_lock_stays_unavailable_for_its_lock_delay() {
         assert!(Instant::now() < expired_by, "C never expired: {entry}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // The listing and the metrics show the delay while it runs (D waits on the key).
+    if granted_c.elapsed() < Duration::from_millis(TTL_MS + DELAY_MS - 500) {
+        let entry = lock_entry(&addr, "d").await;
+        assert_eq!(entry["lockDelayMs"], DELAY_MS, "{entry}");
+        assert!(entry["holder"].is_null(), "{entry}");
+        assert_eq!(
+            scraped_metric(&addr, "raftlock_lock_delays_running", &[]).await,
+            1.0
+        );
+    }
     let busy = request(&mut ws, &acquire("d", "E", "e1", 30_000, Some(0))).await;
     if granted_c.elapsed() < Duration::from_millis(TTL_MS + DELAY_MS - 500) {
         assert_eq!(error_code(&busy), "WAIT_TIMEOUT", "{busy}");

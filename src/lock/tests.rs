@@ -855,6 +855,11 @@ fn run_model_case(seed: u64, steps: usize) -> (usize, usize, usize) {
         if matches!(got, Outcome::LockDelayEnded) {
             delays_ended += 1;
         }
+        assert_eq!(
+            sm.lock_delays_running(),
+            model.delays.values().filter(|d| d.1.is_some()).count(),
+            "seed {seed} step {step}: running lock-delays"
+        );
         for k in KEYS {
             assert_eq!(
                 sm.lock_delay(k)

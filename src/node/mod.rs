@@ -311,6 +311,9 @@ pub struct LockInfo {
     /// Time left on the leader's lease (the leader only).
     pub expires_in_ms: Option<u64>,
     pub waiters: Vec<String>,
+    /// The key's lock-delay (ms), if it has one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lock_delay_ms: Option<u64>,
 }
 
 /// The deterministic node.

@@ -30,6 +30,11 @@ impl<S: Storage, R> NodeCore<S, R> {
             .locks_with_prefix(prefix, limit)
             .into_iter()
             .map(|(key, held, waiters)| LockInfo {
+                lock_delay_ms: self
+                    .sm
+                    .lock_delay(&key)
+                    .map(|d| d.delay_ms)
+                    .filter(|&ms| ms > 0),
                 expires_in_ms: held
                     .as_ref()
                     .and_then(|_| self.leases.get(key.as_str()))

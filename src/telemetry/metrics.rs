@@ -36,6 +36,7 @@ pub struct NodeMetrics {
     pub grpc_request_duration_seconds: HistogramVec,
     pub snapshots_total: IntCounterVec,
     pub locks_held: IntGauge,
+    pub lock_delays_running: IntGauge,
     pub lock_waiters: IntGauge,
     pub answers_remembered: IntGauge,
     pub answers_max: IntGauge,
@@ -218,6 +219,10 @@ impl NodeMetrics {
                 &["kind"]
             )),
             locks_held: reg!(gauge("raftlock_locks_held", "Locks currently held.")),
+            lock_delays_running: reg!(gauge(
+                "raftlock_lock_delays_running",
+                "Keys held back by a running lock-delay (their holder's lease expired; no one is granted them until the delay ends)."
+            )),
             answers_remembered: reg!(gauge(
                 "raftlock_answers_remembered",
                 "Answers the exactly-once table keeps for retries (all client sessions)."

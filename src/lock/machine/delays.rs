@@ -71,6 +71,11 @@ impl LockStateMachine {
         self.delays.len()
     }
 
+    /// Keys held back by a running lock-delay now.
+    pub fn lock_delays_running(&self) -> usize {
+        self.running_delays
+    }
+
     /// Whether a lock-delay keeps `key` from being granted now.
     pub(super) fn delay_running(&self, key: &str) -> bool {
         self.delays.get(key).is_some_and(|d| d.running.is_some())
@@ -135,6 +140,9 @@ impl LockStateMachine {
             return;
         };
         let delay_ms = d.delay_ms;
+        if d.running.is_none() {
+            self.running_delays += 1;
+        }
         d.running = Some(RunningDelay { token, delay_ms });
         self.mark_dirty(DELAY_PREFIX, key);
         events.push(Event::LockDelayStarted {
@@ -165,6 +173,7 @@ impl LockStateMachine {
             None => return Outcome::StaleToken { current: None },
         }
         d.running = None;
+        self.running_delays = self.running_delays.saturating_sub(1);
         if d.delay_ms == 0 {
             self.delays.remove(key);
         }

@@ -81,7 +81,11 @@ impl StateLoader {
         } else if let Some(k) = key.strip_prefix(DATA_PREFIX) {
             sm.data.insert(k.to_string(), value.to_vec());
         } else if let Some(k) = key.strip_prefix(DELAY_PREFIX) {
-            sm.delays.insert(Box::from(k), decode_plain(value)?);
+            let delay: super::delays::LockDelay = decode_plain(value)?;
+            sm.running_delays += usize::from(delay.running.is_some());
+            if let Some(old) = sm.delays.insert(Box::from(k), delay) {
+                sm.running_delays -= usize::from(old.running.is_some());
+            }
         } else if let Some(b) = key.strip_prefix(META_DEDUPE_BLOCK_PREFIX) {
             let b: u64 = b
                 .parse()

@@ -192,6 +192,8 @@ pub struct LockStateMachine {
     data: BTreeMap<String, Vec<u8>>,
     /// Lock-delays by key: configured, and running after an expiry.
     delays: BTreeMap<Box<str>, delays::LockDelay>,
+    /// Entries of `delays` with a delay running (derived: counted at load).
+    running_delays: usize,
     /// Dedupe records by insertion number (oldest first, evicted first).
     dedupe: BTreeMap<u64, Box<DedupeRecord>>,
     dedupe_next: u64,
