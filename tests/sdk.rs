@@ -807,16 +807,20 @@ async fn lock_delay_holds_an_expired_key_back() {
 const RECIPES_DOC: &str = include_str!("../docs/recipes.md");
 const THIS_FILE: &str = include_str!("sdk.rs");
 
-/// The lines between `// recipe: NAME` and `// recipe end` in `text`, each trimmed.
-fn recipe_lines(text: &str, name: &str) -> Vec<String> {
+/// The code between `// recipe: NAME` and `// recipe end` in `text`, without whitespace and
+/// trailing commas (so that rustfmt's line breaks do not count).
+fn recipe_lines(text: &str, name: &str) -> String {
     let start = format!("// recipe: {name}");
-    text.lines()
+    let code: String = text
+        .lines()
         .map(str::trim)
         .skip_while(|l| *l != start)
         .skip(1)
         .take_while(|l| *l != "// recipe end")
-        .map(String::from)
-        .collect()
+        .collect();
+    code.split_whitespace()
+        .collect::<String>()
+        .replace(",)", ")")
 }
 
 static SETTLED_WITH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
