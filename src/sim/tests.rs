@@ -686,6 +686,18 @@ fn readmitted_members_do_not_vote_before_their_admission() {
 }
 
 #[test]
+fn no_second_disk_is_lost_while_a_wiped_member_catches_up() {
+    // Regression: seed 656 (3 nodes, background flushes) wiped a second member while the first
+    // one's new incarnation was accepted but not admitted yet: two of four voters were left and
+    // no leader was ever elected again (liveness). The fault schedule now waits until the first
+    // is admitted.
+    let mut cfg = SimConfig::new(656, 3);
+    cfg.background_flushes = true;
+    let outcome = run_clean(&cfg);
+    assert!(outcome.stats.wipes > 0, "no disk was wiped");
+}
+
+#[test]
 fn caught_promoted_before_admission() {
     // A learner promoted before its log holds the record of its incarnation is a voter that
     // stays out of elections: a cluster that needs its vote never elects again.
