@@ -85,6 +85,10 @@ impl<S: Storage, R> NodeCore<S, R> {
                 other => {
                     if let EntryPayload::Membership(MembershipChange::RemoveServer(id)) = other {
                         self.observe(Observation::MemberRemoved { id: *id });
+                        // What it said of itself is of the incarnation removed: a new one under
+                        // its id says its own (recorded from older words, a new incarnation's
+                        // record went back to the lost one, simulator seed 9 on 5 nodes).
+                        self.said_info.remove(id);
                         if *id == self.raft.id() {
                             self.observe(Observation::RemovedFromCluster);
                         }

@@ -29,6 +29,11 @@ impl<S: Storage, R> NodeCore<S, R> {
             self.lifecycle_proposed_at = None;
             self.led_since = Some(self.now);
             self.last_heard.clear();
+            // Every learner asked to join (`join` is the only way in), and the leader that
+            // accepted it may have lost leadership before promoting it: the joiner does not ask
+            // again once accepted, so this leader promotes every learner once it qualifies.
+            self.promote_when_caught_up = self.raft.membership().learners.iter().copied().collect();
+            self.joined_as.clear();
             self.clock_ticked_at = Some(self.now);
             self.propose_limits_if_unset();
         } else if !is_leader && self.was_leader {
@@ -41,6 +46,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             self.lock_delays.clear();
             self.rebuild = None;
             self.promote_when_caught_up.clear();
+            self.joined_as.clear();
             self.clock_ticked_at = None;
             self.led_since = None;
             self.fail_all(

@@ -414,6 +414,10 @@ pub struct NodeCore<S: Storage, R> {
     last_heard: BTreeMap<NodeId, Micros>,
     /// Leader only: when this node became leader.
     led_since: Option<Micros>,
+    /// Leader only: the incarnation each learner asked to join as, when it asked this leader.
+    /// The replication progress this leader keeps for a learner is that incarnation's: another
+    /// incarnation under its id (its data directory wiped again) has an empty log.
+    joined_as: BTreeMap<NodeId, u64>,
 }
 
 /// Sends one of the leader's own replication messages at once, before the flush of the Ready
@@ -491,6 +495,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             recorded_at,
             last_heard: BTreeMap::new(),
             led_since: None,
+            joined_as: BTreeMap::new(),
         }
     }
 

@@ -668,6 +668,10 @@ fn lifecycle_faults_run_and_pass() {
         totals.replacements > 0 && totals.joins > 0,
         "no member was replaced"
     );
+    assert!(
+        totals.rewipes > 0,
+        "no member was wiped again while its replacement was in flight"
+    );
 }
 
 #[test]
@@ -694,6 +698,38 @@ fn no_second_disk_is_lost_while_a_wiped_member_catches_up() {
     let mut cfg = SimConfig::new(656, 3);
     cfg.background_flushes = true;
     let outcome = run_clean(&cfg);
+    assert!(outcome.stats.wipes > 0, "no disk was wiped");
+}
+
+#[test]
+fn wiped_again_members_become_voters_after_a_leader_change() {
+    // Regression: seed 22 (3 nodes) wipes node 5 twice, the second time while its replacement
+    // was in flight. Its third incarnation was accepted as a learner, and the leader lost
+    // leadership before promoting it: the list of learners to promote was the accepting
+    // leader's alone, the joiner does not ask again once accepted, and no later leader
+    // promoted it (the chaos run whose third incarnation stayed a learner for 45 s). Every
+    // new leader now promotes every learner once it qualifies.
+    let outcome = run_clean(&SimConfig::new(22, 3));
+    assert!(outcome.stats.wipes > 0, "no disk was wiped");
+}
+
+#[test]
+fn member_table_larger_than_the_proposal_room_is_filled() {
+    // Regression: seed 630 (5 nodes, room for six uncommitted entries) had seven members to
+    // record and the leader proposed none of them, ever: the wiped member's new incarnation
+    // was never recorded, so it was never admitted nor promoted. The leader now records what
+    // fits and the rest on a later round.
+    let outcome = run_clean(&SimConfig::new(630, 5));
+    assert!(outcome.stats.wipes > 0, "no disk was wiped");
+}
+
+#[test]
+fn a_removed_members_old_words_do_not_become_its_record() {
+    // Regression: seed 9 (5 nodes) wiped node 3; a node that later led still held what the
+    // lost incarnation had said of itself and recorded that incarnation again over the new
+    // one's record, so the new incarnation was never promoted. A node forgets what a member
+    // said once it applies the member's removal.
+    let outcome = run_clean(&SimConfig::new(9, 5));
     assert!(outcome.stats.wipes > 0, "no disk was wiped");
 }
 

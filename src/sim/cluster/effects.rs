@@ -216,10 +216,12 @@ impl Cluster {
                     .as_ref()
                     .is_some_and(|c| c.raft().membership().contains(gone));
                 if let Some(node) = self.nodes.get_mut(&gone).filter(|_| !again) {
-                    // Not the new incarnation of a replaced member, still asking to join.
+                    // Not the new incarnation of a replaced member, still asking to join or
+                    // to be admitted.
                     if node.retire_at.is_none()
                         && !node.decommissioned
                         && !node.joining
+                        && !node.awaiting_admission
                         && !node.undecided
                     {
                         node.retire_at = Some(self.now_us + delay);

@@ -179,7 +179,32 @@ impl Cluster {
             });
             return;
         }
-        // 2. Clients stop; what they still run completes; leases and waits run out.
+        // 2. Every member whose disk was lost is a voter again, as its newest incarnation.
+        let deadline = self.now_us + self.cfg.liveness_budget_us;
+        let mut events = 0u64;
+        while !self.members_not_back().is_empty() && self.now_us < deadline && events < 400_000 {
+            events += 1;
+            if !self.process_next_event() {
+                break;
+            }
+            self.collect_violations();
+            if !self.checker.ok() {
+                return;
+            }
+        }
+        let not_back = self.members_not_back();
+        if !not_back.is_empty() {
+            self.checker.violations.push(Violation {
+                invariant: "liveness",
+                detail: format!(
+                    "wiped members not voters again within {} ms after healing: {}",
+                    self.cfg.liveness_budget_us / 1000,
+                    not_back.join("; ")
+                ),
+            });
+            return;
+        }
+        // 3. Clients stop; what they still run completes; leases and waits run out.
         self.clients.quiet = true;
         let drain_deadline = self.now_us + 10_000_000;
         while self.clients.in_flight() > 0 && self.now_us < drain_deadline {

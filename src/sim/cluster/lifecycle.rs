@@ -113,7 +113,28 @@ impl Cluster {
     /// empty disk as a new incarnation. One at a time: no other node is still on its way back,
     /// so the other members' disks hold every committed entry. The bootstrap node, half of the
     /// time, comes back while every other node is down.
+    ///
+    /// Now and then the node on its way back loses its new disk too, while its replacement is
+    /// still in flight (a chaos run wiped a volume again before the leader had the new
+    /// incarnation as a voter, its voter list still naming the old one): losing that disk
+    /// loses nothing a quorum counts on, see [`Cluster::replacement_in_flight`].
     fn wipe_random(&mut self) {
+        if let Some(id) = self.replacement_in_flight() {
+            if self.lifecycle_rng.random_bool(0.3) {
+                self.stats.wipes += 1;
+                self.stats.rewipes += 1;
+                self.crash_node(id);
+                let incarnation = self.lifecycle_rng.random::<u64>().max(1);
+                if self.cfg.trace {
+                    eprintln!(
+                        "t={} node {id} is wiped again while its replacement is in flight",
+                        self.now_us
+                    );
+                }
+                self.lose_disk(id, incarnation, false);
+                return;
+            }
+        }
         if self.volume_on_its_way_back() {
             return;
         }
@@ -166,6 +187,7 @@ impl Cluster {
             }
         }
         self.checker.on_wipe(id);
+        self.wiped.insert(id);
         let disk = self.new_disk();
         let node = self.nodes.get_mut(&id).expect("exists");
         if let Some(old) = node.disk.replace(disk) {
@@ -308,6 +330,78 @@ impl Cluster {
                 || n.undecided
                 || (n.awaiting_admission && !n.decommissioned && n.retire_at.is_none())
         })
+    }
+
+    /// A node that lost its disk and is not a voter again yet, whose disk holds nothing a
+    /// quorum counts on: it is still asking to join (its log is empty), the bootstrap node
+    /// still deciding how to start (it is down), or no running node's configuration has it as
+    /// a voter (a learner, or removed as its old incarnation and not added again yet).
+    pub(super) fn replacement_in_flight(&self) -> Option<NodeId> {
+        self.wiped.iter().copied().find(|id| {
+            let Some(n) = self.nodes.get(id) else {
+                return false;
+            };
+            if n.decommissioned || n.retire_at.is_some() {
+                return false;
+            }
+            n.joining
+                || n.undecided
+                || !self.nodes.values().any(|o| {
+                    o.core
+                        .as_ref()
+                        .is_some_and(|c| c.raft().membership().voters.contains(id))
+                })
+        })
+    }
+
+    /// The wiped members that are not back yet: a voter in the leader's configuration, the
+    /// leader's member table recording its newest incarnation, and admitted (taking part in
+    /// elections). Each with what the leader knows of it.
+    pub(super) fn members_not_back(&self) -> Vec<String> {
+        let leader = self.leader();
+        let core = leader.and_then(|l| self.nodes[&l].core.as_ref());
+        self.wiped
+            .iter()
+            .copied()
+            .filter_map(|id| {
+                let n = self.nodes.get(&id)?;
+                if n.decommissioned || n.retire_at.is_some() {
+                    return None;
+                }
+                let Some(core) = core else {
+                    return Some(format!("node {id}: no leader"));
+                };
+                let membership = core.raft().membership();
+                let recorded = core.state_machine().members().get(&id).map(|m| m.incarnation);
+                let records = core.state_machine().cluster_version()
+                    >= crate::lock::LIFECYCLE_VERSION;
+                let back = membership.voters.contains(&id)
+                    && (!records || recorded == Some(n.incarnation))
+                    && n.core.is_some()
+                    && !n.awaiting_admission
+                    && !n.joining;
+                (!back).then(|| {
+                    format!(
+                        "node {id} (incarnation {:x}; running {}, joining {}, awaiting admission {}): \
+                         leader {} has voters {:?}, learners {:?}, records incarnation {:x?}, \
+                         progress {:?}; cluster version {}, member table {:?}, room for {} \
+                         proposals",
+                        n.incarnation,
+                        n.core.is_some(),
+                        n.joining,
+                        n.awaiting_admission,
+                        leader.unwrap_or(0),
+                        membership.voters,
+                        membership.learners,
+                        recorded,
+                        core.raft().progress(id),
+                        core.state_machine().cluster_version(),
+                        core.state_machine().members().keys().collect::<Vec<_>>(),
+                        core.raft().proposal_room(),
+                    )
+                })
+            })
+            .collect()
     }
 
     /// The configuration as node `id` (running) sees it.

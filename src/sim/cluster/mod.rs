@@ -197,6 +197,8 @@ pub struct SimStats {
     pub restarts_all: u64,
     pub wipes: u64,
     pub wipes_bootstrap_alone: u64,
+    /// Wipes of a node whose previous wipe's replacement was still in flight.
+    pub rewipes: u64,
     pub bootstrap_waits: u64,
     pub replacements: u64,
     pub joins: u64,
@@ -241,6 +243,7 @@ impl SimStats {
         self.restarts_all += other.restarts_all;
         self.wipes += other.wipes;
         self.wipes_bootstrap_alone += other.wipes_bootstrap_alone;
+        self.rewipes += other.rewipes;
         self.bootstrap_waits += other.bootstrap_waits;
         self.replacements += other.replacements;
         self.joins += other.joins;
@@ -371,6 +374,9 @@ pub struct Cluster {
     disk_rng: ChaCha8Rng,
     /// What the disks that were replaced (wiped) had counted.
     retired_disks: SimDiskStats,
+    /// Nodes whose disk was lost: each must be a voter again, as its newest incarnation, once
+    /// the network is healed (unless it was removed from the cluster since).
+    wiped: BTreeSet<NodeId>,
 }
 
 const MAX_MEMBERS: usize = 7;
@@ -412,6 +418,7 @@ impl Cluster {
             cluster_ids: BTreeSet::new(),
             disk_rng,
             retired_disks: SimDiskStats::default(),
+            wiped: BTreeSet::new(),
             healed_at: None,
             marker_done: false,
             max_inflight_appends,

@@ -202,6 +202,22 @@ impl Cluster {
         }
         if self.nodes[&id].joining && self.lifecycle_rng.random_bool(0.2) {
             self.ask_to_join(id);
+        } else if self.nodes[&id].awaiting_admission
+            && !self.nodes[&id].undecided
+            && self.lifecycle_rng.random_bool(0.02)
+        {
+            // Accepted, but its log does not hold its admission yet: it asks again now and
+            // then, as lock-node's join loop does (the leader that accepted it may have been
+            // deposed before anything it proposed committed).
+            self.ask_to_join(id);
+        } else if self.nodes[&id].retire_at.is_none()
+            && self.nodes[&id].core.is_some()
+            && self.member_again(id) == Some(false)
+            && self.lifecycle_rng.random_bool(0.02)
+        {
+            // Not in the leader's configuration and not being shut down: the entry that added
+            // it was cut back. It asks to join again, as lock-node's rejoin after a removal does.
+            self.ask_to_join(id);
         }
         let senders: BTreeSet<NodeId> = self.nodes[&id].inbox.iter().map(|m| m.from).collect();
         let said: Vec<(NodeId, crate::lock::MemberInfo)> = senders
