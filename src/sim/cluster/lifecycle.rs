@@ -318,18 +318,9 @@ impl Cluster {
         }
     }
 
-    /// A node started on a wiped disk that is not a member again yet, or not admitted yet: its
-    /// log does not hold the entry that recorded its new incarnation, so it does not vote, and
-    /// losing another disk meanwhile could leave fewer intact voters than a quorum.
-    /// (Regression: simulator seed 656, 3 nodes, background flushes — a second member's disk
-    /// was wiped while the first one's new incarnation was accepted but still catching up;
-    /// two of four voters were left, and the cluster never elected again.)
+    /// A node started on a wiped disk that is not a member again yet.
     pub(super) fn volume_on_its_way_back(&self) -> bool {
-        self.nodes.values().any(|n| {
-            n.joining
-                || n.undecided
-                || (n.awaiting_admission && !n.decommissioned && n.retire_at.is_none())
-        })
+        self.nodes.values().any(|n| n.joining || n.undecided)
     }
 
     /// A node that lost its disk and is not a voter again yet, whose disk holds nothing a
