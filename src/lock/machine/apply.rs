@@ -209,13 +209,7 @@ impl LockStateMachine {
                 lease_index,
             } => self.expire(key, *token, Some(*lease_index), events),
             Command::SetLockDelay { key, delay_ms, .. } => self.set_lock_delay(key, *delay_ms),
-            Command::EndLockDelay { key, token } => {
-                if self.cluster_version() < super::LOCK_DELAY_VERSION {
-                    Outcome::rejected(RejectCode::InvalidRequest, "needs cluster version 6")
-                } else {
-                    self.end_lock_delay(key, *token, events)
-                }
-            }
+            Command::EndLockDelay { key, token } => self.end_lock_delay(key, *token, events),
         };
         if outcome.is_recorded() {
             if let Some((client, request)) = command.dedupe_id() {

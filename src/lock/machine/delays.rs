@@ -66,11 +66,6 @@ impl LockStateMachine {
             .collect()
     }
 
-    /// Keys with a lock-delay configured or running.
-    pub fn lock_delay_count(&self) -> usize {
-        self.delays.len()
-    }
-
     /// Keys held back by a running lock-delay now.
     pub fn lock_delays_running(&self) -> usize {
         self.running_delays
@@ -160,6 +155,9 @@ impl LockStateMachine {
         token: u64,
         events: &mut Vec<Event>,
     ) -> Outcome {
+        if self.cluster_version() < LOCK_DELAY_VERSION {
+            return Outcome::rejected(RejectCode::InvalidRequest, "needs cluster version 6");
+        }
         let Some(d) = self.delays.get_mut(key) else {
             return Outcome::StaleToken { current: None };
         };
