@@ -9,6 +9,11 @@
 //!
 //! The MAC covers `raftlock-fencing-v1`, a zero byte, the key, a zero byte and the token value in
 //! decimal: keys cannot contain a zero byte, so no two (key, value) pairs share an input.
+//!
+//! The MAC also covers the token's *mode*, what its holder was granted: a lock's token (the
+//! input above, unchanged since the first release) or an election leader's term (the input
+//! above followed by a zero byte and `leader`). A value in decimal never contains a zero byte,
+//! so a leader's MAC never verifies as a lock's, nor a lock's as a leader's.
 
 use std::path::Path;
 
@@ -17,6 +22,35 @@ use sha2::Sha256;
 use subtle::ConstantTimeEq;
 
 const DOMAIN: &[u8] = b"raftlock-fencing-v1";
+
+/// What a fencing token was granted for; the MAC covers it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum TokenMode {
+    /// The holder of a lock (exclusive).
+    #[default]
+    Lock,
+    /// The leader of an election, for the term the token numbers.
+    Leader,
+}
+
+impl TokenMode {
+    /// The mode's name on the wire (`"lock"`, `"leader"`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TokenMode::Lock => "lock",
+            TokenMode::Leader => "leader",
+        }
+    }
+
+    /// The mode named `name` on the wire.
+    pub fn parse(name: &str) -> Option<TokenMode> {
+        match name {
+            "lock" => Some(TokenMode::Lock),
+            "leader" => Some(TokenMode::Leader),
+            _ => None,
+        }
+    }
+}
 /// Shortest secret accepted, in bytes.
 pub const MIN_KEY_BYTES: usize = 16;
 
@@ -70,6 +104,11 @@ impl FencingKey {
 
     /// The MAC of token `value` for lock `key`, as 64 lowercase hex digits.
     pub fn mac(&self, key: &str, value: u64) -> String {
+        self.mac_mode(TokenMode::Lock, key, value)
+    }
+
+    /// The MAC of token `value` of `key` granted in `mode`, as 64 lowercase hex digits.
+    pub fn mac_mode(&self, mode: TokenMode, key: &str, value: u64) -> String {
         let mut mac =
             <Hmac<Sha256> as Mac>::new_from_slice(&self.secret).expect("HMAC takes any key");
         mac.update(DOMAIN);
@@ -77,6 +116,10 @@ impl FencingKey {
         mac.update(key.as_bytes());
         mac.update(&[0]);
         mac.update(value.to_string().as_bytes());
+        if mode != TokenMode::Lock {
+            mac.update(&[0]);
+            mac.update(mode.as_str().as_bytes());
+        }
         let digest = mac.finalize().into_bytes();
         let mut out = String::with_capacity(64);
         for b in digest {
@@ -88,7 +131,12 @@ impl FencingKey {
 
     /// Whether `mac` is this key's MAC of (`key`, `value`); compared in constant time.
     pub fn verify(&self, key: &str, value: u64, mac: &str) -> bool {
-        let expected = self.mac(key, value);
+        self.verify_mode(TokenMode::Lock, key, value, mac)
+    }
+
+    /// Whether `mac` is this key's MAC of (`key`, `value`) granted in `mode`.
+    pub fn verify_mode(&self, mode: TokenMode, key: &str, value: u64, mac: &str) -> bool {
+        let expected = self.mac_mode(mode, key, value);
         let presented = mac.trim().to_ascii_lowercase();
         bool::from(expected.as_bytes().ct_eq(presented.as_bytes()))
     }
@@ -111,6 +159,16 @@ mod tests {
         assert!(!k.verify("orders", 42, &mac[..63]));
         let other = FencingKey::new(b"another-secret-of-20").unwrap();
         assert!(!other.verify("orders", 42, &mac));
+        // The mode is covered: a leader's MAC is not a lock's, and the other way round.
+        let leader = k.mac_mode(TokenMode::Leader, "orders", 42);
+        assert_ne!(leader, mac);
+        assert!(k.verify_mode(TokenMode::Leader, "orders", 42, &leader));
+        assert!(!k.verify_mode(TokenMode::Leader, "orders", 42, &mac));
+        assert!(!k.verify("orders", 42, &leader));
+        assert!(!k.verify_mode(TokenMode::Leader, "orders", 43, &leader));
+        assert_eq!(TokenMode::parse("leader"), Some(TokenMode::Leader));
+        assert_eq!(TokenMode::parse(TokenMode::Lock.as_str()), Some(TokenMode::Lock));
+        assert_eq!(TokenMode::parse("writer"), None);
         // Key and value are separated: ("a1", 2) and ("a", 12) differ.
         assert_ne!(k.mac("a1", 2), k.mac("a", 12));
     }

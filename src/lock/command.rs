@@ -150,6 +150,28 @@ pub enum Command {
     /// `token` expired, has run for its length on the leader's clock (needs cluster version 6).
     /// Applies only while that delay runs; the next waiter is granted in the same apply.
     EndLockDelay { key: String, token: u64 },
+    /// Campaign to lead the election `key` (needs cluster version 7): an [`Command::Acquire`] of
+    /// the election's lock that also carries the value the candidate proclaims once elected. The
+    /// leader is the election lock's holder; its fencing token is the election's term. A key is
+    /// either an election or a plain lock while it is in use: an `Acquire` of an election key,
+    /// or a `Campaign` on a key held or awaited as a plain lock, is refused.
+    Campaign {
+        key: String,
+        client_id: String,
+        request_id: String,
+        ttl_ms: u64,
+        wait_timeout_ms: Option<u64>,
+        value: Vec<u8>,
+    },
+    /// The elected leader of `key` (holder of `token`) sets the value the election shows
+    /// (needs cluster version 7). Resigning is a [`Command::Release`] of the election's token.
+    Proclaim {
+        key: String,
+        client_id: String,
+        request_id: String,
+        token: FencingToken,
+        value: Vec<u8>,
+    },
     /// A client request that acknowledges earlier answers (needs cluster version 3). Its
     /// `command`'s request id is the request's sequence number in its client's session (decimal,
     /// from 1), and `ack_below` says the client has the answer of every request of its session
@@ -165,6 +187,16 @@ pub enum Command {
         ack_below: u64,
         command: Box<Command>,
     },
+}
+
+/// The fields of an acquire ([`Command::as_acquire`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AcquireParts<'a> {
+    pub key: &'a String,
+    pub client_id: &'a String,
+    pub request_id: &'a String,
+    pub ttl_ms: u64,
+    pub wait_timeout_ms: Option<u64>,
 }
 
 /// Why bytes could not be turned into a command, a snapshot or a state machine.
@@ -219,7 +251,9 @@ impl Command {
             | Command::Expire { key, .. }
             | Command::ExpireLease { key, .. }
             | Command::SetLockDelay { key, .. }
-            | Command::EndLockDelay { key, .. } => key,
+            | Command::EndLockDelay { key, .. }
+            | Command::Campaign { key, .. }
+            | Command::Proclaim { key, .. } => key,
             Command::SetLimits { .. }
             | Command::SetLimitsV1 { .. }
             | Command::Tick { .. }
@@ -228,6 +262,35 @@ impl Command {
             | Command::SetMember { .. }
             | Command::SetQuotas { .. } => "",
             Command::Sequenced { command, .. } => command.key(),
+        }
+    }
+
+    /// The acquire this command is, if it is one (an [`Command::Acquire`] or a
+    /// [`Command::Campaign`]): what waits in a key's queue and is granted a lease.
+    pub fn as_acquire(&self) -> Option<AcquireParts<'_>> {
+        match self {
+            Command::Acquire {
+                key,
+                client_id,
+                request_id,
+                ttl_ms,
+                wait_timeout_ms,
+            }
+            | Command::Campaign {
+                key,
+                client_id,
+                request_id,
+                ttl_ms,
+                wait_timeout_ms,
+                ..
+            } => Some(AcquireParts {
+                key,
+                client_id,
+                request_id,
+                ttl_ms: *ttl_ms,
+                wait_timeout_ms: *wait_timeout_ms,
+            }),
+            _ => None,
         }
     }
 
@@ -274,6 +337,16 @@ impl Command {
                 ..
             }
             | Command::SetLockDelay {
+                client_id,
+                request_id,
+                ..
+            }
+            | Command::Campaign {
+                client_id,
+                request_id,
+                ..
+            }
+            | Command::Proclaim {
                 client_id,
                 request_id,
                 ..
@@ -409,6 +482,24 @@ mod tests {
             Command::EndLockDelay {
                 key: "orders".into(),
                 token: 17,
+            },
+            Command::Campaign {
+                key: "shard-3".into(),
+                client_id: "worker-7".into(),
+                request_id: "c-1".into(),
+                ttl_ms: 10_000,
+                wait_timeout_ms: None,
+                value: b"10.0.0.7:8080".to_vec(),
+            },
+            Command::Proclaim {
+                key: "shard-3".into(),
+                client_id: "worker-7".into(),
+                request_id: "c-2".into(),
+                token: FencingToken {
+                    key: "shard-3".into(),
+                    value: 18,
+                },
+                value: b"10.0.0.7:9090".to_vec(),
             },
             Command::Sequenced {
                 ack_below: 6,

@@ -74,6 +74,8 @@ pub enum Outcome {
     LockDelaySet { delay_ms: u64 },
     /// The key's running lock-delay ended (and the next waiter, if any, was granted).
     LockDelayEnded,
+    /// *Recorded.* The election's leader (holder of `token`) now shows the proclaimed value.
+    Proclaimed { token: FencingToken },
     /// Input beyond a limit or invalid; nothing changed.
     Rejected { code: RejectCode, message: String },
 }
@@ -93,6 +95,7 @@ impl Outcome {
                 | Outcome::Stored
                 | Outcome::Deleted { .. }
                 | Outcome::LockDelaySet { .. }
+                | Outcome::Proclaimed { .. }
         )
     }
 
@@ -157,6 +160,14 @@ pub enum Event {
     },
     /// The lock-delay that started when `token` expired ended.
     LockDelayEnded { key: String, token: u64 },
+    /// The election `token.key` shows `value` for its leader, the holder of `token`: the
+    /// candidate's campaign value when it is elected (in the same apply as its grant), or the
+    /// value the leader proclaimed.
+    Proclaimed {
+        client_id: String,
+        token: FencingToken,
+        value: Vec<u8>,
+    },
     /// A waiter left the queue without being granted (`CancelWait`: timeout, disconnect, or the
     /// client's own cancel).
     WaiterRemoved {

@@ -67,7 +67,12 @@ struct Model {
     /// Lock-delays by key: the configured length and the token whose expiry started the delay
     /// running now.
     delays: BTreeMap<String, (u64, Option<u64>)>,
+    /// Elections by key: the leader's value and the queued candidates' (client, request,
+    /// value), in queue order.
+    elections: BTreeMap<String, MElection>,
 }
+
+type MElection = (Option<Vec<u8>>, Vec<(String, String, Vec<u8>)>);
 
 impl Model {
     fn new(limits: Limits) -> Self {
@@ -207,6 +212,9 @@ impl Model {
             Some(d) if d.0 > 0 => {
                 d.1 = Some(token);
                 self.holders.remove(key);
+                if let Some(e) = self.elections.get_mut(key) {
+                    e.0 = None;
+                }
             }
             _ => self.hand_off(key),
         }
@@ -215,6 +223,18 @@ impl Model {
     fn hand_off(&mut self, key: &str) {
         self.holders.remove(key);
         let next = self.queues.get_mut(key).and_then(VecDeque::pop_front);
+        if let Some(e) = self.elections.get_mut(key) {
+            e.0 = None;
+            if let Some(w) = &next {
+                if let Some(at) = e
+                    .1
+                    .iter()
+                    .position(|c| c.0 == w.client && c.1 == w.request)
+                {
+                    e.0 = Some(e.1.remove(at).2);
+                }
+            }
+        }
         if let Some(w) = next {
             self.seq += 1;
             self.holders.insert(
@@ -248,7 +268,106 @@ impl Model {
         }
     }
 
+    /// An acquire of `key` (a plain one, or a campaign's).
+    fn acquire(
+        &mut self,
+        key: &String,
+        client_id: &String,
+        request_id: &String,
+        ttl_ms: u64,
+        wait_timeout_ms: Option<u64>,
+    ) -> Outcome {
+        match self.holders.get(key) {
+            None if self.delay_running(key).is_none() => {
+                if self.keys_in_use() >= self.limits.locks_held_max {
+                    return Outcome::Rejected {
+                        code: RejectCode::LimitReached,
+                        message: String::new(),
+                    };
+                }
+                self.seq += 1;
+                self.holders.insert(
+                    key.clone(),
+                    MHolder {
+                        client: client_id.clone(),
+                        token: self.seq,
+                        ttl: ttl_ms,
+                        since: self.index,
+                    },
+                );
+                Outcome::Granted {
+                    token: FencingToken {
+                        key: key.clone(),
+                        value: self.seq,
+                    },
+                    ttl_ms,
+                }
+            }
+            Some(h) if &h.client == client_id => Outcome::AlreadyHeld {
+                token: FencingToken {
+                    key: key.clone(),
+                    value: h.token,
+                },
+                ttl_ms: h.ttl,
+            },
+            _ => {
+                // Held, or free while its lock-delay runs.
+                let idle = self.queues.get(key).is_none_or(VecDeque::is_empty);
+                if !self.holders.contains_key(key)
+                    && idle
+                    && self.keys_in_use() >= self.limits.locks_held_max
+                {
+                    return Outcome::Rejected {
+                        code: RejectCode::LimitReached,
+                        message: String::new(),
+                    };
+                }
+                let q = self.queues.entry(key.clone()).or_default();
+                if let Some(p) = q.iter().position(|w| &w.client == client_id) {
+                    return Outcome::AlreadyQueued {
+                        position: p as u32 + 1,
+                    };
+                }
+                if wait_timeout_ms == Some(0) {
+                    return Outcome::Busy;
+                }
+                if q.len() >= self.limits.waiters_per_key_max {
+                    return Outcome::Rejected {
+                        code: RejectCode::QueueFull,
+                        message: String::new(),
+                    };
+                }
+                q.push_back(MWaiter {
+                    client: client_id.clone(),
+                    request: request_id.clone(),
+                    ttl: ttl_ms,
+                });
+                Outcome::Queued {
+                    position: q.len() as u32,
+                }
+            }
+        }
+    }
+
     fn apply(&mut self, cmd: &Command) -> Outcome {
+        let out = self.apply_command(cmd);
+        // An election lasts while someone leads or campaigns.
+        let unused: Vec<String> = self
+            .elections
+            .keys()
+            .filter(|k| {
+                !self.holders.contains_key(*k)
+                    && self.queues.get(*k).is_none_or(VecDeque::is_empty)
+            })
+            .cloned()
+            .collect();
+        for k in unused {
+            self.elections.remove(&k);
+        }
+        out
+    }
+
+    fn apply_command(&mut self, cmd: &Command) -> Outcome {
         self.index += 1;
         // Inputs in these tests are always within the size limits; see the targeted tests.
         if let Some((client, request)) = ids(cmd) {
@@ -281,76 +400,72 @@ impl Model {
                 request_id,
                 ttl_ms,
                 wait_timeout_ms,
-            } => match self.holders.get(key) {
-                None if self.delay_running(key).is_none() => {
-                    if self.keys_in_use() >= self.limits.locks_held_max {
-                        return Outcome::Rejected {
-                            code: RejectCode::LimitReached,
-                            message: String::new(),
-                        };
+            } => {
+                if self.elections.contains_key(key) {
+                    return Outcome::Rejected {
+                        code: RejectCode::InvalidRequest,
+                        message: String::new(),
+                    };
+                }
+                self.acquire(key, client_id, request_id, *ttl_ms, *wait_timeout_ms)
+            }
+            Command::Campaign {
+                key,
+                client_id,
+                request_id,
+                ttl_ms,
+                wait_timeout_ms,
+                value,
+            } => {
+                let in_use = self.holders.contains_key(key)
+                    || self.queues.get(key).is_some_and(|q| !q.is_empty());
+                if self.version < 7 || (in_use && !self.elections.contains_key(key)) {
+                    return Outcome::Rejected {
+                        code: RejectCode::InvalidRequest,
+                        message: String::new(),
+                    };
+                }
+                let out = self.acquire(key, client_id, request_id, *ttl_ms, *wait_timeout_ms);
+                match &out {
+                    Outcome::Granted { .. } => {
+                        self.elections.entry(key.clone()).or_default().0 = Some(value.clone());
                     }
-                    self.seq += 1;
-                    self.holders.insert(
-                        key.clone(),
-                        MHolder {
-                            client: client_id.clone(),
-                            token: self.seq,
-                            ttl: *ttl_ms,
-                            since: self.index,
-                        },
-                    );
-                    Outcome::Granted {
-                        token: FencingToken {
-                            key: key.clone(),
-                            value: self.seq,
-                        },
-                        ttl_ms: *ttl_ms,
+                    Outcome::Queued { .. } => {
+                        self.elections.entry(key.clone()).or_default().1.push((
+                            client_id.clone(),
+                            request_id.clone(),
+                            value.clone(),
+                        ));
+                    }
+                    _ => {}
+                }
+                out
+            }
+            Command::Proclaim {
+                key,
+                client_id,
+                token,
+                value,
+                ..
+            } => {
+                if self.version < 7 || !self.elections.contains_key(key) {
+                    return Outcome::Rejected {
+                        code: RejectCode::InvalidRequest,
+                        message: String::new(),
+                    };
+                }
+                match self.holder_check(key, client_id, token.value) {
+                    Some(refusal) => refusal,
+                    None => {
+                        if let Some(e) = self.elections.get_mut(key) {
+                            e.0 = Some(value.clone());
+                        }
+                        Outcome::Proclaimed {
+                            token: token.clone(),
+                        }
                     }
                 }
-                Some(h) if &h.client == client_id => Outcome::AlreadyHeld {
-                    token: FencingToken {
-                        key: key.clone(),
-                        value: h.token,
-                    },
-                    ttl_ms: h.ttl,
-                },
-                _ => {
-                    // Held, or free while its lock-delay runs.
-                    let idle = self.queues.get(key).is_none_or(VecDeque::is_empty);
-                    if !self.holders.contains_key(key)
-                        && idle
-                        && self.keys_in_use() >= self.limits.locks_held_max
-                    {
-                        return Outcome::Rejected {
-                            code: RejectCode::LimitReached,
-                            message: String::new(),
-                        };
-                    }
-                    let q = self.queues.entry(key.clone()).or_default();
-                    if let Some(p) = q.iter().position(|w| &w.client == client_id) {
-                        return Outcome::AlreadyQueued {
-                            position: p as u32 + 1,
-                        };
-                    }
-                    if *wait_timeout_ms == Some(0) {
-                        return Outcome::Busy;
-                    }
-                    if q.len() >= self.limits.waiters_per_key_max {
-                        return Outcome::Rejected {
-                            code: RejectCode::QueueFull,
-                            message: String::new(),
-                        };
-                    }
-                    q.push_back(MWaiter {
-                        client: client_id.clone(),
-                        request: request_id.clone(),
-                        ttl: *ttl_ms,
-                    });
-                    Outcome::Queued {
-                        position: q.len() as u32,
-                    }
-                }
-            },
+            }
             Command::Release {
                 key,
                 client_id,
@@ -393,6 +508,9 @@ impl Model {
                 };
                 if let Some(q) = self.queues.get_mut(key) {
                     q.remove(pos as usize - 1);
+                }
+                if let Some(e) = self.elections.get_mut(key) {
+                    e.1.retain(|c| !(&c.0 == client_id && &c.1 == request_id));
                 }
                 self.rewrite(client_id, request_id, Outcome::WaitCancelled);
                 Outcome::WaitCancelled
@@ -578,6 +696,16 @@ fn ids(cmd: &Command) -> Option<(&str, &str)> {
             client_id,
             request_id,
             ..
+        }
+        | Command::Campaign {
+            client_id,
+            request_id,
+            ..
+        }
+        | Command::Proclaim {
+            client_id,
+            request_id,
+            ..
         } if !request_id.is_empty() => Some((client_id, request_id)),
         _ => None,
     }
@@ -597,6 +725,8 @@ fn model_op(cmd: &Command) -> ModelOp {
         Command::Put { .. } => "put",
         Command::Delete { .. } => "delete",
         Command::SetLockDelay { .. } => "lock_delay",
+        Command::Campaign { .. } => "campaign",
+        Command::Proclaim { .. } => "proclaim",
         Command::Expire { .. }
         | Command::EndLockDelay { .. }
         | Command::ExpireLease { .. }
@@ -634,7 +764,7 @@ fn random_command(rng: &mut Rng, seq: u64) -> Command {
     let client_id = rng.pick(CLIENTS).to_string();
     let request_id = format!("r{}", rng.below(12));
     let token = |rng: &mut Rng| seq.saturating_sub(rng.below(4)) + rng.below(2);
-    match rng.below(125) {
+    match rng.below(145) {
         0..=34 => Command::Acquire {
             key,
             client_id,
@@ -713,6 +843,31 @@ fn random_command(rng: &mut Rng, seq: u64) -> Command {
             key,
             token: token(rng),
         },
+        // Elections on the same keys as the locks: the version that has them, campaigns
+        // (refused on a key in use as a lock), proclaims with current, stale and made-up terms.
+        125..=126 => Command::SetClusterVersion { version: 7 },
+        127..=136 => Command::Campaign {
+            key,
+            client_id,
+            request_id,
+            ttl_ms: 1 + rng.below(3) * 1000,
+            wait_timeout_ms: match rng.below(3) {
+                0 => None,
+                1 => Some(0),
+                _ => Some(500),
+            },
+            value: format!("v{}", rng.below(100)).into_bytes(),
+        },
+        137..=143 => Command::Proclaim {
+            token: FencingToken {
+                key: key.clone(),
+                value: token(rng),
+            },
+            key,
+            client_id,
+            request_id,
+            value: format!("p{}", rng.below(100)).into_bytes(),
+        },
         // The log clock moves (occasionally by more than one tick may carry).
         _ => Command::Tick {
             elapsed_ms: rng.below(3_000) + if rng.below(10) == 0 { 20_000 } else { 0 },
@@ -775,7 +930,9 @@ fn observe_model(m: &Model) -> Observed {
 
 /// Runs one random sequence against the model; returns how many requests a session or table
 /// bound refused and how many sessions ticks closed (so the caller can check both happened).
-fn run_model_case(seed: u64, steps: usize) -> (usize, usize, usize) {
+fn run_model_case(seed: u64, steps: usize) -> (usize, usize, usize, usize, usize) {
+    let mut proclaims = 0;
+    let mut led = 0;
     let mut refused = 0;
     let mut closed = 0;
     let mut delays_ended = 0;
@@ -798,7 +955,31 @@ fn run_model_case(seed: u64, steps: usize) -> (usize, usize, usize) {
             );
             history.push("-- snapshot/restore".into());
         }
-        let cmd = random_command(&mut rng, model.seq);
+        let mut cmd = random_command(&mut rng, model.seq);
+        // Half the proclaims come from a leader, with its term and a new request id.
+        if let Command::Proclaim {
+            key,
+            client_id,
+            request_id,
+            token,
+            ..
+        } = &mut cmd
+        {
+            let led: Vec<&String> = model
+                .elections
+                .keys()
+                .filter(|k| model.holders.contains_key(*k))
+                .collect();
+            if !led.is_empty() && rng.below(2) == 0 {
+                let k = led[rng.below(led.len() as u64) as usize].clone();
+                let h = &model.holders[&k];
+                *client_id = h.client.clone();
+                *request_id = format!("p{step}");
+                token.value = h.token;
+                token.key = k.clone();
+                *key = k;
+            }
+        }
         let index = step as u64 + 1;
         let sessions_before = sm.session_count();
         let got = normalize(sm.apply(index, &cmd).outcome);
@@ -869,6 +1050,26 @@ fn run_model_case(seed: u64, steps: usize) -> (usize, usize, usize) {
                 tail()
             );
         }
+        for k in KEYS {
+            let election = sm.election(k).map(|e| (e.value, e.candidates));
+            let modelled = model.elections.get(*k).map(|e| (e.0.clone(), e.1.len()));
+            assert_eq!(
+                election,
+                modelled,
+                "seed {seed} step {step}: election {k}\nlast commands:\n{}",
+                tail()
+            );
+            if let Some(Some((client, term))) = sm.election(k).map(|e| e.leader) {
+                let holder = model.holders.get(*k).map(|h| (h.client.clone(), h.token));
+                assert_eq!(Some((client, term)), holder, "seed {seed} step {step}");
+            }
+        }
+        if matches!(got, Outcome::Proclaimed { .. }) {
+            proclaims += 1;
+        }
+        if model.elections.values().any(|e| e.0.is_some()) {
+            led += 1;
+        }
         for k in ["d0", "d1", "d2"] {
             assert_eq!(
                 sm.get(k),
@@ -877,18 +1078,24 @@ fn run_model_case(seed: u64, steps: usize) -> (usize, usize, usize) {
             );
         }
     }
-    (refused, closed, delays_ended)
+    (refused, closed, delays_ended, proclaims, led)
 }
 
 #[test]
 fn model_based_random_sequences() {
     let (mut refused, mut closed, mut delays_ended) = (0, 0, 0);
+    let (mut proclaims, mut led) = (0, 0);
     for seed in 0..400 {
-        let (r, c, d) = run_model_case(seed, 300);
+        let (r, c, d, p, l) = run_model_case(seed, 300);
         refused += r;
         closed += c;
         delays_ended += d;
+        proclaims += p;
+        led += l;
     }
+    // Elections are led (steps with a leader showing a value) and leaders proclaim.
+    assert!(led > 5_000, "only {led} steps had an elected leader");
+    assert!(proclaims > 100, "only {proclaims} proclaims applied");
     // Lock-delays start on expiries and the leader's end hands the key on.
     assert!(delays_ended > 50, "only {delays_ended} lock-delays ended");
     // The runs reach the session bounds and close idle sessions (small limits make them).

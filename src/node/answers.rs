@@ -24,11 +24,13 @@ impl<S: Storage, R> NodeCore<S, R> {
                         token: token.clone(),
                         expires_in_ms: *ttl_ms,
                         queued: None,
+                        leader: self.sm.is_election(&token.key),
                     },
                 ),
                 Event::Expired { .. }
                 | Event::LockDelayStarted { .. }
-                | Event::LockDelayEnded { .. } => {}
+                | Event::LockDelayEnded { .. }
+                | Event::Proclaimed { .. } => {}
                 Event::WaiterRemoved {
                     client_id,
                     request_id,
@@ -58,9 +60,11 @@ impl<S: Storage, R> NodeCore<S, R> {
                 token,
                 expires_in_ms,
                 queued: None,
+                leader,
             } => ClientReply::Granted {
                 token,
                 expires_in_ms,
+                leader,
                 queued: Some(QueuedInfo {
                     position: waiting.position,
                     waited_ms: self.now.saturating_sub(waiting.enqueued) / MS,
@@ -130,6 +134,7 @@ impl<S: Storage, R> NodeCore<S, R> {
     pub(super) fn answer(&mut self, command: &Command, outcome: Outcome, mut pending: Pending<R>) {
         let reply = match outcome {
             Outcome::Granted { token, ttl_ms } => ClientReply::Granted {
+                leader: matches!(command.request(), Command::Campaign { .. }),
                 token,
                 expires_in_ms: ttl_ms,
                 queued: None,
@@ -147,12 +152,12 @@ impl<S: Storage, R> NodeCore<S, R> {
                 ClientReply::Error(err)
             }
             Outcome::Queued { position } | Outcome::AlreadyQueued { position } => {
-                let Command::Acquire {
+                let Some(crate::lock::AcquireParts {
                     key,
                     client_id,
                     request_id,
                     ..
-                } = command
+                }) = command.as_acquire()
                 else {
                     return;
                 };
@@ -192,6 +197,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             ),
             Outcome::Released => ClientReply::Released,
             Outcome::Renewed { token, ttl_ms } => ClientReply::Renewed {
+                leader: self.sm.is_election(&token.key),
                 token,
                 expires_in_ms: ttl_ms,
             },
@@ -213,6 +219,7 @@ impl<S: Storage, R> NodeCore<S, R> {
                 return
             }
             Outcome::LockDelaySet { delay_ms } => ClientReply::LockDelaySet { delay_ms },
+            Outcome::Proclaimed { token } => ClientReply::Proclaimed { token },
             Outcome::Stored => ClientReply::Stored,
             Outcome::Deleted { existed } => ClientReply::Deleted { existed },
             Outcome::GuardRejected { current } => ClientReply::error(

@@ -164,6 +164,26 @@ pub enum ClientOp {
         client_id: String,
         request_id: String,
     },
+    /// Campaigns to lead the election `key`: an acquire of the election's lock that shows
+    /// `value` once elected. Answered like an acquire (granted: elected, with the term's token).
+    Campaign {
+        key: String,
+        client_id: String,
+        request_id: String,
+        ttl_ms: u64,
+        wait_timeout_ms: Option<u64>,
+        value: Vec<u8>,
+    },
+    /// The leader of election `key` (holder of `token`) shows `value`.
+    Proclaim {
+        key: String,
+        client_id: String,
+        request_id: String,
+        token: u64,
+        value: Vec<u8>,
+    },
+    /// Linearizable read of election `key`: its leader, term and value (ReadIndex).
+    Leader { key: String },
 }
 
 /// What a client operation does to the exactly-once table (see `node::pacing`).
@@ -202,7 +222,10 @@ impl ClientOp {
             return Ok(op);
         };
         match op {
-            ClientOp::CancelWait { .. } | ClientOp::Get { .. } | ClientOp::Sequenced { .. } => {
+            ClientOp::CancelWait { .. }
+            | ClientOp::Get { .. }
+            | ClientOp::Leader { .. }
+            | ClientOp::Sequenced { .. } => {
                 Err(ApiError::new(
                     ErrorCode::InvalidRequest,
                     "ackBelow is for acquires, releases, renewals, puts and deletes",
@@ -227,6 +250,7 @@ impl ClientOp {
             | ClientOp::Put { request_id, .. }
             | ClientOp::Delete { request_id, .. }
             | ClientOp::SetLockDelay { request_id, .. }
+            | ClientOp::Campaign { request_id, .. }
                 if !request_id.is_empty() =>
             {
                 AnswerKind::Starts
@@ -234,6 +258,7 @@ impl ClientOp {
             ClientOp::Release { request_id, .. }
             | ClientOp::ReleaseHeld { request_id, .. }
             | ClientOp::Renew { request_id, .. }
+            | ClientOp::Proclaim { request_id, .. }
                 if !request_id.is_empty() =>
             {
                 AnswerKind::Ends
@@ -251,6 +276,9 @@ impl ClientOp {
             ClientOp::Put { .. } => "put",
             ClientOp::Delete { .. } => "delete",
             ClientOp::SetLockDelay { .. } => "set_lock_delay",
+            ClientOp::Campaign { .. } => "campaign",
+            ClientOp::Proclaim { .. } => "proclaim",
+            ClientOp::Leader { .. } => "leader",
             ClientOp::Get { .. } | ClientOp::Sequenced { .. } => "get",
         }
     }
@@ -265,6 +293,9 @@ impl ClientOp {
             ClientOp::Put { .. } => "kv.put",
             ClientOp::Delete { .. } => "kv.delete",
             ClientOp::SetLockDelay { .. } => "lock.set_lock_delay",
+            ClientOp::Campaign { .. } => "election.campaign",
+            ClientOp::Proclaim { .. } => "election.proclaim",
+            ClientOp::Leader { .. } => "election.leader",
             ClientOp::Get { .. } | ClientOp::Sequenced { .. } => "kv.get",
         }
     }
@@ -279,8 +310,10 @@ impl ClientOp {
             | ClientOp::CancelWait { client_id, .. }
             | ClientOp::Put { client_id, .. }
             | ClientOp::Delete { client_id, .. }
-            | ClientOp::SetLockDelay { client_id, .. } => client_id,
-            ClientOp::Get { .. } | ClientOp::Sequenced { .. } => "",
+            | ClientOp::SetLockDelay { client_id, .. }
+            | ClientOp::Campaign { client_id, .. }
+            | ClientOp::Proclaim { client_id, .. } => client_id,
+            ClientOp::Get { .. } | ClientOp::Leader { .. } | ClientOp::Sequenced { .. } => "",
         }
     }
 
@@ -294,8 +327,10 @@ impl ClientOp {
             | ClientOp::CancelWait { client_id, .. }
             | ClientOp::Put { client_id, .. }
             | ClientOp::Delete { client_id, .. }
-            | ClientOp::SetLockDelay { client_id, .. } => Some(client_id),
-            ClientOp::Get { .. } | ClientOp::Sequenced { .. } => None,
+            | ClientOp::SetLockDelay { client_id, .. }
+            | ClientOp::Campaign { client_id, .. }
+            | ClientOp::Proclaim { client_id, .. } => Some(client_id),
+            ClientOp::Get { .. } | ClientOp::Leader { .. } | ClientOp::Sequenced { .. } => None,
         }
     }
 
@@ -309,8 +344,10 @@ impl ClientOp {
             | ClientOp::CancelWait { request_id, .. }
             | ClientOp::Put { request_id, .. }
             | ClientOp::Delete { request_id, .. }
-            | ClientOp::SetLockDelay { request_id, .. } => request_id,
-            ClientOp::Get { .. } | ClientOp::Sequenced { .. } => "",
+            | ClientOp::SetLockDelay { request_id, .. }
+            | ClientOp::Campaign { request_id, .. }
+            | ClientOp::Proclaim { request_id, .. } => request_id,
+            ClientOp::Get { .. } | ClientOp::Leader { .. } | ClientOp::Sequenced { .. } => "",
         }
     }
 
@@ -324,7 +361,10 @@ impl ClientOp {
             | ClientOp::Put { key, .. }
             | ClientOp::Delete { key, .. }
             | ClientOp::SetLockDelay { key, .. }
-            | ClientOp::Get { key } => key,
+            | ClientOp::Campaign { key, .. }
+            | ClientOp::Proclaim { key, .. }
+            | ClientOp::Get { key }
+            | ClientOp::Leader { key } => key,
             ClientOp::Sequenced { .. } => "",
         }
     }
@@ -349,11 +389,17 @@ pub enum ClientReply {
         /// nodes neither send nor expect it).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         queued: Option<QueuedInfo>,
+        /// The grant makes the client an election's leader (the token is its term).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        leader: bool,
     },
     Released,
     Renewed {
         token: FencingToken,
         expires_in_ms: u64,
+        /// The renewed lease is an election leader's.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        leader: bool,
     },
     WaitCancelled,
     Stored,
@@ -365,6 +411,18 @@ pub enum ClientReply {
     /// The key's lock-delay is now `delay_ms` (0: none).
     LockDelaySet {
         delay_ms: u64,
+    },
+    /// The election's leader (the holder of `token`) now shows the proclaimed value.
+    Proclaimed {
+        token: FencingToken,
+    },
+    /// Election `key` as of the read: its leader's client id, term (fencing token) and value;
+    /// all `None` while no one leads.
+    Leader {
+        leader: Option<String>,
+        token: Option<FencingToken>,
+        value: Option<Vec<u8>>,
+        candidates: u32,
     },
 }
 
@@ -383,6 +441,8 @@ impl ClientReply {
             ClientReply::Stored | ClientReply::Deleted { .. } => "stored",
             ClientReply::Value(_) => "read",
             ClientReply::LockDelaySet { .. } => "stored",
+            ClientReply::Proclaimed { .. } => "proclaimed",
+            ClientReply::Leader { .. } => "read",
             ClientReply::Error(e) => e.code.as_str(),
         }
     }

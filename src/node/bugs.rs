@@ -40,6 +40,11 @@ pub struct NodeBugs {
     /// A new leader ends the lock-delays it inherits at once instead of timing each again in
     /// full from its election (it cannot know when the old leader started them).
     pub lock_delay_not_restarted_after_election: bool,
+    /// The state machine applies a proclaim without checking that its token leads the election.
+    pub proclaim_skips_holder_check: bool,
+    /// A candidate elected by a hand-off shows the first queued candidate's campaign value
+    /// instead of its own.
+    pub elected_with_first_candidate_value: bool,
 }
 
 impl NodeBugs {
@@ -62,9 +67,23 @@ impl NodeBugs {
             "lock_delay_not_restarted_after_election" => {
                 bugs.lock_delay_not_restarted_after_election = true
             }
+            "proclaim_skips_holder_check" => bugs.proclaim_skips_holder_check = true,
+            "elected_with_first_candidate_value" => {
+                bugs.elected_with_first_candidate_value = true
+            }
             _ => return None,
         }
         Some(bugs)
+    }
+}
+
+impl NodeBugs {
+    /// The state machine's part of these bugs.
+    pub fn machine(&self) -> crate::lock::MachineBugs {
+        crate::lock::MachineBugs {
+            proclaim_skips_holder_check: self.proclaim_skips_holder_check,
+            elected_with_first_candidate_value: self.elected_with_first_candidate_value,
+        }
     }
 }
 

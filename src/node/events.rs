@@ -24,6 +24,9 @@ pub enum LockEventKind {
     Renewed,
     /// `client`'s queued wait ended without a grant (cancelled, timed out, disconnected).
     Cancelled,
+    /// The election's leader (holder of `token`) shows `value`: elected with its campaign
+    /// value, or a value it proclaimed.
+    Proclaimed,
 }
 
 /// One event on one lock.
@@ -39,6 +42,9 @@ pub struct LockEvent {
     pub token: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub position: Option<u32>,
+    /// The election's value (`proclaimed` events; UTF-8, invalid bytes replaced).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub value: Option<String>,
 }
 
 /// The events of one applied command.
@@ -55,15 +61,18 @@ pub fn lock_events(command: &Command, applied: &Applied) -> Vec<LockEvent> {
         client: client.to_string(),
         token,
         position,
+        value: None,
     };
     use LockEventKind as K;
     match (command, &applied.outcome) {
-        (Command::Acquire { key, client_id, .. }, Outcome::Granted { token, .. }) => {
-            out.push(event(K::Granted, key, client_id, Some(token.value), None))
-        }
-        (Command::Acquire { key, client_id, .. }, Outcome::Queued { position }) => {
-            out.push(event(K::Queued, key, client_id, None, Some(*position)))
-        }
+        (
+            Command::Acquire { key, client_id, .. } | Command::Campaign { key, client_id, .. },
+            Outcome::Granted { token, .. },
+        ) => out.push(event(K::Granted, key, client_id, Some(token.value), None)),
+        (
+            Command::Acquire { key, client_id, .. } | Command::Campaign { key, client_id, .. },
+            Outcome::Queued { position },
+        ) => out.push(event(K::Queued, key, client_id, None, Some(*position))),
         (
             Command::Release {
                 key,
@@ -112,6 +121,15 @@ pub fn lock_events(command: &Command, applied: &Applied) -> Vec<LockEvent> {
             Event::Expired { .. } => {}
             // Not lock events of the watch stream (its grant after the delay is).
             Event::LockDelayStarted { .. } | Event::LockDelayEnded { .. } => {}
+            Event::Proclaimed {
+                client_id,
+                token,
+                value,
+            } => {
+                let mut e = event(K::Proclaimed, &token.key, client_id, Some(token.value), None);
+                e.value = Some(String::from_utf8_lossy(value).into_owned());
+                out.push(e);
+            }
         }
     }
     out

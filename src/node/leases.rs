@@ -100,13 +100,13 @@ impl<S: Storage, R> NodeCore<S, R> {
         applied: &crate::lock::Applied,
         local: Option<(Micros, bool)>,
     ) {
-        let Command::Acquire {
+        let Some(crate::lock::AcquireParts {
             key,
             client_id,
             request_id,
             wait_timeout_ms,
             ..
-        } = command
+        }) = command.as_acquire()
         else {
             return;
         };

@@ -337,7 +337,8 @@ pub struct NodeCore<S: Storage, R> {
     /// Leader only: the walk over every lock that gives each its lease and its waiters their
     /// deadlines after an election, a bounded number of keys per tick.
     rebuild: Option<Rebuild>,
-    reads: BTreeMap<u64, (String, R)>,
+    /// ReadIndex reads waiting for their index to apply: a `Get` or a `Leader`.
+    reads: BTreeMap<u64, (api::ClientOp, R)>,
     read_indexes: Vec<(Index, u64)>,
     next_read_ctx: u64,
     promote_when_caught_up: Vec<NodeId>,
@@ -430,10 +431,12 @@ impl<S: Storage, R> NodeCore<S, R> {
     pub fn new(
         raft: Raft,
         storage: S,
-        sm: LockStateMachine,
+        #[allow(unused_mut)] mut sm: LockStateMachine,
         cfg: NodeSettings,
         now: Micros,
     ) -> Self {
+        #[cfg(any(test, feature = "mutations"))]
+        sm.set_bugs(cfg.bugs.machine());
         // Only builds that can switch known bugs on have the switch (see `bug`).
         #[cfg(any(test, feature = "mutations"))]
         let never_retry = cfg.bugs.housekeeping_never_retried;

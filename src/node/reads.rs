@@ -1,6 +1,7 @@
 //! Reads: linearizable `Get`s served once their ReadIndex is applied, and the `/locks` listing.
 
-use super::api::ClientReply;
+use super::api::{ClientOp, ClientReply};
+use crate::lock::FencingToken;
 use super::{LockInfo, NodeCore, MS};
 use crate::storage::Storage;
 
@@ -17,10 +18,32 @@ impl<S: Storage, R> NodeCore<S, R> {
             .partition(|(index, _)| *index <= applied);
         self.read_indexes = later;
         for (_, ctx) in ready {
-            if let Some((key, reply)) = self.reads.remove(&ctx) {
-                let value = self.sm.get(&key).map(|v| v.to_vec());
-                self.reply(reply, ClientReply::Value(value));
+            match self.reads.remove(&ctx) {
+                Some((ClientOp::Leader { key }, reply)) => {
+                    let answer = self.leader_of(&key);
+                    self.reply(reply, answer);
+                }
+                Some((op, reply)) => {
+                    let value = self.sm.get(op.key()).map(|v| v.to_vec());
+                    self.reply(reply, ClientReply::Value(value));
+                }
+                None => {}
             }
+        }
+    }
+
+    /// Election `key` as the applied state has it now.
+    pub fn leader_of(&self, key: &str) -> ClientReply {
+        let election = self.sm.election(key);
+        let leader = election.as_ref().and_then(|e| e.leader.clone());
+        ClientReply::Leader {
+            token: leader.as_ref().map(|(_, token)| FencingToken {
+                key: key.to_string(),
+                value: *token,
+            }),
+            leader: leader.map(|(client, _)| client),
+            value: election.as_ref().and_then(|e| e.value.clone()),
+            candidates: election.map_or(0, |e| e.candidates as u32),
         }
     }
 

@@ -59,12 +59,12 @@ impl<S: Storage, R> NodeCore<S, R> {
             started: now,
         };
         let command = match op {
-            ClientOp::Get { key } => {
+            ClientOp::Get { .. } | ClientOp::Leader { .. } => {
                 self.next_read_ctx += 1;
                 let ctx = self.next_read_ctx;
                 match self.raft.read_index(ctx) {
                     Ok(()) => {
-                        self.reads.insert(ctx, (key, reply));
+                        self.reads.insert(ctx, (op, reply));
                     }
                     Err(err) => {
                         let err = self.propose_error(err);
@@ -184,6 +184,52 @@ impl<S: Storage, R> NodeCore<S, R> {
                     request_id,
                 }
             }
+            ClientOp::Campaign { .. } | ClientOp::Proclaim { .. }
+                if self.sm.cluster_version() < crate::lock::ELECTION_VERSION =>
+            {
+                let err = ApiError::new(
+                    ErrorCode::InvalidRequest,
+                    format!(
+                        "elections need cluster version {} and this cluster runs {}: upgrade \
+                         every member first",
+                        crate::lock::ELECTION_VERSION,
+                        self.sm.cluster_version()
+                    ),
+                );
+                self.refuse(op_name, reply, err);
+                return;
+            }
+            ClientOp::Campaign {
+                key,
+                client_id,
+                request_id,
+                ttl_ms,
+                wait_timeout_ms,
+                value,
+            } => Command::Campaign {
+                key,
+                client_id,
+                request_id,
+                ttl_ms,
+                wait_timeout_ms,
+                value,
+            },
+            ClientOp::Proclaim {
+                key,
+                client_id,
+                request_id,
+                token,
+                value,
+            } => Command::Proclaim {
+                token: FencingToken {
+                    key: key.clone(),
+                    value: token,
+                },
+                key,
+                client_id,
+                request_id,
+                value,
+            },
             ClientOp::Sequenced { .. } => {
                 let err = ApiError::new(ErrorCode::InvalidRequest, "ackBelow given twice");
                 self.refuse(op_name, reply, err);

@@ -208,6 +208,8 @@ impl<S: Storage, R> NodeCore<S, R> {
             return Ok(());
         };
         self.sm = install.loader.finish().map_err(undecodable)?;
+        #[cfg(any(test, feature = "mutations"))]
+        self.sm.set_bugs(self.cfg.bugs.machine());
         self.recorded_at = self.sm.members().keys().map(|id| (*id, index)).collect();
         self.log_bytes_since_snapshot = 0;
         self.raft.state_installed();

@@ -648,7 +648,9 @@ impl Caller {
     /// the client id becomes `<identity>/<clientId>` (or `<identity>`).
     pub fn authorize(&self, op: &mut ClientOp) -> Result<(), ApiError> {
         let operation = match op.request() {
-            ClientOp::Acquire { .. } => Operation::Acquire,
+            ClientOp::Acquire { .. } | ClientOp::Campaign { .. } => Operation::Acquire,
+            ClientOp::Proclaim { .. } => Operation::Renew,
+            ClientOp::Leader { .. } => Operation::Read,
             ClientOp::Release { .. } | ClientOp::ReleaseHeld { .. } => Operation::Release,
             ClientOp::Renew { .. } => Operation::Renew,
             ClientOp::CancelWait { .. } => Operation::Cancel,

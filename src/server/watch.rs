@@ -200,6 +200,7 @@ mod tests {
             client: "c".into(),
             token: Some(index),
             position: None,
+            value: None,
         }
     }
 

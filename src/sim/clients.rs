@@ -491,6 +491,7 @@ impl SimClients {
                 ClientReply::Renewed {
                     token,
                     expires_in_ms,
+                    ..
                 },
             ) => {
                 let margin = expires_in_ms / 5;

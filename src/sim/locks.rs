@@ -281,6 +281,8 @@ impl LockChecker {
                 }
                 // Checked by `check_lock_delay`.
                 Event::LockDelayStarted { .. } | Event::LockDelayEnded { .. } => {}
+                // Checked by `check_election`.
+                Event::Proclaimed { .. } => {}
             }
         }
         if let (Command::Expire { .. } | Command::ExpireLease { .. }, Outcome::Expired { .. }) =

@@ -159,7 +159,33 @@ impl LockStateMachine {
                 request_id,
                 ttl_ms,
                 wait_timeout_ms,
-            } => self.acquire(key, client_id, request_id, *ttl_ms, *wait_timeout_ms),
+            } => match self.refuse_acquire_of_election(key) {
+                Some(refusal) => refusal,
+                None => self.acquire(key, client_id, request_id, *ttl_ms, *wait_timeout_ms),
+            },
+            Command::Campaign {
+                key,
+                client_id,
+                request_id,
+                ttl_ms,
+                wait_timeout_ms,
+                value,
+            } => self.campaign(
+                key,
+                client_id,
+                request_id,
+                *ttl_ms,
+                *wait_timeout_ms,
+                value,
+                events,
+            ),
+            Command::Proclaim {
+                key,
+                client_id,
+                token,
+                value,
+                ..
+            } => self.proclaim(key, client_id, token.value, value, events),
             Command::Release {
                 key,
                 client_id,
@@ -278,6 +304,16 @@ impl LockStateMachine {
                 client_id,
                 request_id,
                 ..
+            }
+            | Command::Campaign {
+                client_id,
+                request_id,
+                ..
+            }
+            | Command::Proclaim {
+                client_id,
+                request_id,
+                ..
             } => &[client_id, request_id],
             Command::Expire { .. }
             | Command::EndLockDelay { .. }
@@ -306,7 +342,16 @@ impl LockStateMachine {
                 ttl_ms,
                 wait_timeout_ms,
                 ..
+            }
+            | Command::Campaign {
+                client_id,
+                ttl_ms,
+                wait_timeout_ms,
+                ..
             } => {
+                if let Command::Campaign { value, .. } = command {
+                    check_value(value, l)?;
+                }
                 if client_id.is_empty() {
                     return Err(Outcome::rejected(
                         RejectCode::InvalidRequest,
@@ -327,17 +372,23 @@ impl LockStateMachine {
             }
             Command::Release { token, .. } => check_token_key(token, key)?,
             Command::Put { value, guard, .. } => {
-                if value.len() > l.value_bytes_max {
+                check_value(value, l)?;
+                check_guard(guard.as_ref(), l)?;
+            }
+            Command::Proclaim {
+                client_id,
+                token,
+                value,
+                ..
+            } => {
+                if client_id.is_empty() {
                     return Err(Outcome::rejected(
-                        RejectCode::TooLarge,
-                        format!(
-                            "value is {} bytes; the limit is {}",
-                            value.len(),
-                            l.value_bytes_max
-                        ),
+                        RejectCode::InvalidRequest,
+                        "clientId is required",
                     ));
                 }
-                check_guard(guard.as_ref(), l)?;
+                check_value(value, l)?;
+                check_token_key(token, key)?;
             }
             Command::Delete { guard, .. } => check_guard(guard.as_ref(), l)?,
             Command::SetLockDelay { client_id, .. } => {
@@ -371,6 +422,20 @@ fn check_ttl(ttl_ms: u64, l: &Limits) -> Result<(), Outcome> {
         return Err(Outcome::rejected(
             RejectCode::InvalidRequest,
             format!("ttl must be 1..={} ms", l.ttl_ms_max),
+        ));
+    }
+    Ok(())
+}
+
+fn check_value(value: &[u8], l: &Limits) -> Result<(), Outcome> {
+    if value.len() > l.value_bytes_max {
+        return Err(Outcome::rejected(
+            RejectCode::TooLarge,
+            format!(
+                "value is {} bytes; the limit is {}",
+                value.len(),
+                l.value_bytes_max
+            ),
         ));
     }
     Ok(())

@@ -8,7 +8,7 @@ use super::super::limits::Limits;
 use super::lock_entry::{LockEntry, LockEntryV1};
 use super::records::{DedupeRecord, DedupeRecordV1, DedupeRecordV2};
 use super::{
-    LockStateMachine, DATA_PREFIX, DEDUPE_BLOCK, DELAY_PREFIX, LOCK_PREFIX, META_ACK_PREFIX,
+    LockStateMachine, DATA_PREFIX, DEDUPE_BLOCK, DELAY_PREFIX, ELECTION_PREFIX, LOCK_PREFIX, META_ACK_PREFIX,
     META_APPLIED, META_CLOCK, META_CLUSTER, META_CLUSTER_VERSION, META_DEDUPE_BLOCK_PREFIX,
     META_DEDUPE_NEXT, META_DEDUPE_PREFIX, META_LIMITS, META_MEMBERS, META_QUOTAS, META_SEQ,
 };
@@ -86,6 +86,9 @@ impl StateLoader {
             if let Some(old) = sm.delays.insert(Box::from(k), delay) {
                 sm.running_delays -= usize::from(old.running.is_some());
             }
+        } else if let Some(k) = key.strip_prefix(ELECTION_PREFIX) {
+            let election: super::elections::Election = decode_plain(value)?;
+            sm.elections.insert(Box::from(k), election);
         } else if let Some(b) = key.strip_prefix(META_DEDUPE_BLOCK_PREFIX) {
             let b: u64 = b
                 .parse()
@@ -190,6 +193,11 @@ impl StateLoader {
             return Err(DecodeError::InvalidState(
                 "a held token is above the fencing sequence".into(),
             ));
+        }
+        if let Some(key) = sm.elections.keys().find(|k| !sm.locks.contains_key(&***k)) {
+            return Err(DecodeError::InvalidState(format!(
+                "election {key:?} has no lock entry"
+            )));
         }
         Ok(sm)
     }

@@ -297,6 +297,7 @@ impl LockStateMachine {
         } else {
             entry.waiters.pop_front()
         };
+        let mut granted = None;
         if let Some(next) = next {
             self.waiters -= 1;
             // The waiter's bytes now count as the holder's.
@@ -318,17 +319,23 @@ impl LockStateMachine {
                 key: key.to_string(),
                 value: token,
             };
-            let granted = Outcome::Granted {
+            let answer = Outcome::Granted {
                 token: token.clone(),
                 ttl_ms: next.ttl_ms,
             };
-            self.update_record(&next.client_id, &next.request_id, granted);
+            self.update_record(&next.client_id, &next.request_id, answer);
             events.push(Event::Granted {
-                client_id: next.client_id.into(),
-                request_id: next.request_id.into(),
-                token,
+                client_id: next.client_id.to_string(),
+                request_id: next.request_id.to_string(),
+                token: token.clone(),
                 ttl_ms: next.ttl_ms,
             });
+            granted = Some((next.client_id, next.request_id, token));
+        }
+        if let Some((client, request, token)) = &granted {
+            self.elect_next(key, Some((client, request, token)), events);
+        } else {
+            self.elect_next(key, None, events);
         }
         self.mark_lock(key);
     }
@@ -356,6 +363,7 @@ impl LockStateMachine {
             .lock_bytes
             .saturating_sub(lock_cost(key, client_id, request_id));
         self.count_identity(client_id, 0, -1);
+        self.forget_candidate(key, client_id, request_id);
         self.mark_lock(key);
         self.update_record(client_id, request_id, Outcome::WaitCancelled);
         events.push(Event::WaiterRemoved {
@@ -373,6 +381,7 @@ impl LockStateMachine {
             .is_some_and(|e| e.holder.is_none() && e.waiters.is_empty())
         {
             self.locks.remove(key);
+            self.end_election(key);
         }
         self.mark_dirty(LOCK_PREFIX, key);
     }

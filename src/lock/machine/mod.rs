@@ -7,7 +7,7 @@
 //!                                              └──► dirty keys ──take_changes()──► storage batch
 //! ```
 //! State lives in one key space: `lock/<key>` (holder, token, ttl, FIFO waiters), `data/<key>`
-//! (replicated values), `delay/<key>` (lock-delay), `meta/seq` (the one fencing sequence), `meta/applied` and
+//! (replicated values), `delay/<key>` (lock-delay), `elect/<key>` (elections), `meta/seq` (the one fencing sequence), `meta/applied` and
 //! `meta/dedupe/<n>` (the exactly-once table, grouped into client sessions), `meta/clock` (the log
 //! clock). That is the state as snapshots carry it ([`LockStateMachine::to_kv`]). The changes
 //! written to the node's own storage ([`LockStateMachine::take_changes`]) keep the dedupe records
@@ -35,6 +35,7 @@
 //! - `leases`: renew and expiry.
 //! - `kv`: the replicated key-value store.
 //! - `delays`: lock-delay, the time a key stays unavailable after its holder's lease expired.
+//! - `elections`: leader election on a key's lock (campaign, proclaim; resign is a release).
 //! - `sessions` (and `records`, one kept answer): client sessions, the exactly-once table, `Tick`.
 //! - `acks`: acknowledgements of answers ([`Command::Sequenced`]).
 //! - `quotas`: byte budgets, per-identity quotas, replicated limits.
@@ -44,6 +45,7 @@ mod acks;
 mod apply;
 mod changes;
 mod delays;
+mod elections;
 mod kv;
 mod leases;
 mod loader;
@@ -72,6 +74,7 @@ use sessions::Session;
 
 pub use acks::sequence_number;
 pub use delays::LockDelayInfo;
+pub use elections::ElectionInfo;
 pub use loader::StateLoader;
 pub use locks::{HeldLock, WaiterInfo};
 pub use snapshot::{stored_to_snapshot_pairs, StoredToSnapshot};
@@ -80,6 +83,9 @@ const LOCK_PREFIX: &str = "lock/";
 const DATA_PREFIX: &str = "data/";
 /// A key's lock-delay (`delays::LockDelay`); absent while the key has none.
 const DELAY_PREFIX: &str = "delay/";
+/// An election's leader value and queued candidates (`elections::Election`); present exactly
+/// while the key's lock entry is.
+const ELECTION_PREFIX: &str = "elect/";
 const META_SEQ: &str = "meta/seq";
 const META_APPLIED: &str = "meta/applied";
 /// One key per dedupe record, as written before records were stored in blocks (read back, and
@@ -118,7 +124,11 @@ const META_QUOTAS: &str = "meta/quotas";
 /// `meta/members` keys.
 /// 5: [`Command::SetQuotas`] and the `meta/quotas` key.
 /// 6: [`Command::SetLockDelay`] and [`Command::EndLockDelay`], the `delay/` keys.
-pub const CLUSTER_VERSION: u32 = 6;
+/// 7: [`Command::Campaign`] and [`Command::Proclaim`], the `elect/` keys.
+pub const CLUSTER_VERSION: u32 = 7;
+
+/// The cluster version [`Command::Campaign`] and [`Command::Proclaim`] need.
+pub const ELECTION_VERSION: u32 = 7;
 
 /// The cluster version [`Command::SetLockDelay`] and [`Command::EndLockDelay`] need.
 pub const LOCK_DELAY_VERSION: u32 = 6;
@@ -194,6 +204,8 @@ pub struct LockStateMachine {
     delays: BTreeMap<Box<str>, delays::LockDelay>,
     /// Entries of `delays` with a delay running (derived: counted at load).
     running_delays: usize,
+    /// Elections by key: the leader's value and the queued candidates' values.
+    elections: BTreeMap<Box<str>, elections::Election>,
     /// Dedupe records by insertion number (oldest first, evicted first).
     dedupe: BTreeMap<u64, Box<DedupeRecord>>,
     dedupe_next: u64,
@@ -232,6 +244,19 @@ pub struct LockStateMachine {
     /// Records (present or since forgotten) whose storage is still one key each
     /// (`meta/dedupe/<n>`, read by `from_kv`): a write of their block deletes those keys.
     legacy_dedupe_keys: BTreeSet<u64>,
+    /// Known bugs switched on (test and `mutations` builds only; see [`MachineBugs`]).
+    #[cfg(any(test, feature = "mutations"))]
+    bugs: MachineBugs,
+}
+
+/// State machine bugs the simulator must catch, switched on through the node's `NodeBugs` in
+/// test builds and in a lock-node built with the `mutations` feature, never otherwise.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MachineBugs {
+    /// A proclaim is applied without checking that its token holds the election.
+    pub proclaim_skips_holder_check: bool,
+    /// A candidate elected by a hand-off shows the first queued candidate's value, not its own.
+    pub elected_with_first_candidate_value: bool,
 }
 
 impl PartialEq for LockStateMachine {
@@ -246,6 +271,22 @@ impl LockStateMachine {
             limits,
             ..Default::default()
         }
+    }
+
+    /// Switches known bugs on (test and `mutations` builds only).
+    #[cfg(any(test, feature = "mutations"))]
+    pub fn set_bugs(&mut self, bugs: MachineBugs) {
+        self.bugs = bugs;
+    }
+
+    #[cfg(any(test, feature = "mutations"))]
+    fn bug(&self, which: impl Fn(&MachineBugs) -> bool) -> bool {
+        which(&self.bugs)
+    }
+
+    #[cfg(not(any(test, feature = "mutations")))]
+    fn bug(&self, _which: impl Fn(&MachineBugs) -> bool) -> bool {
+        false
     }
 
     pub fn limits(&self) -> &Limits {

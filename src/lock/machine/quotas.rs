@@ -95,6 +95,13 @@ impl LockStateMachine {
                 request_id,
                 wait_timeout_ms,
                 ..
+            }
+            | Command::Campaign {
+                key,
+                client_id,
+                request_id,
+                wait_timeout_ms,
+                ..
             } => {
                 if self.record_number(client_id, request_id).is_some() {
                     return None;

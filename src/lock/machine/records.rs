@@ -223,6 +223,8 @@ pub(super) fn op_of(command: &Command) -> (u8, &str) {
         Command::Put { .. } => 5,
         Command::Delete { .. } => 6,
         Command::SetLockDelay { .. } => 7,
+        Command::Campaign { .. } => 8,
+        Command::Proclaim { .. } => 9,
         Command::Expire { .. }
         | Command::ExpireLease { .. }
         | Command::SetLimits { .. }

@@ -45,6 +45,12 @@ pub const CANCEL_WAIT: u64 = 6;
 pub const READ: u64 = 7;
 /// Sets a key's lock-delay (`lockDelay` ms; 0 removes it).
 pub const SET_LOCK_DELAY: u64 = 9;
+/// `commandType` of a campaign to lead an election (the key).
+pub const CAMPAIGN: u64 = 10;
+/// `commandType` of a leader's proclaim.
+pub const PROCLAIM: u64 = 11;
+/// `commandType` of a read of an election's leader.
+pub const LEADER: u64 = 12;
 
 /// A request's fields (the strings borrowed from the frame or the parsed JSON where they need no
 /// unescaping). Unknown fields are refused here: the general path counts them and removes them

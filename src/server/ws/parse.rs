@@ -9,8 +9,8 @@ use serde_json::Value;
 
 use super::reply::{error_json, error_reply, Echo};
 use super::{
-    strip_unknown_fields, WsRequest, APPEND_DATA, CANCEL_WAIT, LOCK_ACQUIRE, LOCK_RELEASE,
-    LOCK_RENEW, READ, SET_LOCK_DELAY, WATCH_COMMAND,
+    strip_unknown_fields, WsRequest, APPEND_DATA, CAMPAIGN, CANCEL_WAIT, LEADER, LOCK_ACQUIRE,
+    LOCK_RELEASE, LOCK_RENEW, PROCLAIM, READ, SET_LOCK_DELAY, WATCH_COMMAND,
 };
 use crate::lock::FencingToken;
 use crate::node::api::{ApiError, ClientOp, ErrorCode};
@@ -92,7 +92,7 @@ pub(super) fn to_op(
     // (A cancel names the acquire it cancels by id: sent without one, it gets a fresh one, which
     // cancels nothing, as it always did.)
     let needs_id = match r.command_type {
-        LOCK_ACQUIRE => r.wait_timeout != Some(0),
+        LOCK_ACQUIRE | CAMPAIGN => r.wait_timeout != Some(0),
         CANCEL_WAIT => true,
         _ => false,
     };
@@ -187,6 +187,31 @@ pub(super) fn to_op(
             }
         }
         READ => ClientOp::Get { key },
+        CAMPAIGN => {
+            let ttl_ms = r.ttl.unwrap_or(limits.default_ttl_ms);
+            if ttl_ms == 0 || ttl_ms > limits.max_ttl_ms {
+                return Err(invalid(&format!(
+                    "`ttl` must be 1..={} ms",
+                    limits.max_ttl_ms
+                )));
+            }
+            ClientOp::Campaign {
+                key,
+                client_id,
+                request_id,
+                ttl_ms,
+                wait_timeout_ms: r.wait_timeout,
+                value: election_value(r.value, limits)?,
+            }
+        }
+        PROCLAIM => ClientOp::Proclaim {
+            key,
+            client_id,
+            request_id,
+            token: token.ok_or_else(|| invalid("`fencingToken` (the term) is required to proclaim"))?,
+            value: election_value(r.value, limits)?,
+        },
+        LEADER => ClientOp::Leader { key },
         SET_LOCK_DELAY => ClientOp::SetLockDelay {
             key,
             delay_ms: r
@@ -203,4 +228,16 @@ pub(super) fn to_op(
         other => return Err(invalid(&format!("unknown commandType {other}"))),
     };
     ClientOp::sequenced(op, ack_below)
+}
+
+/// An election's value (`value`, a string; absent: empty), within the value limit.
+fn election_value(value: Option<Cow<'_, str>>, limits: &ClientLimits) -> Result<Vec<u8>, ApiError> {
+    let value = value.unwrap_or_default();
+    if value.len() > limits.max_value_bytes {
+        return Err(ApiError::new(
+            ErrorCode::TooLarge,
+            "value exceeds the limit",
+        ));
+    }
+    Ok(value.into_owned().into_bytes())
 }

@@ -6,7 +6,7 @@ use std::borrow::Cow;
 use serde_json::{json, Value};
 
 use super::WsRequest;
-use crate::fencing::FencingKey;
+use crate::fencing::{FencingKey, TokenMode};
 use crate::lock::FencingToken;
 use crate::node::api::{ApiError, ClientReply, ErrorCode};
 
@@ -68,16 +68,29 @@ struct TokenJson<'a> {
     key: &'a str,
     #[serde(skip_serializing_if = "Option::is_none")]
     mac: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    mode: Option<&'static str>,
     value: u64,
 }
 
 impl<'a> TokenJson<'a> {
-    fn new(token: &'a FencingToken, key: Option<&FencingKey>) -> Self {
+    /// A token granted in `mode`: its MAC covers the mode, and a leader's says `"mode": "leader"`.
+    fn with_mode(token: &'a FencingToken, key: Option<&FencingKey>, mode: TokenMode) -> Self {
         TokenJson {
             key: &token.key,
-            mac: key.map(|k| k.mac(&token.key, token.value)),
+            mac: key.map(|k| k.mac_mode(mode, &token.key, token.value)),
+            mode: (mode != TokenMode::Lock).then_some(mode.as_str()),
             value: token.value,
         }
+    }
+
+    fn of(token: &'a FencingToken, key: Option<&FencingKey>, leader: bool) -> Self {
+        let mode = if leader {
+            TokenMode::Leader
+        } else {
+            TokenMode::Lock
+        };
+        Self::with_mode(token, key, mode)
     }
 }
 
@@ -90,14 +103,21 @@ struct OkReply<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     cancelled: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    candidates: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     deleted: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
     expires_in_ms: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     fencing_token: Option<TokenJson<'a>>,
     key: EchoValue<'a>,
+    /// A leader read: the leader's client id (`null` while no one leads).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    leader: Option<Option<&'a str>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     lock_delay: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    proclaimed: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
     released: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -116,11 +136,14 @@ pub(super) fn reply_json(
 ) -> String {
     let mut ok = OkReply {
         cancelled: None,
+        candidates: None,
         deleted: None,
         expires_in_ms: None,
         fencing_token: None,
         key: echo.key.clone(),
+        leader: None,
         lock_delay: None,
+        proclaimed: None,
         released: None,
         renewed: None,
         request_id: echo.request_id.clone(),
@@ -131,19 +154,38 @@ pub(super) fn reply_json(
         ClientReply::Granted {
             token,
             expires_in_ms,
+            leader,
             ..
         } => {
-            ok.fencing_token = Some(TokenJson::new(token, fencing_key));
+            ok.fencing_token = Some(TokenJson::of(token, fencing_key, *leader));
             ok.expires_in_ms = Some(*expires_in_ms);
+        }
+        ClientReply::Proclaimed { token } => {
+            ok.proclaimed = Some(true);
+            ok.fencing_token = Some(TokenJson::with_mode(token, fencing_key, TokenMode::Leader));
+        }
+        ClientReply::Leader {
+            leader,
+            token,
+            value,
+            candidates,
+        } => {
+            ok.leader = Some(leader.as_deref());
+            ok.fencing_token = token
+                .as_ref()
+                .map(|t| TokenJson::with_mode(t, fencing_key, TokenMode::Leader));
+            ok.value = Some(value.as_deref().map(String::from_utf8_lossy));
+            ok.candidates = Some(*candidates);
         }
         ClientReply::Released => ok.released = Some(true),
         ClientReply::LockDelaySet { delay_ms } => ok.lock_delay = Some(*delay_ms),
         ClientReply::Renewed {
             token,
             expires_in_ms,
+            leader,
         } => {
             ok.renewed = Some(true);
-            ok.fencing_token = Some(TokenJson::new(token, fencing_key));
+            ok.fencing_token = Some(TokenJson::of(token, fencing_key, *leader));
             ok.expires_in_ms = Some(*expires_in_ms);
         }
         ClientReply::WaitCancelled => ok.cancelled = Some(true),

@@ -93,6 +93,7 @@ fn replies_keep_their_wire_form() {
                 token: token(),
                 expires_in_ms: 5000,
                 queued: None,
+                leader: false,
             },
             r#"{"expiresInMs":5000,"fencingToken":{"key":"jobs/a","value":42},"key":"jobs/a","requestId":"r1","success":true}"#,
         ),
@@ -104,6 +105,7 @@ fn replies_keep_their_wire_form() {
             ClientReply::Renewed {
                 token: token(),
                 expires_in_ms: 7,
+                leader: false,
             },
             r#"{"expiresInMs":7,"fencingToken":{"key":"jobs/a","value":42},"key":"jobs/a","renewed":true,"requestId":"r1","success":true}"#,
         ),
@@ -149,6 +151,7 @@ fn replies_keep_their_wire_form() {
             token: token(),
             expires_in_ms: 1,
             queued: None,
+            leader: false,
         },
         false,
         Some(&key),
