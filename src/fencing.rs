@@ -167,7 +167,10 @@ mod tests {
         assert!(!k.verify("orders", 42, &leader));
         assert!(!k.verify_mode(TokenMode::Leader, "orders", 43, &leader));
         assert_eq!(TokenMode::parse("leader"), Some(TokenMode::Leader));
-        assert_eq!(TokenMode::parse(TokenMode::Lock.as_str()), Some(TokenMode::Lock));
+        assert_eq!(
+            TokenMode::parse(TokenMode::Lock.as_str()),
+            Some(TokenMode::Lock)
+        );
         assert_eq!(TokenMode::parse("writer"), None);
         // Key and value are separated: ("a1", 2) and ("a", 12) differ.
         assert_ne!(k.mac("a1", 2), k.mac("a", 12));

@@ -92,7 +92,7 @@ fn main() -> ExitCode {
         }
     }
     println!(
-        "sim: seeds={} violations={} elections={} leader_changes={} partitions={} crashes={} pauses={} membership_changes={} committed={} grants={} expiries={} lock_delays={} lock_delays_ended={} snapshots={} compactions={} transfers={} history_ops={} hold_intervals_checked={} reads_checked={} linearizability_checks={} lin_unchecked={} client_expiries={} redirects={} retries={} log_ticks={} acknowledging={} acknowledged_refusals={} overlapped_readies={} nodes_at_cluster_version={}/{} restarts_all={} wipes={} wipes_bootstrap_alone={} rewipes={} bootstrap_waits={} replacements={} joins={} power_cuts={} torn_writes={} corrupt_sectors={} damaged_disks={}",
+        "sim: seeds={} violations={} elections={} leader_changes={} partitions={} crashes={} pauses={} membership_changes={} committed={} grants={} expiries={} lock_delays={} lock_delays_ended={} leaders_elected={} proclaims={} snapshots={} compactions={} transfers={} history_ops={} hold_intervals_checked={} reads_checked={} linearizability_checks={} lin_unchecked={} client_expiries={} redirects={} retries={} log_ticks={} acknowledging={} acknowledged_refusals={} overlapped_readies={} nodes_at_cluster_version={}/{} restarts_all={} wipes={} wipes_bootstrap_alone={} rewipes={} bootstrap_waits={} replacements={} joins={} power_cuts={} torn_writes={} corrupt_sectors={} damaged_disks={}",
         args.seeds,
         violations,
         total.elections,
@@ -106,6 +106,8 @@ fn main() -> ExitCode {
         total.expiries,
         total.lock_delays,
         total.lock_delays_ended,
+        total.leaders_elected,
+        total.proclaims,
         total.snapshots_sent,
         total.compactions,
         total.transfers,

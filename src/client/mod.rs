@@ -41,8 +41,8 @@ pub use admin::AdminClient;
 pub use conn::{is_traceparent, TlsConfig, TraceContext};
 pub use error::ClientError;
 pub use lock::{
-    AdvancedClient, AutoRenewer, ClientBuilder, LockHandle, LossReason, PendingAcquire,
-    RaftLockClient,
+    AdvancedClient, AutoRenewer, ClientBuilder, LeaderInfo, LeaderObserver, Leadership, LockHandle,
+    LossReason, PendingAcquire, RaftLockClient,
 };
 pub use watch::{Watch, WatchEvent};
 

@@ -18,7 +18,8 @@ type Socket =
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct WatchEvent {
-    /// `granted`, `queued`, `released`, `expired`, `renewed`, `cancelled` or `leader`.
+    /// `granted`, `queued`, `released`, `expired`, `renewed`, `cancelled`, `proclaimed` (an
+    /// election's leader shows a value) or `leader` (the cluster's Raft leader).
     pub event: String,
     /// The log index of the command behind a lock event; for `leader`, the node's applied index.
     pub index: u64,
@@ -37,6 +38,9 @@ pub struct WatchEvent {
     pub leader_id: Option<u64>,
     #[serde(default)]
     pub term: Option<u64>,
+    /// For `proclaimed`: the value an election's leader shows.
+    #[serde(default)]
+    pub value: Option<String>,
 }
 
 /// A running watch. [`Watch::next`] yields events in log order; after a lost connection it

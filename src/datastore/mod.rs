@@ -535,6 +535,10 @@ struct Token {
     /// The lock service's MAC of (key, value); required when the store has a fencing key.
     #[serde(default)]
     mac: Option<String>,
+    /// What the token was granted for (`"leader"`: an election's term); absent: a lock. The
+    /// MAC covers it.
+    #[serde(default)]
+    mode: Option<String>,
 }
 
 fn bad_request(store: &DataStore, reason: String) -> Response {
@@ -608,19 +612,31 @@ async fn write(
         return bad_request(&store, format!("data exceeds {} bytes", l.max_data_bytes));
     }
     let token = request.fencing_token.value;
+    let mode = match request.fencing_token.mode.as_deref() {
+        None | Some("") => crate::fencing::TokenMode::Lock,
+        Some(name) => match crate::fencing::TokenMode::parse(name) {
+            Some(mode) => mode,
+            None => {
+                return bad_request(
+                    &store,
+                    format!("fencingToken.mode must be \"lock\" or \"leader\", not {name:?}"),
+                )
+            }
+        },
+    };
     if let Some(fencing_key) = &store.fencing_key {
         let verified = request
             .fencing_token
             .mac
             .as_deref()
-            .is_some_and(|mac| fencing_key.verify(&key, token, mac));
+            .is_some_and(|mac| fencing_key.verify_mode(mode, &key, token, mac));
         if !verified {
             let error = if request.fencing_token.mac.is_none() {
                 "fencingToken.mac is required: this store accepts only tokens issued by the lock \
                  service (send the mac that came with the grant)"
             } else {
-                "fencingToken.mac does not verify for this key and value: not a token the lock \
-                 service issued"
+                "fencingToken.mac does not verify for this key, value and mode: not a token the \
+                 lock service issued"
             };
             return refused(&store, "forged", StatusCode::FORBIDDEN, error.into());
         }

@@ -226,11 +226,7 @@ impl Model {
         if let Some(e) = self.elections.get_mut(key) {
             e.0 = None;
             if let Some(w) = &next {
-                if let Some(at) = e
-                    .1
-                    .iter()
-                    .position(|c| c.0 == w.client && c.1 == w.request)
-                {
+                if let Some(at) = e.1.iter().position(|c| c.0 == w.client && c.1 == w.request) {
                     e.0 = Some(e.1.remove(at).2);
                 }
             }
@@ -356,8 +352,7 @@ impl Model {
             .elections
             .keys()
             .filter(|k| {
-                !self.holders.contains_key(*k)
-                    && self.queues.get(*k).is_none_or(VecDeque::is_empty)
+                !self.holders.contains_key(*k) && self.queues.get(*k).is_none_or(VecDeque::is_empty)
             })
             .cloned()
             .collect();

@@ -225,12 +225,10 @@ impl ClientOp {
             ClientOp::CancelWait { .. }
             | ClientOp::Get { .. }
             | ClientOp::Leader { .. }
-            | ClientOp::Sequenced { .. } => {
-                Err(ApiError::new(
-                    ErrorCode::InvalidRequest,
-                    "ackBelow is for acquires, releases, renewals, puts and deletes",
-                ))
-            }
+            | ClientOp::Sequenced { .. } => Err(ApiError::new(
+                ErrorCode::InvalidRequest,
+                "ackBelow is for acquires, releases, renewals, puts and deletes",
+            )),
             op if crate::lock::sequence_number(op.request_id()).is_none() => Err(ApiError::new(
                 ErrorCode::InvalidRequest,
                 "with ackBelow, the request id must be the request's sequence number (decimal, \

@@ -42,9 +42,9 @@ pub struct NodeBugs {
     pub lock_delay_not_restarted_after_election: bool,
     /// The state machine applies a proclaim without checking that its token leads the election.
     pub proclaim_skips_holder_check: bool,
-    /// A candidate elected by a hand-off shows the first queued candidate's campaign value
-    /// instead of its own.
-    pub elected_with_first_candidate_value: bool,
+    /// A candidate elected by a hand-off shows no value until it proclaims one (its campaign
+    /// value is dropped).
+    pub elected_by_hand_off_without_value: bool,
 }
 
 impl NodeBugs {
@@ -68,9 +68,7 @@ impl NodeBugs {
                 bugs.lock_delay_not_restarted_after_election = true
             }
             "proclaim_skips_holder_check" => bugs.proclaim_skips_holder_check = true,
-            "elected_with_first_candidate_value" => {
-                bugs.elected_with_first_candidate_value = true
-            }
+            "elected_by_hand_off_without_value" => bugs.elected_by_hand_off_without_value = true,
             _ => return None,
         }
         Some(bugs)
@@ -82,7 +80,7 @@ impl NodeBugs {
     pub fn machine(&self) -> crate::lock::MachineBugs {
         crate::lock::MachineBugs {
             proclaim_skips_holder_check: self.proclaim_skips_holder_check,
-            elected_with_first_candidate_value: self.elected_with_first_candidate_value,
+            elected_by_hand_off_without_value: self.elected_by_hand_off_without_value,
         }
     }
 }

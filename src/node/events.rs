@@ -126,7 +126,13 @@ pub fn lock_events(command: &Command, applied: &Applied) -> Vec<LockEvent> {
                 token,
                 value,
             } => {
-                let mut e = event(K::Proclaimed, &token.key, client_id, Some(token.value), None);
+                let mut e = event(
+                    K::Proclaimed,
+                    &token.key,
+                    client_id,
+                    Some(token.value),
+                    None,
+                );
                 e.value = Some(String::from_utf8_lossy(value).into_owned());
                 out.push(e);
             }

@@ -1,8 +1,8 @@
 //! Reads: linearizable `Get`s served once their ReadIndex is applied, and the `/locks` listing.
 
 use super::api::{ClientOp, ClientReply};
-use crate::lock::FencingToken;
 use super::{LockInfo, NodeCore, MS};
+use crate::lock::FencingToken;
 use crate::storage::Storage;
 
 impl<S: Storage, R> NodeCore<S, R> {

@@ -90,8 +90,42 @@ macro_rules! refused_by_code_and_message {
 refused_by_code_and_message!(
     lpb::ReleaseLockResponse,
     lpb::RenewLockResponse,
-    lpb::SetLockDelayResponse
+    lpb::SetLockDelayResponse,
+    lpb::CampaignResponse,
+    lpb::ProclaimResponse,
+    lpb::LeaderResponse
 );
+
+/// A reply's error, with where the leader is: the fields every election response has.
+macro_rules! with_error {
+    ($out:expr, $e:expr) => {{
+        let e = $e;
+        $out.error_code = e.code.as_str().into();
+        $out.error_message = e.message;
+        $out.leader_id = e.leader_id;
+        $out.leader_addr = e.leader_addr;
+    }};
+}
+
+impl LockApi {
+    /// A leader's term as a token on the wire: mode "leader", its MAC covering the mode.
+    fn leader_token(&self, token: crate::lock::FencingToken) -> lpb::FencingToken {
+        use crate::fencing::TokenMode;
+        let mac = self
+            .state
+            .security
+            .fencing_key
+            .as_ref()
+            .map(|k| k.mac_mode(TokenMode::Leader, &token.key, token.value))
+            .unwrap_or_default();
+        lpb::FencingToken {
+            key: token.key,
+            value: token.value,
+            mac,
+            mode: TokenMode::Leader.as_str().into(),
+        }
+    }
+}
 
 fn check_key(state: &AppState, key: &str, owner: &str) -> Result<(), ApiError> {
     if key.is_empty() || owner.is_empty() {
@@ -201,6 +235,7 @@ impl lpb::lock_service_server::LockService for LockApi {
                     key: token.key,
                     value: token.value,
                     mac,
+                    mode: String::new(),
                 });
             }
             ClientReply::Error(e) => fail(&mut out, e),
@@ -336,6 +371,136 @@ impl lpb::lock_service_server::LockService for LockApi {
                 format!("unexpected {other:?}"),
             )),
         }))
+    }
+
+    async fn campaign(
+        &self,
+        request: Request<lpb::CampaignRequest>,
+    ) -> Result<Response<lpb::CampaignResponse>, Status> {
+        let traceparent = super::exec::traceparent_header(request.metadata());
+        let caller = caller_of(&self.state, &request);
+        let r = request.into_inner();
+        let mut out = lpb::CampaignResponse::default();
+        if let Err(e) = check_key(&self.state, &r.election, &r.candidate_id) {
+            return Ok(Response::new(out.refused(e)));
+        }
+        let limits = &self.state.limits;
+        let ttl_ms = if r.ttl_ms == 0 {
+            limits.default_ttl_ms
+        } else {
+            r.ttl_ms
+        };
+        if ttl_ms > limits.max_ttl_ms || r.value.len() > limits.max_value_bytes {
+            let e = ApiError::new(
+                ErrorCode::InvalidRequest,
+                format!(
+                    "ttl_ms must be 1..={} and the value at most {} bytes",
+                    limits.max_ttl_ms, limits.max_value_bytes
+                ),
+            );
+            return Ok(Response::new(out.refused(e)));
+        }
+        let mut op = ClientOp::Campaign {
+            key: r.election,
+            client_id: r.candidate_id,
+            // A campaign that may wait needs an id its later grant can find.
+            request_id: if r.request_id.is_empty() && r.wait_timeout_ms != Some(0) {
+                new_request_id()
+            } else {
+                r.request_id
+            },
+            ttl_ms,
+            wait_timeout_ms: r.wait_timeout_ms,
+            value: r.value,
+        };
+        if let Err(e) = caller.authorize(&mut op) {
+            return Ok(Response::new(out.refused(e)));
+        }
+        match super::exec::execute_call(op, &self.state, "grpc", traceparent.as_deref()).await {
+            ClientReply::Granted {
+                token,
+                expires_in_ms,
+                ..
+            } => {
+                out.elected = true;
+                out.expires_in_ms = expires_in_ms;
+                out.fencing_token = Some(self.leader_token(token));
+            }
+            ClientReply::Error(e) => with_error!(out, e),
+            other => out.error_message = format!("unexpected {other:?}"),
+        }
+        Ok(Response::new(out))
+    }
+
+    async fn proclaim(
+        &self,
+        request: Request<lpb::ProclaimRequest>,
+    ) -> Result<Response<lpb::ProclaimResponse>, Status> {
+        let traceparent = super::exec::traceparent_header(request.metadata());
+        let caller = caller_of(&self.state, &request);
+        let r = request.into_inner();
+        let mut out = lpb::ProclaimResponse::default();
+        if let Err(e) = check_key(&self.state, &r.election, &r.candidate_id) {
+            return Ok(Response::new(out.refused(e)));
+        }
+        if r.value.len() > self.state.limits.max_value_bytes {
+            let e = ApiError::new(ErrorCode::TooLarge, "value exceeds the limit");
+            return Ok(Response::new(out.refused(e)));
+        }
+        let mut op = ClientOp::Proclaim {
+            key: r.election,
+            client_id: r.candidate_id,
+            request_id: r.request_id,
+            token: r.term,
+            value: r.value,
+        };
+        if let Err(e) = caller.authorize(&mut op) {
+            return Ok(Response::new(out.refused(e)));
+        }
+        match super::exec::execute_call(op, &self.state, "grpc", traceparent.as_deref()).await {
+            ClientReply::Proclaimed { .. } => out.proclaimed = true,
+            ClientReply::Error(e) => with_error!(out, e),
+            other => out.error_message = format!("unexpected {other:?}"),
+        }
+        Ok(Response::new(out))
+    }
+
+    async fn leader(
+        &self,
+        request: Request<lpb::LeaderRequest>,
+    ) -> Result<Response<lpb::LeaderResponse>, Status> {
+        let traceparent = super::exec::traceparent_header(request.metadata());
+        let caller = caller_of(&self.state, &request);
+        let r = request.into_inner();
+        let mut out = lpb::LeaderResponse::default();
+        if r.election.is_empty() || r.election.len() > self.state.limits.max_key_bytes {
+            let e = ApiError::new(
+                ErrorCode::InvalidRequest,
+                "election is required, within the key limit",
+            );
+            return Ok(Response::new(out.refused(e)));
+        }
+        let mut op = ClientOp::Leader { key: r.election };
+        if let Err(e) = caller.authorize(&mut op) {
+            return Ok(Response::new(out.refused(e)));
+        }
+        match super::exec::execute_call(op, &self.state, "grpc", traceparent.as_deref()).await {
+            ClientReply::Leader {
+                leader,
+                token,
+                value,
+                candidates,
+            } => {
+                out.has_leader = leader.is_some();
+                out.candidate_id = leader.unwrap_or_default();
+                out.fencing_token = token.map(|t| self.leader_token(t));
+                out.value = value.unwrap_or_default();
+                out.candidates = candidates;
+            }
+            ClientReply::Error(e) => with_error!(out, e),
+            other => out.error_message = format!("unexpected {other:?}"),
+        }
+        Ok(Response::new(out))
     }
 
     async fn get_status(

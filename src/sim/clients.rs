@@ -257,10 +257,57 @@ impl SimClients {
         let request_id = numbered(client.next_request);
         let client_id = client.name.clone();
         let k = rng.random_range(0..self.keys);
-        let key = format!("key-{k}");
+        // One operation in five is on an election (`elect-*`) rather than a lock.
+        let election = rng.random_bool(0.2);
+        let key = if election {
+            format!("elect-{k}")
+        } else {
+            format!("key-{k}")
+        };
         let held = client.held.get(&key).cloned();
         let roll = rng.random_range(0..100);
+        // A campaign's or proclaim's value: unique, so the checks can tell which one shows.
+        let value = format!("{}/{}", client.name, client.next_request).into_bytes();
         let op = match (roll, held) {
+            (0..=64, None) if election => ClientOp::Campaign {
+                key,
+                client_id,
+                request_id,
+                ttl_ms: rng.random_range(30..400),
+                wait_timeout_ms: match rng.random_range(0..5) {
+                    0 => Some(0),
+                    1 => None,
+                    _ => Some(rng.random_range(20..600)),
+                },
+                value,
+            },
+            (_, None) if election => ClientOp::Leader { key },
+            (0..=29, Some(h)) if election => ClientOp::Proclaim {
+                key,
+                client_id,
+                request_id,
+                // Now and then a stale or made-up term.
+                token: if rng.random_bool(0.8) {
+                    h.token
+                } else {
+                    rng.random_range(1..50)
+                },
+                value,
+            },
+            (30..=54, Some(h)) if election => ClientOp::Renew {
+                key,
+                client_id,
+                request_id,
+                token: h.token,
+                ttl_ms: rng.random_range(30..400),
+            },
+            (55..=74, Some(_)) if election => ClientOp::Leader { key },
+            (_, Some(h)) if election => ClientOp::Release {
+                key,
+                client_id,
+                request_id,
+                token: h.token,
+            },
             (0..=44, None) => ClientOp::Acquire {
                 key,
                 client_id,
@@ -394,8 +441,16 @@ impl SimClients {
             ClientOp::Acquire {
                 wait_timeout_ms: Some(ms),
                 ..
+            }
+            | ClientOp::Campaign {
+                wait_timeout_ms: Some(ms),
+                ..
             } => ms * 1_000,
             ClientOp::Acquire {
+                wait_timeout_ms: None,
+                ..
+            }
+            | ClientOp::Campaign {
                 wait_timeout_ms: None,
                 ..
             } => 1_500_000,
@@ -479,7 +534,7 @@ impl SimClients {
         let first_sent = inflight.first_sent_local;
         match (&entry.op, &reply) {
             (
-                ClientOp::Acquire { key, .. },
+                ClientOp::Acquire { key, .. } | ClientOp::Campaign { key, .. },
                 ClientReply::Granted {
                     token,
                     expires_in_ms,
@@ -515,9 +570,11 @@ impl SimClients {
                     }),
                 }
             }
-            (ClientOp::Renew { key, .. }, ClientReply::Error(e))
-                if matches!(e.code, ErrorCode::StaleToken | ErrorCode::NotHolder)
-                    && client.held.remove(key).is_some() =>
+            (
+                ClientOp::Renew { key, .. } | ClientOp::Proclaim { key, .. },
+                ClientReply::Error(e),
+            ) if matches!(e.code, ErrorCode::StaleToken | ErrorCode::NotHolder)
+                && client.held.remove(key).is_some() =>
             {
                 // The lease ran out before the renew: the client learns it lost the lock.
                 self.stats.expiries_seen += 1;
@@ -567,7 +624,7 @@ impl SimClients {
         let mut grants: BTreeMap<&str, Vec<(u64, u64, u64)>> = BTreeMap::new();
         for h in &self.history {
             if let (
-                ClientOp::Acquire { key, .. },
+                ClientOp::Acquire { key, .. } | ClientOp::Campaign { key, .. },
                 Some(ClientReply::Granted { token, .. }),
                 Some(done),
             ) = (&h.op, &h.reply, h.complete_us)
@@ -721,6 +778,70 @@ impl SimClients {
                     Some(LockOp::Renewed {
                         token: *token,
                         ttl_us: ttl_ms * 1_000,
+                    })
+                }
+                (
+                    ClientOp::Campaign {
+                        key, ttl_ms, value, ..
+                    },
+                    None,
+                ) => Some(LockOp::CampaignUnknown {
+                    ttl_us: ttl_ms * 1_000,
+                    value: value_id(key, value, &mut values),
+                }),
+                (
+                    ClientOp::Campaign {
+                        key, ttl_ms, value, ..
+                    },
+                    Some(ClientReply::Granted { token, .. }),
+                ) => Some(LockOp::Elected {
+                    token: token.value,
+                    ttl_us: ttl_ms * 1_000,
+                    value: value_id(key, value, &mut values),
+                }),
+                (
+                    ClientOp::Campaign {
+                        ttl_ms, key, value, ..
+                    },
+                    Some(ClientReply::Error(e)),
+                ) => match e.code {
+                    ErrorCode::AlreadyHeld => Some(LockOp::AlreadyHeld {
+                        token: e.current_token,
+                    }),
+                    ErrorCode::WaitTimeout => Some(LockOp::HeldByOther),
+                    ErrorCode::StaleToken => Some(LockOp::CampaignUnknown {
+                        ttl_us: ttl_ms * 1_000,
+                        value: value_id(key, value, &mut values),
+                    }),
+                    _ => None,
+                },
+                (
+                    ClientOp::Proclaim {
+                        key, token, value, ..
+                    },
+                    None,
+                ) => Some(LockOp::ProclaimUnknown {
+                    token: *token,
+                    value: value_id(key, value, &mut values),
+                }),
+                (
+                    ClientOp::Proclaim {
+                        key, token, value, ..
+                    },
+                    Some(ClientReply::Proclaimed { .. }),
+                ) => Some(LockOp::Proclaimed {
+                    token: *token,
+                    value: value_id(key, value, &mut values),
+                }),
+                (ClientOp::Proclaim { token, .. }, Some(ClientReply::Error(e))) => match e.code {
+                    ErrorCode::StaleToken => Some(LockOp::StaleToken { token: *token }),
+                    ErrorCode::NotHolder => Some(LockOp::NotHolder { token: *token }),
+                    _ => None,
+                },
+                (ClientOp::Leader { key }, Some(ClientReply::Leader { token, value, .. })) => {
+                    Some(LockOp::LeaderRead {
+                        token: token.as_ref().map(|t| t.value),
+                        value: value.as_ref().map(|v| value_id(key, v, &mut values)),
                     })
                 }
                 (ClientOp::SetLockDelay { delay_ms, .. }, None) => Some(LockOp::SetDelayUnknown {

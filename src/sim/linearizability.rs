@@ -17,6 +17,9 @@
 //!   operation like any other) holds the key back after an expiry: no grant until the delay may
 //!   have run out, measured from the expiry (see [`Search::end_delay`]); meanwhile an acquire
 //!   may be told the lock is busy.
+//!   An election (`elect-*`) is a lock whose state also has the value its leader shows: a
+//!   campaign's grant shows the campaign's value, a proclaim by the holder replaces it, a
+//!   release or expiry clears it, and a leader read returns the holder's term and value.
 //! - **KV** (`data-*`): a register; puts write, gets return the latest write.
 //!
 //! An operation without an answer (the client gave up, or the run ended first) may take effect
@@ -86,6 +89,31 @@ pub enum LockOp {
     },
     SetDelayUnknown {
         delay_us: u64,
+    },
+    /// A campaign elected its client with this token (term), lease and value (numbered per
+    /// key), or, without an answer, may have.
+    Elected {
+        token: u64,
+        ttl_us: u64,
+        value: u32,
+    },
+    CampaignUnknown {
+        ttl_us: u64,
+        value: u32,
+    },
+    /// The leader holding `token` proclaimed `value`, or, without an answer, may have.
+    Proclaimed {
+        token: u64,
+        value: u32,
+    },
+    ProclaimUnknown {
+        token: u64,
+        value: u32,
+    },
+    /// A read of the election: its leader's term and value (`None`: no one leads).
+    LeaderRead {
+        token: Option<u64>,
+        value: Option<u32>,
     },
 }
 
@@ -298,6 +326,8 @@ impl Search<'_> {
         (at <= min_resp).then_some(State {
             holder: None,
             delayed_until_lb,
+            // An election shows no value without a leader (a lock key has none anyway).
+            value: None,
             time_lb: at,
             ..*state
         })
@@ -373,6 +403,58 @@ impl Search<'_> {
                         return None;
                     }
                     next.holder = None;
+                    next.value = None;
+                }
+                LockOp::Elected {
+                    token,
+                    ttl_us,
+                    value,
+                } => {
+                    if holder.is_some() || state.delayed_until_lb.is_some() || token <= state.floor
+                    {
+                        return None;
+                    }
+                    next.holder = Some(Holder {
+                        client: me,
+                        token: Some(token),
+                        expires_lb: self.lease_end(now, ttl_us),
+                    });
+                    next.floor = token;
+                    next.value = Some(value);
+                }
+                LockOp::CampaignUnknown { ttl_us, value } => {
+                    if holder.is_some() || state.delayed_until_lb.is_some() {
+                        return None;
+                    }
+                    next.holder = Some(Holder {
+                        client: me,
+                        token: None,
+                        expires_lb: self.lease_end(now, ttl_us),
+                    });
+                    next.value = Some(value);
+                }
+                LockOp::Proclaimed { token, value } | LockOp::ProclaimUnknown { token, value } => {
+                    if !holds(token) {
+                        return None;
+                    }
+                    next.value = Some(value);
+                }
+                LockOp::LeaderRead { token, value } => {
+                    match (holder, token) {
+                        (None, None) => {}
+                        (Some(h), Some(t)) if h.token.is_none_or(|known| known == t) => {
+                            // A read names the term an unanswered campaign was granted.
+                            next.holder = Some(Holder {
+                                token: Some(t),
+                                ..h
+                            });
+                            next.floor = state.floor.max(t);
+                        }
+                        _ => return None,
+                    }
+                    if value != state.value {
+                        return None;
+                    }
                 }
                 LockOp::Renewed { token, ttl_us } | LockOp::RenewUnknown { token, ttl_us } => {
                     if !holds(token) {
@@ -642,5 +724,80 @@ mod tests {
             OpKind::Kv(KvOp::Get { value: Some(1_000) }),
         ));
         assert_eq!(check_key(&ops, DRIFT, 1_000), Verdict::Unchecked);
+    }
+
+    fn elected(token: u64, ttl_ms: u64, value: u32) -> OpKind {
+        OpKind::Lock(LockOp::Elected {
+            token,
+            ttl_us: ttl_ms * 1_000,
+            value,
+        })
+    }
+
+    fn read(token: Option<u64>, value: Option<u32>) -> OpKind {
+        OpKind::Lock(LockOp::LeaderRead { token, value })
+    }
+
+    #[test]
+    fn an_election_shows_its_leaders_campaign_value_then_what_it_proclaimed() {
+        let proclaim = OpKind::Lock(LockOp::Proclaimed { token: 3, value: 8 });
+        let ok = [
+            op(0, 0, Some(1_000), elected(3, 400, 7)),
+            op(1, 2_000, Some(3_000), read(Some(3), Some(7))),
+            op(0, 4_000, Some(5_000), proclaim),
+            op(1, 6_000, Some(7_000), read(Some(3), Some(8))),
+        ];
+        assert_eq!(check(&ok), Verdict::Linearizable);
+        // A read after the proclaim was answered cannot show the campaign's value again.
+        let stale = [
+            op(0, 0, Some(1_000), elected(3, 400, 7)),
+            op(0, 4_000, Some(5_000), proclaim),
+            op(1, 6_000, Some(7_000), read(Some(3), Some(7))),
+        ];
+        assert!(matches!(check(&stale), Verdict::Violation(_)));
+        // Nor can another client proclaim for the leader.
+        let other = [
+            op(0, 0, Some(1_000), elected(3, 400, 7)),
+            op(1, 2_000, Some(3_000), proclaim),
+        ];
+        assert!(matches!(check(&other), Verdict::Violation(_)));
+    }
+
+    #[test]
+    fn an_election_without_a_leader_shows_no_value() {
+        let resign = OpKind::Lock(LockOp::Released { token: 3 });
+        let ok = [
+            op(0, 0, Some(1_000), elected(3, 400, 7)),
+            op(0, 2_000, Some(3_000), resign),
+            op(1, 4_000, Some(5_000), read(None, None)),
+        ];
+        assert_eq!(check(&ok), Verdict::Linearizable);
+        let kept = [
+            op(0, 0, Some(1_000), elected(3, 400, 7)),
+            op(0, 2_000, Some(3_000), resign),
+            op(1, 4_000, Some(5_000), read(None, Some(7))),
+        ];
+        assert!(matches!(check(&kept), Verdict::Violation(_)));
+        // The lease may run out: then no one leads, and the value went with the leader.
+        let expired = [
+            op(0, 0, Some(1_000), elected(3, 100, 7)),
+            op(1, 200_000, Some(201_000), read(None, None)),
+        ];
+        assert_eq!(check(&expired), Verdict::Linearizable);
+        // An unanswered campaign may have won: a read names its term and value.
+        let unknown = [
+            op(
+                0,
+                0,
+                None,
+                OpKind::Lock(LockOp::CampaignUnknown {
+                    ttl_us: 400_000,
+                    value: 5,
+                }),
+            ),
+            op(1, 2_000, Some(3_000), read(Some(4), Some(5))),
+            op(1, 4_000, Some(5_000), elected(2, 400, 6)),
+        ];
+        assert!(matches!(check(&unknown), Verdict::Violation(_)));
     }
 }

@@ -48,6 +48,12 @@ pub struct LockChecker {
     /// Lock-delays that started on an expiry, and that ended.
     pub lock_delays: u64,
     pub lock_delays_ended: u64,
+    /// Candidates elected (a campaign granted at once or by a hand-off), and proclaims applied.
+    pub elected: u64,
+    pub proclaims: u64,
+    /// Campaign values of queued candidates, by (election, client): a client waits at most
+    /// once per key.
+    candidates: BTreeMap<(String, String), Vec<u8>>,
     /// Simulated time (µs), set by the cluster before each apply it reports.
     pub now_us: u64,
     /// When each index was first applied anywhere (µs), until the model consumed it.
@@ -128,6 +134,9 @@ impl LockChecker {
     fn check_step(&mut self, index: Index, command: &Command, applied: &Applied) {
         let applied_us = self.first_applied_us.remove(&index).unwrap_or(self.now_us);
         self.check_lock_delay(index, command.request(), applied, applied_us);
+        if !applied.replayed {
+            self.check_election(index, command.request(), applied);
+        }
         let remembered = documented_as_kept(command, &applied.outcome);
         if let Command::Sequenced {
             command: request, ..
@@ -189,6 +198,11 @@ impl LockChecker {
                     client_id,
                     request_id,
                     ..
+                }
+                | Command::Campaign {
+                    client_id,
+                    request_id,
+                    ..
                 },
                 Outcome::Granted { token, .. },
             ) => {
@@ -211,6 +225,11 @@ impl LockChecker {
             }
             (
                 Command::Acquire {
+                    client_id,
+                    request_id,
+                    ..
+                }
+                | Command::Campaign {
                     client_id,
                     request_id,
                     ..
@@ -304,6 +323,115 @@ impl LockChecker {
     /// without one does not; a delay ends only by the leader's `EndLockDelay` for its token, no
     /// sooner than its length (less the largest clock drift) after the expiry was first
     /// applied. `grant` checks that no grant comes while a delay runs.
+    /// Elections, judged from the commands, outcomes and events: a candidate is elected with
+    /// its own campaign value (at once or when the key is handed to it), a proclaim applies only
+    /// for the current leader's term, and every value shown names the leader and term just
+    /// granted or proclaimed. Runs before the step's grants and releases reach the key models,
+    /// so a proclaim is judged against the holder before it.
+    fn check_election(&mut self, index: Index, command: &Command, applied: &Applied) {
+        // (client, token, value) each Proclaimed event must carry, from this entry's grants.
+        let mut expected: Vec<(String, u64, Vec<u8>)> = Vec::new();
+        match (command, &applied.outcome) {
+            (
+                Command::Campaign {
+                    key,
+                    client_id,
+                    value,
+                    ..
+                },
+                Outcome::Queued { .. },
+            ) => {
+                self.candidates
+                    .insert((key.clone(), client_id.clone()), value.clone());
+            }
+            (
+                Command::Campaign {
+                    client_id, value, ..
+                },
+                Outcome::Granted { token, .. },
+            ) => expected.push((client_id.clone(), token.value, value.clone())),
+            (
+                Command::Proclaim {
+                    key,
+                    client_id,
+                    token,
+                    value,
+                    ..
+                },
+                Outcome::Proclaimed { .. },
+            ) => {
+                self.proclaims += 1;
+                let holder = self.keys.get(key).and_then(|m| m.holder.clone());
+                if holder
+                    .as_ref()
+                    .is_none_or(|h| h.0 != *client_id || h.2 != token.value)
+                {
+                    self.fail(
+                        "proclaim only by the leader",
+                        format!(
+                            "index {index}: {client_id} proclaimed for term {} of {key}, whose \
+                             leader is {holder:?}",
+                            token.value
+                        ),
+                    );
+                }
+                expected.push((client_id.clone(), token.value, value.clone()));
+            }
+            (Command::CancelWait { key, client_id, .. }, Outcome::WaitCancelled) => {
+                self.candidates.remove(&(key.clone(), client_id.clone()));
+            }
+            _ => {}
+        }
+        for event in &applied.events {
+            match event {
+                Event::Granted {
+                    client_id, token, ..
+                } => {
+                    if let Some(value) = self
+                        .candidates
+                        .remove(&(token.key.clone(), client_id.clone()))
+                    {
+                        expected.push((client_id.clone(), token.value, value));
+                    }
+                }
+                Event::WaiterRemoved { key, client_id, .. } => {
+                    self.candidates.remove(&(key.clone(), client_id.clone()));
+                }
+                _ => {}
+            }
+        }
+        let shown: Vec<(String, u64, Vec<u8>)> = applied
+            .events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Proclaimed {
+                    client_id,
+                    token,
+                    value,
+                } => Some((client_id.clone(), token.value, value.clone())),
+                _ => None,
+            })
+            .collect();
+        if shown != expected {
+            let show = |list: &[(String, u64, Vec<u8>)]| {
+                list.iter()
+                    .map(|(c, t, v)| format!("{c} term {t} {:?}", String::from_utf8_lossy(v)))
+                    .collect::<Vec<_>>()
+            };
+            self.fail(
+                "elected with its campaign value",
+                format!(
+                    "index {index}: {command:?} showed {:?}, the grants and proclaims of the entry \
+                     call for {:?}",
+                    show(&shown),
+                    show(&expected)
+                ),
+            );
+        }
+        self.elected += expected.len() as u64
+            - u64::from(matches!(applied.outcome, Outcome::Proclaimed { .. }));
+    }
+
     fn check_lock_delay(&mut self, index: Index, command: &Command, applied: &Applied, at: u64) {
         let started = applied.events.iter().find_map(|e| match e {
             Event::LockDelayStarted {
@@ -435,5 +563,6 @@ fn documented_as_kept(command: &Command, outcome: &Outcome) -> bool {
             | Outcome::Stored
             | Outcome::Deleted { .. }
             | Outcome::LockDelaySet { .. }
+            | Outcome::Proclaimed { .. }
     )
 }

@@ -466,6 +466,36 @@ fn caught_lock_delay_not_restarted_after_election() {
     );
 }
 
+// ----- election bugs in the state machine -----------------------------------------------------
+
+#[test]
+fn caught_election_proclaim_without_holder_check() {
+    // A stale leader's proclaim (or a made-up term's) would replace the value the current
+    // leader shows.
+    assert_node_bug_caught(
+        "proclaim_skips_holder_check",
+        400,
+        NodeBugs {
+            proclaim_skips_holder_check: true,
+            ..NodeBugs::default()
+        },
+        &["proclaim only by the leader", "linearizable"],
+    );
+}
+
+#[test]
+fn caught_election_hand_off_without_the_campaign_value() {
+    assert_node_bug_caught(
+        "elected_by_hand_off_without_value",
+        400,
+        NodeBugs {
+            elected_by_hand_off_without_value: true,
+            ..NodeBugs::default()
+        },
+        &["elected with its campaign value", "linearizable"],
+    );
+}
+
 #[test]
 fn caught_no_lease_for_grants_without_a_local_proposal() {
     assert_node_bug_caught(

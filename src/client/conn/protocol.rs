@@ -106,6 +106,9 @@ pub(crate) struct ReplyBody {
     pub fencing_token: Option<TokenReply>,
     pub value: Option<String>,
     pub lock_delay: Option<u64>,
+    /// A leader read: the leader's client id (`null`, read as `None`, while no one leads).
+    pub leader: Option<String>,
+    pub candidates: Option<u32>,
     pub error: Option<ErrorReply>,
     /// Set by the SDK, not the node: the reply carried this request's id but fields of types
     /// the SDK does not know (answered as a protocol error instead of never).

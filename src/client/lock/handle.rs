@@ -62,6 +62,10 @@ impl LockHandle {
         &self.key
     }
 
+    pub(super) fn client(&self) -> &RaftLockClient {
+        &self.client
+    }
+
     /// The identity the cluster records as this lock's holder: `{client_id}#{n}`, unique to
     /// this acquire. Another process can release or renew the lock as this id (for example
     /// `lockctl --client-id <owner id> release`).

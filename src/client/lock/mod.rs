@@ -10,6 +10,7 @@
 
 mod advanced;
 mod builder;
+mod election;
 mod handle;
 mod ids;
 mod renewer;
@@ -26,6 +27,7 @@ use ids::RequestNumber;
 
 pub use advanced::{AdvancedClient, PendingAcquire};
 pub use builder::ClientBuilder;
+pub use election::{LeaderInfo, LeaderObserver, Leadership};
 pub use handle::LockHandle;
 pub use renewer::{AutoRenewer, LossReason};
 
@@ -174,14 +176,33 @@ impl RaftLockClient {
         number: &RequestNumber,
         policy: &RetryPolicy,
     ) -> Result<LockHandle, ClientError> {
+        self.grant_request(key, ttl, wait, owner, number, policy, None)
+            .await
+    }
+
+    /// An acquire, or with `campaign` a campaign to lead the election `key` showing that
+    /// value: the two are the same request but for the command and the value.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) async fn grant_request(
+        &self,
+        key: &str,
+        ttl: Duration,
+        wait: Option<Duration>,
+        owner: &str,
+        number: &RequestNumber,
+        policy: &RetryPolicy,
+        campaign: Option<&str>,
+    ) -> Result<LockHandle, ClientError> {
         check_key(key)?;
         let ttl_ms = duration_ms(ttl)?;
+        let command = if campaign.is_some() { 10 } else { 3 };
         let request = Request {
             client_id: Some(owner),
             ttl: Some(ttl_ms),
             wait_timeout: wait.map(|w| w.as_millis() as u64),
             ack_below: number.ack_below,
-            ..Request::new(3, key, &number.id)
+            value: campaign,
+            ..Request::new(command, key, &number.id)
         };
         // The lease on the server starts when the grant is applied, which is after this point;
         // counting from here keeps the client's deadline earlier than the server's.

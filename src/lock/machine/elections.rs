@@ -189,7 +189,7 @@ impl LockStateMachine {
         granted: Option<(&str, &str, &FencingToken)>,
         events: &mut Vec<Event>,
     ) {
-        let first_value_bug = self.bug(|b| b.elected_with_first_candidate_value);
+        let no_value_bug = self.bug(|b| b.elected_by_hand_off_without_value);
         let Some(election) = self.elections.get_mut(key) else {
             return;
         };
@@ -199,19 +199,16 @@ impl LockStateMachine {
                 .candidates
                 .iter()
                 .position(|c| *c.client_id == *client && *c.request_id == *request);
-            let at = if first_value_bug {
-                (!election.candidates.is_empty()).then_some(0)
-            } else {
-                at
-            };
             if let Some(at) = at {
                 let value = election.candidates.remove(at).value;
-                election.value = Some(value.clone());
-                events.push(Event::Proclaimed {
-                    client_id: client.to_string(),
-                    token: token.clone(),
-                    value,
-                });
+                if !no_value_bug {
+                    election.value = Some(value.clone());
+                    events.push(Event::Proclaimed {
+                        client_id: client.to_string(),
+                        token: token.clone(),
+                        value,
+                    });
+                }
             }
         }
         self.mark_dirty(ELECTION_PREFIX, key);

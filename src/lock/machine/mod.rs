@@ -255,8 +255,8 @@ pub struct LockStateMachine {
 pub struct MachineBugs {
     /// A proclaim is applied without checking that its token holds the election.
     pub proclaim_skips_holder_check: bool,
-    /// A candidate elected by a hand-off shows the first queued candidate's value, not its own.
-    pub elected_with_first_candidate_value: bool,
+    /// A candidate elected by a hand-off shows no value (until it proclaims one).
+    pub elected_by_hand_off_without_value: bool,
 }
 
 impl PartialEq for LockStateMachine {

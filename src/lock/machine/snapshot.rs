@@ -9,9 +9,10 @@ use super::super::limits::Limits;
 use super::changes::dedupe_key;
 use super::records::DedupeRecord;
 use super::{
-    LockStateMachine, DATA_PREFIX, DEDUPE_BLOCK, DELAY_PREFIX, ELECTION_PREFIX, LOCK_PREFIX, META_ACK_PREFIX,
-    META_APPLIED, META_CLOCK, META_CLUSTER, META_CLUSTER_VERSION, META_DEDUPE_BLOCK_PREFIX,
-    META_DEDUPE_NEXT, META_DEDUPE_PREFIX, META_LIMITS, META_MEMBERS, META_QUOTAS, META_SEQ,
+    LockStateMachine, DATA_PREFIX, DEDUPE_BLOCK, DELAY_PREFIX, ELECTION_PREFIX, LOCK_PREFIX,
+    META_ACK_PREFIX, META_APPLIED, META_CLOCK, META_CLUSTER, META_CLUSTER_VERSION,
+    META_DEDUPE_BLOCK_PREFIX, META_DEDUPE_NEXT, META_DEDUPE_PREFIX, META_LIMITS, META_MEMBERS,
+    META_QUOTAS, META_SEQ,
 };
 
 const SNAPSHOT_VERSION: u8 = 1;
@@ -23,7 +24,11 @@ impl LockStateMachine {
         keys.extend(self.locks.keys().map(|k| format!("{LOCK_PREFIX}{k}")));
         keys.extend(self.data.keys().map(|k| format!("{DATA_PREFIX}{k}")));
         keys.extend(self.delays.keys().map(|k| format!("{DELAY_PREFIX}{k}")));
-        keys.extend(self.elections.keys().map(|k| format!("{ELECTION_PREFIX}{k}")));
+        keys.extend(
+            self.elections
+                .keys()
+                .map(|k| format!("{ELECTION_PREFIX}{k}")),
+        );
         keys.extend(self.dedupe.keys().map(|&n| dedupe_key(n)));
         keys.extend(
             self.sessions

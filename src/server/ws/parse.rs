@@ -208,7 +208,8 @@ pub(super) fn to_op(
             key,
             client_id,
             request_id,
-            token: token.ok_or_else(|| invalid("`fencingToken` (the term) is required to proclaim"))?,
+            token: token
+                .ok_or_else(|| invalid("`fencingToken` (the term) is required to proclaim"))?,
             value: election_value(r.value, limits)?,
         },
         LEADER => ClientOp::Leader { key },

@@ -171,6 +171,9 @@ pub struct SimStats {
     /// Lock-delays started by an expiry, and ended by the leader.
     pub lock_delays: u64,
     pub lock_delays_ended: u64,
+    /// Election candidates elected (client-level elections, not Raft's), and proclaims.
+    pub leaders_elected: u64,
+    pub proclaims: u64,
     pub pauses: u64,
     pub history_ops: u64,
     pub beliefs_checked: u64,
@@ -225,6 +228,8 @@ impl SimStats {
         self.expiries += other.expiries;
         self.lock_delays += other.lock_delays;
         self.lock_delays_ended += other.lock_delays_ended;
+        self.leaders_elected += other.leaders_elected;
+        self.proclaims += other.proclaims;
         self.pauses += other.pauses;
         self.history_ops += other.history_ops;
         self.beliefs_checked += other.beliefs_checked;

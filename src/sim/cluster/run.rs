@@ -90,6 +90,8 @@ impl Cluster {
         self.stats.expiries = self.locks.expiries;
         self.stats.lock_delays = self.locks.lock_delays;
         self.stats.lock_delays_ended = self.locks.lock_delays_ended;
+        self.stats.leaders_elected = self.locks.elected;
+        self.stats.proclaims = self.locks.proclaims;
         self.stats.ticks = self.locks.ticks;
         self.stats.acknowledging = self.locks.acknowledging;
         self.stats.acknowledged_refusals = self.locks.acknowledged_refusals;
