@@ -56,7 +56,7 @@ def main(src, dst):
             ax.grid(True, alpha=0.3, which="both")
             ax.legend(fontsize=7)
     versions = report.get("versions") or {"etcd": report.get("etcd", "etcd")}
-    shown = ", ".join(v for k, v in versions.items() if k not in ("raftlock", "redis-default"))
+    shown = ", ".join(v.replace(" Version:", "") for k, v in versions.items() if k not in ("raftlock", "redis-default"))
     fig.suptitle(f"RaftLock vs {shown} — {report.get('date', '')}, {report.get('machine', '')}")
     fig.tight_layout()
     fig.savefig(dst, dpi=90)

@@ -441,7 +441,7 @@ fn etcd_version() -> String {
             String::from_utf8_lossy(&o.stdout)
                 .lines()
                 .next()
-                .map(str::to_string)
+                .map(|l| l.replace(" Version:", ""))
         })
         .unwrap_or_else(|| "etcd (version unknown)".into())
 }
@@ -787,7 +787,18 @@ fn markdown(report: &serde_json::Value) -> String {
         None => vec!["etcd".into()],
     };
     let has = |p: &str| peers.iter().any(|x| x == p);
-    let names: Vec<&str> = peers.iter().map(|p| peer_label(p)).collect();
+    // The systems by name, Redis once for its two servers.
+    let mut names: Vec<&str> = Vec::new();
+    for p in &peers {
+        let name = peer_label(p).split(',').next().unwrap_or(p);
+        if !names.contains(&name) {
+            names.push(name);
+        }
+    }
+    let names = match names.split_last() {
+        Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
+        _ => names.join(""),
+    };
     let version = |t: &str| {
         report["versions"][t]
             .as_str()
@@ -797,7 +808,8 @@ fn markdown(report: &serde_json::Value) -> String {
                 None
             })
             .unwrap_or("")
-            .to_string()
+            // etcd's own words: "etcd Version: 3.4.23".
+            .replace(" Version:", "")
     };
     let versions = std::iter::once("raftlock")
         .chain(peers.iter().map(String::as_str))
@@ -808,7 +820,7 @@ fn markdown(report: &serde_json::Value) -> String {
         .join(", ");
     s.push_str(&format!(
         "# RaftLock vs {} — lock benchmark\n\n{} · {} · {}\n\nCommand: `{}` ({} s per run, {} rounds, each round running RaftLock and then each peer in turn; RaftLock, etcd and ZooKeeper {} nodes each on 127.0.0.1, Redis one server; all data on the same disk; all started by the benchmark and stopped after it).\n\n",
-        names.join(", "),
+        names,
         report["date"].as_str().unwrap_or(""),
         report["machine"].as_str().unwrap_or(""),
         versions,
