@@ -1,15 +1,13 @@
 #!/usr/bin/env bash
-# RaftLock against etcd on this machine, in one run: installs what is missing (etcd-server,
-# matplotlib, valgrind, websocket-client), builds raftlock-bench with the etcd target, starts a
-# three-node etcd cluster and a three-node RaftLock cluster on 127.0.0.1 with their data on the
-# same disk, runs the workloads against each in alternation, and writes docs/bench/results.md,
-# results.json and chart.png; the same with five nodes in each cluster (docs/bench/five-nodes/);
-# then the CPU budget per lock cycle beside its baseline
-# (docs/bench/cpu-budget.md, scripts/cpu-budget.py), one client's request step by step
-# (docs/bench/latency.md, scripts/latency-timeline.sh), a snapshot install's memory
-# (docs/bench/snapshot-install.md) and the scale runs (docs/bench/scale.md,
-# `raftlock-bench scale`); last, the etcd comparison and one client's latency again with the
-# Raft log in segment files (`--raft-log-engine segments`, docs/bench/segments/).
+# The benchmarks' long form, in one run: first the peer comparison, scripts/bench-peers.sh
+# (RaftLock beside etcd, ZooKeeper and Redis: docs/bench/results.md, results.json, chart.png);
+# then the same against etcd with five nodes in each cluster (docs/bench/five-nodes/); the CPU
+# budget per lock cycle beside its baseline (docs/bench/cpu-budget.md, scripts/cpu-budget.py),
+# one client's request step by step (docs/bench/latency.md, scripts/latency-timeline.sh), a
+# snapshot install's memory (docs/bench/snapshot-install.md) and the scale runs
+# (docs/bench/scale.md, `raftlock-bench scale`); last, the etcd comparison and one client's
+# latency again with the Raft log in segment files (`--raft-log-engine segments`,
+# docs/bench/segments/).
 #
 #   scripts/bench-vs-etcd.sh            # full run: 1, 8, 32, 128, 512 clients, 5 s per run, 2 rounds
 #   scripts/bench-vs-etcd.sh --quick    # 1 and 32 clients, 2 s per run, 1 round
@@ -20,38 +18,21 @@ cd "$(dirname "$0")/.."
 SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 
-if ! command -v etcd >/dev/null; then
-  echo "== installing etcd-server"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends etcd-server
-fi
-# The Debian package may start an etcd service on the default ports; the benchmark uses its own
-# free ports and data directories, so a running service does not interfere.
+QUICK=()
+if [ "${1:-}" = "--quick" ]; then QUICK=(--quick); fi
+# Installs etcd-server, zookeeper, redis-server and matplotlib where missing, builds
+# raftlock-bench (every peer) and lock-node, and runs the peer comparison.
+scripts/bench-peers.sh "${QUICK[@]}" "${@:$((${#QUICK[@]} + 1))}"
+BIN="${CARGO_TARGET_DIR:-target}/release"
 
 if ! command -v valgrind >/dev/null; then
   echo "== installing valgrind"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends valgrind
 fi
-
-if ! python3 -c 'import matplotlib' 2>/dev/null; then
-  echo "== installing matplotlib"
-  python3 -m pip install --quiet matplotlib
-fi
 if ! python3 -c 'import websocket' 2>/dev/null; then
   python3 -m pip install --quiet websocket-client
 fi
-
-# etcd-client generates its gRPC code at build time and needs protoc: use one from PATH or the
-# copy vendored with our own build dependencies.
-if [ -z "${PROTOC:-}" ] && ! command -v protoc >/dev/null; then
-  cargo fetch --quiet
-  PROTOC="$(find "${CARGO_HOME:-$HOME/.cargo}/registry/src" -path '*protoc-bin-vendored-linux-x86_64*/bin/protoc' | head -1)"
-  export PROTOC
-fi
-
-echo "== building"
-cargo build --release --features etcd --bin raftlock-bench --bin lock-node
 
 ARGS=()
 FIVE=(--clients 1,32,128 --workloads uncontended,contended)
@@ -66,13 +47,9 @@ if [ "${1:-}" = "--quick" ]; then
 fi
 if [ "${1:-}" = "--" ]; then shift; fi
 
-echo "== running"
-./target/release/raftlock-bench compare "${ARGS[@]}" "$@" --out docs/bench
-python3 scripts/plot-bench.py docs/bench/results.json docs/bench/chart.png
-
 echo "== five nodes in each cluster"
 mkdir -p docs/bench/five-nodes
-./target/release/raftlock-bench compare --nodes 5 "${FIVE[@]}" --out docs/bench/five-nodes
+"$BIN/raftlock-bench" compare --nodes 5 "${FIVE[@]}" --out docs/bench/five-nodes
 
 echo "== CPU budget per lock cycle (callgrind)"
 python3 scripts/cpu-budget.py --cycles "$BUDGET_CYCLES" --json docs/bench/cpu-budget.json \
@@ -91,13 +68,13 @@ KEPT=""
   echo
   echo "$(date +%F) · \`raftlock-bench latency --seconds 10\` (see docs/bench/cpu-budget.md for what each part costs in instructions)"
   echo
-  ./target/release/raftlock-bench latency --seconds 10
+  "$BIN/raftlock-bench" latency --seconds 10
   echo
   echo "## The same with 32 clients"
   echo
   echo "\`raftlock-bench latency --seconds 10 --clients 32\`"
   echo
-  ./target/release/raftlock-bench latency --seconds 10 --clients 32
+  "$BIN/raftlock-bench" latency --seconds 10 --clients 32
   echo
   echo "## One request step by step, from the nodes' own clocks"
   echo
@@ -118,7 +95,7 @@ echo "== the log's storage: sled, segment files and a plain append-only file, la
   echo
   echo "$(date +%F) · \`raftlock-bench storage --seconds 3\` (see docs/bench/cpu-budget.md, \"Real CPU time\")"
   echo
-  ./target/release/raftlock-bench storage --seconds 3
+  "$BIN/raftlock-bench" storage --seconds 3
 } > docs/bench/storage.md
 
 echo "== installing a million-lock snapshot into a new store: memory and time by sled batch size and page cache"
@@ -127,7 +104,7 @@ echo "== installing a million-lock snapshot into a new store: memory and time by
   echo
   echo "$(date +%F) · \`raftlock-bench snapshot-install\` (a member joining a loaded cluster installs such a snapshot; see also scale.md, \"follower catch-up from empty\")"
   echo
-  ./target/release/raftlock-bench snapshot-install
+  "$BIN/raftlock-bench" snapshot-install
   echo
   echo "RaftLock writes 512 keys per batch and gives sled a 64 MiB page cache (\`--storage-cache-mb\`; sled's own default is 1 GiB). Larger sled batches leave far more memory behind in sled, and a larger cache keeps more of the store resident beside the lock state, which holds all of it anyway; the other rows show how much."
   echo
@@ -135,20 +112,20 @@ echo "== installing a million-lock snapshot into a new store: memory and time by
 } > docs/bench/snapshot-install.md
 
 echo "== scale"
-./target/release/raftlock-bench scale "${SCALE[@]}" --out docs/bench
+"$BIN/raftlock-bench" scale "${SCALE[@]}" --out docs/bench
 echo "== the Raft log in segment files: the etcd comparison and one client's cycle"
 mkdir -p docs/bench/segments
-./target/release/raftlock-bench compare --raft-log-engine segments "${ARGS[@]}" "$@" --out docs/bench/segments
+"$BIN/raftlock-bench" compare --raft-log-engine segments "${ARGS[@]}" "$@" --out docs/bench/segments
 {
   echo "# Where one client's lock cycle goes, with the Raft log in segment files"
   echo
   echo "$(date +%F) · \`raftlock-bench latency --raft-log-engine segments --seconds 10\` (and the same with \`--clients 32\`; the default engine's are in ../latency.md)"
   echo
-  ./target/release/raftlock-bench latency --raft-log-engine segments --seconds 10
+  "$BIN/raftlock-bench" latency --raft-log-engine segments --seconds 10
   echo
   echo "## The same with 32 clients"
   echo
-  ./target/release/raftlock-bench latency --raft-log-engine segments --seconds 10 --clients 32
+  "$BIN/raftlock-bench" latency --raft-log-engine segments --seconds 10 --clients 32
   echo
   echo "## One request step by step, from the nodes' own clocks"
   echo

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 
 use crate::load::{self, ms, LoadResult, LoadSpec, Target, Workload};
+use crate::peers;
 
 /// Where etcd's load clients connect.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -52,6 +53,8 @@ pub struct CompareArgs {
     pub command_line: String,
     /// `sled` or `segments`: where the RaftLock nodes keep their Raft log.
     pub raft_log_engine: String,
+    /// The systems measured beside RaftLock (etcd, zookeeper, redis-fsync, redis-default).
+    pub peers: Vec<Target>,
 }
 
 /// Child processes killed when dropped, even on error.
@@ -69,7 +72,7 @@ impl Drop for Procs {
 /// `n` distinct ports of 127.0.0.1 that are free now. All `n` are held open until every one is
 /// chosen: the kernel may hand a port it just gave out, and that was closed again, to the next
 /// bind, and two nodes told to listen on one port leave a cluster without a quorum.
-fn free_ports(n: usize) -> Result<Vec<u16>, String> {
+pub fn free_ports(n: usize) -> Result<Vec<u16>, String> {
     let held = (0..n)
         .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
         .collect::<Result<Vec<_>, _>>()
@@ -414,6 +417,21 @@ pub fn today() -> String {
         .unwrap_or_default()
 }
 
+/// The version a running system reports (etcd: its binary's `--version`; ZooKeeper: a node's
+/// `srvr` answer; Redis: `INFO server`).
+async fn version_of(target: Target, endpoints: &[String]) -> String {
+    let first = endpoints.first().map(String::as_str).unwrap_or("");
+    let found = match target {
+        Target::Raftlock => Ok(format!("RaftLock {}", env!("CARGO_PKG_VERSION"))),
+        Target::Etcd => Ok(etcd_version()),
+        Target::Zookeeper => peers::zookeeper_srvr(first)
+            .await
+            .and_then(|s| peers::zookeeper_version(&s).ok_or("no version in srvr".into())),
+        Target::RedisFsync | Target::RedisDefault => peers::redis_version(first).await,
+    };
+    found.unwrap_or_else(|e| format!("{target} (version unknown: {e})"))
+}
+
 fn etcd_version() -> String {
     Command::new("etcd")
         .arg("--version")
@@ -423,7 +441,7 @@ fn etcd_version() -> String {
             String::from_utf8_lossy(&o.stdout)
                 .lines()
                 .next()
-                .map(str::to_string)
+                .map(|l| l.replace(" Version:", ""))
         })
         .unwrap_or_else(|| "etcd (version unknown)".into())
 }
@@ -443,19 +461,88 @@ pub async fn compare(args: CompareArgs) -> Result<(), String> {
         stalls_idle.describe(),
         stalls_sync.describe()
     );
+    let peers: Vec<Target> = args
+        .peers
+        .iter()
+        .copied()
+        .filter(|&t| t != Target::Raftlock)
+        .fold(Vec::new(), |mut v, t| {
+            if !v.contains(&t) {
+                v.push(t);
+            }
+            v
+        });
     let mut procs = Procs(Vec::new());
-    let etcd_all = start_etcd(&args.dir, &mut procs, args.nodes)?;
+    // Every system is started before any is measured, so each run shares the machine with the
+    // same idle processes.
+    let mut endpoints: Vec<(Target, Vec<String>)> = Vec::new();
+    let mut etcd_all = Vec::new();
+    for &peer in &peers {
+        let eps = match peer {
+            Target::Etcd => {
+                etcd_all = start_etcd(&args.dir, &mut procs, args.nodes)?;
+                etcd_all.clone()
+            }
+            Target::Zookeeper => peers::start_zookeeper(&args.dir, &mut procs, args.nodes)?,
+            Target::RedisFsync => vec![peers::start_redis(
+                &args.dir,
+                &mut procs,
+                "redis-fsync",
+                peers::RedisDurability::FsyncAlways,
+            )?],
+            Target::RedisDefault => vec![peers::start_redis(
+                &args.dir,
+                &mut procs,
+                "redis-default",
+                peers::RedisDurability::Default,
+            )?],
+            Target::Raftlock => continue,
+        };
+        endpoints.push((peer, eps));
+    }
     let raftlock = start_raftlock_nodes(
         &args.dir,
         &mut procs,
         &[("RAFTLOCK_RAFT_LOG_ENGINE", &args.raft_log_engine)],
         args.nodes,
     )?;
-    wait_ready(Target::Etcd, &etcd_all).await?;
-    wait_ready(Target::Raftlock, &raftlock).await?;
-    println!("both clusters ready: etcd {etcd_all:?}, raftlock {raftlock:?}");
-    let (etcd, etcd_clients) = etcd_endpoints(&args, &etcd_all).await?;
-    println!("etcd clients: {}", etcd_clients["chosen"]);
+    endpoints.insert(0, (Target::Raftlock, raftlock.clone()));
+    for (target, eps) in &endpoints {
+        wait_ready(*target, eps).await?;
+    }
+    println!("all ready: {endpoints:?}");
+    let mut versions = serde_json::Map::new();
+    for (target, eps) in &endpoints {
+        versions.insert(target.to_string(), json!(version_of(*target, eps).await));
+    }
+    println!("versions: {versions:?}");
+    let mut etcd_clients = json!(null);
+    if peers.contains(&Target::Etcd) {
+        let (etcd, chosen) = etcd_endpoints(&args, &etcd_all).await?;
+        println!("etcd clients: {}", chosen["chosen"]);
+        etcd_clients = chosen;
+        if let Some(e) = endpoints.iter_mut().find(|(t, _)| *t == Target::Etcd) {
+            e.1 = etcd;
+        }
+    }
+    // The same warm-up for every system (the JVM's compiler above all): 8 uncontended clients
+    // for as long as one measured run, not measured.
+    for (target, eps) in &endpoints {
+        let spec = LoadSpec {
+            target: *target,
+            endpoints: eps.clone(),
+            workload: Workload::Uncontended,
+            clients: 8,
+            duration: Duration::from_secs(args.seconds),
+            run_id: "warm".into(),
+            timeline: false,
+            acknowledge: *target == Target::Raftlock,
+            connections: 0,
+        };
+        let r = load::run(&spec).await?;
+        print!("warm-up ");
+        load::print_result(&spec, &r);
+    }
     let mut rows = Vec::new();
     let mut run = 0;
     for &workload in &args.workloads {
@@ -463,7 +550,8 @@ pub async fn compare(args: CompareArgs) -> Result<(), String> {
             let mut results: Vec<(Target, LoadResult)> = Vec::new();
             let mut busy = 0.0;
             for round in 0..args.rounds {
-                for target in [Target::Raftlock, Target::Etcd] {
+                for (target, eps) in &endpoints {
+                    let target = *target;
                     run += 1;
                     let busy_before = if target == Target::Raftlock {
                         busy_answers(&raftlock).await
@@ -472,11 +560,7 @@ pub async fn compare(args: CompareArgs) -> Result<(), String> {
                     };
                     let spec = LoadSpec {
                         target,
-                        endpoints: if target == Target::Etcd {
-                            etcd.clone()
-                        } else {
-                            raftlock.clone()
-                        },
+                        endpoints: eps.clone(),
                         workload,
                         clients,
                         duration: Duration::from_secs(args.seconds),
@@ -524,8 +608,17 @@ pub async fn compare(args: CompareArgs) -> Result<(), String> {
     }
     drop(procs);
     let report = json!({
-        "date": today(), "machine": machine(), "etcd": etcd_version(),
+        "date": today(), "machine": machine(),
+        "etcd": versions.get("etcd").cloned().unwrap_or(json!(null)),
+        "versions": versions,
+        "peers": peers.iter().map(|p| p.to_string()).collect::<Vec<_>>(),
         "etcd_flags": ETCD_TUNING.join(" "), "etcd_clients": etcd_clients, "nodes": args.nodes,
+        "zookeeper_settings": peers::ZOOKEEPER_SETTINGS.join(" "),
+        "zookeeper_heap": peers::ZOOKEEPER_HEAP,
+        "redis_backoff_ms": {
+            "first": peers::REDIS_BACKOFF_FIRST.as_secs_f64() * 1e3,
+            "max": peers::REDIS_BACKOFF_MAX.as_secs_f64() * 1e3,
+        },
         "raft_log_engine": args.raft_log_engine,
         "command": args.command_line, "seconds_per_run": args.seconds, "rounds": args.rounds,
         "floor": {"fsync_p50_us": fsync_p50, "fsync_p99_us": fsync_p99, "loopback_rtt_p50_us": rtt,
@@ -644,34 +737,135 @@ pub fn write_report(
     Ok(())
 }
 
+/// A ratio with two significant digits at least: 12×, 3.5×, 0.28×, 0.031×.
+fn ratio(x: f64) -> String {
+    if x >= 10.0 {
+        format!("{x:.0}×")
+    } else if x >= 1.0 {
+        format!("{x:.1}×")
+    } else if x >= 0.1 {
+        format!("{x:.2}×")
+    } else {
+        format!("{x:.3}×")
+    }
+}
+
+/// Writes `results.md` again from a `results.json` that `compare` wrote (the tables' layout
+/// changed, the numbers did not).
+pub fn render(json_path: &Path) -> Result<(), String> {
+    let text =
+        std::fs::read_to_string(json_path).map_err(|e| format!("{}: {e}", json_path.display()))?;
+    let report: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", json_path.display()))?;
+    let md_path = json_path.with_extension("md");
+    std::fs::write(&md_path, markdown(&report))
+        .map_err(|e| format!("{}: {e}", md_path.display()))?;
+    println!("wrote {}", md_path.display());
+    Ok(())
+}
+
+/// A peer's name as the tables show it.
+fn peer_label(target: &str) -> &str {
+    match target {
+        "raftlock" => "RaftLock",
+        "etcd" => "etcd",
+        "zookeeper" => "ZooKeeper",
+        "redis-fsync" => "Redis, appendfsync always",
+        "redis-default" => "Redis, default (no fsync per write)",
+        other => other,
+    }
+}
+
 fn markdown(report: &serde_json::Value) -> String {
     let mut s = String::new();
     let f = |v: &serde_json::Value| v.as_f64().unwrap_or(0.0);
+    let peers: Vec<String> = match report["peers"].as_array() {
+        Some(p) => p
+            .iter()
+            .filter_map(|v| v.as_str().map(str::to_string))
+            .collect(),
+        None => vec!["etcd".into()],
+    };
+    let has = |p: &str| peers.iter().any(|x| x == p);
+    // The systems by name, Redis once for its two servers.
+    let mut names: Vec<&str> = Vec::new();
+    for p in &peers {
+        let name = peer_label(p).split(',').next().unwrap_or(p);
+        if !names.contains(&name) {
+            names.push(name);
+        }
+    }
+    let names = match names.split_last() {
+        Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
+        _ => names.join(""),
+    };
+    let version = |t: &str| {
+        report["versions"][t]
+            .as_str()
+            .or(if t == "etcd" {
+                report["etcd"].as_str()
+            } else {
+                None
+            })
+            .unwrap_or("")
+            // etcd's own words: "etcd Version: 3.4.23".
+            .replace(" Version:", "")
+    };
+    let versions = std::iter::once("raftlock")
+        .chain(peers.iter().map(String::as_str))
+        .filter(|t| *t != "redis-default" || !has("redis-fsync"))
+        .map(version)
+        .filter(|v| !v.is_empty())
+        .collect::<Vec<_>>()
+        .join(", ");
     s.push_str(&format!(
-        "# RaftLock vs etcd — lock benchmark\n\n{} · {} · {}\n\nCommand: `{}` ({} s per run, {} rounds alternating RaftLock and etcd; both clusters {} nodes on 127.0.0.1, data on the same disk, fsync on).\n\n",
+        "# RaftLock vs {} — lock benchmark\n\n{} · {} · {}\n\nCommand: `{}` ({} s per run, {} rounds, each round running RaftLock and then each peer in turn; RaftLock, etcd and ZooKeeper {} nodes each on 127.0.0.1, Redis one server; all data on the same disk; all started by the benchmark and stopped after it).\n\n",
+        names,
         report["date"].as_str().unwrap_or(""),
         report["machine"].as_str().unwrap_or(""),
-        report["etcd"].as_str().unwrap_or(""),
+        versions,
         report["command"].as_str().unwrap_or(""),
         report["seconds_per_run"],
         report["rounds"],
         report["nodes"].as_u64().unwrap_or(3),
     ));
-    let ec = &report["etcd_clients"];
-    let probe = match ec["probe_locks_per_s"].as_object() {
-        Some(p) => format!(
-            " A probe run (32 uncontended clients, {} s each) measured {:.0} locks/s with the clients spread over all members and {:.0} with them on the leader, so the runs below use the faster.",
-            report["seconds_per_run"],
-            f(&p["spread"]),
-            f(&p["leader"])
-        ),
-        None => String::new(),
-    };
+    if has("etcd") {
+        let ec = &report["etcd_clients"];
+        let probe = match ec["probe_locks_per_s"].as_object() {
+            Some(p) => format!(
+                " A probe run (32 uncontended clients, {} s each) measured {:.0} locks/s with the clients spread over all members and {:.0} with them on the leader, so the runs below use the faster.",
+                report["seconds_per_run"],
+                f(&p["spread"]),
+                f(&p["leader"])
+            ),
+            None => String::new(),
+        };
+        s.push_str(&format!(
+            "**etcd** as a fair peer: its own advice for a local cluster (heartbeat 100 ms, election timeout 1000 ms, snapshot count 100,000: its defaults) plus `{}` (etcd's recommended freelist for performance, the default from 3.5 on, and warnings-only logging as the RaftLock nodes get); it fsyncs its WAL before answering. Each load client has its own connection and one lease, and uses etcd's lock API (`Lock`/`Unlock`: a key under the lock's prefix, wait for the keys before it to go). Its clients connect to: **{}**.{probe}\n\n",
+            report["etcd_flags"].as_str().unwrap_or(""),
+            ec["chosen"].as_str().unwrap_or("all members"),
+        ));
+    }
+    if has("zookeeper") {
+        s.push_str(&format!(
+            "**ZooKeeper**: Debian's package, each node a JVM (`QuorumPeerMain` from Debian's jar, heap fixed at {}) with its own zoo.cfg, data and transaction log directories: `{}` — ZooKeeper's defaults for timing and the log, so every transaction log write is fsynced (`forceSync=yes`) before a write is acknowledged, no limit on connections from one address (the default 60 would refuse most of 512 clients on 127.0.0.1), no admin HTTP server; logging off (Debian's classpath has no SLF4J binding). Each load client is one session (timeout 30 s) whose connect string names all three nodes (ZooKeeper's client picks one; followers forward writes to the leader), and takes the lock with the recipe of ZooKeeper's documentation as Curator's `InterProcessMutex` does it, over the `zookeeper-client` crate: an ephemeral sequential node `_c_<id>-lock-<seq>` under the lock's path, the lowest sequence holds, each other client watches the node just before its own; release deletes the node. A cycle is two writes (create, delete) and a read (the children).\n\n",
+            report["zookeeper_heap"].as_str().unwrap_or(""),
+            report["zookeeper_settings"].as_str().unwrap_or(""),
+        ));
+    }
+    if has("redis-fsync") || has("redis-default") {
+        let b = &report["redis_backoff_ms"];
+        s.push_str(&format!(
+            "**Redis**, the fast unsafe reference: one server, no replica, so a crash or a failover can hand one lock to two holders, and a holder that pauses past the TTL loses its lock without knowing. `SET key token NX PX 30000` takes the lock; a Lua script (`EVAL`) deletes the key only if it still holds the client's token. Redis has no wait queue: a client that finds the key taken sleeps and tries again, first for {:.0}–{:.0} ms, the step doubling after each failed try up to {:.0}–{:.0} ms (each sleep drawn at random from [step, 2 × step)). Two servers: *Redis, appendfsync always* (`appendonly yes`, `appendfsync always`: each write is in the AOF and fsynced before the answer) and *Redis, default* (Redis's default persistence: no AOF, RDB snapshots now and then; a crash loses the last writes). Each load client has its own connection.\n\n",
+            f(&b["first"]),
+            2.0 * f(&b["first"]),
+            f(&b["max"]),
+            2.0 * f(&b["max"]),
+        ));
+    }
     s.push_str(&format!(
-        "etcd as a fair peer: its own advice for a local cluster (heartbeat 100 ms, election timeout 1000 ms, snapshot count 100,000: its defaults) plus `{}` (etcd's recommended freelist for performance, the default from 3.5 on, and warnings-only logging as the RaftLock nodes get). Each load client has its own connection and one lease. Its clients connect to: **{}**.{probe} RaftLock's clients use the SDK, which finds the leader and talks to it, and acknowledge the answers they have received (`ackBelow`, as the SDK does with its default client id), so the cluster forgets each answer once its client has it. RaftLock's nodes run with `--raft-log-engine {engine}` and otherwise their defaults, the bound on kept answers (`--max-answers`) included (any request the leader paced, answered `BUSY`, is counted below the table).\n\n",
-        report["etcd_flags"].as_str().unwrap_or(""),
-        ec["chosen"].as_str().unwrap_or("all members"),
-        engine = report["raft_log_engine"].as_str().unwrap_or("sled"),
+        "RaftLock's clients use the SDK, which finds the leader and talks to it, and acknowledge the answers they have received (`ackBelow`, as the SDK does with its default client id), so the cluster forgets each answer once its client has it. RaftLock's nodes run with `--raft-log-engine {}` and otherwise their defaults, the bound on kept answers (`--max-answers`) included (any request the leader paced, answered `BUSY`, is counted below the table). Every system gets the same unmeasured warm-up first (8 uncontended clients for one run's length).\n\n",
+        report["raft_log_engine"].as_str().unwrap_or("sled"),
     ));
     let fl = &report["floor"];
     let fsync = f(&fl["fsync_p50_us"]);
@@ -693,44 +887,86 @@ fn markdown(report: &serde_json::Value) -> String {
             syncing.describe()
         ));
     }
-    s.push_str("Latency is acquire sent → grant received, except *contended*, where it is the hand-off: release sent by one holder → grant received by the next.\n\n");
-    s.push_str("| workload | clients | target | locks/s | p50 ms | p99 ms | p99.9 ms | throughput ratio | p99 ratio |\n|---|---:|---|---:|---:|---:|---:|---:|---:|\n");
     let rows = report["rows"].as_array().cloned().unwrap_or_default();
-    for r in &rows {
-        let peer = rows.iter().find(|o| {
-            o["workload"] == r["workload"]
-                && o["clients"] == r["clients"]
-                && o["target"] != r["target"]
-        });
-        let (tr, pr) = match (r["target"].as_str(), peer) {
-            // A peer that granted nothing has no rate or latency to compare with.
-            (Some("raftlock"), Some(e)) if f(&e["throughput"]) <= 0.0 => {
-                ("—".to_string(), "—".to_string())
+    let find = |workload: &str, clients: u64, target: &str| {
+        rows.iter().find(|r| {
+            r["workload"] == workload
+                && r["clients"].as_u64() == Some(clients)
+                && r["target"] == target
+        })
+    };
+    // RaftLock ÷ peer: throughput (higher is better) and p99 (lower is better).
+    let ratios = |r: &serde_json::Value, p: &serde_json::Value| {
+        if f(&p["throughput"]) <= 0.0 || f(&r["throughput"]) <= 0.0 {
+            return ("—".to_string(), "—".to_string());
+        }
+        (
+            ratio(f(&r["throughput"]) / f(&p["throughput"])),
+            ratio(f(&r["p99_ms"]) / f(&p["p99_ms"]).max(1e-9)),
+        )
+    };
+    // The side-by-side summary: RaftLock against each peer at 1, 32 and 128 clients.
+    let summary_clients: Vec<u64> = [1u64, 32, 128]
+        .into_iter()
+        .filter(|&c| rows.iter().any(|r| r["clients"].as_u64() == Some(c)))
+        .collect();
+    if !summary_clients.is_empty() && !peers.is_empty() {
+        s.push_str("## RaftLock against each peer\n\nRaftLock's locks/s ÷ the peer's (higher: RaftLock ahead), and RaftLock's p99 ÷ the peer's (lower: RaftLock ahead), from the rows below.\n\n| workload | clients |");
+        for p in &peers {
+            s.push_str(&format!(" vs {} |", peer_label(p)));
+        }
+        s.push_str("\n|---|---:|");
+        for _ in &peers {
+            s.push_str("---:|");
+        }
+        s.push('\n');
+        for workload in ["uncontended", "contended"] {
+            for &c in &summary_clients {
+                let Some(r) = find(workload, c, "raftlock") else {
+                    continue;
+                };
+                s.push_str(&format!("| {workload} | {c} |"));
+                for p in &peers {
+                    match find(workload, c, p) {
+                        Some(pr) => {
+                            let (t, l) = ratios(r, pr);
+                            s.push_str(&format!(" {t} locks/s, p99 {l} |"));
+                        }
+                        None => s.push_str(" |"),
+                    }
+                }
+                s.push('\n');
             }
-            (Some("raftlock"), Some(e)) => (
-                format!(
-                    "{:.1}×",
-                    f(&r["throughput"]) / f(&e["throughput"]).max(1e-9)
-                ),
-                format!("{:.2}×", f(&r["p99_ms"]) / f(&e["p99_ms"]).max(1e-9)),
-            ),
-            _ => (String::new(), String::new()),
+        }
+        s.push('\n');
+    }
+    s.push_str("## All runs\n\nLatency is acquire sent → grant received, except *contended*, where it is the hand-off: release sent by one holder → grant received by the next.\n\n");
+    s.push_str("| workload | clients | target | locks/s | p50 ms | p99 ms | p99.9 ms | errors | RaftLock ÷ this, locks/s | RaftLock ÷ this, p99 |\n|---|---:|---|---:|---:|---:|---:|---:|---:|---:|\n");
+    for r in &rows {
+        let target = r["target"].as_str().unwrap_or("");
+        let (tr, pr) = match (target, r["clients"].as_u64()) {
+            ("raftlock", _) | (_, None) => (String::new(), String::new()),
+            (_, Some(c)) => match find(r["workload"].as_str().unwrap_or(""), c, "raftlock") {
+                Some(own) => ratios(own, r),
+                None => (String::new(), String::new()),
+            },
         };
         s.push_str(&format!(
-            "| {} | {} | {} | {:.0} | {:.2} | {:.2} | {:.2} | {} | {} |\n",
+            "| {} | {} | {} | {:.0} | {:.2} | {:.2} | {:.2} | {} | {} | {} |\n",
             r["workload"].as_str().unwrap_or(""),
             r["clients"],
-            r["target"].as_str().unwrap_or(""),
+            peer_label(target),
             f(&r["throughput"]),
             f(&r["p50_ms"]),
             f(&r["p99_ms"]),
             f(&r["p999_ms"]),
+            r["errors"].as_u64().unwrap_or(0),
             tr,
             pr
         ));
     }
     s.push_str(
-        "\nRatios are RaftLock / etcd (throughput: higher is better; p99: lower is better); — where the other granted no lock in the run.\n",
+        "\nRatios are RaftLock's figure divided by the row's (throughput: above 1× RaftLock is ahead; p99: below 1× RaftLock is ahead); — where one of the two granted no lock in the run. *errors* counts failed calls and clients still waiting when the run's grace period ended.\n",
     );
     let busy: Vec<String> = rows
         .iter()
@@ -783,6 +1019,18 @@ fn goals(rows: &[serde_json::Value], floor_ms: f64) -> String {
             s.push_str(&format!(
                 "| {workload}, 32 clients: p99 ≤ ⅕ of etcd's | {pr:.2}× | {} |\n",
                 verdict(pr <= 0.2)
+            ));
+        }
+    }
+    for workload in ["uncontended", "contended"] {
+        if let (Some(r), Some(z)) = (
+            find(workload, 32, "raftlock"),
+            find(workload, 32, "zookeeper"),
+        ) {
+            let tr = f(&r["throughput"]) / f(&z["throughput"]).max(1e-9);
+            s.push_str(&format!(
+                "| {workload}, 32 clients: throughput ahead of ZooKeeper | {tr:.1}× | {} |\n",
+                verdict(tr > 1.0)
             ));
         }
     }

@@ -17,6 +17,16 @@ use serde::Serialize;
 pub enum Target {
     Raftlock,
     Etcd,
+    /// A ZooKeeper ensemble with the Curator-style lock recipe (`peers.rs`).
+    Zookeeper,
+    /// Redis `SET NX PX` on a server with `appendonly yes`, `appendfsync always`.
+    #[value(name = "redis-fsync")]
+    #[serde(rename = "redis-fsync")]
+    RedisFsync,
+    /// Redis `SET NX PX` on a server with Redis's default persistence (no fsync per write).
+    #[value(name = "redis-default")]
+    #[serde(rename = "redis-default")]
+    RedisDefault,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -32,6 +42,9 @@ impl std::fmt::Display for Target {
         f.write_str(match self {
             Target::Raftlock => "raftlock",
             Target::Etcd => "etcd",
+            Target::Zookeeper => "zookeeper",
+            Target::RedisFsync => "redis-fsync",
+            Target::RedisDefault => "redis-default",
         })
     }
 }
@@ -150,9 +163,12 @@ enum Locker {
     Raftlock(RaftLockClient),
     #[cfg(feature = "etcd")]
     Etcd {
-        client: etcd_client::Client,
+        client: Box<etcd_client::Client>,
         lease: i64,
     },
+    #[cfg(feature = "zookeeper")]
+    Zookeeper(crate::peers::ZkLocker),
+    Redis(crate::peers::RedisLocker),
 }
 
 const TTL: Duration = Duration::from_secs(30);
@@ -184,18 +200,46 @@ impl Locker {
                     .await
                     .map_err(|e| format!("etcd lease grant: {e}"))?
                     .id();
-                Ok(Locker::Etcd { client, lease })
+                Ok(Locker::Etcd {
+                    client: Box::new(client),
+                    lease,
+                })
             }
             #[cfg(not(feature = "etcd"))]
             Target::Etcd => Err(
                 "this raftlock-bench was built without the `etcd` feature (cargo build --release --features etcd)"
                     .into(),
             ),
+            #[cfg(feature = "zookeeper")]
+            Target::Zookeeper => {
+                crate::peers::ZkLocker::connect(&spec.endpoints, seed(spec, i))
+                    .await
+                    .map(Locker::Zookeeper)
+            }
+            #[cfg(not(feature = "zookeeper"))]
+            Target::Zookeeper => Err(
+                "this raftlock-bench was built without the `zookeeper` feature (cargo build --release --features zookeeper)"
+                    .into(),
+            ),
+            Target::RedisFsync | Target::RedisDefault => {
+                let addr = spec
+                    .endpoints
+                    .get(i % spec.endpoints.len().max(1))
+                    .ok_or("no Redis endpoint")?;
+                crate::peers::RedisLocker::connect(
+                    addr,
+                    format!("bench-{}-{i}", spec.run_id),
+                    seed(spec, i),
+                )
+                .await
+                .map(Locker::Redis)
+            }
         }
     }
 
-    /// Takes the lock (waiting as long as needed); returns what `unlock` needs.
-    async fn lock(&mut self, key: &str) -> Result<Held, String> {
+    /// Takes the lock (waiting as long as needed); returns what `unlock` needs. Targets that
+    /// wait in a loop of their own (ZooKeeper, Redis) give up once `stop` is set.
+    async fn lock(&mut self, key: &str, stop: &AtomicBool) -> Result<Held, String> {
         match self {
             Locker::Raftlock(c) => c
                 .acquire_with(key, TTL, None)
@@ -211,6 +255,12 @@ impl Locker {
                 .await
                 .map(|r| Held::Etcd(r.key().to_vec()))
                 .map_err(|e| e.to_string()),
+            #[cfg(feature = "zookeeper")]
+            Locker::Zookeeper(z) => z.lock(key, stop).await.map(Held::Zookeeper),
+            Locker::Redis(r) => r
+                .lock(key, stop)
+                .await
+                .map(|(key, token)| Held::Redis { key, token }),
         }
     }
 
@@ -225,6 +275,9 @@ impl Locker {
                 .await
                 .map(|_| ())
                 .map_err(|e| e.to_string()),
+            #[cfg(feature = "zookeeper")]
+            (Locker::Zookeeper(z), Held::Zookeeper(path)) => z.unlock(&path).await,
+            (Locker::Redis(r), Held::Redis { key, token }) => r.unlock(&key, &token).await,
             #[allow(unreachable_patterns)]
             _ => Err("lock handle of another target".into()),
         }
@@ -235,6 +288,22 @@ enum Held {
     Raftlock(raftlock::client::LockHandle),
     #[cfg(feature = "etcd")]
     Etcd(Vec<u8>),
+    /// The path of this client's lock node.
+    #[cfg(feature = "zookeeper")]
+    Zookeeper(String),
+    Redis {
+        key: String,
+        token: String,
+    },
+}
+
+/// A per-client seed (the Redis back-off's jitter, ZooKeeper's node id).
+fn seed(spec: &LoadSpec, i: usize) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for b in spec.run_id.bytes().chain((i as u64).to_le_bytes()) {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    h ^ u64::from(std::process::id())
 }
 
 pub async fn run(spec: &LoadSpec) -> Result<LoadResult, String> {
@@ -285,8 +354,10 @@ pub async fn run(spec: &LoadSpec) -> Result<LoadResult, String> {
                 };
                 let sent = Instant::now();
                 let sent_us = sent.duration_since(epoch).as_micros() as u64;
-                let held = match locker.lock(&key).await {
+                let held = match locker.lock(&key, &stop).await {
                     Ok(h) => h,
+                    // Given up at the end of the run: the shutdown, not the workload.
+                    Err(_) if stop.load(Ordering::Relaxed) || Instant::now() >= deadline => break,
                     Err(_) => {
                         errors += 1;
                         tokio::time::sleep(Duration::from_millis(10)).await;

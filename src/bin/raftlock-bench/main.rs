@@ -6,8 +6,8 @@
 //! - `storage`: durable appends per second through sled with one flush per batch (batches of 1,
 //!   16 and 256 entries of ~100 bytes), next to the raw write+fsync latency of the same disk.
 //! - `lock-memory`: resident memory per held lock and per queued waiter of the lock state machine.
-//! - `load`: C concurrent clients taking locks on a running RaftLock or etcd cluster.
-//! - `compare`: RaftLock and etcd side by side in one run (see `scripts/bench-vs-etcd.sh`).
+//! - `load`: C concurrent clients taking locks on a running RaftLock, etcd, ZooKeeper or Redis.
+//! - `compare`: RaftLock beside etcd, ZooKeeper and Redis in one run (see `scripts/bench-peers.sh`).
 //! - `tracing`: RaftLock with trace export off and on side by side in one run.
 //! - `latency`: where one client's lock cycle goes, from the nodes' own timings.
 //! - `scale`: many connections holding and renewing locks on one node, and a million held
@@ -17,6 +17,7 @@ mod compare;
 mod install;
 mod latency;
 mod load;
+mod peers;
 mod scale;
 mod tracing_cost;
 
@@ -62,7 +63,8 @@ enum Command {
     Load {
         #[arg(long, value_enum, default_value_t = load::Target::Raftlock)]
         target: load::Target,
-        /// Client endpoints (RaftLock: host:port of client ports; etcd: http://host:port).
+        /// Client endpoints (RaftLock, ZooKeeper: host:port of client ports; etcd:
+        /// http://host:port; Redis: host:port of one server).
         #[arg(
             long,
             value_delimiter = ',',
@@ -91,7 +93,8 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         connections: usize,
     },
-    /// Start etcd and RaftLock clusters of the same size on loopback and compare them (A B A B).
+    /// Start RaftLock and its peers (etcd; ZooKeeper and Redis with `--peers`) on loopback and
+    /// compare them, each in turn (A B C … A B C …).
     Compare {
         /// Nodes in each cluster.
         #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u8).range(1..=7))]
@@ -119,6 +122,15 @@ enum Command {
         /// (`--raft-log-engine`).
         #[arg(long, default_value = "sled", value_parser = ["sled", "segments"])]
         raft_log_engine: String,
+        /// The systems measured beside RaftLock, each started here on 127.0.0.1: etcd (needs
+        /// the `etcd` feature), zookeeper (a three-node ensemble; the `zookeeper` feature),
+        /// redis-fsync and redis-default (one Redis each, `appendfsync always` and Redis's
+        /// default persistence).
+        #[arg(long, value_enum, value_delimiter = ',', default_values_t = vec![load::Target::Etcd])]
+        peers: Vec<load::Target>,
+        /// Run nothing: write results.md again from this results.json (same directory).
+        #[arg(long)]
+        render: Option<std::path::PathBuf>,
     },
     /// Where one client's lock cycle goes: a three-node cluster, one uncontended client, and the
     /// nodes' own timings (request in the leader, commit, flushes, round trips) from /metrics.
@@ -688,7 +700,16 @@ fn main() {
             dir,
             out,
             raft_log_engine,
+            peers,
+            render,
         } => {
+            if let Some(json) = render {
+                if let Err(e) = compare::render(&json) {
+                    eprintln!("raftlock-bench compare: {e}");
+                    std::process::exit(1);
+                }
+                return;
+            }
             let command_line = command_line();
             let _ = std::fs::remove_dir_all(&dir);
             let args = compare::CompareArgs {
@@ -702,6 +723,7 @@ fn main() {
                 out,
                 command_line,
                 raft_log_engine,
+                peers,
             };
             let result = runtime().block_on(compare::compare(args));
             let _ = std::fs::remove_dir_all(&dir);
