@@ -202,6 +202,51 @@ fn acquire_prints_the_owner_id_release_needs() {
         String::from_utf8_lossy(&out.stderr).contains("lock-delay is limited"),
         "{out:?}"
     );
+    // An election: campaign, a second candidate refused, proclaim as the leader, read, resign.
+    rt.block_on(wait_for_cluster_version(&eps[0], 7));
+    let json_of = |args: &[&str]| {
+        let out = lockctl(&eps)
+            .args(["--output", "json"])
+            .args(args)
+            .output()
+            .expect("lockctl");
+        let v: serde_json::Value =
+            serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null);
+        (out.status.code(), v, String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (code, v, err) = json_of(&["campaign", "e/shard", "10.0.0.1:80", "--ttl", "20s"]);
+    assert_eq!(code, Some(0), "{v} {err}");
+    assert_eq!(v["mode"], "leader", "{v}");
+    let term = v["term"].as_u64().expect("term").to_string();
+    let owner = v["clientId"].as_str().expect("owner").to_string();
+    let (code, v, _) = json_of(&["campaign", "e/shard", "10.0.0.2:80"]);
+    assert_eq!(code, Some(75), "another leader: {v}");
+    assert_eq!(v["elected"], false, "{v}");
+    let (code, _, err) = json_of(&["acquire", "e/shard"]);
+    assert_ne!(code, Some(0), "an election's key is not a lock: {err}");
+    let (code, v, err) = json_of(&[
+        "--client-id",
+        &owner,
+        "proclaim",
+        "e/shard",
+        "10.0.0.1:81",
+        "--term",
+        &term,
+    ]);
+    assert_eq!(code, Some(0), "{v} {err}");
+    let (code, v, _) = json_of(&["leader", "e/shard"]);
+    assert_eq!(code, Some(0));
+    assert_eq!(
+        (v["leader"].as_str(), v["term"].to_string(), v["value"].as_str()),
+        (Some(owner.as_str()), term.clone(), Some("10.0.0.1:81")),
+        "{v}"
+    );
+    let (code, _, err) = json_of(&["proclaim", "e/shard", "x", "--term", &term]);
+    assert_ne!(code, Some(0), "only the leader proclaims: {err}");
+    let (code, v, err) = json_of(&["--client-id", &owner, "release", "e/shard", "--token", &term]);
+    assert_eq!(code, Some(0), "resign: {v} {err}");
+    let (_, v, _) = json_of(&["leader", "e/shard"]);
+    assert_eq!(v["leader"], serde_json::Value::Null, "{v}");
 }
 
 fn is_running(pid: u32) -> bool {
@@ -743,7 +788,7 @@ fn recipes_in_the_docs_run() {
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     rt.block_on(cluster.wait_for_leader(Duration::from_secs(20)));
     let eps = endpoints(&cluster);
-    rt.block_on(wait_for_cluster_version(&eps[0], 6));
+    rt.block_on(wait_for_cluster_version(&eps[0], 7));
     for args in commands {
         let out = lockctl(&eps).args(&args).output().expect("lockctl");
         assert!(

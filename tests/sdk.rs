@@ -802,6 +802,114 @@ async fn lock_delay_holds_an_expired_key_back() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_election_has_one_leader_who_proclaims_and_resigns() {
+    let cluster = Cluster::start(3);
+    let addr = leader_addr(&cluster).await;
+    wait_for_cluster_version(&addr, 7).await;
+    let a = client(&endpoints(&cluster), "sdk-cand-a");
+    let b = client(&endpoints(&cluster), "sdk-cand-b");
+    let watcher = client(&endpoints(&cluster), "sdk-watcher");
+    let election = "shards/7";
+    let mut observer = watcher.observe(election).await.expect("observe");
+    let first = tokio::time::timeout(Duration::from_secs(10), observer.next())
+        .await
+        .expect("in time")
+        .expect("open")
+        .expect("read");
+    assert_eq!(first, None, "no one leads yet");
+
+    let leading = a.campaign(election, "10.0.0.1:80").await.expect("elected");
+    let now = watcher
+        .leader(election)
+        .await
+        .expect("read")
+        .expect("a leads");
+    assert_eq!(now.leader, leading.owner_id());
+    assert_eq!(now.term, leading.term());
+    assert_eq!(now.value.as_deref(), Some("10.0.0.1:80"));
+    // Someone else can neither be elected at once nor take the key as a plain lock.
+    let busy = b
+        .campaign_with(
+            election,
+            "10.0.0.2:80",
+            Duration::from_secs(5),
+            Some(Duration::ZERO),
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(busy, ClientError::WaitTimeout { .. }), "{busy}");
+    let plain = b
+        .try_acquire(election, Duration::from_secs(5), Duration::ZERO)
+        .await;
+    assert_eq!(
+        plain.unwrap_err().code(),
+        Some("INVALID_REQUEST"),
+        "an election's key is not a lock"
+    );
+    // b waits as a candidate while a proclaims a new value.
+    let waiting = {
+        let b = b.clone();
+        tokio::spawn(async move {
+            b.campaign_with(
+                election,
+                "10.0.0.2:80",
+                Duration::from_secs(10),
+                Some(Duration::from_secs(20)),
+            )
+            .await
+        })
+    };
+    leading.proclaim("10.0.0.1:81").await.expect("proclaim");
+    let now = watcher
+        .leader(election)
+        .await
+        .expect("read")
+        .expect("a leads");
+    assert_eq!(now.value.as_deref(), Some("10.0.0.1:81"));
+    let first_term = leading.term();
+    leading.resign().await.expect("resign");
+    let next = waiting.await.expect("joined").expect("b elected");
+    assert!(next.term() > first_term, "a new term has a larger token");
+    let now = watcher
+        .leader(election)
+        .await
+        .expect("read")
+        .expect("b leads");
+    assert_eq!(
+        (now.leader.as_str(), now.term, now.value.as_deref()),
+        (next.owner_id(), next.term(), Some("10.0.0.2:80"))
+    );
+    // A proclaim with the ended term is refused.
+    let stale = a.proclaim(election, first_term, "late").await.unwrap_err();
+    assert!(
+        matches!(stale.code(), Some("STALE_TOKEN" | "NOT_HOLDER")),
+        "{stale}"
+    );
+    // The observer saw each leader and value, in order; the resignation shows as a vacancy
+    // before the next leader (both at the log index of the hand-off).
+    let mut seen = Vec::new();
+    while seen.len() < 4 {
+        let change = tokio::time::timeout(Duration::from_secs(10), observer.next())
+            .await
+            .expect("in time")
+            .expect("open")
+            .expect("event");
+        seen.push(change.map(|c| (c.term, c.value.unwrap_or_default())));
+    }
+    assert_eq!(
+        seen,
+        [
+            Some((first_term, "10.0.0.1:80".to_string())),
+            Some((first_term, "10.0.0.1:81".to_string())),
+            None,
+            Some((next.term(), "10.0.0.2:80".to_string())),
+        ]
+    );
+    next.resign().await.expect("resign");
+    assert_eq!(watcher.leader(election).await.expect("read"), None);
+}
+
 // ----- the Rust recipes of docs/recipes.md, run as written --------------------------------------
 
 const RECIPES_DOC: &str = include_str!("../docs/recipes.md");
@@ -862,6 +970,26 @@ async fn recipe_lock_delay(endpoints: Vec<String>) -> Result<(), Box<dyn std::er
     Ok(())
 }
 
+static SERVED_AS_LEADER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+async fn serve_shard(term: u64) {
+    SERVED_AS_LEADER.store(term, std::sync::atomic::Ordering::SeqCst);
+}
+
+async fn recipe_leader(endpoints: Vec<String>) -> Result<(), Box<dyn std::error::Error>> {
+    // recipe: leader
+    let client = RaftLockClient::builder().endpoints(endpoints).build()?;
+    let leading = client.campaign("shards/7", "10.0.0.7:8080").await?;
+    let mut renewer = leading.auto_renew();
+    tokio::select! {
+        _ = serve_shard(leading.term()) => {}
+        reason = renewer.lost() => eprintln!("no longer the leader: {reason}"),
+    }
+    leading.resign().await?;
+    // recipe end
+    Ok(())
+}
+
 /// Every Rust recipe in docs/recipes.md is the code of a function here, and runs against a real
 /// cluster.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -871,10 +999,10 @@ async fn recipes_in_the_docs_run() {
         .filter(|l| l.trim().starts_with("// recipe: "))
         .count();
     assert_eq!(
-        in_doc, 2,
+        in_doc, 3,
         "docs/recipes.md has recipes this test does not run"
     );
-    for name in ["run-once", "lock-delay"] {
+    for name in ["run-once", "lock-delay", "leader"] {
         let doc = recipe_lines(RECIPES_DOC, name);
         assert!(!doc.is_empty(), "no recipe {name} in docs/recipes.md");
         assert_eq!(
@@ -885,7 +1013,7 @@ async fn recipes_in_the_docs_run() {
     }
     let cluster = Cluster::start(3);
     let addr = leader_addr(&cluster).await;
-    wait_for_cluster_version(&addr, 6).await;
+    wait_for_cluster_version(&addr, 7).await;
     recipe_run_once(endpoints(&cluster))
         .await
         .expect("run-once recipe");
@@ -893,4 +1021,8 @@ async fn recipes_in_the_docs_run() {
     recipe_lock_delay(endpoints(&cluster))
         .await
         .expect("lock-delay recipe");
+    recipe_leader(endpoints(&cluster))
+        .await
+        .expect("leader recipe");
+    assert!(SERVED_AS_LEADER.load(std::sync::atomic::Ordering::SeqCst) > 0);
 }

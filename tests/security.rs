@@ -312,6 +312,70 @@ async fn the_data_store_refuses_forged_and_altered_tokens() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leaders_term_passes_the_data_store_only_as_a_leaders() {
+    let files = tempfile::tempdir().unwrap();
+    let cluster = secured_cluster(&files);
+    let key_file = files.path().join("fencing.key").display().to_string();
+    let store = DataStoreProc::start_with(&["--fencing-key-file".into(), key_file]).await;
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let addr = cluster.client_addr_of(leader);
+    common::wait_for_cluster_version(&addr, 7).await;
+    let mut ws = ws_as(&addr, Some(BILLING)).await;
+    let campaign = json!({"commandType": 10, "key": "billing/shard-1", "clientId": "w1",
+                          "requestId": "e1", "ttl": 10_000, "value": "10.0.0.1:80"});
+    let g = ws_request(&mut ws, &campaign).await;
+    assert_eq!(g["success"], true, "{g}");
+    assert_eq!(g["fencingToken"]["mode"], "leader", "{g}");
+    let term = g["fencingToken"]["value"].as_u64().unwrap();
+    let mac = g["fencingToken"]["mac"].as_str().unwrap().to_string();
+    // A lock on another key, for a lock's MAC.
+    let l = ws_request(&mut ws, &acquire("billing/ledger", "w1", "e2")).await;
+    let lock_token = l["fencingToken"]["value"].as_u64().unwrap();
+    let lock_mac = l["fencingToken"]["mac"].as_str().unwrap().to_string();
+    assert!(l["fencingToken"].get("mode").is_none(), "{l}");
+    let post = |key: &str, value: u64, mac: &str, mode: Option<&str>| {
+        let mut t = json!({"key": key, "value": value, "mac": mac});
+        if let Some(m) = mode {
+            t["mode"] = json!(m);
+        }
+        let body = json!({"clientID": "w1", "fencingToken": t, "data": "x"}).to_string();
+        let store = store.addr.clone();
+        async move {
+            request_as(
+                &store,
+                "POST",
+                "/write",
+                Some(&body),
+                Duration::from_secs(5),
+                None,
+            )
+            .await
+            .unwrap()
+        }
+    };
+    // The term's MAC without its mode, and a lock's MAC with the leader's mode: not verified.
+    let (status, body) = post("billing/shard-1", term, &mac, None).await;
+    assert_eq!(status, 403, "{body}");
+    assert!(body.contains("does not verify"), "{body}");
+    let (status, body) = post("billing/ledger", lock_token, &lock_mac, Some("leader")).await;
+    assert_eq!(status, 403, "{body}");
+    let (status, body) = post("billing/shard-1", term, &mac, Some("writer")).await;
+    assert_eq!(status, 400, "{body}");
+    // Each with its own mode writes.
+    let (status, body) = post("billing/shard-1", term, &mac, Some("leader")).await;
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = post("billing/ledger", lock_token, &lock_mac, None).await;
+    assert_eq!(status, 200, "{body}");
+    // A renewal of the leadership answers with the leader's MAC too.
+    let renew = json!({"commandType": 5, "key": "billing/shard-1", "clientId": "w1",
+                       "requestId": "e3", "ttl": 10_000,
+                       "fencingToken": {"key": "billing/shard-1", "value": term}});
+    let r = ws_request(&mut ws, &renew).await;
+    assert_eq!(r["fencingToken"]["mode"], "leader", "{r}");
+    assert_eq!(r["fencingToken"]["mac"], json!(mac), "{r}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peers_without_the_token_cannot_join_or_talk_raft() {
     use raftlock::server::proto::peer::{peer_client::PeerClient, JoinClusterRequest, RaftMessage};
     let cluster = Cluster::start_with(3, |_| vec!["--cluster-token".into(), "peer-s3cret".into()]);

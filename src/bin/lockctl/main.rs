@@ -125,6 +125,40 @@ enum Cmd {
         #[arg(value_parser = humantime::parse_duration)]
         delay: Duration,
     },
+    /// Campaign to lead ELECTION, showing VALUE once elected; prints the term (a fencing token
+    /// with mode "leader") and the leader's owner id. The leadership lasts until resigned
+    /// (`lockctl release ELECTION --token TERM --client-id OWNER`) or until its TTL passes
+    /// (`lockctl renew` keeps it).
+    Campaign {
+        election: String,
+        value: String,
+        /// The leader's lease, e.g. 30s.
+        #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+        ttl: Duration,
+        /// Wait at most this long to be elected (default: do not wait).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        wait: Option<Duration>,
+    },
+    /// Show VALUE as ELECTION's value, as its leader (--client-id: the owner id `campaign`
+    /// printed; --term: the term it printed).
+    Proclaim {
+        election: String,
+        value: String,
+        #[arg(long)]
+        term: u64,
+    },
+    /// Show who leads ELECTION: owner id, term and value.
+    Leader { election: String },
+    /// Follow who leads ELECTION: the leader now, then each new term, value or vacancy.
+    Observe {
+        election: String,
+        /// Stop after this many changes (the first line counts).
+        #[arg(long)]
+        count: Option<u64>,
+        /// Stop after this long.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        timeout: Option<Duration>,
+    },
     /// Show a node's view of the cluster.
     Status {
         /// Ask this node (default: the first endpoint).
@@ -661,6 +695,115 @@ async fn dispatch(args: Args) -> ExitCode {
             },
             Err(e) => fail(e),
         },
+        Cmd::Campaign {
+            election,
+            value,
+            ttl,
+            wait,
+        } => {
+            let client = match make_client(&args) {
+                Ok(c) => c,
+                Err(e) => return fail(e),
+            };
+            let wait = Some(wait.unwrap_or(Duration::ZERO));
+            match client.campaign_with(election, value, *ttl, wait).await {
+                Ok(leadership) => {
+                    let term = leadership.term();
+                    let mac = leadership.fencing_mac().map(String::from);
+                    let owner = leadership.owner_id().to_string();
+                    std::mem::forget(leadership); // leads on after lockctl exits
+                    let mut out = json!({"elected": true, "election": election, "term": term,
+                                         "clientId": owner, "ttlMs": ttl.as_millis() as u64,
+                                         "mode": "leader"});
+                    if let Some(mac) = mac {
+                        out["fencingMac"] = json!(mac);
+                    }
+                    emit(json_out, out, || {
+                        println!(
+                            "elected leader of {election}: term {term}, client id {owner}, ttl {}",
+                            humantime::format_duration(*ttl)
+                        )
+                    });
+                    ExitCode::SUCCESS
+                }
+                Err(raftlock::client::ClientError::WaitTimeout { .. }) => {
+                    emit(
+                        json_out,
+                        json!({"elected": false, "election": election}),
+                        || println!("{election} has another leader"),
+                    );
+                    ExitCode::from(run::EXIT_NOT_ACQUIRED)
+                }
+                Err(e) => fail(e),
+            }
+        }
+        Cmd::Proclaim {
+            election,
+            value,
+            term,
+        } => match make_client(&args) {
+            Ok(c) => match c.proclaim(election, *term, value).await {
+                Ok(()) => {
+                    emit(
+                        json_out,
+                        json!({"proclaimed": true, "election": election, "term": term,
+                               "value": value}),
+                        || println!("{election}: term {term} shows {value:?}"),
+                    );
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail(e),
+            },
+            Err(e) => fail(e),
+        },
+        Cmd::Leader { election } => match make_client(&args) {
+            Ok(c) => match c.leader(election).await {
+                Ok(info) => {
+                    emit(json_out, leader_json(election, info.as_ref()), || {
+                        println!("{}", leader_line(election, info.as_ref()))
+                    });
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail(e),
+            },
+            Err(e) => fail(e),
+        },
+        Cmd::Observe {
+            election,
+            count,
+            timeout,
+        } => {
+            let client = match make_client(&args) {
+                Ok(c) => c,
+                Err(e) => return fail(e),
+            };
+            let mut observer = match client.observe(election).await {
+                Ok(o) => o,
+                Err(e) => return fail(e),
+            };
+            let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
+            let mut seen = 0u64;
+            while count.is_none_or(|c| seen < c) {
+                let next = match deadline {
+                    Some(d) => match tokio::time::timeout_at(d, observer.next()).await {
+                        Ok(n) => n,
+                        Err(_) => break,
+                    },
+                    None => observer.next().await,
+                };
+                match next {
+                    Some(Ok(info)) => {
+                        seen += 1;
+                        emit(json_out, leader_json(election, info.as_ref()), || {
+                            println!("{}", leader_line(election, info.as_ref()))
+                        });
+                    }
+                    Some(Err(e)) => return fail(e),
+                    None => break,
+                }
+            }
+            ExitCode::SUCCESS
+        }
         Cmd::LockDelay { key, delay } => match make_client(&args) {
             Ok(c) => match c.set_lock_delay(key, *delay).await {
                 Ok(now) => {
@@ -774,5 +917,27 @@ async fn dispatch(args: Args) -> ExitCode {
             })
             .await
         }
+    }
+}
+
+/// An election's leader as JSON (`leader: null` while no one leads).
+fn leader_json(election: &str, info: Option<&raftlock::client::LeaderInfo>) -> serde_json::Value {
+    match info {
+        Some(l) => json!({"election": election, "leader": l.leader, "term": l.term,
+                          "value": l.value}),
+        None => json!({"election": election, "leader": null}),
+    }
+}
+
+/// An election's leader as a line for people.
+fn leader_line(election: &str, info: Option<&raftlock::client::LeaderInfo>) -> String {
+    match info {
+        Some(l) => format!(
+            "{election}: {} leads, term {}, value {:?}",
+            l.leader,
+            l.term,
+            l.value.as_deref().unwrap_or("")
+        ),
+        None => format!("{election}: no leader"),
     }
 }

@@ -74,31 +74,10 @@ impl Leadership {
     /// Shows `value` as the election's value, for this term. Refused (`STALE_TOKEN`) once the
     /// term has ended.
     pub async fn proclaim(&self, value: &str) -> Result<(), ClientError> {
-        let client = self.handle.client();
-        let owner = self.handle.owner_id();
-        let key = self.handle.key();
-        let number = client.number_request(owner);
-        let request = Request {
-            client_id: Some(owner),
-            fencing_token: Some(TokenRef {
-                key,
-                value: self.term(),
-            }),
-            value: Some(value),
-            ack_below: number.ack_below,
-            ..Request::new(11, key, &number.id)
-        };
-        client
-            .inner
-            .session
-            .request(
-                &request,
-                ReplyKind::Normal,
-                None,
-                &client.inner.session.cfg.retry,
-            )
+        self.handle
+            .client()
+            .proclaim_as(self.owner_id(), self.election(), self.term(), value)
             .await
-            .map(|_| ())
     }
 
     /// Steps down: the next candidate, if any, is elected at once.
@@ -134,6 +113,51 @@ impl RaftLockClient {
         drop(number);
         self.settle_owner(owner, &result);
         result.map(|handle| Leadership { handle })
+    }
+
+    /// Shows `value` as the value of `election`, whose leader is the owner id equal to this
+    /// client's id with term `term` (for example a leader `lockctl campaign` elected, its owner
+    /// id passed as this client's id). A [`Leadership`] proclaims with [`Leadership::proclaim`].
+    pub async fn proclaim(
+        &self,
+        election: &str,
+        term: u64,
+        value: &str,
+    ) -> Result<(), ClientError> {
+        self.proclaim_as(&self.inner.client_id, election, term, value)
+            .await
+    }
+
+    /// Shows `value` as the value of `election` for the leader `owner` in term `term`.
+    pub async fn proclaim_as(
+        &self,
+        owner: &str,
+        election: &str,
+        term: u64,
+        value: &str,
+    ) -> Result<(), ClientError> {
+        check_key(election)?;
+        let number = self.number_request(owner);
+        let request = Request {
+            client_id: Some(owner),
+            fencing_token: Some(TokenRef {
+                key: election,
+                value: term,
+            }),
+            value: Some(value),
+            ack_below: number.ack_below,
+            ..Request::new(11, election, &number.id)
+        };
+        self.inner
+            .session
+            .request(
+                &request,
+                ReplyKind::Normal,
+                None,
+                &self.inner.session.cfg.retry,
+            )
+            .await
+            .map(|_| ())
     }
 
     /// Who leads `election` now (a linearizable read); `None` while no one does.
