@@ -80,7 +80,7 @@ pub(super) fn to_op(
         ));
     }
     let client_id = r.client_id.map(Cow::into_owned).unwrap_or_default();
-    let needs_client = r.command_type != READ;
+    let needs_client = r.command_type != READ && r.command_type != LEADER;
     if needs_client && client_id.is_empty() {
         return Err(invalid("`clientId` is required"));
     }
