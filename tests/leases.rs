@@ -670,3 +670,171 @@ async fn an_expired_lock_stays_unavailable_for_its_lock_delay() {
         .into_inner();
     assert_eq!(refused.error_code, "INVALID_REQUEST", "{refused:?}");
 }
+
+/// Leader election over gRPC on real processes: a leader that stops renewing is replaced by
+/// the next candidate only once its lease ran out, also when the Raft leader that timed the
+/// lease is SIGKILLed meanwhile; the new leader shows its own campaign value; the old term can
+/// no longer proclaim; bad input is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_election_outlives_its_leaders_lease_and_a_killed_node() {
+    use raftlock::server::proto::lock::lock_service_client::LockServiceClient;
+    use raftlock::server::proto::lock::{CampaignRequest, LeaderRequest, ProclaimRequest};
+
+    const TTL_MS: u64 = 1_500;
+    let mut cluster = Cluster::start(3);
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let addr = addr_of(&cluster, leader);
+    wait_for_cluster_version(&addr, 7).await;
+    // The clients talk to a follower, which forwards: it survives the leader's death.
+    let follower = cluster
+        .nodes
+        .iter()
+        .find(|n| n.id != leader)
+        .expect("a follower")
+        .client_addr();
+    let connect = || async {
+        LockServiceClient::connect(format!("http://{follower}"))
+            .await
+            .expect("gRPC connect")
+    };
+    let campaign = |who: &str, request_id: &str, value: &str, wait: Option<u64>| CampaignRequest {
+        election: "grpc/shard".into(),
+        candidate_id: who.into(),
+        value: value.as_bytes().to_vec(),
+        ttl_ms: TTL_MS,
+        wait_timeout_ms: wait,
+        request_id: request_id.into(),
+    };
+    let mut a = connect().await;
+    // Bad input: no election, a value past the limit.
+    let empty = a
+        .campaign(CampaignRequest {
+            election: String::new(),
+            ..campaign("A", "a0", "x", Some(0))
+        })
+        .await
+        .expect("answer")
+        .into_inner();
+    assert_eq!(empty.error_code, "INVALID_REQUEST", "{empty:?}");
+    let huge = "v".repeat(70 * 1024);
+    let too_big = a
+        .campaign(campaign("A", "a0", &huge, Some(0)))
+        .await
+        .expect("answer")
+        .into_inner();
+    assert!(
+        !too_big.elected && !too_big.error_code.is_empty(),
+        "{too_big:?}"
+    );
+
+    let won = a
+        .campaign(campaign("A", "a1", "10.0.0.1:80", Some(0)))
+        .await
+        .expect("answer")
+        .into_inner();
+    assert!(won.elected, "{won:?}");
+    let elected_at = Instant::now();
+    let term_a = won.fencing_token.as_ref().expect("term");
+    assert_eq!(term_a.mode, "leader");
+    let term_a = term_a.value;
+    let read = a
+        .leader(LeaderRequest {
+            election: "grpc/shard".into(),
+        })
+        .await
+        .expect("answer")
+        .into_inner();
+    assert!(read.has_leader, "{read:?}");
+    assert_eq!(
+        (read.candidate_id.as_str(), read.value.as_slice()),
+        ("A", b"10.0.0.1:80".as_slice())
+    );
+    // B waits in line; A stops renewing; the Raft leader dies.
+    let b_task = tokio::spawn(async move {
+        let mut b = LockServiceClient::connect(format!("http://{follower}"))
+            .await
+            .expect("gRPC connect");
+        // The same request again after an error (a forwarded wait cut by the leader's death):
+        // answered exactly once.
+        for _ in 0..20 {
+            let answer = b
+                .campaign(CampaignRequest {
+                    election: "grpc/shard".into(),
+                    candidate_id: "B".into(),
+                    value: b"10.0.0.2:80".to_vec(),
+                    ttl_ms: 30_000,
+                    wait_timeout_ms: Some(30_000),
+                    request_id: "b1".into(),
+                })
+                .await;
+            match answer {
+                Ok(r) if r.get_ref().elected => return r.into_inner(),
+                Ok(r) if r.get_ref().error_code == "WAIT_TIMEOUT" => return r.into_inner(),
+                _ => tokio::time::sleep(Duration::from_millis(300)).await,
+            }
+        }
+        panic!("B's campaign was never answered");
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    cluster.node(leader).kill();
+    let b_won = b_task.await.expect("joined");
+    assert!(b_won.elected, "{b_won:?}");
+    let waited = elected_at.elapsed();
+    let term_b = b_won.fencing_token.as_ref().expect("term").value;
+    assert!(term_b > term_a);
+    // Leases are timed by nodes whose clocks may run fast by a little: allow 5%.
+    assert!(
+        waited >= Duration::from_millis(TTL_MS * 95 / 100),
+        "B was elected {waited:?} after A, within A's lease of {TTL_MS} ms"
+    );
+    let read = a
+        .leader(LeaderRequest {
+            election: "grpc/shard".into(),
+        })
+        .await
+        .expect("answer")
+        .into_inner();
+    assert_eq!(
+        (read.candidate_id.as_str(), read.value.as_slice()),
+        ("B", b"10.0.0.2:80".as_slice()),
+        "{read:?}"
+    );
+    // A's term is over: its proclaim is refused; B's goes through.
+    let late = a
+        .proclaim(ProclaimRequest {
+            election: "grpc/shard".into(),
+            candidate_id: "A".into(),
+            term: term_a,
+            value: b"late".to_vec(),
+            request_id: "a2".into(),
+        })
+        .await
+        .expect("answer")
+        .into_inner();
+    assert!(!late.proclaimed, "{late:?}");
+    assert!(
+        matches!(late.error_code.as_str(), "STALE_TOKEN" | "NOT_HOLDER"),
+        "{late:?}"
+    );
+    let moved = a
+        .proclaim(ProclaimRequest {
+            election: "grpc/shard".into(),
+            candidate_id: "B".into(),
+            term: term_b,
+            value: b"10.0.0.2:81".to_vec(),
+            request_id: "b2".into(),
+        })
+        .await
+        .expect("answer")
+        .into_inner();
+    assert!(moved.proclaimed, "{moved:?}");
+    let read = a
+        .leader(LeaderRequest {
+            election: "grpc/shard".into(),
+        })
+        .await
+        .expect("answer")
+        .into_inner();
+    assert_eq!(read.value, b"10.0.0.2:81".to_vec(), "{read:?}");
+    eprintln!("B elected {waited:?} after A (A's lease {TTL_MS} ms, Raft leader killed)");
+}

@@ -212,7 +212,11 @@ fn acquire_prints_the_owner_id_release_needs() {
             .expect("lockctl");
         let v: serde_json::Value =
             serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null);
-        (out.status.code(), v, String::from_utf8_lossy(&out.stderr).into_owned())
+        (
+            out.status.code(),
+            v,
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
     };
     let (code, v, err) = json_of(&["campaign", "e/shard", "10.0.0.1:80", "--ttl", "20s"]);
     assert_eq!(code, Some(0), "{v} {err}");
@@ -237,13 +241,24 @@ fn acquire_prints_the_owner_id_release_needs() {
     let (code, v, _) = json_of(&["leader", "e/shard"]);
     assert_eq!(code, Some(0));
     assert_eq!(
-        (v["leader"].as_str(), v["term"].to_string(), v["value"].as_str()),
+        (
+            v["leader"].as_str(),
+            v["term"].to_string(),
+            v["value"].as_str()
+        ),
         (Some(owner.as_str()), term.clone(), Some("10.0.0.1:81")),
         "{v}"
     );
     let (code, _, err) = json_of(&["proclaim", "e/shard", "x", "--term", &term]);
     assert_ne!(code, Some(0), "only the leader proclaims: {err}");
-    let (code, v, err) = json_of(&["--client-id", &owner, "release", "e/shard", "--token", &term]);
+    let (code, v, err) = json_of(&[
+        "--client-id",
+        &owner,
+        "release",
+        "e/shard",
+        "--token",
+        &term,
+    ]);
     assert_eq!(code, Some(0), "resign: {v} {err}");
     let (_, v, _) = json_of(&["leader", "e/shard"]);
     assert_eq!(v["leader"], serde_json::Value::Null, "{v}");
