@@ -267,9 +267,9 @@ impl Model {
     /// An acquire of `key` (a plain one, or a campaign's).
     fn acquire(
         &mut self,
-        key: &String,
-        client_id: &String,
-        request_id: &String,
+        key: &str,
+        client_id: &str,
+        request_id: &str,
         ttl_ms: u64,
         wait_timeout_ms: Option<u64>,
     ) -> Outcome {
@@ -283,9 +283,9 @@ impl Model {
                 }
                 self.seq += 1;
                 self.holders.insert(
-                    key.clone(),
+                    key.to_string(),
                     MHolder {
-                        client: client_id.clone(),
+                        client: client_id.to_string(),
                         token: self.seq,
                         ttl: ttl_ms,
                         since: self.index,
@@ -293,15 +293,15 @@ impl Model {
                 );
                 Outcome::Granted {
                     token: FencingToken {
-                        key: key.clone(),
+                        key: key.to_string(),
                         value: self.seq,
                     },
                     ttl_ms,
                 }
             }
-            Some(h) if &h.client == client_id => Outcome::AlreadyHeld {
+            Some(h) if h.client == client_id => Outcome::AlreadyHeld {
                 token: FencingToken {
-                    key: key.clone(),
+                    key: key.to_string(),
                     value: h.token,
                 },
                 ttl_ms: h.ttl,
@@ -318,8 +318,8 @@ impl Model {
                         message: String::new(),
                     };
                 }
-                let q = self.queues.entry(key.clone()).or_default();
-                if let Some(p) = q.iter().position(|w| &w.client == client_id) {
+                let q = self.queues.entry(key.to_string()).or_default();
+                if let Some(p) = q.iter().position(|w| w.client == client_id) {
                     return Outcome::AlreadyQueued {
                         position: p as u32 + 1,
                     };
@@ -334,8 +334,8 @@ impl Model {
                     };
                 }
                 q.push_back(MWaiter {
-                    client: client_id.clone(),
-                    request: request_id.clone(),
+                    client: client_id.to_string(),
+                    request: request_id.to_string(),
                     ttl: ttl_ms,
                 });
                 Outcome::Queued {

@@ -77,7 +77,7 @@ impl<S: Storage, R> NodeCore<S, R> {
                         self.observe(Observation::Applied {
                             index: entry.index,
                             term: entry.term,
-                            command: Some(command),
+                            command: Some(Box::new(command)),
                             applied: Some(applied),
                         });
                     }

@@ -97,7 +97,7 @@ pub enum Observation {
     Applied {
         index: Index,
         term: u64,
-        command: Option<Command>,
+        command: Option<Box<Command>>,
         applied: Option<crate::lock::Applied>,
     },
     /// What an applied command did to locks (only with `observe_lock_events`).

@@ -100,6 +100,7 @@ impl LockStateMachine {
         })
     }
 
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn campaign(
         &mut self,
         key: &str,
