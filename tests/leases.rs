@@ -779,6 +779,16 @@ async fn an_election_outlives_its_leaders_lease_and_a_killed_node() {
     cluster.node(leader).kill();
     let b_won = b_task.await.expect("joined");
     assert!(b_won.elected, "{b_won:?}");
+    let survivor = cluster
+        .nodes
+        .iter()
+        .find(|n| n.id != leader)
+        .expect("a survivor")
+        .client_addr();
+    assert_eq!(
+        scraped_metric(&survivor, "raftlock_client_elections", &[]).await,
+        1.0
+    );
     let waited = elected_at.elapsed();
     let term_b = b_won.fencing_token.as_ref().expect("term").value;
     assert!(term_b > term_a);

@@ -136,6 +136,8 @@ pub struct SimClients {
     pub quiet: bool,
     /// Print every attempt and answer to stderr.
     pub trace: bool,
+    /// Some operations are on leader elections (see `SimConfig::client_elections`).
+    pub elections: bool,
     pub stats: ClientStats,
     pub violations: Vec<Violation>,
 }
@@ -167,6 +169,7 @@ impl SimClients {
             attempts: BTreeMap::new(),
             quiet: false,
             trace: false,
+            elections: true,
             stats: ClientStats::default(),
             violations: Vec::new(),
         }
@@ -258,7 +261,8 @@ impl SimClients {
         let client_id = client.name.clone();
         let k = rng.random_range(0..self.keys);
         // One operation in five is on an election (`elect-*`) rather than a lock.
-        let election = rng.random_bool(0.2);
+        // (Drawn only with elections on: off, the mix and its draws are those from before.)
+        let election = self.elections && rng.random_bool(0.2);
         let key = if election {
             format!("elect-{k}")
         } else {

@@ -59,5 +59,8 @@ pub fn replay_command(cfg: &SimConfig) -> String {
     if cfg.crash_intensity != 1 {
         cmd.push_str(&format!(" --crash-intensity {}", cfg.crash_intensity));
     }
+    if !cfg.client_elections {
+        cmd.push_str(" --no-client-elections");
+    }
     cmd
 }

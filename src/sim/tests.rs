@@ -728,6 +728,7 @@ fn a_second_wipe_while_a_member_catches_up_still_elects() {
     // again); it failed before them.
     let mut cfg = SimConfig::new(656, 3);
     cfg.background_flushes = true;
+    cfg.client_elections = false;
     let outcome = run_clean(&cfg);
     assert!(outcome.stats.wipes > 0, "no disk was wiped");
 }
@@ -740,7 +741,10 @@ fn wiped_again_members_become_voters_after_a_leader_change() {
     // leader's alone, the joiner does not ask again once accepted, and no later leader
     // promoted it (the chaos run whose third incarnation stayed a learner for 45 s). Every
     // new leader now promotes every learner once it qualifies.
-    let outcome = run_clean(&SimConfig::new(22, 3));
+    let outcome = run_clean(&SimConfig {
+        client_elections: false,
+        ..SimConfig::new(22, 3)
+    });
     assert!(outcome.stats.wipes > 0, "no disk was wiped");
 }
 
@@ -750,7 +754,10 @@ fn member_table_larger_than_the_proposal_room_is_filled() {
     // record and the leader proposed none of them, ever: the wiped member's new incarnation
     // was never recorded, so it was never admitted nor promoted. The leader now records what
     // fits and the rest on a later round.
-    let outcome = run_clean(&SimConfig::new(630, 5));
+    let outcome = run_clean(&SimConfig {
+        client_elections: false,
+        ..SimConfig::new(630, 5)
+    });
     assert!(outcome.stats.wipes > 0, "no disk was wiped");
 }
 
@@ -760,7 +767,10 @@ fn a_removed_members_old_words_do_not_become_its_record() {
     // lost incarnation had said of itself and recorded that incarnation again over the new
     // one's record, so the new incarnation was never promoted. A node forgets what a member
     // said once it applies the member's removal.
-    let outcome = run_clean(&SimConfig::new(9, 5));
+    let outcome = run_clean(&SimConfig {
+        client_elections: false,
+        ..SimConfig::new(9, 5)
+    });
     assert!(outcome.stats.wipes > 0, "no disk was wiped");
 }
 

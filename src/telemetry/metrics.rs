@@ -37,6 +37,7 @@ pub struct NodeMetrics {
     pub snapshots_total: IntCounterVec,
     pub locks_held: IntGauge,
     pub lock_delays_running: IntGauge,
+    pub elections_in_use: IntGauge,
     pub lock_waiters: IntGauge,
     pub answers_remembered: IntGauge,
     pub answers_max: IntGauge,
@@ -222,6 +223,10 @@ impl NodeMetrics {
             lock_delays_running: reg!(gauge(
                 "raftlock_lock_delays_running",
                 "Keys held back by a running lock-delay (their holder's lease expired; no one is granted them until the delay ends)."
+            )),
+            elections_in_use: reg!(gauge(
+                "raftlock_client_elections",
+                "Keys in use as leader elections (a leader or a candidate waiting)."
             )),
             answers_remembered: reg!(gauge(
                 "raftlock_answers_remembered",

@@ -84,6 +84,7 @@ impl Driver {
         let last_index = raft.last_index();
         let locks_held = sm.locks_held() as u64;
         let lock_delays_running = sm.lock_delays_running() as u64;
+        let client_elections = sm.election_count() as i64;
         let waiters = sm.waiter_count() as u64;
         let cluster_version = sm.cluster_version();
         let quotas_in_force = sm.quotas().is_some();
@@ -180,6 +181,7 @@ impl Driver {
         }
         m.locks_held.set(locks_held as i64);
         m.lock_delays_running.set(lock_delays_running as i64);
+        m.elections_in_use.set(client_elections);
         m.lock_waiters.set(waiters as i64);
         m.answers_remembered.set(sm.dedupe_len() as i64);
         m.answers_max.set(sm.limits().dedupe_entries_max as i64);

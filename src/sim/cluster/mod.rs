@@ -120,6 +120,10 @@ pub struct SimConfig {
     /// that a member whose peers hold every committed entry crashes with a damaged synced
     /// sector in its log (found at its restart, which then treats the disk as lost).
     pub corrupt_sector_ppm: u32,
+    /// Clients also campaign for, proclaim in and read leader elections (`elect-*` keys).
+    /// Off, the client mix (and so every seed's schedule) is the one from before elections:
+    /// the regression seeds of bugs found with that mix replay as they were found.
+    pub client_elections: bool,
     #[cfg(test)]
     pub bugs: crate::raft::config::Bugs,
     #[cfg(any(test, feature = "mutations"))]
@@ -146,6 +150,7 @@ impl SimConfig {
             lifecycle: true,
             segments_disk: false,
             corrupt_sector_ppm: 400,
+            client_elections: true,
             #[cfg(test)]
             bugs: Default::default(),
             #[cfg(any(test, feature = "mutations"))]
@@ -412,6 +417,7 @@ impl Cluster {
         let disk_rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ 0x6469_736b_7365_6773);
         let mut clients = SimClients::new(4, 3, 1, &mut rng);
         clients.trace = cfg.trace;
+        clients.elections = cfg.client_elections;
         let mut cluster = Cluster {
             clients,
             locks: LockChecker::with_node_drift(NODE_DRIFT_PPM.unsigned_abs()),
