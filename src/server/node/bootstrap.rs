@@ -24,40 +24,61 @@ use crate::server::tls::ClientTls;
 use crate::server::transport::{AddressBook, PeerDialer};
 use crate::telemetry::NodeMetrics;
 
+/// How often a node that was accepted asks again while its log does not hold its admission
+/// (the leader that accepted it may have lost office before anything it proposed committed).
+const ADMISSION_REASK_INTERVAL: Duration = Duration::from_secs(5);
+
 /// Asks the listed peers to add this node, hopping to the leader they name (at most five hops per
 /// round), and retries rounds with backoff until it is accepted (then `admitted` turns true) or
 /// the node shuts down. A pod that cannot join yet keeps trying (its peers may still be
 /// starting, or an operator must first remove the member it replaces); it stays unready meanwhile.
+/// Once accepted it asks again every few seconds for as long as the admission mark (`mark`)
+/// exists, that is until its log holds the entry that admitted it: a leader deposed before its
+/// proposal committed left it accepted by no one (the simulator's node asks again the same way).
 pub(super) async fn join_cluster(
     cfg: NodeConfig,
     incarnation: u64,
     dialer: PeerDialer,
     addresses: AddressBook,
     admitted: Arc<AtomicBool>,
+    mark: Option<std::path::PathBuf>,
     driver: mpsc::Sender<crate::server::driver::Input>,
     shutdown: watch::Receiver<bool>,
 ) {
     let peers = other_join_peers(&cfg);
     let mut backoff = Duration::from_millis(100);
+    let mut accepted = false;
     for round in 0u64.. {
         if *shutdown.borrow() {
             return;
         }
-        for start in &peers {
+        let awaiting = mark.as_ref().is_some_and(|m| m.exists());
+        if accepted && !awaiting {
+            return;
+        }
+        'peers: for start in &peers {
             let mut target = start.clone();
             for hop in 0..5 {
                 match ask_to_join(&cfg, incarnation, "", &dialer, &target).await {
                     Ok(reply) if reply.success => {
-                        admitted.store(true, Ordering::Release);
-                        let _ = driver.send(crate::server::driver::Input::Admitted).await;
-                        info!(via = %target, hop, "joined the cluster as a learner");
-                        // Learn every member's addresses now: if the leader fails before this
-                        // node hears from the others, it must still reach them to elect a new one.
-                        match fetch_peer_list(&dialer, &target).await {
-                            Ok(reply) => learn_peer_list(&addresses, reply),
-                            Err(err) => debug!(via = %target, cause = %err, "no peer list yet"),
+                        if !accepted {
+                            admitted.store(true, Ordering::Release);
+                            let _ = driver.send(crate::server::driver::Input::Admitted).await;
+                            info!(via = %target, hop, "joined the cluster as a learner");
+                            // Learn every member's addresses now: if the leader fails before
+                            // this node hears from the others, it must still reach them to
+                            // elect a new one.
+                            match fetch_peer_list(&dialer, &target).await {
+                                Ok(reply) => learn_peer_list(&addresses, reply),
+                                Err(err) => {
+                                    debug!(via = %target, cause = %err, "no peer list yet")
+                                }
+                            }
+                            accepted = true;
+                        } else {
+                            debug!(via = %target, "asked again while awaiting admission");
                         }
-                        return;
+                        break 'peers;
                     }
                     Ok(reply) if !reply.leader_addr.is_empty() && reply.leader_addr != target => {
                         info!(from = %target, to = %reply.leader_addr, "join redirected to the leader");
@@ -73,6 +94,18 @@ pub(super) async fn join_cluster(
                     }
                 }
             }
+        }
+        if accepted {
+            // Admitted once the log holds this incarnation's record (the driver then removes
+            // the mark); until then, ask again now and then.
+            let until = tokio::time::Instant::now() + ADMISSION_REASK_INTERVAL;
+            while tokio::time::Instant::now() < until {
+                if *shutdown.borrow() || !mark.as_ref().is_some_and(|m| m.exists()) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            continue;
         }
         if round % 10 == 0 {
             warn!(round, peers = ?peers, "could not join yet; retrying");

@@ -516,7 +516,10 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
         shutdown.clone(),
     ));
 
-    if joining {
+    // A fresh node joins; one restarted before its log held its admission asks again too.
+    let mark = cfg.data_dir.join("awaiting-admission");
+    let awaiting_admission = mark.exists() && !cfg.join_peers().is_empty();
+    if joining || awaiting_admission {
         let join_cfg = cfg.clone();
         let join_shutdown = shutdown.clone();
         let join_admitted = admitted.clone();
@@ -530,6 +533,7 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
                 join_dialer,
                 join_addresses,
                 join_admitted,
+                Some(mark),
                 join_driver,
                 join_shutdown,
             )
