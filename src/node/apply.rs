@@ -40,8 +40,9 @@ impl<S: Storage, R> NodeCore<S, R> {
                         }
                     }
                     if let Command::SetMember { id, info } = &command {
-                        if info.is_some() {
+                        if let Some(info) = info {
                             self.recorded_at.insert(*id, entry.index);
+                            self.forget_words_older_than(*id, info.incarnation);
                         } else {
                             self.recorded_at.remove(id);
                         }

@@ -211,6 +211,15 @@ impl<S: Storage, R> NodeCore<S, R> {
         #[cfg(any(test, feature = "mutations"))]
         self.sm.set_bugs(self.cfg.bugs.machine());
         self.recorded_at = self.sm.members().keys().map(|id| (*id, index)).collect();
+        let records: Vec<(NodeId, u64)> = self
+            .sm
+            .members()
+            .iter()
+            .map(|(id, m)| (*id, m.incarnation))
+            .collect();
+        for (id, incarnation) in records {
+            self.forget_words_older_than(id, incarnation);
+        }
         self.log_bytes_since_snapshot = 0;
         self.raft.state_installed();
         if self.raft.is_leader() {

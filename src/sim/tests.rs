@@ -775,6 +775,24 @@ fn a_removed_members_old_words_do_not_become_its_record() {
 }
 
 #[test]
+fn a_learners_old_words_do_not_overwrite_its_new_record() {
+    // Regression: seed 644 (3 nodes, background flushes) wiped node 4 while it was a learner
+    // with no record yet; its new incarnation asked leader 3, which knew no other incarnation
+    // of it, accepted it and recorded the new incarnation, which was admitted. Node 2 still held
+    // what the lost incarnation had said of itself (a learner speaks to the leader only, so
+    // nothing had told node 2 otherwise); elected next, it recorded that old incarnation over
+    // the new one's record (a learner's incarnation could change in place), promoted the
+    // running node under it, and no leader ever recorded the new incarnation again (a voter's
+    // incarnation changes only by replacement). A node now forgets words of another
+    // incarnation heard before it applies a member's record, and a leader does not record
+    // words that a record in its log, not applied yet, contradicts.
+    let mut cfg = SimConfig::new(644, 3);
+    cfg.background_flushes = true;
+    let outcome = run_clean(&cfg);
+    assert!(outcome.stats.wipes > 0, "no disk was wiped");
+}
+
+#[test]
 fn caught_promoted_before_admission() {
     // A learner promoted before its log holds the record of its incarnation is a voter that
     // stays out of elections: a cluster that needs its vote never elects again.
