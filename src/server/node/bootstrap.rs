@@ -35,6 +35,7 @@ const ADMISSION_REASK_INTERVAL: Duration = Duration::from_secs(5);
 /// Once accepted it asks again every few seconds for as long as the admission mark (`mark`)
 /// exists, that is until its log holds the entry that admitted it: a leader deposed before its
 /// proposal committed left it accepted by no one (the simulator's node asks again the same way).
+#[allow(clippy::too_many_arguments)]
 pub(super) async fn join_cluster(
     cfg: NodeConfig,
     incarnation: u64,
