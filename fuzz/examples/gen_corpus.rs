@@ -419,11 +419,13 @@ fn peer_messages() {
                 position: 2,
                 waited_ms: 30,
             }),
+            leader: false,
         },
         ClientReply::Released,
         ClientReply::Renewed {
             token,
             expires_in_ms: 500,
+            leader: true,
         },
         ClientReply::WaitCancelled,
         ClientReply::Deleted { existed: true },
