@@ -2240,3 +2240,86 @@ fn cluster_id_is_set_once_and_the_member_table_round_trips() {
         assert_eq!(Command::decode(&cmd.encode()).unwrap(), cmd);
     }
 }
+
+#[test]
+fn election_values_count_against_the_lock_byte_budget() {
+    let mut sm = LockStateMachine::new(Limits::default());
+    let mut index = 0;
+    let mut apply = |sm: &mut LockStateMachine, c: Command| {
+        index += 1;
+        let outcome = sm.apply(index, &c).outcome;
+        assert_eq!(sm.accounting_mismatch(), None, "after {c:?}");
+        outcome
+    };
+    apply(&mut sm, Command::SetClusterVersion { version: 7 });
+    let quotas = crate::lock::Quotas {
+        lock_bytes_max: 1_000,
+        ..crate::lock::Quotas::default()
+    };
+    apply(&mut sm, Command::SetQuotas { quotas });
+    let campaign = |client: &str, request: &str, bytes: usize| Command::Campaign {
+        key: "e".into(),
+        client_id: client.into(),
+        request_id: request.into(),
+        ttl_ms: 1_000,
+        wait_timeout_ms: None,
+        value: vec![b'v'; bytes],
+    };
+    let proclaim = |request: &str, token: u64, bytes: usize| Command::Proclaim {
+        key: "e".into(),
+        client_id: "a".into(),
+        request_id: request.into(),
+        token: FencingToken {
+            key: "e".into(),
+            value: token,
+        },
+        value: vec![b'p'; bytes],
+    };
+    // A value that would pass the budget is refused and changes nothing.
+    assert!(is_limit(&apply(&mut sm, campaign("a", "a1", 950))));
+    assert_eq!(sm.bytes_used().1, 0);
+    assert!(!sm.is_election("e"));
+    let Outcome::Granted { token, .. } = apply(&mut sm, campaign("a", "a2", 300)) else {
+        panic!("a is elected");
+    };
+    let leader = sm.bytes_used().1;
+    assert!(leader > 300, "{leader}");
+    // A proclaim may not grow past the budget; a smaller value gives bytes back.
+    assert!(is_limit(&apply(&mut sm, proclaim("a3", token.value, 950))));
+    assert!(matches!(
+        apply(&mut sm, proclaim("a4", token.value, 100)),
+        Outcome::Proclaimed { .. }
+    ));
+    assert_eq!(sm.bytes_used().1, leader - 200);
+    // A waiting candidate's value counts while it waits, and goes when it stops waiting.
+    assert!(matches!(
+        apply(&mut sm, campaign("b", "b1", 200)),
+        Outcome::Queued { .. }
+    ));
+    let with_candidate = sm.bytes_used().1;
+    assert!(with_candidate > leader - 200 + 200);
+    apply(
+        &mut sm,
+        Command::CancelWait {
+            key: "e".into(),
+            client_id: "b".into(),
+            request_id: "b1".into(),
+        },
+    );
+    assert_eq!(sm.bytes_used().1, leader - 200);
+    // Handed on: the candidate's value becomes the leader's; the election gone, nothing counts.
+    apply(&mut sm, campaign("b", "b2", 200));
+    apply(&mut sm, release("e", "a", "a5", token.value));
+    assert_eq!(
+        sm.election("e").and_then(|e| e.value),
+        Some(vec![b'v'; 200])
+    );
+    let next = sm.election("e").and_then(|e| e.leader).expect("b leads").1;
+    apply(&mut sm, release("e", "b", "b3", next));
+    assert!(!sm.is_election("e"));
+    assert_eq!(sm.bytes_used().1, 0);
+    // Restored from its own snapshot, the state counts the same.
+    apply(&mut sm, campaign("c", "c1", 123));
+    let restored = LockStateMachine::restore(&sm.snapshot(), Limits::default()).expect("restore");
+    assert_eq!(restored.bytes_used(), sm.bytes_used());
+}

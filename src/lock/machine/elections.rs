@@ -37,6 +37,17 @@ pub(super) struct Candidate {
     pub(super) value: Vec<u8>,
 }
 
+/// Bytes an election's values count against the lock byte budget (`Quotas::lock_bytes_max`):
+/// the leader's value and each waiting candidate's.
+pub(super) fn election_cost(e: &Election) -> u64 {
+    let leader = e.value.as_ref().map_or(0, |v| v.len() as u64);
+    leader
+        + e.candidates
+            .iter()
+            .map(|c| c.value.len() as u64)
+            .sum::<u64>()
+}
+
 /// An election as callers see it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ElectionInfo {
@@ -74,6 +85,17 @@ impl LockStateMachine {
     /// Whether `key` is an election now.
     pub fn is_election(&self, key: &str) -> bool {
         self.elections.contains_key(key)
+    }
+
+    /// Bytes `key`'s election counts now (0: not an election).
+    fn election_bytes(&self, key: &str) -> u64 {
+        self.elections.get(key).map_or(0, election_cost)
+    }
+
+    /// `key`'s election counted `before` bytes; the budget's count follows what it counts now.
+    fn reaccount(&mut self, key: &str, before: u64) {
+        let after = self.election_bytes(key);
+        self.lock_bytes = self.lock_bytes.saturating_sub(before) + after;
     }
 
     fn election_version_refusal(&self) -> Option<Outcome> {
@@ -120,6 +142,14 @@ impl LockStateMachine {
                 format!("{key:?} is in use as a lock: an election needs a key of its own"),
             );
         }
+        // The budget counts the value too, for as long as the candidate waits or leads.
+        let value_bytes = value.len() as u64;
+        if let Err(refusal) =
+            self.check_lock_quotas(key, client_id, request_id, wait_timeout_ms, value_bytes)
+        {
+            return refusal;
+        }
+        let before = self.election_bytes(key);
         let outcome = self.acquire(key, client_id, request_id, ttl_ms, wait_timeout_ms);
         match &outcome {
             Outcome::Granted { token, .. } => {
@@ -143,6 +173,7 @@ impl LockStateMachine {
             }
             _ => {}
         }
+        self.reaccount(key, before);
         outcome
     }
 
@@ -168,11 +199,27 @@ impl LockStateMachine {
                 return refusal;
             }
         }
+        let before = self.election_bytes(key);
+        let shown = self.elections.get(key).and_then(|e| e.value.as_ref());
+        let grows = (value.len() as u64).saturating_sub(shown.map_or(0, |v| v.len() as u64));
+        if let Some(q) = self.quotas.as_ref().filter(|_| grows > 0) {
+            if self.lock_bytes + grows > q.lock_bytes_max {
+                return super::quotas::limit_refusal(
+                    "lock_bytes",
+                    format!(
+                        "held locks, queued acquires and election values would pass their \
+                         budget of {} bytes",
+                        q.lock_bytes_max
+                    ),
+                );
+            }
+        }
         let token = FencingToken {
             key: key.to_string(),
             value: token,
         };
         self.elections.entry(Box::from(key)).or_default().value = Some(value.to_vec());
+        self.reaccount(key, before);
         self.mark_dirty(ELECTION_PREFIX, key);
         events.push(Event::Proclaimed {
             client_id: client_id.to_string(),
@@ -191,6 +238,7 @@ impl LockStateMachine {
         events: &mut Vec<Event>,
     ) {
         let no_value_bug = self.bug(|b| b.elected_by_hand_off_without_value);
+        let before = self.election_bytes(key);
         let Some(election) = self.elections.get_mut(key) else {
             return;
         };
@@ -212,23 +260,27 @@ impl LockStateMachine {
                 }
             }
         }
+        self.reaccount(key, before);
         self.mark_dirty(ELECTION_PREFIX, key);
     }
 
     /// A queued candidate left without being elected (cancelled, timed out).
     pub(super) fn forget_candidate(&mut self, key: &str, client_id: &str, request_id: &str) {
+        let before = self.election_bytes(key);
         let Some(election) = self.elections.get_mut(key) else {
             return;
         };
         election
             .candidates
             .retain(|c| !(*c.client_id == *client_id && *c.request_id == *request_id));
+        self.reaccount(key, before);
         self.mark_dirty(ELECTION_PREFIX, key);
     }
 
     /// The key's lock entry is gone: so is the election.
     pub(super) fn end_election(&mut self, key: &str) {
-        if self.elections.remove(key).is_some() {
+        if let Some(gone) = self.elections.remove(key) {
+            self.lock_bytes = self.lock_bytes.saturating_sub(election_cost(&gone));
             self.mark_dirty(ELECTION_PREFIX, key);
         }
     }

@@ -162,7 +162,8 @@ impl LockStateMachine {
         if !exists && self.locks.len() >= self.limits.locks_held_max {
             return limit_refusal("locks_held", "too many locks in use".into());
         }
-        if let Err(refusal) = self.check_lock_quotas(key, client_id, request_id, wait_timeout_ms) {
+        if let Err(refusal) = self.check_lock_quotas(key, client_id, request_id, wait_timeout_ms, 0)
+        {
             return refusal;
         }
         let waiters_max = self.limits.waiters_per_key_max;

@@ -106,7 +106,11 @@ impl LockStateMachine {
                 if self.record_number(client_id, request_id).is_some() {
                     return None;
                 }
-                self.check_lock_quotas(key, client_id, request_id, *wait_timeout_ms)
+                let value_bytes = match command.request() {
+                    Command::Campaign { value, .. } => value.len() as u64,
+                    _ => 0,
+                };
+                self.check_lock_quotas(key, client_id, request_id, *wait_timeout_ms, value_bytes)
                     .err()
             }
             _ => None,
@@ -147,6 +151,7 @@ impl LockStateMachine {
             quotas: self.quotas.clone(),
             locks: self.locks.clone(),
             data: self.data.clone(),
+            elections: self.elections.clone(),
             ..Default::default()
         };
         fresh.recount();
@@ -177,6 +182,11 @@ impl LockStateMachine {
                 }
             }
         }
+        lock_bytes += self
+            .elections
+            .values()
+            .map(super::elections::election_cost)
+            .sum::<u64>();
         self.lock_bytes = lock_bytes;
         self.identity_use = uses;
     }
@@ -204,13 +214,15 @@ impl LockStateMachine {
 
     /// The byte budget and per-identity quotas for an acquire of `key` that would take the
     /// lock or join its queue (an acquire that would be answered from the state without
-    /// taking anything is not checked).
+    /// taking anything is not checked). `value_bytes`: a campaign's value, which the election
+    /// keeps while the candidate waits or leads.
     pub(super) fn check_lock_quotas(
         &self,
         key: &str,
         client_id: &str,
         request_id: &str,
         wait_timeout_ms: Option<u64>,
+        value_bytes: u64,
     ) -> Result<(), Outcome> {
         let Some(q) = &self.quotas else {
             return Ok(());
@@ -226,7 +238,8 @@ impl LockStateMachine {
             Some((e, _)) if e.waiters.iter().any(|w| *w.client_id == *client_id) => return Ok(()),
             Some(_) => true,
         };
-        if self.lock_bytes + lock_cost(key, client_id, request_id) > q.lock_bytes_max {
+        if self.lock_bytes + lock_cost(key, client_id, request_id) + value_bytes > q.lock_bytes_max
+        {
             return Err(limit_refusal(
                 "lock_bytes",
                 format!(
