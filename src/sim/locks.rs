@@ -331,6 +331,8 @@ impl LockChecker {
     fn check_election(&mut self, index: Index, command: &Command, applied: &Applied) {
         // (client, token, value) each Proclaimed event must carry, from this entry's grants.
         let mut expected: Vec<(String, u64, Vec<u8>)> = Vec::new();
+        // Candidates elected in this entry (the others in `expected` are proclaims).
+        let mut elected = 0;
         match (command, &applied.outcome) {
             (
                 Command::Campaign {
@@ -349,7 +351,10 @@ impl LockChecker {
                     client_id, value, ..
                 },
                 Outcome::Granted { token, .. },
-            ) => expected.push((client_id.clone(), token.value, value.clone())),
+            ) => {
+                elected += 1;
+                expected.push((client_id.clone(), token.value, value.clone()));
+            }
             (
                 Command::Proclaim {
                     key,
@@ -391,6 +396,7 @@ impl LockChecker {
                         .candidates
                         .remove(&(token.key.clone(), client_id.clone()))
                     {
+                        elected += 1;
                         expected.push((client_id.clone(), token.value, value));
                     }
                 }
@@ -428,8 +434,7 @@ impl LockChecker {
                 ),
             );
         }
-        self.elected += expected.len() as u64
-            - u64::from(matches!(applied.outcome, Outcome::Proclaimed { .. }));
+        self.elected += elected;
     }
 
     fn check_lock_delay(&mut self, index: Index, command: &Command, applied: &Applied, at: u64) {

@@ -229,32 +229,38 @@ impl LockStateMachine {
         Outcome::Proclaimed { token }
     }
 
-    /// Called when `key`'s lock changes hands by a hand-off (or is left without a holder):
-    /// the candidate granted, if any, shows its campaign value.
-    pub(super) fn elect_next(
-        &mut self,
-        key: &str,
-        granted: Option<(&str, &str, &FencingToken)>,
-        events: &mut Vec<Event>,
-    ) {
+    /// Called once `key`'s lock changed hands by a hand-off (or was left without a holder):
+    /// the holder now, a candidate just granted, shows its campaign value.
+    pub(super) fn elect_next(&mut self, key: &str, events: &mut Vec<Event>) {
+        if !self.elections.contains_key(key) {
+            return;
+        }
         let no_value_bug = self.bug(|b| b.elected_by_hand_off_without_value);
         let before = self.election_bytes(key);
+        let holder = self
+            .locks
+            .get(key)
+            .and_then(|e| e.holder.as_ref())
+            .map(|h| (h.client_id.clone(), h.request_id.clone(), h.token));
         let Some(election) = self.elections.get_mut(key) else {
             return;
         };
         election.value = None;
-        if let Some((client, request, token)) = granted {
+        if let Some((client, request, token)) = holder {
             let at = election
                 .candidates
                 .iter()
-                .position(|c| *c.client_id == *client && *c.request_id == *request);
+                .position(|c| c.client_id == client && c.request_id == request);
             if let Some(at) = at {
                 let value = election.candidates.remove(at).value;
                 if !no_value_bug {
                     election.value = Some(value.clone());
                     events.push(Event::Proclaimed {
-                        client_id: client.to_string(),
-                        token: token.clone(),
+                        client_id: client.into(),
+                        token: FencingToken {
+                            key: key.to_string(),
+                            value: token,
+                        },
                         value,
                     });
                 }

@@ -298,7 +298,6 @@ impl LockStateMachine {
         } else {
             entry.waiters.pop_front()
         };
-        let mut granted = None;
         if let Some(next) = next {
             self.waiters -= 1;
             // The waiter's bytes now count as the holder's.
@@ -326,18 +325,13 @@ impl LockStateMachine {
             };
             self.update_record(&next.client_id, &next.request_id, answer);
             events.push(Event::Granted {
-                client_id: next.client_id.to_string(),
-                request_id: next.request_id.to_string(),
-                token: token.clone(),
+                client_id: next.client_id.into(),
+                request_id: next.request_id.into(),
+                token,
                 ttl_ms: next.ttl_ms,
             });
-            granted = Some((next.client_id, next.request_id, token));
         }
-        if let Some((client, request, token)) = &granted {
-            self.elect_next(key, Some((client, request, token)), events);
-        } else {
-            self.elect_next(key, None, events);
-        }
+        self.elect_next(key, events);
         self.mark_lock(key);
     }
 
