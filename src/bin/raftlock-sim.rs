@@ -59,7 +59,7 @@ struct Args {
     /// sector on a member whose peers hold every committed entry.
     #[arg(long, default_value_t = 400)]
     corrupt_sector_ppm: u32,
-    /// Clients leave leader elections alone: the client mix from before elections, under
+    /// Clients leave leader elections and sessions alone: the client mix from before them, under
     /// which the lifecycle regression seeds (22, 630, 9; 656 with --background-flushes) were
     /// found.
     #[arg(long)]
@@ -98,7 +98,7 @@ fn main() -> ExitCode {
         }
     }
     println!(
-        "sim: seeds={} violations={} elections={} leader_changes={} partitions={} crashes={} pauses={} membership_changes={} committed={} grants={} expiries={} lock_delays={} lock_delays_ended={} leaders_elected={} proclaims={} snapshots={} compactions={} transfers={} history_ops={} hold_intervals_checked={} reads_checked={} linearizability_checks={} lin_unchecked={} client_expiries={} redirects={} retries={} log_ticks={} acknowledging={} acknowledged_refusals={} overlapped_readies={} nodes_at_cluster_version={}/{} restarts_all={} wipes={} wipes_bootstrap_alone={} rewipes={} bootstrap_waits={} replacements={} joins={} power_cuts={} torn_writes={} corrupt_sectors={} damaged_disks={}",
+        "sim: seeds={} violations={} elections={} leader_changes={} partitions={} crashes={} pauses={} membership_changes={} committed={} grants={} expiries={} lock_delays={} lock_delays_ended={} leaders_elected={} proclaims={} sessions_opened={} sessions_closed={} sessions_expired={} attached_grants={} snapshots={} compactions={} transfers={} history_ops={} hold_intervals_checked={} reads_checked={} linearizability_checks={} lin_unchecked={} client_expiries={} redirects={} retries={} log_ticks={} acknowledging={} acknowledged_refusals={} overlapped_readies={} nodes_at_cluster_version={}/{} restarts_all={} wipes={} wipes_bootstrap_alone={} rewipes={} bootstrap_waits={} replacements={} joins={} power_cuts={} torn_writes={} corrupt_sectors={} damaged_disks={}",
         args.seeds,
         violations,
         total.elections,
@@ -114,6 +114,10 @@ fn main() -> ExitCode {
         total.lock_delays_ended,
         total.leaders_elected,
         total.proclaims,
+        total.sessions_opened,
+        total.sessions_closed,
+        total.sessions_expired,
+        total.attached_grants,
         total.snapshots_sent,
         total.compactions,
         total.transfers,

@@ -172,6 +172,29 @@ pub enum Command {
         token: FencingToken,
         value: Vec<u8>,
     },
+    /// Opens or keeps alive `client_id`'s session (needs cluster version 8): a lease of `ttl_ms`
+    /// that covers every lock and candidacy the client attached to it (acquired with a TTL of
+    /// 0). `session` 0 opens the client's session, or keeps alive the one it has; any other
+    /// value keeps alive only the session opened at that log index, and is answered
+    /// `NoSession` once it ended: its attached locks are gone.
+    KeepAlive {
+        client_id: String,
+        session: u64,
+        ttl_ms: u64,
+    },
+    /// Ends `client_id`'s session `session` (the log index that opened it): every lock attached
+    /// to it is released and every attached acquire leaves its queue, in this one entry (needs
+    /// cluster version 8). A session that already ended is answered `NoSession`.
+    EndSession { client_id: String, session: u64 },
+    /// Proposed by the leader when a session's lease ran out (needs cluster version 8): applies
+    /// only if `client_id`'s session `session` was last kept alive at `lease_index`. Every
+    /// attached lock expires (its lock-delay starts) and every attached acquire leaves its
+    /// queue, in this one entry.
+    ExpireSession {
+        client_id: String,
+        session: u64,
+        lease_index: u64,
+    },
     /// A client request that acknowledges earlier answers (needs cluster version 3). Its
     /// `command`'s request id is the request's sequence number in its client's session (decimal,
     /// from 1), and `ack_below` says the client has the answer of every request of its session
@@ -260,7 +283,10 @@ impl Command {
             | Command::SetClusterVersion { .. }
             | Command::SetClusterId { .. }
             | Command::SetMember { .. }
-            | Command::SetQuotas { .. } => "",
+            | Command::SetQuotas { .. }
+            | Command::KeepAlive { .. }
+            | Command::EndSession { .. }
+            | Command::ExpireSession { .. } => "",
             Command::Sequenced { command, .. } => command.key(),
         }
     }

@@ -78,6 +78,15 @@ pub enum Outcome {
     Proclaimed { token: FencingToken },
     /// Input beyond a limit or invalid; nothing changed.
     Rejected { code: RejectCode, message: String },
+    /// `client_id`'s session (opened at log index `session`) lasts `ttl_ms` from the leader's
+    /// apply of this keepalive.
+    SessionKept { session: u64, ttl_ms: u64 },
+    /// The session ended (closed, or its lease expired): `locks` attached locks and acquires
+    /// ended with it.
+    SessionEnded { locks: u32 },
+    /// The client has no such session: it ended (its attached locks are gone), or was never
+    /// opened. Nothing changed.
+    NoSession,
 }
 
 impl Outcome {

@@ -220,6 +220,16 @@ impl<S: Storage, R> NodeCore<S, R> {
             }
             Outcome::LockDelaySet { delay_ms } => ClientReply::LockDelaySet { delay_ms },
             Outcome::Proclaimed { token } => ClientReply::Proclaimed { token },
+            Outcome::SessionKept { session, ttl_ms } => ClientReply::SessionKept {
+                session,
+                expires_in_ms: ttl_ms,
+            },
+            Outcome::SessionEnded { locks } => ClientReply::SessionEnded { locks },
+            Outcome::NoSession => ClientReply::error(
+                ErrorCode::NoSession,
+                "the client has no such session: it ended (closed, or its lease expired) and \
+                 every lock attached to it is gone; open a new session",
+            ),
             Outcome::Stored => ClientReply::Stored,
             Outcome::Deleted { existed } => ClientReply::Deleted { existed },
             Outcome::GuardRejected { current } => ClientReply::error(

@@ -44,6 +44,9 @@ pub enum ErrorCode {
     /// A request numbered below its client's `ackBelow` whose answer is no longer kept: the
     /// client had the answer and acknowledged it, so it is not run again (a delayed copy).
     Acknowledged,
+    /// The client's session ended (closed, or its lease expired) or was never opened: every
+    /// lock attached to it is gone. Open a new session.
+    NoSession,
 }
 
 impl ErrorCode {
@@ -64,6 +67,7 @@ impl ErrorCode {
             ErrorCode::RequestIdReused => "REQUEST_ID_REUSED",
             ErrorCode::PermissionDenied => "PERMISSION_DENIED",
             ErrorCode::Acknowledged => "ACKNOWLEDGED",
+            ErrorCode::NoSession => "NO_SESSION",
         }
     }
 
@@ -184,6 +188,16 @@ pub enum ClientOp {
     },
     /// Linearizable read of election `key`: its leader, term and value (ReadIndex).
     Leader { key: String },
+    /// Opens (`session` 0) or keeps alive the client's session: a lease of `ttl_ms` covering
+    /// every lock the client acquires with a TTL of 0.
+    KeepAlive {
+        client_id: String,
+        session: u64,
+        ttl_ms: u64,
+    },
+    /// Ends the client's session `session`: every attached lock is released and every attached
+    /// acquire leaves its queue, in one log entry.
+    EndSession { client_id: String, session: u64 },
 }
 
 /// What a client operation does to the exactly-once table (see `node::pacing`).
@@ -225,6 +239,8 @@ impl ClientOp {
             ClientOp::CancelWait { .. }
             | ClientOp::Get { .. }
             | ClientOp::Leader { .. }
+            | ClientOp::KeepAlive { .. }
+            | ClientOp::EndSession { .. }
             | ClientOp::Sequenced { .. } => Err(ApiError::new(
                 ErrorCode::InvalidRequest,
                 "ackBelow is for acquires, releases, renewals, puts and deletes",
@@ -277,6 +293,8 @@ impl ClientOp {
             ClientOp::Campaign { .. } => "campaign",
             ClientOp::Proclaim { .. } => "proclaim",
             ClientOp::Leader { .. } => "leader",
+            ClientOp::KeepAlive { .. } => "keep_alive",
+            ClientOp::EndSession { .. } => "end_session",
             ClientOp::Get { .. } | ClientOp::Sequenced { .. } => "get",
         }
     }
@@ -294,6 +312,8 @@ impl ClientOp {
             ClientOp::Campaign { .. } => "election.campaign",
             ClientOp::Proclaim { .. } => "election.proclaim",
             ClientOp::Leader { .. } => "election.leader",
+            ClientOp::KeepAlive { .. } => "session.keep_alive",
+            ClientOp::EndSession { .. } => "session.end",
             ClientOp::Get { .. } | ClientOp::Sequenced { .. } => "kv.get",
         }
     }
@@ -310,7 +330,9 @@ impl ClientOp {
             | ClientOp::Delete { client_id, .. }
             | ClientOp::SetLockDelay { client_id, .. }
             | ClientOp::Campaign { client_id, .. }
-            | ClientOp::Proclaim { client_id, .. } => client_id,
+            | ClientOp::Proclaim { client_id, .. }
+            | ClientOp::KeepAlive { client_id, .. }
+            | ClientOp::EndSession { client_id, .. } => client_id,
             ClientOp::Get { .. } | ClientOp::Leader { .. } | ClientOp::Sequenced { .. } => "",
         }
     }
@@ -327,7 +349,9 @@ impl ClientOp {
             | ClientOp::Delete { client_id, .. }
             | ClientOp::SetLockDelay { client_id, .. }
             | ClientOp::Campaign { client_id, .. }
-            | ClientOp::Proclaim { client_id, .. } => Some(client_id),
+            | ClientOp::Proclaim { client_id, .. }
+            | ClientOp::KeepAlive { client_id, .. }
+            | ClientOp::EndSession { client_id, .. } => Some(client_id),
             ClientOp::Get { .. } | ClientOp::Leader { .. } | ClientOp::Sequenced { .. } => None,
         }
     }
@@ -345,7 +369,11 @@ impl ClientOp {
             | ClientOp::SetLockDelay { request_id, .. }
             | ClientOp::Campaign { request_id, .. }
             | ClientOp::Proclaim { request_id, .. } => request_id,
-            ClientOp::Get { .. } | ClientOp::Leader { .. } | ClientOp::Sequenced { .. } => "",
+            ClientOp::Get { .. }
+            | ClientOp::Leader { .. }
+            | ClientOp::KeepAlive { .. }
+            | ClientOp::EndSession { .. }
+            | ClientOp::Sequenced { .. } => "",
         }
     }
 
@@ -363,7 +391,9 @@ impl ClientOp {
             | ClientOp::Proclaim { key, .. }
             | ClientOp::Get { key }
             | ClientOp::Leader { key } => key,
-            ClientOp::Sequenced { .. } => "",
+            ClientOp::KeepAlive { .. } | ClientOp::EndSession { .. } | ClientOp::Sequenced { .. } => {
+                ""
+            }
         }
     }
 }
@@ -422,6 +452,10 @@ pub enum ClientReply {
         value: Option<Vec<u8>>,
         candidates: u32,
     },
+    /// The client's session (opened at log index `session`) lasts `expires_in_ms` from now.
+    SessionKept { session: u64, expires_in_ms: u64 },
+    /// The session ended; `locks` attached locks and acquires ended with it.
+    SessionEnded { locks: u32 },
 }
 
 impl ClientReply {
@@ -441,6 +475,8 @@ impl ClientReply {
             ClientReply::LockDelaySet { .. } => "stored",
             ClientReply::Proclaimed { .. } => "proclaimed",
             ClientReply::Leader { .. } => "read",
+            ClientReply::SessionKept { .. } => "kept",
+            ClientReply::SessionEnded { .. } => "ended",
             ClientReply::Error(e) => e.code.as_str(),
         }
     }

@@ -55,6 +55,7 @@ impl<S: Storage, R> NodeCore<S, R> {
                         self.follow_lease(request, &applied, local.map(|l| l.0));
                         self.follow_waiter(request, &applied, local);
                         self.follow_lock_delays(&applied);
+                        self.follow_session(request);
                     }
                     self.on_events(&applied.events);
                     if self.cfg.observe_lock_events {

@@ -45,6 +45,13 @@ pub struct NodeBugs {
     /// A candidate elected by a hand-off shows no value until it proclaims one (its campaign
     /// value is dropped).
     pub elected_by_hand_off_without_value: bool,
+    /// Ending a session releases its attached locks but leaves its attached acquires queued.
+    pub session_end_keeps_waiters: bool,
+    /// A session's expiry applies although a keepalive restarted its lease since.
+    pub session_expiry_ignores_keepalive: bool,
+    /// A new leader gives the sessions it inherits no time: they expire at once, although
+    /// their clients may have kept them alive just before the election.
+    pub no_session_wait_after_election: bool,
 }
 
 impl NodeBugs {
@@ -69,6 +76,9 @@ impl NodeBugs {
             }
             "proclaim_skips_holder_check" => bugs.proclaim_skips_holder_check = true,
             "elected_by_hand_off_without_value" => bugs.elected_by_hand_off_without_value = true,
+            "session_end_keeps_waiters" => bugs.session_end_keeps_waiters = true,
+            "session_expiry_ignores_keepalive" => bugs.session_expiry_ignores_keepalive = true,
+            "no_session_wait_after_election" => bugs.no_session_wait_after_election = true,
             _ => return None,
         }
         Some(bugs)
@@ -81,6 +91,8 @@ impl NodeBugs {
         crate::lock::MachineBugs {
             proclaim_skips_holder_check: self.proclaim_skips_holder_check,
             elected_by_hand_off_without_value: self.elected_by_hand_off_without_value,
+            session_end_keeps_waiters: self.session_end_keeps_waiters,
+            session_expiry_ignores_keepalive: self.session_expiry_ignores_keepalive,
         }
     }
 }

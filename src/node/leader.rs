@@ -44,6 +44,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             self.leases.clear();
             self.wait_deadlines.clear();
             self.lock_delays.clear();
+            self.session_deadlines.clear();
             self.rebuild = None;
             self.promote_when_caught_up.clear();
             self.joined_as.clear();
@@ -121,6 +122,16 @@ impl<S: Storage, R> NodeCore<S, R> {
                 });
             }
         }
+        let left = limit - commands.len();
+        for (client_id, d) in self.session_deadlines.due_first(now, left) {
+            if d.at <= now && due(d.expiry_proposed_at) {
+                commands.push(Command::ExpireSession {
+                    client_id: client_id.to_string(),
+                    session: d.session,
+                    lease_index: d.lease_index,
+                });
+            }
+        }
         let expiries = commands.len();
         let left = limit - commands.len();
         for ((client_id, request_id), d) in self.wait_deadlines.due_first(now, left) {
@@ -145,6 +156,10 @@ impl<S: Storage, R> NodeCore<S, R> {
                         Command::EndLockDelay { key, .. } => {
                             self.lock_delays
                                 .update(key.as_str(), |d| d.end_proposed_at = Some(now));
+                        }
+                        Command::ExpireSession { client_id, .. } => {
+                            self.session_deadlines
+                                .update(client_id.as_str(), |d| d.expiry_proposed_at = Some(now));
                         }
                         Command::CancelWait {
                             client_id,

@@ -3,19 +3,53 @@
 
 use std::sync::Arc;
 
-use super::{DelayDeadline, Lease, Micros, NodeCore, Observation, Rebuild, WaitDeadline, MS};
+use super::{
+    DelayDeadline, Lease, Micros, NodeCore, Observation, Rebuild, SessionDeadline, WaitDeadline,
+    MS,
+};
 use crate::lock::{Command, Event, Outcome};
 use crate::storage::Storage;
 
 impl<S: Storage, R> NodeCore<S, R> {
-    /// Makes the leader's lease of the command's key match the applied state.
+    /// Makes the leader's lease of the command's key match the applied state (of every key a
+    /// session's end touched, for `EndSession` and `ExpireSession`).
     pub(super) fn follow_lease(
         &mut self,
         command: &Command,
         applied: &crate::lock::Applied,
         local_started: Option<Micros>,
     ) {
-        let key = command.key();
+        if matches!(
+            command,
+            Command::EndSession { .. } | Command::ExpireSession { .. }
+        ) {
+            let mut keys: Vec<String> = applied
+                .events
+                .iter()
+                .filter_map(|e| match e {
+                    Event::Granted { token, .. } | Event::Expired { token, .. } => {
+                        Some(token.key.clone())
+                    }
+                    _ => None,
+                })
+                .collect();
+            keys.sort();
+            keys.dedup();
+            for key in keys {
+                self.follow_lease_of(&key, command, applied, local_started);
+            }
+            return;
+        }
+        self.follow_lease_of(command.key(), command, applied, local_started);
+    }
+
+    fn follow_lease_of(
+        &mut self,
+        key: &str,
+        command: &Command,
+        applied: &crate::lock::Applied,
+        local_started: Option<Micros>,
+    ) {
         if matches!(command, Command::Put { .. } | Command::Delete { .. }) {
             return;
         }
@@ -40,6 +74,13 @@ impl<S: Storage, R> NodeCore<S, R> {
                 }
                 let expired = matches!(applied.outcome, Outcome::Expired { .. });
                 self.end_lease(key, expired);
+            }
+            // A lock attached to its client's session has no lease of its own: the session's
+            // lease covers it.
+            (Some(h), lease) if h.ttl_ms == 0 => {
+                if lease.is_some() {
+                    self.end_lease(key, false);
+                }
             }
             (Some(h), lease) => {
                 let same =
@@ -161,6 +202,56 @@ impl<S: Storage, R> NodeCore<S, R> {
         }
     }
 
+    /// Times the session a keepalive opened or kept alive (its full TTL from now), and forgets
+    /// one that ended.
+    pub(super) fn follow_session(&mut self, command: &Command) {
+        let client_id = match command {
+            Command::KeepAlive { client_id, .. }
+            | Command::EndSession { client_id, .. }
+            | Command::ExpireSession { client_id, .. } => client_id.as_str(),
+            _ => return,
+        };
+        let Some(info) = self.sm.session_lease(client_id) else {
+            self.session_deadlines.remove(client_id);
+            return;
+        };
+        let same = self
+            .session_deadlines
+            .get(client_id)
+            .is_some_and(|d| d.session == info.session && d.lease_index == info.lease_index);
+        if !same {
+            self.session_deadlines.insert(
+                Arc::from(client_id),
+                SessionDeadline {
+                    session: info.session,
+                    lease_index: info.lease_index,
+                    at: self.now + info.ttl_ms * MS,
+                    expiry_proposed_at: None,
+                },
+            );
+        }
+    }
+
+    /// On election: every open session gets its full TTL from now (when its client last kept
+    /// it alive under the old leader is not known here; a session may last longer, never
+    /// shorter).
+    fn rebuild_sessions(&mut self, since: Micros) {
+        self.session_deadlines.clear();
+        let no_wait = self.bug(|b| b.no_session_wait_after_election);
+        for info in self.sm.session_leases() {
+            let ttl = if no_wait { 0 } else { info.ttl_ms * MS };
+            self.session_deadlines.insert(
+                Arc::from(info.client_id.as_str()),
+                SessionDeadline {
+                    session: info.session,
+                    lease_index: info.lease_index,
+                    at: since + ttl,
+                    expiry_proposed_at: None,
+                },
+            );
+        }
+    }
+
     /// On election: every running lock-delay is timed again in full from now (when the old
     /// leader started it is not known here; a delay may last longer, never shorter).
     fn rebuild_lock_delays(&mut self, since: Micros) {
@@ -203,6 +294,7 @@ impl<S: Storage, R> NodeCore<S, R> {
         self.leases.clear();
         self.wait_deadlines.clear();
         self.rebuild_lock_delays(self.now);
+        self.rebuild_sessions(self.now);
         self.rebuild = Some(Rebuild {
             since: self.now,
             after: None,
@@ -222,7 +314,7 @@ impl<S: Storage, R> NodeCore<S, R> {
         let no_wait = self.bug(|b| b.no_lease_wait_after_election);
         let mut last = None;
         for (key, held, waiters) in locks {
-            if let Some(h) = held {
+            if let Some(h) = held.filter(|h| h.ttl_ms > 0) {
                 if !self.leases.contains_key(key.as_str()) {
                     let full_ttl = if no_wait { 0 } else { h.ttl_ms * MS };
                     let lease = Lease {

@@ -292,6 +292,27 @@ impl Deadline for DelayDeadline {
     }
 }
 
+/// The leader's lease of one client session: its TTL after the latest keepalive applied here,
+/// or after this node's election when it inherited the session.
+#[derive(Clone, Debug)]
+struct SessionDeadline {
+    /// The log index that opened the session (its name).
+    session: Index,
+    /// The log index of the keepalive the lease started at.
+    lease_index: Index,
+    at: Micros,
+    expiry_proposed_at: Option<Micros>,
+}
+
+impl Deadline for SessionDeadline {
+    fn deadline(&self) -> Micros {
+        self.at
+    }
+    fn proposed_at(&self) -> Option<Micros> {
+        self.expiry_proposed_at
+    }
+}
+
 /// When the leader cancels a queued waiter (wait timeout or reclaim window).
 #[derive(Clone, Debug)]
 struct WaitDeadline {
@@ -334,6 +355,8 @@ pub struct NodeCore<S: Storage, R> {
     wait_deadlines: TimedMap<(String, String), WaitDeadline>,
     /// Leader only: when each running lock-delay ends (`EndLockDelay`).
     lock_delays: TimedMap<Arc<str>, DelayDeadline>,
+    /// Session leases by client id (leader only).
+    session_deadlines: TimedMap<Arc<str>, SessionDeadline>,
     /// Leader only: the walk over every lock that gives each its lease and its waiters their
     /// deadlines after an election, a bounded number of keys per tick.
     rebuild: Option<Rebuild>,
@@ -462,6 +485,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             leases: TimedMap::new(retry, never_retry),
             wait_deadlines: TimedMap::new(retry, never_retry),
             lock_delays: TimedMap::new(retry, never_retry),
+            session_deadlines: TimedMap::new(retry, never_retry),
             rebuild: None,
             reads: BTreeMap::new(),
             read_indexes: Vec::new(),

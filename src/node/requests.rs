@@ -230,6 +230,33 @@ impl<S: Storage, R> NodeCore<S, R> {
                 request_id,
                 value,
             },
+            ClientOp::KeepAlive { .. } | ClientOp::EndSession { .. }
+                if self.sm.cluster_version() < crate::lock::SESSION_VERSION =>
+            {
+                let err = ApiError::new(
+                    ErrorCode::InvalidRequest,
+                    format!(
+                        "sessions need cluster version {} and this cluster runs {}: upgrade \
+                         every member first",
+                        crate::lock::SESSION_VERSION,
+                        self.sm.cluster_version()
+                    ),
+                );
+                self.refuse(op_name, reply, err);
+                return;
+            }
+            ClientOp::KeepAlive {
+                client_id,
+                session,
+                ttl_ms,
+            } => Command::KeepAlive {
+                client_id,
+                session,
+                ttl_ms,
+            },
+            ClientOp::EndSession { client_id, session } => {
+                Command::EndSession { client_id, session }
+            }
             ClientOp::Sequenced { .. } => {
                 let err = ApiError::new(ErrorCode::InvalidRequest, "ackBelow given twice");
                 self.refuse(op_name, reply, err);

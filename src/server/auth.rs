@@ -603,6 +603,17 @@ impl Caller {
         self.check(Operation::Read, key)
     }
 
+    /// Checks that the caller may do `operation` on some key (a session names none).
+    fn check_operation(&self, operation: Operation) -> Result<(), ApiError> {
+        match self {
+            Caller::Authenticated(identity) if !identity.admin && !identity.expired() => {
+                let key = identity.prefixes.first().map_or("", String::as_str);
+                self.check(operation, key)
+            }
+            _ => self.check(operation, ""),
+        }
+    }
+
     /// Checks that the caller may do `operation` on `key`.
     pub fn check(&self, operation: Operation, key: &str) -> Result<(), ApiError> {
         let identity = match self {
@@ -664,8 +675,17 @@ impl Caller {
                 ))
             }
             ClientOp::SetLockDelay { .. } => Operation::Write,
+            // A session is the client's own (its id is rewritten under the identity below): it
+            // names no key, so only the operation is checked.
+            ClientOp::KeepAlive { .. } => Operation::Renew,
+            ClientOp::EndSession { .. } => Operation::Release,
         };
-        self.check(operation, op.key())?;
+        match op.request() {
+            ClientOp::KeepAlive { .. } | ClientOp::EndSession { .. } => {
+                self.check_operation(operation)?
+            }
+            _ => self.check(operation, op.key())?,
+        }
         // A guarded write names a lock too: it must be one the caller may use.
         if let ClientOp::Put { guard: Some(g), .. } | ClientOp::Delete { guard: Some(g), .. } =
             op.request()

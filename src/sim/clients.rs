@@ -61,6 +61,19 @@ pub struct HistoryOp {
 #[derive(Clone, Debug)]
 struct Held {
     token: u64,
+    /// Attached to the client's session: its lease is the session's.
+    attached: bool,
+}
+
+/// The client's session as it believes it.
+#[derive(Clone, Debug)]
+struct SimSession {
+    /// The log index that opened it (0 until the first keepalive is answered).
+    id: u64,
+    ttl_ms: u64,
+    /// Real time until which the client believes the session lives: the latest acknowledged
+    /// keepalive's send time + TTL − TTL/5 on its own clock (the SDK's rule).
+    until: u64,
 }
 
 struct InFlight {
@@ -86,6 +99,7 @@ struct SimClient {
     acknowledges: bool,
     /// The history entry of its latest request.
     last: Option<usize>,
+    session: Option<SimSession>,
 }
 
 impl SimClient {
@@ -138,6 +152,8 @@ pub struct SimClients {
     pub trace: bool,
     /// Some operations are on leader elections (see `SimConfig::client_elections`).
     pub elections: bool,
+    /// Some operations keep a session and attach locks to it (drawn only when on).
+    pub sessions: bool,
     pub stats: ClientStats,
     pub violations: Vec<Violation>,
 }
@@ -158,6 +174,7 @@ impl SimClients {
                 next_request: 0,
                 acknowledges: c % 2 == 1,
                 last: None,
+                session: None,
             })
             .collect();
         SimClients {
@@ -170,6 +187,7 @@ impl SimClients {
             quiet: false,
             trace: false,
             elections: true,
+            sessions: true,
             stats: ClientStats::default(),
             violations: Vec::new(),
         }
@@ -260,6 +278,60 @@ impl SimClients {
         let request_id = numbered(client.next_request);
         let client_id = client.name.clone();
         let k = rng.random_range(0..self.keys);
+        // About one operation in seven keeps the client's session or attaches a lock to it.
+        // (Drawn only with sessions on: off, the mix and its draws are those from before.)
+        if self.sessions && rng.random_bool(0.15) {
+            let key = format!("key-{k}");
+            let held = client.held.contains_key(&key);
+            let op = match &client.session {
+                None => ClientOp::KeepAlive {
+                    client_id,
+                    session: 0,
+                    ttl_ms: rng.random_range(100..600),
+                },
+                Some(s) => match rng.random_range(0..100) {
+                    0..=39 => ClientOp::KeepAlive {
+                        client_id,
+                        session: s.id,
+                        ttl_ms: s.ttl_ms,
+                    },
+                    40..=89 if !held => ClientOp::Acquire {
+                        key,
+                        client_id,
+                        request_id,
+                        ttl_ms: 0,
+                        wait_timeout_ms: match rng.random_range(0..4) {
+                            0 => Some(0),
+                            _ => Some(rng.random_range(20..600)),
+                        },
+                    },
+                    40..=89 => ClientOp::KeepAlive {
+                        client_id,
+                        session: s.id,
+                        ttl_ms: s.ttl_ms,
+                    },
+                    _ => ClientOp::EndSession {
+                        client_id,
+                        session: s.id,
+                    },
+                },
+            };
+            // Ending the session ends the belief in every attached lock when it is sent.
+            if let ClientOp::EndSession { .. } = &op {
+                client.session = None;
+                let attached: Vec<(String, u64)> = client
+                    .held
+                    .iter()
+                    .filter(|(_, h)| h.attached)
+                    .map(|(k, h)| (k.clone(), h.token))
+                    .collect();
+                for (key, token) in attached {
+                    client.held.remove(&key);
+                    end_belief(&mut self.beliefs, &key, c, token, now);
+                }
+            }
+            return self.begin(c, now, op);
+        }
         // One operation in five is on an election (`elect-*`) rather than a lock.
         // (Drawn only with elections on: off, the mix and its draws are those from before.)
         let election = self.elections && rng.random_bool(0.2);
@@ -388,6 +460,12 @@ impl SimClients {
             let until = client.real(client.local(now) + (ttl_ms - ttl_ms / 5) * 1_000);
             end_belief(&mut self.beliefs, key, c, *token, until);
         }
+        self.begin(c, now, op)
+    }
+
+    /// Records `op` as client `c`'s current operation and sends its first attempt.
+    fn begin(&mut self, c: usize, now: u64, op: ClientOp) -> Option<Send> {
+        let client = &mut self.clients[c];
         let hist = self.history.len();
         client.last = Some(hist);
         self.history.push(HistoryOp {
@@ -555,8 +633,24 @@ impl SimClients {
             ) => {
                 let margin = expires_in_ms / 5;
                 let until_local = first_sent + (expires_in_ms - margin) * 1_000;
-                let until = client.real(until_local);
-                client.held.insert(key.clone(), Held { token: token.value });
+                // A lock attached to the session lasts as long as the client believes the
+                // session does.
+                let attached = matches!(
+                    &entry.op,
+                    ClientOp::Acquire { ttl_ms: 0, .. } | ClientOp::Renew { ttl_ms: 0, .. }
+                );
+                let until = match &client.session {
+                    Some(s) if attached => s.until,
+                    _ if attached => now,
+                    _ => client.real(until_local),
+                };
+                client.held.insert(
+                    key.clone(),
+                    Held {
+                        token: token.value,
+                        attached,
+                    },
+                );
                 self.stats.beliefs += 1;
                 let beliefs = self.beliefs.entry(key.clone()).or_default();
                 match beliefs
@@ -581,6 +675,46 @@ impl SimClients {
                 && client.held.remove(key).is_some() =>
             {
                 // The lease ran out before the renew: the client learns it lost the lock.
+                self.stats.expiries_seen += 1;
+            }
+            (
+                ClientOp::KeepAlive { ttl_ms, .. },
+                ClientReply::SessionKept { session, .. },
+            ) => {
+                let until = client.real(first_sent + (ttl_ms - ttl_ms / 5) * 1_000);
+                client.session = Some(SimSession {
+                    id: *session,
+                    ttl_ms: *ttl_ms,
+                    until,
+                });
+                // Every attached lock the client still believes it holds lives on with the
+                // session; one whose belief already ran out is given up.
+                let attached: Vec<(String, u64)> = client
+                    .held
+                    .iter()
+                    .filter(|(_, h)| h.attached)
+                    .map(|(k, h)| (k.clone(), h.token))
+                    .collect();
+                for (key, token) in attached {
+                    let live = self.beliefs.get_mut(&key).and_then(|list| {
+                        list.iter_mut()
+                            .rev()
+                            .find(|b| b.client == c && b.token == token && b.until >= now)
+                    });
+                    match live {
+                        Some(b) => b.until = until.max(now),
+                        None => {
+                            client.held.remove(&key);
+                        }
+                    }
+                }
+            }
+            (ClientOp::KeepAlive { .. }, ClientReply::Error(e))
+                if e.code == ErrorCode::NoSession =>
+            {
+                // The session ended: so did every lock attached to it.
+                client.session = None;
+                client.held.retain(|_, h| !h.attached);
                 self.stats.expiries_seen += 1;
             }
             _ => {}

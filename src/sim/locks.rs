@@ -26,6 +26,18 @@ struct KeyModel {
     /// The lock-delay running now: the expired token, the delay's length, and the simulated
     /// time (µs) the expiry was first applied.
     delayed: Option<(u64, u64, u64)>,
+    /// The holder's lock is attached to its client's session (granted or renewed with a TTL
+    /// of 0).
+    holder_attached: bool,
+}
+
+/// A client's session as the applied log says it is.
+struct SessionModel {
+    /// The log index that opened it.
+    opened: u64,
+    ttl_ms: u64,
+    /// Simulated time (µs) the latest keepalive was first applied.
+    kept_at_us: u64,
 }
 
 /// Checks lock-level invariants over the applied log.
@@ -66,6 +78,13 @@ pub struct LockChecker {
     /// Applied requests that acknowledged answers, and delayed copies refused as acknowledged.
     pub acknowledging: u64,
     pub acknowledged_refusals: u64,
+    /// Open sessions by client, from the keepalives applied.
+    sessions: BTreeMap<String, SessionModel>,
+    /// Sessions opened, ended by their client, and expired; locks granted attached.
+    pub sessions_opened: u64,
+    pub sessions_closed: u64,
+    pub sessions_expired: u64,
+    pub attached_grants: u64,
     /// Requests that acknowledged answers and ran (not answered from the table).
     ran_sequenced: std::collections::BTreeSet<(String, String)>,
     pub violations: Vec<Violation>,
@@ -134,6 +153,7 @@ impl LockChecker {
     fn check_step(&mut self, index: Index, command: &Command, applied: &Applied) {
         let applied_us = self.first_applied_us.remove(&index).unwrap_or(self.now_us);
         self.check_lock_delay(index, command.request(), applied, applied_us);
+        self.check_session(index, command.request(), applied, applied_us);
         if !applied.replayed {
             self.check_election(index, command.request(), applied);
         }
@@ -220,6 +240,9 @@ impl LockChecker {
                     None => {
                         self.granted.insert(id, token.value);
                         self.grant(index, &key, client_id, request_id, token.value);
+                        let attached = command.as_acquire().is_some_and(|a| a.ttl_ms == 0);
+                        self.keys.entry(key.clone()).or_default().holder_attached = attached;
+                        self.attached_grants += u64::from(attached);
                     }
                 }
             }
@@ -251,6 +274,21 @@ impl LockChecker {
             (Command::Release { .. } | Command::ReleaseHeld { .. }, Outcome::Released) => {
                 self.keys.entry(key.clone()).or_default().holder = None;
             }
+            (Command::Renew { ttl_ms, .. }, Outcome::Renewed { .. }) => {
+                self.keys.entry(key.clone()).or_default().holder_attached = *ttl_ms == 0;
+            }
+            // A client ending its session gives up every lock attached to it (the hand-offs
+            // that follow come as events).
+            (Command::EndSession { client_id, .. }, Outcome::SessionEnded { .. }) => {
+                for model in self.keys.values_mut() {
+                    if model.holder_attached
+                        && model.holder.as_ref().is_some_and(|h| h.0 == *client_id)
+                    {
+                        model.holder = None;
+                        model.holder_attached = false;
+                    }
+                }
+            }
             _ => {}
         }
         for event in &applied.events {
@@ -259,7 +297,7 @@ impl LockChecker {
                     client_id,
                     request_id,
                     token,
-                    ..
+                    ttl_ms,
                 } => {
                     let model = self.keys.entry(token.key.clone()).or_default();
                     // FIFO: the grant goes to the earliest waiter still queued.
@@ -280,9 +318,25 @@ impl LockChecker {
                         .insert((client_id.clone(), request_id.clone()), token.value);
                     let k = token.key.clone();
                     self.grant(index, &k, client_id, request_id, token.value);
+                    let attached = *ttl_ms == 0;
+                    self.keys.entry(k).or_default().holder_attached = attached;
+                    self.attached_grants += u64::from(attached);
                 }
-                Event::Expired { token, .. } => {
+                Event::Expired { token, client_id } => {
                     self.expiries += 1;
+                    let model = self.keys.entry(token.key.clone()).or_default();
+                    let attached = model.holder_attached
+                        && model.holder.as_ref().map(|h| h.2) == Some(token.value);
+                    if attached && !matches!(command, Command::ExpireSession { .. }) {
+                        self.fail(
+                            "attached locks end with their session",
+                            format!(
+                                "index {index}: {client_id}'s lock on {} (token {}), attached to \
+                                 its session, expired by {command:?}",
+                                token.key, token.value
+                            ),
+                        );
+                    }
                     let model = self.keys.entry(token.key.clone()).or_default();
                     if model.holder.as_ref().map(|h| h.2) == Some(token.value) {
                         model.holder = None;
@@ -470,6 +524,56 @@ impl LockChecker {
                     self.keys.entry(key).or_default().delayed = Some((token, delay_ms, at));
                 }
             }
+            // A session's expiry is an expiry of every lock attached to it.
+            (Command::ExpireSession { .. }, Outcome::SessionEnded { .. }) => {
+                let started: BTreeMap<&str, (u64, u64)> = applied
+                    .events
+                    .iter()
+                    .filter_map(|e| match e {
+                        Event::LockDelayStarted {
+                            key,
+                            token,
+                            delay_ms,
+                        } => Some((key.as_str(), (*token, *delay_ms))),
+                        _ => None,
+                    })
+                    .collect();
+                let expired: Vec<(String, u64)> = applied
+                    .events
+                    .iter()
+                    .filter_map(|e| match e {
+                        Event::Expired { token, .. } => Some((token.key.clone(), token.value)),
+                        _ => None,
+                    })
+                    .collect();
+                if let Some(key) = started
+                    .keys()
+                    .find(|k| !expired.iter().any(|(e, _)| e == *k))
+                {
+                    self.fail(
+                        "lock-delay starts at expiry",
+                        format!("index {index}: {command:?} started a lock-delay on {key}, which did not expire"),
+                    );
+                }
+                for (key, token) in expired {
+                    let configured = self.keys.entry(key.clone()).or_default().delay_ms;
+                    let want = (configured > 0).then_some((token, configured));
+                    let got = started.get(key.as_str()).copied();
+                    if got != want {
+                        self.fail(
+                            "lock-delay starts at expiry",
+                            format!(
+                                "index {index}: session expiry of {key} token {token} started \
+                                 {got:?}, the key's delay is {configured} ms"
+                            ),
+                        );
+                    }
+                    if let Some((token, delay_ms)) = got {
+                        self.lock_delays += 1;
+                        self.keys.entry(key).or_default().delayed = Some((token, delay_ms, at));
+                    }
+                }
+            }
             (Command::EndLockDelay { token, .. }, Outcome::LockDelayEnded) => {
                 let delayed = self.keys.entry(key.clone()).or_default().delayed.take();
                 match delayed {
@@ -501,6 +605,79 @@ impl LockChecker {
                     );
                 }
             }
+        }
+    }
+
+    /// Sessions, judged from the commands and outcomes: a keepalive opens a session or keeps
+    /// the one open; a session ends by its client or expires, and an expiry applies no sooner
+    /// than the session's TTL (less the largest clock drift) after its latest keepalive was
+    /// first applied (a leader times a session from its own apply of the keepalive, or from its
+    /// election, both no earlier). After an end, no lock is held attached to the session.
+    fn check_session(&mut self, index: Index, command: &Command, applied: &Applied, at: u64) {
+        match (command, &applied.outcome) {
+            (
+                Command::KeepAlive {
+                    client_id, ttl_ms, ..
+                },
+                Outcome::SessionKept { session, .. },
+            ) => {
+                if !self.sessions.contains_key(client_id) {
+                    self.sessions_opened += 1;
+                }
+                let model = self
+                    .sessions
+                    .entry(client_id.clone())
+                    .or_insert(SessionModel {
+                        opened: *session,
+                        ttl_ms: *ttl_ms,
+                        kept_at_us: at,
+                    });
+                if model.opened != *session {
+                    let opened = model.opened;
+                    self.fail(
+                        "one session per client",
+                        format!(
+                            "index {index}: {client_id} kept session {session} alive while \
+                             session {opened} is open"
+                        ),
+                    );
+                    return;
+                }
+                model.ttl_ms = *ttl_ms;
+                model.kept_at_us = at;
+            }
+            (
+                Command::EndSession { client_id, .. } | Command::ExpireSession { client_id, .. },
+                Outcome::SessionEnded { .. },
+            ) => {
+                let expired = matches!(command, Command::ExpireSession { .. });
+                let Some(model) = self.sessions.remove(client_id) else {
+                    self.fail(
+                        "one session per client",
+                        format!("index {index}: {client_id}'s session ended but none was open"),
+                    );
+                    return;
+                };
+                if expired {
+                    self.sessions_expired += 1;
+                    let ttl_us = model.ttl_ms * 1_000;
+                    let earliest = model.kept_at_us
+                        + ttl_us - ttl_us * self.node_drift_ppm / 1_000_000;
+                    if at < earliest {
+                        self.fail(
+                            "sessions expire only after their lease",
+                            format!(
+                                "index {index}: {client_id}'s session {} expired at {at} µs, \
+                                 its latest keepalive applied at {} µs with a TTL of {} ms",
+                                model.opened, model.kept_at_us, model.ttl_ms
+                            ),
+                        );
+                    }
+                } else {
+                    self.sessions_closed += 1;
+                }
+            }
+            _ => {}
         }
     }
 

@@ -497,6 +497,46 @@ fn caught_election_hand_off_without_the_campaign_value() {
 }
 
 #[test]
+fn caught_session_end_that_leaves_attached_acquires_queued() {
+    // A queued acquire left behind is granted later, attached to a session that is gone.
+    assert_node_bug_caught(
+        "session_end_keeps_waiters",
+        400,
+        NodeBugs {
+            session_end_keeps_waiters: true,
+            ..NodeBugs::default()
+        },
+        &["attached locks end with their session"],
+    );
+}
+
+#[test]
+fn caught_session_expiry_that_ignores_a_keepalive() {
+    assert_node_bug_caught(
+        "session_expiry_ignores_keepalive",
+        400,
+        NodeBugs {
+            session_expiry_ignores_keepalive: true,
+            ..NodeBugs::default()
+        },
+        &["sessions expire only after their lease", "one holder at a time"],
+    );
+}
+
+#[test]
+fn caught_sessions_not_timed_again_after_an_election() {
+    assert_node_bug_caught(
+        "no_session_wait_after_election",
+        400,
+        NodeBugs {
+            no_session_wait_after_election: true,
+            ..NodeBugs::default()
+        },
+        &["sessions expire only after their lease", "one holder at a time"],
+    );
+}
+
+#[test]
 fn caught_no_lease_for_grants_without_a_local_proposal() {
     assert_node_bug_caught(
         "lease_only_for_local_grants",

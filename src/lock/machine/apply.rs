@@ -8,7 +8,7 @@ use super::super::outcome::{Applied, Event, Outcome, RejectCode};
 use super::records::op_of;
 use super::{
     ClusterIdentity, LockStateMachine, DIRTY_APPLIED, DIRTY_CLUSTER, DIRTY_CLUSTER_VERSION,
-    DIRTY_MEMBERS, MEMBERS_MAX, MEMBER_ADDR_MAX,
+    DIRTY_MEMBERS, MEMBERS_MAX, MEMBER_ADDR_MAX, SESSION_VERSION,
 };
 
 impl LockStateMachine {
@@ -73,6 +73,19 @@ impl LockStateMachine {
                 return Outcome::Stored;
             }
             Command::SetQuotas { quotas } => return self.set_quotas(quotas),
+            Command::KeepAlive {
+                client_id,
+                session,
+                ttl_ms,
+            } => return self.keep_alive(client_id, *session, *ttl_ms),
+            Command::EndSession { client_id, session } => {
+                return self.close_session(client_id, *session, events)
+            }
+            Command::ExpireSession {
+                client_id,
+                session,
+                lease_index,
+            } => return self.expire_session(client_id, *session, *lease_index, events),
             Command::SetMember { id, info } => {
                 match info {
                     None => {
@@ -215,6 +228,9 @@ impl LockStateMachine {
             | Command::SetClusterId { .. }
             | Command::SetMember { .. }
             | Command::SetQuotas { .. }
+            | Command::KeepAlive { .. }
+            | Command::EndSession { .. }
+            | Command::ExpireSession { .. }
             | Command::Sequenced { .. } => {
                 Outcome::rejected(RejectCode::InvalidRequest, "unreachable")
             }
@@ -325,6 +341,9 @@ impl LockStateMachine {
             | Command::SetClusterId { .. }
             | Command::SetMember { .. }
             | Command::SetQuotas { .. }
+            | Command::KeepAlive { .. }
+            | Command::EndSession { .. }
+            | Command::ExpireSession { .. }
             | Command::Sequenced { .. } => &[],
         };
         if ids.iter().any(|id| id.len() > l.id_bytes_max) {
@@ -358,7 +377,7 @@ impl LockStateMachine {
                         "clientId is required",
                     ));
                 }
-                check_ttl(*ttl_ms, l)?;
+                self.check_ttl_or_session(*ttl_ms, client_id)?;
                 if wait_timeout_ms.is_some_and(|w| w > l.wait_timeout_ms_max) {
                     return Err(Outcome::rejected(
                         RejectCode::InvalidRequest,
@@ -366,8 +385,13 @@ impl LockStateMachine {
                     ));
                 }
             }
-            Command::Renew { ttl_ms, token, .. } => {
-                check_ttl(*ttl_ms, l)?;
+            Command::Renew {
+                ttl_ms,
+                token,
+                client_id,
+                ..
+            } => {
+                self.check_ttl_or_session(*ttl_ms, client_id)?;
                 check_token_key(token, key)?;
             }
             Command::Release { token, .. } => check_token_key(token, key)?,
@@ -411,9 +435,31 @@ impl LockStateMachine {
             | Command::SetClusterId { .. }
             | Command::SetMember { .. }
             | Command::SetQuotas { .. }
+            | Command::KeepAlive { .. }
+            | Command::EndSession { .. }
+            | Command::ExpireSession { .. }
             | Command::Sequenced { .. } => {}
         }
         Ok(())
+    }
+}
+
+impl LockStateMachine {
+    /// A lease of `ttl_ms`, or (0) the lease of the client's session, which must be open.
+    fn check_ttl_or_session(&self, ttl_ms: u64, client_id: &str) -> Result<(), Outcome> {
+        if ttl_ms == 0 && self.cluster_version() >= SESSION_VERSION {
+            if self.has_session(client_id) {
+                return Ok(());
+            }
+            return Err(Outcome::rejected(
+                RejectCode::InvalidRequest,
+                format!(
+                    "a ttl of 0 attaches the lock to the client's session, and client \
+                     {client_id:?} has none open: keep one alive first"
+                ),
+            ));
+        }
+        check_ttl(ttl_ms, &self.limits)
     }
 }
 

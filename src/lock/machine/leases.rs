@@ -34,6 +34,11 @@ impl LockStateMachine {
     ) -> Outcome {
         let holder = self.locks.get(key).and_then(|e| e.holder.clone());
         match holder {
+            // A renew attached the lock to its client's session after the leader proposed this
+            // expiry: the session's lease is the lock's now, and only the session's expiry ends it.
+            Some(h) if h.token == token && h.ttl_ms == 0 => Outcome::LeaseRenewed {
+                lease_index: h.lease_index,
+            },
             // A renew restarted the lease after the leader proposed this expiry.
             Some(h) if h.token == token && lease_index.is_some_and(|i| i != h.lease_index) => {
                 Outcome::LeaseRenewed {

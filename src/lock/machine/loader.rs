@@ -8,7 +8,7 @@ use super::super::limits::Limits;
 use super::lock_entry::{LockEntry, LockEntryV1};
 use super::records::{DedupeRecord, DedupeRecordV1, DedupeRecordV2};
 use super::{
-    LockStateMachine, DATA_PREFIX, DEDUPE_BLOCK, DELAY_PREFIX, ELECTION_PREFIX, LOCK_PREFIX,
+    LockStateMachine, DATA_PREFIX, DEDUPE_BLOCK, DELAY_PREFIX, ELECTION_PREFIX, SESSION_PREFIX, LOCK_PREFIX,
     META_ACK_PREFIX, META_APPLIED, META_CLOCK, META_CLUSTER, META_CLUSTER_VERSION,
     META_DEDUPE_BLOCK_PREFIX, META_DEDUPE_NEXT, META_DEDUPE_PREFIX, META_LIMITS, META_MEMBERS,
     META_QUOTAS, META_SEQ,
@@ -90,6 +90,9 @@ impl StateLoader {
         } else if let Some(k) = key.strip_prefix(ELECTION_PREFIX) {
             let election: super::elections::Election = decode_plain(value)?;
             sm.elections.insert(Box::from(k), election);
+        } else if let Some(client) = key.strip_prefix(SESSION_PREFIX) {
+            let lease: super::session_leases::SessionLease = decode_plain(value)?;
+            sm.session_leases.insert(Box::from(client), lease);
         } else if let Some(b) = key.strip_prefix(META_DEDUPE_BLOCK_PREFIX) {
             let b: u64 = b
                 .parse()
@@ -184,6 +187,12 @@ impl StateLoader {
     pub fn finish(self) -> Result<LockStateMachine, DecodeError> {
         let mut sm = self.sm;
         sm.recount();
+        sm.rebuild_attachments();
+        if let Some(client) = sm.attached.keys().find(|c| !sm.session_leases.contains_key(*c)) {
+            return Err(DecodeError::InvalidState(format!(
+                "client {client:?} has locks attached to a session it does not have"
+            )));
+        }
         let max_token = sm
             .locks
             .values()

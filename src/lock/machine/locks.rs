@@ -378,6 +378,7 @@ impl LockStateMachine {
             self.locks.remove(key);
             self.end_election(key);
         }
+        self.follow_attachments(key);
         self.mark_dirty(LOCK_PREFIX, key);
     }
 }

@@ -7,7 +7,7 @@
 //!                                              └──► dirty keys ──take_changes()──► storage batch
 //! ```
 //! State lives in one key space: `lock/<key>` (holder, token, ttl, FIFO waiters), `data/<key>`
-//! (replicated values), `delay/<key>` (lock-delay), `elect/<key>` (elections), `meta/seq` (the one fencing sequence), `meta/applied` and
+//! (replicated values), `delay/<key>` (lock-delay), `elect/<key>` (elections), `session/<client>` (session leases), `meta/seq` (the one fencing sequence), `meta/applied` and
 //! `meta/dedupe/<n>` (the exactly-once table, grouped into client sessions), `meta/clock` (the log
 //! clock). That is the state as snapshots carry it ([`LockStateMachine::to_kv`]). The changes
 //! written to the node's own storage ([`LockStateMachine::take_changes`]) keep the dedupe records
@@ -36,6 +36,7 @@
 //! - `kv`: the replicated key-value store.
 //! - `delays`: lock-delay, the time a key stays unavailable after its holder's lease expired.
 //! - `elections`: leader election on a key's lock (campaign, proclaim; resign is a release).
+//! - `session_leases`: sessions that cover many locks (keepalive, end, expiry).
 //! - `sessions` (and `records`, one kept answer): client sessions, the exactly-once table, `Tick`.
 //! - `acks`: acknowledgements of answers ([`Command::Sequenced`]).
 //! - `quotas`: byte budgets, per-identity quotas, replicated limits.
@@ -53,6 +54,7 @@ mod lock_entry;
 mod locks;
 mod quotas;
 mod records;
+mod session_leases;
 mod sessions;
 mod snapshot;
 
@@ -77,6 +79,7 @@ pub use delays::LockDelayInfo;
 pub use elections::ElectionInfo;
 pub use loader::StateLoader;
 pub use locks::{HeldLock, WaiterInfo};
+pub use session_leases::SessionInfo;
 pub use snapshot::{stored_to_snapshot_pairs, StoredToSnapshot};
 
 const LOCK_PREFIX: &str = "lock/";
@@ -86,6 +89,8 @@ const DELAY_PREFIX: &str = "delay/";
 /// An election's leader value and queued candidates (`elections::Election`); present exactly
 /// while the key's lock entry is.
 const ELECTION_PREFIX: &str = "elect/";
+/// A client's session lease (`session_leases::SessionLease`); absent while it has none.
+const SESSION_PREFIX: &str = "session/";
 const META_SEQ: &str = "meta/seq";
 const META_APPLIED: &str = "meta/applied";
 /// One key per dedupe record, as written before records were stored in blocks (read back, and
@@ -125,7 +130,12 @@ const META_QUOTAS: &str = "meta/quotas";
 /// 5: [`Command::SetQuotas`] and the `meta/quotas` key.
 /// 6: [`Command::SetLockDelay`] and [`Command::EndLockDelay`], the `delay/` keys.
 /// 7: [`Command::Campaign`] and [`Command::Proclaim`], the `elect/` keys.
-pub const CLUSTER_VERSION: u32 = 7;
+/// 8: [`Command::KeepAlive`], [`Command::EndSession`] and [`Command::ExpireSession`], locks
+/// attached to a session (a TTL of 0), the `session/` keys.
+pub const CLUSTER_VERSION: u32 = 8;
+
+/// The cluster version sessions need.
+pub const SESSION_VERSION: u32 = 8;
 
 /// The cluster version [`Command::Campaign`] and [`Command::Proclaim`] need.
 pub const ELECTION_VERSION: u32 = 7;
@@ -206,6 +216,13 @@ pub struct LockStateMachine {
     running_delays: usize,
     /// Elections by key: the leader's value and the queued candidates' values.
     elections: BTreeMap<Box<str>, elections::Election>,
+    /// Session leases by client id.
+    session_leases: BTreeMap<Box<str>, session_leases::SessionLease>,
+    /// Keys with a holder or a waiter attached to each client's session (derived: read off
+    /// the lock entries, rebuilt at load).
+    attached: BTreeMap<Box<str>, BTreeSet<Box<str>>>,
+    /// The same attachments by key: the clients attached on each key, sorted (derived).
+    attached_by_key: BTreeMap<Box<str>, Vec<Box<str>>>,
     /// Dedupe records by insertion number (oldest first, evicted first).
     dedupe: BTreeMap<u64, Box<DedupeRecord>>,
     dedupe_next: u64,
@@ -257,6 +274,10 @@ pub struct MachineBugs {
     pub proclaim_skips_holder_check: bool,
     /// A candidate elected by a hand-off shows no value (until it proclaims one).
     pub elected_by_hand_off_without_value: bool,
+    /// Ending a session releases its attached locks but leaves its attached acquires queued.
+    pub session_end_keeps_waiters: bool,
+    /// A session's expiry applies although a keepalive restarted its lease since.
+    pub session_expiry_ignores_keepalive: bool,
 }
 
 impl PartialEq for LockStateMachine {

@@ -234,7 +234,10 @@ pub(super) fn op_of(command: &Command) -> (u8, &str) {
         | Command::SetClusterId { .. }
         | Command::SetMember { .. }
         | Command::SetQuotas { .. }
-        | Command::EndLockDelay { .. } => 0,
+        | Command::EndLockDelay { .. }
+        | Command::KeepAlive { .. }
+        | Command::EndSession { .. }
+        | Command::ExpireSession { .. } => 0,
         Command::Sequenced { command, .. } => return op_of(command),
     };
     (kind, command.key())

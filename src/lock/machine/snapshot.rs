@@ -9,7 +9,7 @@ use super::super::limits::Limits;
 use super::changes::dedupe_key;
 use super::records::DedupeRecord;
 use super::{
-    LockStateMachine, DATA_PREFIX, DEDUPE_BLOCK, DELAY_PREFIX, ELECTION_PREFIX, LOCK_PREFIX,
+    LockStateMachine, DATA_PREFIX, DEDUPE_BLOCK, DELAY_PREFIX, ELECTION_PREFIX, SESSION_PREFIX, LOCK_PREFIX,
     META_ACK_PREFIX, META_APPLIED, META_CLOCK, META_CLUSTER, META_CLUSTER_VERSION,
     META_DEDUPE_BLOCK_PREFIX, META_DEDUPE_NEXT, META_DEDUPE_PREFIX, META_LIMITS, META_MEMBERS,
     META_QUOTAS, META_SEQ,
@@ -28,6 +28,11 @@ impl LockStateMachine {
             self.elections
                 .keys()
                 .map(|k| format!("{ELECTION_PREFIX}{k}")),
+        );
+        keys.extend(
+            self.session_leases
+                .keys()
+                .map(|k| format!("{SESSION_PREFIX}{k}")),
         );
         keys.extend(self.dedupe.keys().map(|&n| dedupe_key(n)));
         keys.extend(

@@ -119,10 +119,14 @@ struct OkReply<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     proclaimed: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    locks: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     released: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
     renewed: Option<bool>,
     request_id: EchoValue<'a>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    session: Option<u64>,
     success: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     value: Option<Option<std::borrow::Cow<'a, str>>>,
@@ -143,10 +147,12 @@ pub(super) fn reply_json(
         key: echo.key.clone(),
         leader: None,
         lock_delay: None,
+        locks: None,
         proclaimed: None,
         released: None,
         renewed: None,
         request_id: echo.request_id.clone(),
+        session: None,
         success: true,
         value: None,
     };
@@ -189,6 +195,14 @@ pub(super) fn reply_json(
             ok.expires_in_ms = Some(*expires_in_ms);
         }
         ClientReply::WaitCancelled => ok.cancelled = Some(true),
+        ClientReply::SessionKept {
+            session,
+            expires_in_ms,
+        } => {
+            ok.session = Some(*session);
+            ok.expires_in_ms = Some(*expires_in_ms);
+        }
+        ClientReply::SessionEnded { locks } => ok.locks = Some(*locks),
         ClientReply::Stored => {}
         ClientReply::Deleted { existed } => ok.deleted = Some(*existed),
         ClientReply::Value(v) => ok.value = Some(v.as_deref().map(String::from_utf8_lossy)),

@@ -59,6 +59,13 @@ impl Cluster {
                 });
                 return;
             }
+            if let Some(detail) = sm.session_mismatch() {
+                self.checker.violations.push(Violation {
+                    invariant: "attached locks end with their session",
+                    detail: format!("node {id} at applied index {applied}: {detail}"),
+                });
+                return;
+            }
         }
         if commit > node.last_commit {
             let from = node.last_commit + 1;

@@ -120,9 +120,10 @@ pub struct SimConfig {
     /// that a member whose peers hold every committed entry crashes with a damaged synced
     /// sector in its log (found at its restart, which then treats the disk as lost).
     pub corrupt_sector_ppm: u32,
-    /// Clients also campaign for, proclaim in and read leader elections (`elect-*` keys).
-    /// Off, the client mix (and so every seed's schedule) is the one from before elections:
-    /// the regression seeds of bugs found with that mix replay as they were found.
+    /// Clients also campaign for, proclaim in and read leader elections (`elect-*` keys), and
+    /// keep sessions with locks attached. Off, the client mix (and so every seed's schedule) is
+    /// the one from before elections and sessions: the regression seeds of bugs found with that
+    /// mix replay as they were found.
     pub client_elections: bool,
     #[cfg(test)]
     pub bugs: crate::raft::config::Bugs,
@@ -179,6 +180,12 @@ pub struct SimStats {
     /// Election candidates elected (client-level elections, not Raft's), and proclaims.
     pub leaders_elected: u64,
     pub proclaims: u64,
+    /// Client sessions opened, closed by their clients and expired; locks granted attached to
+    /// a session.
+    pub sessions_opened: u64,
+    pub sessions_closed: u64,
+    pub sessions_expired: u64,
+    pub attached_grants: u64,
     pub pauses: u64,
     pub history_ops: u64,
     pub beliefs_checked: u64,
@@ -235,6 +242,10 @@ impl SimStats {
         self.lock_delays_ended += other.lock_delays_ended;
         self.leaders_elected += other.leaders_elected;
         self.proclaims += other.proclaims;
+        self.sessions_opened += other.sessions_opened;
+        self.sessions_closed += other.sessions_closed;
+        self.sessions_expired += other.sessions_expired;
+        self.attached_grants += other.attached_grants;
         self.pauses += other.pauses;
         self.history_ops += other.history_ops;
         self.beliefs_checked += other.beliefs_checked;
@@ -418,6 +429,8 @@ impl Cluster {
         let mut clients = SimClients::new(4, 3, 1, &mut rng);
         clients.trace = cfg.trace;
         clients.elections = cfg.client_elections;
+        // Sessions came after elections: the mix from before elections has neither.
+        clients.sessions = cfg.client_elections;
         let mut cluster = Cluster {
             clients,
             locks: LockChecker::with_node_drift(NODE_DRIFT_PPM.unsigned_abs()),

@@ -92,6 +92,10 @@ impl Cluster {
         self.stats.lock_delays_ended = self.locks.lock_delays_ended;
         self.stats.leaders_elected = self.locks.elected;
         self.stats.proclaims = self.locks.proclaims;
+        self.stats.sessions_opened = self.locks.sessions_opened;
+        self.stats.sessions_closed = self.locks.sessions_closed;
+        self.stats.sessions_expired = self.locks.sessions_expired;
+        self.stats.attached_grants = self.locks.attached_grants;
         self.stats.ticks = self.locks.ticks;
         self.stats.acknowledging = self.locks.acknowledging;
         self.stats.acknowledged_refusals = self.locks.acknowledged_refusals;
