@@ -70,6 +70,8 @@ struct Model {
     /// Elections by key: the leader's value and the queued candidates' (client, request,
     /// value), in queue order.
     elections: BTreeMap<String, MElection>,
+    /// Open sessions by client: (the index that opened it, the latest keepalive's, ttl).
+    sessions: BTreeMap<String, (u64, u64, u64)>,
 }
 
 type MElection = (Option<Vec<u8>>, Vec<(String, String, Vec<u8>)>);
@@ -204,6 +206,59 @@ impl Model {
     /// The holder leaves; the first waiter takes over with a new token.
     fn delay_running(&self, key: &str) -> Option<u64> {
         self.delays.get(key).and_then(|d| d.1)
+    }
+
+    /// The client's session ends: in key order, its attached acquires leave their queues and
+    /// its attached holds end (expire, when the session did). Returns how many ended.
+    fn end_session(&mut self, client: &str, expired: bool) -> u32 {
+        self.sessions.remove(client);
+        let mut keys: Vec<String> = self
+            .holders
+            .iter()
+            .filter(|(_, h)| h.client == client && h.ttl == 0)
+            .map(|(k, _)| k.clone())
+            .collect();
+        keys.extend(
+            self.queues
+                .iter()
+                .filter(|(_, q)| q.iter().any(|w| w.client == client && w.ttl == 0))
+                .map(|(k, _)| k.clone()),
+        );
+        keys.sort();
+        keys.dedup();
+        let mut ended = 0;
+        for key in keys {
+            let waiting: Vec<String> = self.queues.get(&key).map_or_else(Vec::new, |q| {
+                q.iter()
+                    .filter(|w| w.client == client && w.ttl == 0)
+                    .map(|w| w.request.clone())
+                    .collect()
+            });
+            for request in waiting {
+                if let Some(q) = self.queues.get_mut(&key) {
+                    q.retain(|w| !(w.client == client && w.request == request));
+                }
+                if let Some(e) = self.elections.get_mut(&key) {
+                    e.1.retain(|c| !(c.0 == client && c.1 == request));
+                }
+                self.rewrite(client, &request, Outcome::WaitCancelled);
+                ended += 1;
+            }
+            let held = self
+                .holders
+                .get(&key)
+                .filter(|h| h.client == client && h.ttl == 0)
+                .map(|h| h.token);
+            if let Some(token) = held {
+                if expired {
+                    self.expire_holder(&key, token);
+                } else {
+                    self.hand_off(&key);
+                }
+                ended += 1;
+            }
+        }
+        ended
     }
 
     /// The holder's lease expired: the key's lock-delay starts, or the next waiter is granted.
@@ -364,6 +419,26 @@ impl Model {
 
     fn apply_command(&mut self, cmd: &Command) -> Outcome {
         self.index += 1;
+        // A TTL of 0 attaches to the client's session, which must be open (checked with the
+        // request's fields, before the exactly-once lookup).
+        let attaches = match cmd {
+            Command::Acquire {
+                client_id, ttl_ms, ..
+            }
+            | Command::Campaign {
+                client_id, ttl_ms, ..
+            }
+            | Command::Renew {
+                client_id, ttl_ms, ..
+            } if *ttl_ms == 0 => Some(client_id),
+            _ => None,
+        };
+        if attaches.is_some_and(|c| self.version < 8 || !self.sessions.contains_key(c)) {
+            return Outcome::Rejected {
+                code: RejectCode::InvalidRequest,
+                message: String::new(),
+            };
+        }
         // Inputs in these tests are always within the size limits; see the targeted tests.
         if let Some((client, request)) = ids(cmd) {
             if let Some((o, op)) = self.remembered(client, request) {
@@ -515,6 +590,10 @@ impl Model {
                 token,
                 lease_index,
             } => match self.holders.get(key) {
+                // Attached to a session: only the session's expiry ends it.
+                Some(h) if h.token == *token && h.ttl == 0 => Outcome::LeaseRenewed {
+                    lease_index: h.since,
+                },
                 Some(h) if h.token == *token && h.since != *lease_index => Outcome::LeaseRenewed {
                     lease_index: h.since,
                 },
@@ -601,11 +680,79 @@ impl Model {
                     current => Outcome::StaleToken { current },
                 }
             }
+            Command::KeepAlive {
+                client_id,
+                session,
+                ttl_ms,
+            } => {
+                if self.version < 8 {
+                    return Outcome::Rejected {
+                        code: RejectCode::InvalidRequest,
+                        message: String::new(),
+                    };
+                }
+                let index = self.index;
+                let count = self.sessions.len();
+                match self.sessions.get_mut(client_id) {
+                    Some(s) if *session == 0 || *session == s.0 => {
+                        s.1 = index;
+                        s.2 = *ttl_ms;
+                        Outcome::SessionKept {
+                            session: s.0,
+                            ttl_ms: *ttl_ms,
+                        }
+                    }
+                    Some(_) => Outcome::NoSession,
+                    None if *session != 0 => Outcome::NoSession,
+                    None if count >= self.limits.sessions_max => Outcome::Rejected {
+                        code: RejectCode::LimitReached,
+                        message: String::new(),
+                    },
+                    None => {
+                        self.sessions
+                            .insert(client_id.clone(), (index, index, *ttl_ms));
+                        Outcome::SessionKept {
+                            session: index,
+                            ttl_ms: *ttl_ms,
+                        }
+                    }
+                }
+            }
+            Command::EndSession { client_id, session } => {
+                if self.version < 8 {
+                    return Outcome::Rejected {
+                        code: RejectCode::InvalidRequest,
+                        message: String::new(),
+                    };
+                }
+                match self.sessions.get(client_id) {
+                    Some(s) if s.0 == *session => Outcome::SessionEnded {
+                        locks: self.end_session(client_id, false),
+                    },
+                    _ => Outcome::NoSession,
+                }
+            }
+            Command::ExpireSession {
+                client_id,
+                session,
+                lease_index,
+            } => match self.sessions.get(client_id) {
+                Some(s) if s.0 == *session && s.1 != *lease_index => {
+                    Outcome::LeaseRenewed { lease_index: s.1 }
+                }
+                Some(s) if s.0 == *session => Outcome::SessionEnded {
+                    locks: self.end_session(client_id, true),
+                },
+                _ => Outcome::NoSession,
+            },
             Command::SetClusterId { .. }
             | Command::SetMember { .. }
             | Command::SetQuotas { .. } => Outcome::Stored,
             Command::Sequenced { .. } => unreachable!("the model's commands acknowledge nothing"),
             Command::Expire { key, token } => match self.holders.get(key) {
+                Some(h) if h.token == *token && h.ttl == 0 => Outcome::LeaseRenewed {
+                    lease_index: h.since,
+                },
                 Some(h) if h.token == *token => {
                     let client_id = h.client.clone();
                     self.expire_holder(key, *token);
@@ -732,6 +879,9 @@ fn model_op(cmd: &Command) -> ModelOp {
         | Command::SetClusterId { .. }
         | Command::SetMember { .. }
         | Command::SetQuotas { .. }
+        | Command::KeepAlive { .. }
+        | Command::EndSession { .. }
+        | Command::ExpireSession { .. }
         | Command::Sequenced { .. } => "",
     };
     (kind, cmd.key().to_string())
@@ -759,7 +909,7 @@ fn random_command(rng: &mut Rng, seq: u64) -> Command {
     let client_id = rng.pick(CLIENTS).to_string();
     let request_id = format!("r{}", rng.below(12));
     let token = |rng: &mut Rng| seq.saturating_sub(rng.below(4)) + rng.below(2);
-    match rng.below(145) {
+    match rng.below(175) {
         0..=34 => Command::Acquire {
             key,
             client_id,
@@ -863,6 +1013,44 @@ fn random_command(rng: &mut Rng, seq: u64) -> Command {
             request_id,
             value: format!("p{}", rng.below(100)).into_bytes(),
         },
+        // Sessions: the version that has them, keepalives (opening or keeping a session, or
+        // naming one that is gone), acquires and campaigns attached to the session (a TTL of
+        // 0), ends by the client and expiries by the leader (the caller fills in the current
+        // session and lease half the time).
+        145..=147 => Command::SetClusterVersion { version: 8 },
+        148..=153 => Command::KeepAlive {
+            client_id,
+            session: if rng.below(2) == 0 { 0 } else { rng.below(40) },
+            ttl_ms: 1 + rng.below(3) * 1000,
+        },
+        154..=162 => Command::Acquire {
+            key,
+            client_id,
+            request_id,
+            ttl_ms: 0,
+            wait_timeout_ms: match rng.below(3) {
+                0 => None,
+                1 => Some(0),
+                _ => Some(500),
+            },
+        },
+        163..=164 => Command::Campaign {
+            key,
+            client_id,
+            request_id,
+            ttl_ms: 0,
+            wait_timeout_ms: Some(500),
+            value: format!("s{}", rng.below(100)).into_bytes(),
+        },
+        165..=167 => Command::EndSession {
+            client_id,
+            session: rng.below(40),
+        },
+        168..=171 => Command::ExpireSession {
+            client_id,
+            session: rng.below(40),
+            lease_index: rng.below(40),
+        },
         // The log clock moves (occasionally by more than one tick may carry).
         _ => Command::Tick {
             elapsed_ms: rng.below(3_000) + if rng.below(10) == 0 { 20_000 } else { 0 },
@@ -925,7 +1113,8 @@ fn observe_model(m: &Model) -> Observed {
 
 /// Runs one random sequence against the model; returns how many requests a session or table
 /// bound refused and how many sessions ticks closed (so the caller can check both happened).
-fn run_model_case(seed: u64, steps: usize) -> (usize, usize, usize, usize, usize) {
+fn run_model_case(seed: u64, steps: usize) -> (usize, usize, usize, usize, usize, usize) {
+    let mut session_locks_ended = 0;
     let mut proclaims = 0;
     let mut led = 0;
     let mut refused = 0;
@@ -973,6 +1162,29 @@ fn run_model_case(seed: u64, steps: usize) -> (usize, usize, usize, usize, usize
                 token.value = h.token;
                 token.key = k.clone();
                 *key = k;
+            }
+        }
+        // Three session commands in four name the client's current session (and lease).
+        if let Command::KeepAlive {
+            client_id, session, ..
+        }
+        | Command::EndSession { client_id, session }
+        | Command::ExpireSession {
+            client_id, session, ..
+        } = &mut cmd
+        {
+            if let Some(s) = model.sessions.get(client_id.as_str()).filter(|_| rng.below(4) != 0) {
+                *session = s.0;
+            }
+        }
+        if let Command::ExpireSession {
+            client_id,
+            lease_index,
+            ..
+        } = &mut cmd
+        {
+            if let Some(s) = model.sessions.get(client_id.as_str()).filter(|_| rng.below(4) != 0) {
+                *lease_index = s.1;
             }
         }
         let index = step as u64 + 1;
@@ -1062,6 +1274,26 @@ fn run_model_case(seed: u64, steps: usize) -> (usize, usize, usize, usize, usize
         if matches!(got, Outcome::Proclaimed { .. }) {
             proclaims += 1;
         }
+        let open: Vec<(String, u64, u64, u64)> = sm
+            .session_leases()
+            .into_iter()
+            .map(|s| (s.client_id, s.session, s.lease_index, s.ttl_ms))
+            .collect();
+        let modelled: Vec<(String, u64, u64, u64)> = model
+            .sessions
+            .iter()
+            .map(|(c, s)| (c.clone(), s.0, s.1, s.2))
+            .collect();
+        assert_eq!(
+            open,
+            modelled,
+            "seed {seed} step {step}: sessions\nlast commands:\n{}",
+            tail()
+        );
+        assert_eq!(sm.session_mismatch(), None, "seed {seed} step {step}");
+        if let Outcome::SessionEnded { locks } = got {
+            session_locks_ended += locks as usize;
+        }
         if model.elections.values().any(|e| e.0.is_some()) {
             led += 1;
         }
@@ -1073,15 +1305,16 @@ fn run_model_case(seed: u64, steps: usize) -> (usize, usize, usize, usize, usize
             );
         }
     }
-    (refused, closed, delays_ended, proclaims, led)
+    (refused, closed, delays_ended, proclaims, led, session_locks_ended)
 }
 
 #[test]
 fn model_based_random_sequences() {
     let (mut refused, mut closed, mut delays_ended) = (0, 0, 0);
-    let (mut proclaims, mut led) = (0, 0);
+    let (mut proclaims, mut led, mut session_locks) = (0, 0, 0);
     for seed in 0..400 {
-        let (r, c, d, p, l) = run_model_case(seed, 300);
+        let (r, c, d, p, l, s) = run_model_case(seed, 300);
+        session_locks += s;
         refused += r;
         closed += c;
         delays_ended += d;
@@ -1091,6 +1324,12 @@ fn model_based_random_sequences() {
     // Elections are led (steps with a leader showing a value) and leaders proclaim.
     assert!(led > 5_000, "only {led} steps had an elected leader");
     assert!(proclaims > 100, "only {proclaims} proclaims applied");
+    // Sessions end with locks and acquires attached to them (62 over these seeds: most
+    // attached acquires find no open session or meet the small bounds).
+    assert!(
+        session_locks > 40,
+        "only {session_locks} attached locks ended with their session"
+    );
     // Lock-delays start on expiries and the leader's end hands the key on.
     assert!(delays_ended > 50, "only {delays_ended} lock-delays ended");
     // The runs reach the session bounds and close idle sessions (small limits make them).

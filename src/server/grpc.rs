@@ -93,7 +93,9 @@ refused_by_code_and_message!(
     lpb::SetLockDelayResponse,
     lpb::CampaignResponse,
     lpb::ProclaimResponse,
-    lpb::LeaderResponse
+    lpb::LeaderResponse,
+    lpb::KeepAliveResponse,
+    lpb::EndSessionResponse
 );
 
 /// A reply's error, with where the leader is: the fields every election response has.
@@ -188,6 +190,7 @@ impl lpb::lock_service_server::LockService for LockApi {
             return Ok(Response::new(out));
         }
         let ack_below = r.ack_below;
+        let ttl_ms = if r.attach_to_session { 0 } else { ttl_ms };
         let op = ClientOp::Acquire {
             key: r.resource_name,
             client_id: r.owner_id,
@@ -409,7 +412,7 @@ impl lpb::lock_service_server::LockService for LockApi {
             } else {
                 r.request_id
             },
-            ttl_ms,
+            ttl_ms: if r.attach_to_session { 0 } else { ttl_ms },
             wait_timeout_ms: r.wait_timeout_ms,
             value: r.value,
         };
@@ -497,6 +500,82 @@ impl lpb::lock_service_server::LockService for LockApi {
                 out.value = value.unwrap_or_default();
                 out.candidates = candidates;
             }
+            ClientReply::Error(e) => with_error!(out, e),
+            other => out.error_message = format!("unexpected {other:?}"),
+        }
+        Ok(Response::new(out))
+    }
+
+    async fn keep_alive(
+        &self,
+        request: Request<lpb::KeepAliveRequest>,
+    ) -> Result<Response<lpb::KeepAliveResponse>, Status> {
+        let traceparent = super::exec::traceparent_header(request.metadata());
+        let caller = caller_of(&self.state, &request);
+        let r = request.into_inner();
+        let mut out = lpb::KeepAliveResponse::default();
+        let limits = &self.state.limits;
+        let ttl_ms = if r.ttl_ms == 0 {
+            limits.default_ttl_ms
+        } else {
+            r.ttl_ms
+        };
+        if r.owner_id.is_empty() || ttl_ms > limits.max_ttl_ms {
+            let e = ApiError::new(
+                ErrorCode::InvalidRequest,
+                format!(
+                    "owner_id is required and ttl_ms must be 1..={}",
+                    limits.max_ttl_ms
+                ),
+            );
+            return Ok(Response::new(out.refused(e)));
+        }
+        let mut op = ClientOp::KeepAlive {
+            client_id: r.owner_id,
+            session: r.session,
+            ttl_ms,
+        };
+        if let Err(e) = caller.authorize(&mut op) {
+            return Ok(Response::new(out.refused(e)));
+        }
+        match super::exec::execute_call(op, &self.state, "grpc", traceparent.as_deref()).await {
+            ClientReply::SessionKept {
+                session,
+                expires_in_ms,
+            } => {
+                out.session = session;
+                out.expires_in_ms = expires_in_ms;
+            }
+            ClientReply::Error(e) => with_error!(out, e),
+            other => out.error_message = format!("unexpected {other:?}"),
+        }
+        Ok(Response::new(out))
+    }
+
+    async fn end_session(
+        &self,
+        request: Request<lpb::EndSessionRequest>,
+    ) -> Result<Response<lpb::EndSessionResponse>, Status> {
+        let traceparent = super::exec::traceparent_header(request.metadata());
+        let caller = caller_of(&self.state, &request);
+        let r = request.into_inner();
+        let mut out = lpb::EndSessionResponse::default();
+        if r.owner_id.is_empty() || r.session == 0 {
+            let e = ApiError::new(
+                ErrorCode::InvalidRequest,
+                "owner_id and session (the id a KeepAlive answered) are required",
+            );
+            return Ok(Response::new(out.refused(e)));
+        }
+        let mut op = ClientOp::EndSession {
+            client_id: r.owner_id,
+            session: r.session,
+        };
+        if let Err(e) = caller.authorize(&mut op) {
+            return Ok(Response::new(out.refused(e)));
+        }
+        match super::exec::execute_call(op, &self.state, "grpc", traceparent.as_deref()).await {
+            ClientReply::SessionEnded { locks } => out.locks = locks,
             ClientReply::Error(e) => with_error!(out, e),
             other => out.error_message = format!("unexpected {other:?}"),
         }

@@ -51,6 +51,11 @@ pub const CAMPAIGN: u64 = 10;
 pub const PROCLAIM: u64 = 11;
 /// `commandType` of a read of an election's leader.
 pub const LEADER: u64 = 12;
+/// `commandType` of a session keepalive: opens the client's session (`session` absent or 0) or
+/// keeps it alive for `ttl` ms. Names no key.
+pub const KEEP_ALIVE: u64 = 13;
+/// `commandType` of the end of a session (`session`): every attached lock is released.
+pub const END_SESSION: u64 = 14;
 
 /// A request's fields (the strings borrowed from the frame or the parsed JSON where they need no
 /// unescaping). Unknown fields are refused here: the general path counts them and removes them
@@ -59,7 +64,8 @@ pub const LEADER: u64 = 12;
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct WsRequest<'a> {
     command_type: u64,
-    #[serde(borrow)]
+    /// Required by every command but the session commands, which name none.
+    #[serde(default, borrow)]
     key: Cow<'a, str>,
     #[serde(default, borrow)]
     client_id: Option<Cow<'a, str>>,
@@ -89,6 +95,9 @@ struct WsRequest<'a> {
     /// SetLockDelay: the key's lock-delay in ms.
     #[serde(default)]
     lock_delay: Option<u64>,
+    /// KeepAlive and EndSession: the session (the log index that opened it; 0 opens one).
+    #[serde(default)]
+    session: Option<u64>,
 }
 
 /// The top-level fields of a request (`WsRequest`'s); others are ignored, and counted.
@@ -106,6 +115,7 @@ const KNOWN_FIELDS: &[&str] = &[
     "redirect",
     "traceparent",
     "ackBelow",
+    "session",
 ];
 
 #[derive(Debug, Deserialize)]

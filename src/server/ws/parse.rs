@@ -10,7 +10,7 @@ use serde_json::Value;
 use super::reply::{error_json, error_reply, Echo};
 use super::{
     strip_unknown_fields, WsRequest, APPEND_DATA, CAMPAIGN, CANCEL_WAIT, LEADER, LOCK_ACQUIRE,
-    LOCK_RELEASE, LOCK_RENEW, PROCLAIM, READ, SET_LOCK_DELAY, WATCH_COMMAND,
+    LOCK_RELEASE, LOCK_RENEW, PROCLAIM, READ, SET_LOCK_DELAY, WATCH_COMMAND, KEEP_ALIVE, END_SESSION,
 };
 use crate::lock::FencingToken;
 use crate::node::api::{ApiError, ClientOp, ErrorCode};
@@ -66,7 +66,8 @@ pub(super) fn to_op(
     conn: u64,
 ) -> Result<ClientOp, ApiError> {
     let invalid = |m: &str| ApiError::new(ErrorCode::InvalidRequest, m);
-    if r.key.is_empty() {
+    let session_command = matches!(r.command_type, KEEP_ALIVE | END_SESSION);
+    if r.key.is_empty() && !session_command {
         return Err(invalid("`key` must not be empty"));
     }
     if r.key.len() > limits.max_key_bytes {
@@ -121,9 +122,10 @@ pub(super) fn to_op(
     let op = match r.command_type {
         LOCK_ACQUIRE => {
             let ttl_ms = r.ttl.unwrap_or(limits.default_ttl_ms);
-            if ttl_ms == 0 || ttl_ms > limits.max_ttl_ms {
+            // 0: the lock's lease is the client's session (which must be open).
+            if ttl_ms > limits.max_ttl_ms {
                 return Err(invalid(&format!(
-                    "`ttl` must be 1..={} ms",
+                    "`ttl` must be 1..={} ms, or 0 to attach the lock to the client's session",
                     limits.max_ttl_ms
                 )));
             }
@@ -189,9 +191,10 @@ pub(super) fn to_op(
         READ => ClientOp::Get { key },
         CAMPAIGN => {
             let ttl_ms = r.ttl.unwrap_or(limits.default_ttl_ms);
-            if ttl_ms == 0 || ttl_ms > limits.max_ttl_ms {
+            // 0: the lock's lease is the client's session (which must be open).
+            if ttl_ms > limits.max_ttl_ms {
                 return Err(invalid(&format!(
-                    "`ttl` must be 1..={} ms",
+                    "`ttl` must be 1..={} ms, or 0 to attach the lock to the client's session",
                     limits.max_ttl_ms
                 )));
             }
@@ -213,6 +216,27 @@ pub(super) fn to_op(
             value: election_value(r.value, limits)?,
         },
         LEADER => ClientOp::Leader { key },
+        KEEP_ALIVE => {
+            let ttl_ms = r.ttl.unwrap_or(limits.default_ttl_ms);
+            if ttl_ms == 0 || ttl_ms > limits.max_ttl_ms {
+                return Err(invalid(&format!(
+                    "a session's `ttl` must be 1..={} ms",
+                    limits.max_ttl_ms
+                )));
+            }
+            ClientOp::KeepAlive {
+                client_id,
+                session: r.session.unwrap_or(0),
+                ttl_ms,
+            }
+        }
+        END_SESSION => ClientOp::EndSession {
+            client_id,
+            session: r
+                .session
+                .filter(|&s| s > 0)
+                .ok_or_else(|| invalid("`session` (the id a keepalive answered) is required"))?,
+        },
         SET_LOCK_DELAY => ClientOp::SetLockDelay {
             key,
             delay_ms: r
