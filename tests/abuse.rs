@@ -265,6 +265,7 @@ async fn cancelled_grpc_waits_leave_the_queue() {
                     request_id: format!("g{i}-1"),
                     ttl_ms: 30_000,
                     ack_below: None,
+                    attach_to_session: false,
                 })
                 .await;
         }));

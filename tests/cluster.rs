@@ -77,6 +77,7 @@ async fn locks_over_websocket_and_grpc_with_redirects() {
             request_id: "g-r1".into(),
             ttl_ms: 5_000,
             ack_below: None,
+            attach_to_session: false,
         })
         .await
         .unwrap()
@@ -464,6 +465,7 @@ async fn bad_input_gets_errors_and_changes_nothing() {
                 request_id: "bad".into(),
                 ttl_ms: ttl,
                 ack_below: None,
+                attach_to_session: false,
             })
             .await;
         match r {
@@ -856,6 +858,7 @@ async fn grpc_cycles_on(addr: &str, name: &str, cycles: u64) {
                 request_id: format!("{name}-a{i}"),
                 ttl_ms: 10_000,
                 ack_below: None,
+                attach_to_session: false,
             })
             .await
             .unwrap()

@@ -704,6 +704,7 @@ async fn an_election_outlives_its_leaders_lease_and_a_killed_node() {
         ttl_ms: TTL_MS,
         wait_timeout_ms: wait,
         request_id: request_id.into(),
+        attach_to_session: false,
     };
     let mut a = connect().await;
     // Bad input: no election, a value past the limit.
@@ -765,6 +766,7 @@ async fn an_election_outlives_its_leaders_lease_and_a_killed_node() {
                     ttl_ms: 30_000,
                     wait_timeout_ms: Some(30_000),
                     request_id: "b1".into(),
+                    attach_to_session: false,
                 })
                 .await;
             match answer {
@@ -847,4 +849,114 @@ async fn an_election_outlives_its_leaders_lease_and_a_killed_node() {
         .into_inner();
     assert_eq!(read.value, b"10.0.0.2:81".to_vec(), "{read:?}");
     eprintln!("B elected {waited:?} after A (A's lease {TTL_MS} ms, Raft leader killed)");
+}
+
+fn keep_alive(client: &str, session: u64, ttl: u64, request: &str) -> Value {
+    json!({"commandType": 13, "clientId": client, "session": session, "ttl": ttl,
+           "requestId": request})
+}
+
+fn end_session(client: &str, session: u64, request: &str) -> Value {
+    json!({"commandType": 14, "clientId": client, "session": session, "requestId": request})
+}
+
+/// Sessions that cover many locks, on three real nodes: locks acquired with a TTL of 0 live
+/// as long as their client's session; ending it releases them all at once (a waiter is granted
+/// in the same entry), and a session whose keepalives stop expires with every lock on it, even
+/// across a SIGKILL of the Raft leader. Bad input is refused and changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_holds_many_locks_and_ends_them_together() {
+    const SESSION_TTL_MS: u64 = 1_500;
+    let mut cluster = Cluster::start(3);
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let addr = addr_of(&cluster, leader);
+    wait_for_cluster_version(&addr, 8).await;
+    let mut ws = ws_connect(&addr).await;
+
+    // Without a session, a TTL of 0 is refused; so are a session TTL of 0 and an end without
+    // a session id.
+    let refused = request(&mut ws, &acquire("s/x", "A", "a0", 0, Some(0))).await;
+    assert_eq!(error_code(&refused), "INVALID_REQUEST", "{refused}");
+    let refused = request(&mut ws, &keep_alive("A", 0, 0, "k0")).await;
+    assert_eq!(error_code(&refused), "INVALID_REQUEST", "{refused}");
+    let refused = request(
+        &mut ws,
+        &json!({"commandType": 14, "clientId": "A", "requestId": "e0"}),
+    )
+    .await;
+    assert_eq!(error_code(&refused), "INVALID_REQUEST", "{refused}");
+    assert!(lock_entry(&addr, "s/x").await.is_null());
+
+    // A opens a session and attaches three locks to it.
+    let opened = request(&mut ws, &keep_alive("A", 0, 30_000, "k1")).await;
+    assert_eq!(opened["success"], true, "{opened}");
+    let session = opened["session"].as_u64().expect("session id");
+    assert!(session > 0, "{opened}");
+    let mut tokens = Vec::new();
+    for (i, key) in ["s/1", "s/2", "s/3"].iter().enumerate() {
+        let g = request(&mut ws, &acquire(key, "A", &format!("a{}", i + 1), 0, Some(0))).await;
+        assert_eq!(g["success"], true, "{g}");
+        tokens.push(token_of(&g));
+    }
+    // B waits for one of them.
+    let mut b = ws_connect(&addr).await;
+    ws_send(&mut b, &acquire("s/2", "B", "b1", 30_000, Some(20_000))).await;
+    assert!(reply_to(&mut b, "b1", Duration::from_millis(500)).await.is_none());
+
+    // Ending the session releases all three in one entry, and B is granted.
+    let ended = request(&mut ws, &end_session("A", session, "e1")).await;
+    assert_eq!(ended["success"], true, "{ended}");
+    assert_eq!(ended["locks"], 3, "{ended}");
+    let gb = reply_to(&mut b, "b1", Duration::from_secs(10))
+        .await
+        .expect("B is granted when A's session ends");
+    assert!(token_of(&gb) > tokens[2], "{gb}");
+    assert!(lock_entry(&addr, "s/1").await.is_null());
+    assert!(lock_entry(&addr, "s/3").await.is_null());
+    // The session is gone: keeping it alive or ending it again says so.
+    let gone = request(&mut ws, &keep_alive("A", session, 30_000, "k2")).await;
+    assert_eq!(error_code(&gone), "NO_SESSION", "{gone}");
+    let gone = request(&mut ws, &end_session("A", session, "e2")).await;
+    assert_eq!(error_code(&gone), "NO_SESSION", "{gone}");
+
+    // C's session lasts while it keeps it alive, then expires with its locks, even though the
+    // Raft leader is killed in between: the new leader times the session in full again.
+    let mut c = ws_connect(&addr).await;
+    let opened = request(&mut c, &keep_alive("C", 0, SESSION_TTL_MS, "k1")).await;
+    let c_session = opened["session"].as_u64().expect("session id");
+    for (i, key) in ["t/1", "t/2"].iter().enumerate() {
+        let g = request(&mut c, &acquire(key, "C", &format!("c{}", i + 1), 0, Some(0))).await;
+        assert_eq!(g["success"], true, "{g}");
+    }
+    for i in 0..4 {
+        tokio::time::sleep(Duration::from_millis(SESSION_TTL_MS / 3)).await;
+        let kept = request(&mut c, &keep_alive("C", c_session, SESSION_TTL_MS, &format!("kc{i}")))
+            .await;
+        assert_eq!(kept["success"], true, "keepalive {i}: {kept}");
+    }
+    assert!(!lock_entry(&addr, "t/1").await["holder"].is_null());
+    let last_keepalive = Instant::now();
+    cluster.node(leader).kill();
+    let new = new_leader(&cluster, leader).await;
+    let new_addr = addr_of(&cluster, new);
+    let expired_by = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (one, two) = (
+            lock_entry(&new_addr, "t/1").await,
+            lock_entry(&new_addr, "t/2").await,
+        );
+        if one["holder"].is_null() && two["holder"].is_null() {
+            break;
+        }
+        assert!(Instant::now() < expired_by, "C's session never expired: {one} {two}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let lived = last_keepalive.elapsed();
+    assert!(
+        lived >= Duration::from_millis(SESSION_TTL_MS),
+        "C's locks ended {lived:?} after its last keepalive, inside its session's TTL"
+    );
+    let mut c = ws_connect(&new_addr).await;
+    let gone = request(&mut c, &keep_alive("C", c_session, SESSION_TTL_MS, "k9")).await;
+    assert_eq!(error_code(&gone), "NO_SESSION", "{gone}");
 }

@@ -189,6 +189,7 @@ async fn clients_need_a_token_stay_in_their_prefixes_and_only_the_holder_release
             request_id: format!("g-{key}-{}", token.unwrap_or("none").len()),
             ttl_ms: 5_000,
             ack_below: None,
+            attach_to_session: false,
         });
         if let Some(t) = token {
             request

@@ -253,6 +253,7 @@ async fn a_client_that_acknowledges_its_answers_is_not_held_to_the_tables_rate()
         request_id: n.to_string(),
         ttl_ms: 10_000,
         ack_below: Some(ack),
+        attach_to_session: false,
     };
     for n in (1..=60u64).step_by(2) {
         let got = grpc
@@ -353,6 +354,7 @@ async fn requests_without_ids_keep_no_answers_and_are_not_paced() {
                 request_id: String::new(),
                 ttl_ms: 10_000,
                 ack_below: None,
+                attach_to_session: false,
             })
             .await
             .unwrap()
