@@ -894,14 +894,20 @@ async fn a_session_holds_many_locks_and_ends_them_together() {
     assert!(session > 0, "{opened}");
     let mut tokens = Vec::new();
     for (i, key) in ["s/1", "s/2", "s/3"].iter().enumerate() {
-        let g = request(&mut ws, &acquire(key, "A", &format!("a{}", i + 1), 0, Some(0))).await;
+        let g = request(
+            &mut ws,
+            &acquire(key, "A", &format!("a{}", i + 1), 0, Some(0)),
+        )
+        .await;
         assert_eq!(g["success"], true, "{g}");
         tokens.push(token_of(&g));
     }
     // B waits for one of them.
     let mut b = ws_connect(&addr).await;
     ws_send(&mut b, &acquire("s/2", "B", "b1", 30_000, Some(20_000))).await;
-    assert!(reply_to(&mut b, "b1", Duration::from_millis(500)).await.is_none());
+    assert!(reply_to(&mut b, "b1", Duration::from_millis(500))
+        .await
+        .is_none());
 
     // Ending the session releases all three in one entry, and B is granted.
     let ended = request(&mut ws, &end_session("A", session, "e1")).await;
@@ -925,13 +931,20 @@ async fn a_session_holds_many_locks_and_ends_them_together() {
     let opened = request(&mut c, &keep_alive("C", 0, SESSION_TTL_MS, "k1")).await;
     let c_session = opened["session"].as_u64().expect("session id");
     for (i, key) in ["t/1", "t/2"].iter().enumerate() {
-        let g = request(&mut c, &acquire(key, "C", &format!("c{}", i + 1), 0, Some(0))).await;
+        let g = request(
+            &mut c,
+            &acquire(key, "C", &format!("c{}", i + 1), 0, Some(0)),
+        )
+        .await;
         assert_eq!(g["success"], true, "{g}");
     }
     for i in 0..4 {
         tokio::time::sleep(Duration::from_millis(SESSION_TTL_MS / 3)).await;
-        let kept = request(&mut c, &keep_alive("C", c_session, SESSION_TTL_MS, &format!("kc{i}")))
-            .await;
+        let kept = request(
+            &mut c,
+            &keep_alive("C", c_session, SESSION_TTL_MS, &format!("kc{i}")),
+        )
+        .await;
         assert_eq!(kept["success"], true, "keepalive {i}: {kept}");
     }
     assert!(!lock_entry(&addr, "t/1").await["holder"].is_null());
@@ -948,7 +961,10 @@ async fn a_session_holds_many_locks_and_ends_them_together() {
         if one["holder"].is_null() && two["holder"].is_null() {
             break;
         }
-        assert!(Instant::now() < expired_by, "C's session never expired: {one} {two}");
+        assert!(
+            Instant::now() < expired_by,
+            "C's session never expired: {one} {two}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let lived = last_keepalive.elapsed();

@@ -42,7 +42,7 @@ pub use conn::{is_traceparent, TlsConfig, TraceContext};
 pub use error::ClientError;
 pub use lock::{
     AdvancedClient, AutoRenewer, ClientBuilder, LeaderInfo, LeaderObserver, Leadership, LockHandle,
-    LossReason, PendingAcquire, RaftLockClient,
+    LockSession, LossReason, PendingAcquire, RaftLockClient, SessionLock,
 };
 pub use watch::{Watch, WatchEvent};
 

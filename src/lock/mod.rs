@@ -18,9 +18,8 @@ pub use limits::{identity_of, Limits, LimitsV1, Quotas};
 pub use machine::{
     sequence_number, stored_to_snapshot_pairs, ClusterIdentity, ElectionInfo, HeldLock,
     LockDelayInfo, LockStateMachine, MachineBugs, MemberInfo, SessionInfo, StateLoader,
-    StoredToSnapshot,
-    WaiterInfo, CLUSTER_VERSION, DEDUPE_BLOCK, ELECTION_VERSION, LIFECYCLE_VERSION,
-    LOCK_DELAY_VERSION, MEMBERS_MAX, MEMBER_ADDR_MAX, QUOTAS_VERSION, SEQUENCED_VERSION,
-    SESSION_VERSION,
+    StoredToSnapshot, WaiterInfo, CLUSTER_VERSION, DEDUPE_BLOCK, ELECTION_VERSION,
+    LIFECYCLE_VERSION, LOCK_DELAY_VERSION, MEMBERS_MAX, MEMBER_ADDR_MAX, QUOTAS_VERSION,
+    SEQUENCED_VERSION, SESSION_VERSION,
 };
 pub use outcome::{Applied, Event, Outcome, RejectCode};

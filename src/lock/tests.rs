@@ -1173,7 +1173,11 @@ fn run_model_case(seed: u64, steps: usize) -> (usize, usize, usize, usize, usize
             client_id, session, ..
         } = &mut cmd
         {
-            if let Some(s) = model.sessions.get(client_id.as_str()).filter(|_| rng.below(4) != 0) {
+            if let Some(s) = model
+                .sessions
+                .get(client_id.as_str())
+                .filter(|_| rng.below(4) != 0)
+            {
                 *session = s.0;
             }
         }
@@ -1183,7 +1187,11 @@ fn run_model_case(seed: u64, steps: usize) -> (usize, usize, usize, usize, usize
             ..
         } = &mut cmd
         {
-            if let Some(s) = model.sessions.get(client_id.as_str()).filter(|_| rng.below(4) != 0) {
+            if let Some(s) = model
+                .sessions
+                .get(client_id.as_str())
+                .filter(|_| rng.below(4) != 0)
+            {
                 *lease_index = s.1;
             }
         }
@@ -1305,7 +1313,14 @@ fn run_model_case(seed: u64, steps: usize) -> (usize, usize, usize, usize, usize
             );
         }
     }
-    (refused, closed, delays_ended, proclaims, led, session_locks_ended)
+    (
+        refused,
+        closed,
+        delays_ended,
+        proclaims,
+        led,
+        session_locks_ended,
+    )
 }
 
 #[test]

@@ -391,9 +391,9 @@ impl ClientOp {
             | ClientOp::Proclaim { key, .. }
             | ClientOp::Get { key }
             | ClientOp::Leader { key } => key,
-            ClientOp::KeepAlive { .. } | ClientOp::EndSession { .. } | ClientOp::Sequenced { .. } => {
-                ""
-            }
+            ClientOp::KeepAlive { .. }
+            | ClientOp::EndSession { .. }
+            | ClientOp::Sequenced { .. } => "",
         }
     }
 }
@@ -453,9 +453,14 @@ pub enum ClientReply {
         candidates: u32,
     },
     /// The client's session (opened at log index `session`) lasts `expires_in_ms` from now.
-    SessionKept { session: u64, expires_in_ms: u64 },
+    SessionKept {
+        session: u64,
+        expires_in_ms: u64,
+    },
     /// The session ended; `locks` attached locks and acquires ended with it.
-    SessionEnded { locks: u32 },
+    SessionEnded {
+        locks: u32,
+    },
 }
 
 impl ClientReply {

@@ -4,8 +4,7 @@
 use std::sync::Arc;
 
 use super::{
-    DelayDeadline, Lease, Micros, NodeCore, Observation, Rebuild, SessionDeadline, WaitDeadline,
-    MS,
+    DelayDeadline, Lease, Micros, NodeCore, Observation, Rebuild, SessionDeadline, WaitDeadline, MS,
 };
 use crate::lock::{Command, Event, Outcome};
 use crate::storage::Storage;

@@ -677,10 +677,7 @@ impl SimClients {
                 // The lease ran out before the renew: the client learns it lost the lock.
                 self.stats.expiries_seen += 1;
             }
-            (
-                ClientOp::KeepAlive { ttl_ms, .. },
-                ClientReply::SessionKept { session, .. },
-            ) => {
+            (ClientOp::KeepAlive { ttl_ms, .. }, ClientReply::SessionKept { session, .. }) => {
                 let until = client.real(first_sent + (ttl_ms - ttl_ms / 5) * 1_000);
                 client.session = Some(SimSession {
                     id: *session,

@@ -661,8 +661,8 @@ impl LockChecker {
                 if expired {
                     self.sessions_expired += 1;
                     let ttl_us = model.ttl_ms * 1_000;
-                    let earliest = model.kept_at_us
-                        + ttl_us - ttl_us * self.node_drift_ppm / 1_000_000;
+                    let earliest =
+                        model.kept_at_us + ttl_us - ttl_us * self.node_drift_ppm / 1_000_000;
                     if at < earliest {
                         self.fail(
                             "sessions expire only after their lease",

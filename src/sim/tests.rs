@@ -519,7 +519,10 @@ fn caught_session_expiry_that_ignores_a_keepalive() {
             session_expiry_ignores_keepalive: true,
             ..NodeBugs::default()
         },
-        &["sessions expire only after their lease", "one holder at a time"],
+        &[
+            "sessions expire only after their lease",
+            "one holder at a time",
+        ],
     );
 }
 
@@ -532,7 +535,10 @@ fn caught_sessions_not_timed_again_after_an_election() {
             no_session_wait_after_election: true,
             ..NodeBugs::default()
         },
-        &["sessions expire only after their lease", "one holder at a time"],
+        &[
+            "sessions expire only after their lease",
+            "one holder at a time",
+        ],
     );
 }
 

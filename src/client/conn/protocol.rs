@@ -43,6 +43,9 @@ pub(crate) struct Request<'a> {
     /// A key's lock-delay (ms), for `commandType` 9.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lock_delay: Option<u64>,
+    /// A session's id, for `commandType` 13 (0: open one) and 14.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub session: Option<u64>,
 }
 
 impl<'a> Request<'a> {
@@ -61,6 +64,7 @@ impl<'a> Request<'a> {
             redirect: None,
             ack_below: None,
             lock_delay: None,
+            session: None,
         }
     }
 
@@ -109,6 +113,9 @@ pub(crate) struct ReplyBody {
     /// A leader read: the leader's client id (`null`, read as `None`, while no one leads).
     pub leader: Option<String>,
     pub candidates: Option<u32>,
+    /// A keepalive's session id, and the locks a session's end ended.
+    pub session: Option<u64>,
+    pub locks: Option<u32>,
     pub error: Option<ErrorReply>,
     /// Set by the SDK, not the node: the reply carried this request's id but fields of types
     /// the SDK does not know (answered as a protocol error instead of never).

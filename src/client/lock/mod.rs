@@ -14,6 +14,7 @@ mod election;
 mod handle;
 mod ids;
 mod renewer;
+mod session;
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::AtomicU64;
@@ -30,6 +31,7 @@ pub use builder::ClientBuilder;
 pub use election::{LeaderInfo, LeaderObserver, Leadership};
 pub use handle::LockHandle;
 pub use renewer::{AutoRenewer, LossReason};
+pub use session::{LockSession, SessionLock};
 
 /// Longest client id accepted by the builder, and longest owner id sent: the server's default
 /// limit on ids (`Limits::id_bytes_max`).

@@ -8,10 +8,10 @@ use super::super::limits::Limits;
 use super::lock_entry::{LockEntry, LockEntryV1};
 use super::records::{DedupeRecord, DedupeRecordV1, DedupeRecordV2};
 use super::{
-    LockStateMachine, DATA_PREFIX, DEDUPE_BLOCK, DELAY_PREFIX, ELECTION_PREFIX, SESSION_PREFIX, LOCK_PREFIX,
+    LockStateMachine, DATA_PREFIX, DEDUPE_BLOCK, DELAY_PREFIX, ELECTION_PREFIX, LOCK_PREFIX,
     META_ACK_PREFIX, META_APPLIED, META_CLOCK, META_CLUSTER, META_CLUSTER_VERSION,
     META_DEDUPE_BLOCK_PREFIX, META_DEDUPE_NEXT, META_DEDUPE_PREFIX, META_LIMITS, META_MEMBERS,
-    META_QUOTAS, META_SEQ,
+    META_QUOTAS, META_SEQ, SESSION_PREFIX,
 };
 
 impl LockStateMachine {
@@ -188,7 +188,11 @@ impl StateLoader {
         let mut sm = self.sm;
         sm.recount();
         sm.rebuild_attachments();
-        if let Some(client) = sm.attached.keys().find(|c| !sm.session_leases.contains_key(*c)) {
+        if let Some(client) = sm
+            .attached
+            .keys()
+            .find(|c| !sm.session_leases.contains_key(*c))
+        {
             return Err(DecodeError::InvalidState(format!(
                 "client {client:?} has locks attached to a session it does not have"
             )));

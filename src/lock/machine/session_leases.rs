@@ -256,7 +256,10 @@ impl LockStateMachine {
         if self.session_leases.is_empty() && self.attached_by_key.is_empty() {
             return;
         }
-        let now = self.locks.get(key).map_or_else(Vec::new, |e| attached_clients(e));
+        let now = self
+            .locks
+            .get(key)
+            .map_or_else(Vec::new, |e| attached_clients(e));
         let before = if now.is_empty() {
             self.attached_by_key.remove(key).unwrap_or_default()
         } else {
@@ -295,7 +298,10 @@ impl LockStateMachine {
     /// entries (the simulator checks this after every applied index).
     pub fn session_mismatch(&self) -> Option<String> {
         let (attached, by_key) = attachments_of(&self.locks);
-        if let Some(client) = attached.keys().find(|c| !self.session_leases.contains_key(*c)) {
+        if let Some(client) = attached
+            .keys()
+            .find(|c| !self.session_leases.contains_key(*c))
+        {
             return Some(format!(
                 "client {client:?} has locks or acquires attached to a session it does not have \
                  (keys {:?})",

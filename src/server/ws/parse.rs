@@ -9,8 +9,8 @@ use serde_json::Value;
 
 use super::reply::{error_json, error_reply, Echo};
 use super::{
-    strip_unknown_fields, WsRequest, APPEND_DATA, CAMPAIGN, CANCEL_WAIT, LEADER, LOCK_ACQUIRE,
-    LOCK_RELEASE, LOCK_RENEW, PROCLAIM, READ, SET_LOCK_DELAY, WATCH_COMMAND, KEEP_ALIVE, END_SESSION,
+    strip_unknown_fields, WsRequest, APPEND_DATA, CAMPAIGN, CANCEL_WAIT, END_SESSION, KEEP_ALIVE,
+    LEADER, LOCK_ACQUIRE, LOCK_RELEASE, LOCK_RENEW, PROCLAIM, READ, SET_LOCK_DELAY, WATCH_COMMAND,
 };
 use crate::lock::FencingToken;
 use crate::node::api::{ApiError, ClientOp, ErrorCode};
