@@ -64,6 +64,9 @@ struct Args {
     /// found.
     #[arg(long)]
     no_client_elections: bool,
+    /// Clients also keep sessions and attach locks to them (`sess-*` keys).
+    #[arg(long)]
+    client_sessions: bool,
 }
 
 fn main() -> ExitCode {
@@ -84,6 +87,7 @@ fn main() -> ExitCode {
         cfg.segments_disk = args.segments_disk;
         cfg.corrupt_sector_ppm = args.corrupt_sector_ppm;
         cfg.client_elections = !args.no_client_elections;
+        cfg.client_sessions = args.client_sessions;
         cfg.trace = std::env::var_os("RAFTLOCK_SIM_TRACE").is_some();
         let outcome = run_seed(cfg.clone());
         total.add(&outcome.stats);

@@ -281,7 +281,10 @@ impl SimClients {
         // About one operation in seven keeps the client's session or attaches a lock to it.
         // (Drawn only with sessions on: off, the mix and its draws are those from before.)
         if self.sessions && rng.random_bool(0.15) {
-            let key = format!("key-{k}");
+            // Attached locks have keys of their own: the history check models an end of the
+            // session as an expiry, which on a key with a lock-delay would hold the key back
+            // where the end (a release) does not.
+            let key = format!("sess-{k}");
             let held = client.held.contains_key(&key);
             let op = match &client.session {
                 None => ClientOp::KeepAlive {

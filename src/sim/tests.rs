@@ -22,6 +22,7 @@ fn first_violation(
         cfg.clients_first_on_resume = schedule.clients_first_on_resume;
         cfg.figure8 = schedule.figure8;
         cfg.background_flushes = schedule.background_flushes;
+        cfg.client_sessions = schedule.client_sessions;
         if let Some(steps) = schedule.steps {
             cfg.steps = steps;
         }
@@ -53,6 +54,8 @@ struct Schedule {
     nodes: &'static [usize],
     /// Flushes complete in the background ([`SimConfig::background_flushes`]).
     background_flushes: bool,
+    /// Clients keep sessions ([`SimConfig::client_sessions`]).
+    client_sessions: bool,
 }
 
 impl Default for Schedule {
@@ -64,6 +67,7 @@ impl Default for Schedule {
             steps: None,
             nodes: &[3, 5],
             background_flushes: false,
+            client_sessions: false,
         }
     }
 }
@@ -499,9 +503,14 @@ fn caught_election_hand_off_without_the_campaign_value() {
 #[test]
 fn caught_session_end_that_leaves_attached_acquires_queued() {
     // A queued acquire left behind is granted later, attached to a session that is gone.
-    assert_node_bug_caught(
+    assert_caught_with(
         "session_end_keeps_waiters",
         400,
+        Schedule {
+            client_sessions: true,
+            ..Schedule::default()
+        },
+        Bugs::default(),
         NodeBugs {
             session_end_keeps_waiters: true,
             ..NodeBugs::default()
@@ -512,9 +521,14 @@ fn caught_session_end_that_leaves_attached_acquires_queued() {
 
 #[test]
 fn caught_session_expiry_that_ignores_a_keepalive() {
-    assert_node_bug_caught(
+    assert_caught_with(
         "session_expiry_ignores_keepalive",
         400,
+        Schedule {
+            client_sessions: true,
+            ..Schedule::default()
+        },
+        Bugs::default(),
         NodeBugs {
             session_expiry_ignores_keepalive: true,
             ..NodeBugs::default()
@@ -528,9 +542,14 @@ fn caught_session_expiry_that_ignores_a_keepalive() {
 
 #[test]
 fn caught_sessions_not_timed_again_after_an_election() {
-    assert_node_bug_caught(
+    assert_caught_with(
         "no_session_wait_after_election",
         400,
+        Schedule {
+            client_sessions: true,
+            ..Schedule::default()
+        },
+        Bugs::default(),
         NodeBugs {
             no_session_wait_after_election: true,
             ..NodeBugs::default()
