@@ -817,3 +817,81 @@ fn recipes_in_the_docs_run() {
         }
     }
 }
+
+/// `lockctl run --session` holds several keys on one session while the command runs: the
+/// command sees every token, the keys are held (another client cannot take them), and they are
+/// all free again once the command exits. `--and` without `--session` is refused.
+#[test]
+fn run_on_a_session_holds_every_key_and_gives_them_back() {
+    let cluster = Cluster::start(3);
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(cluster.wait_for_leader(Duration::from_secs(20)));
+    let eps = endpoints(&cluster);
+    rt.block_on(wait_for_cluster_version(&eps[0], 8));
+    let eps_arg = eps.join(",");
+    // While the command runs, it asks for one of its own keys as another client: refused.
+    let script = format!(
+        "echo \"$RAFTLOCK_LOCKS $RAFTLOCK_SESSION\"; \
+         {LOCKCTL} --endpoints {eps_arg} --client-id other run b --wait 300ms -- true; \
+         echo \"other: $?\""
+    );
+    let out = lockctl(&eps)
+        .args([
+            "run",
+            "a",
+            "--session",
+            "--and",
+            "b",
+            "--and",
+            "c",
+            "--ttl",
+            "3s",
+            "--",
+            "sh",
+            "-c",
+        ])
+        .arg(&script)
+        .output()
+        .expect("run --session");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let first = stdout.lines().next().unwrap_or_default();
+    let (locks, session) = first.split_once(' ').expect("locks and session");
+    let keys: Vec<&str> = locks
+        .split(',')
+        .map(|kv| kv.split_once('=').expect("key=token").0)
+        .collect();
+    assert_eq!(keys, ["a", "b", "c"], "{stdout}");
+    assert!(session.parse::<u64>().is_ok_and(|s| s > 0), "{stdout}");
+    assert!(
+        stdout.contains("other: 75"),
+        "b was held on the session: {stdout}"
+    );
+    // Given back: another client takes every key at once.
+    for key in ["a", "b", "c"] {
+        let status = lockctl(&eps)
+            .args([
+                "--client-id",
+                "after",
+                "run",
+                key,
+                "--wait",
+                "0s",
+                "--",
+                "true",
+            ])
+            .status()
+            .expect("run");
+        assert!(status.success(), "{key} is free after the session ended");
+    }
+    let refused = lockctl(&eps)
+        .args(["run", "a", "--and", "b", "--", "true"])
+        .stderr(Stdio::null())
+        .status()
+        .expect("run");
+    assert!(!refused.success(), "--and needs --session");
+}

@@ -201,10 +201,21 @@ enum Cmd {
     /// RAFTLOCK_FENCING_TOKEN, RAFTLOCK_FENCING_MAC and RAFTLOCK_CLIENT_ID (the lock's owner id); its whole process group is killed before
     /// the lease could lapse if the lock is lost. Exits with the command's status, 75 if the
     /// lock was not acquired within --wait, 76 if the lock was lost, 78 on other errors.
+    ///
+    /// With --session, KEY and every --and KEY are held on one session (one keepalive every
+    /// third of --ttl for all of them); they are all given back in one log entry when the
+    /// command exits, and lost together if the keepalives fail. RAFTLOCK_LOCKS then lists
+    /// `key=token` for each, comma-separated, and RAFTLOCK_SESSION is the session's id.
     Run {
         key: String,
         #[arg(long, default_value = "15s", value_parser = humantime::parse_duration)]
         ttl: Duration,
+        /// Hold KEY and the --and keys on one session.
+        #[arg(long)]
+        session: bool,
+        /// Another key to hold on the session (repeatable; needs --session).
+        #[arg(long = "and", value_name = "KEY", requires = "session")]
+        and: Vec<String>,
         /// Wait at most this long for the lock (default: wait indefinitely).
         #[arg(long, value_parser = humantime::parse_duration)]
         wait: Option<Duration>,
@@ -862,6 +873,8 @@ async fn dispatch(args: Args) -> ExitCode {
         Cmd::Run {
             key,
             ttl,
+            session,
+            and,
             wait,
             command,
         } => {
@@ -879,6 +892,7 @@ async fn dispatch(args: Args) -> ExitCode {
                     ttl: *ttl,
                     wait: *wait,
                     command: command.clone(),
+                    session: session.then(|| and.clone()),
                 },
             )
             .await

@@ -25,6 +25,8 @@ pub struct RunArgs {
     pub ttl: Duration,
     pub wait: Option<Duration>,
     pub command: Vec<String>,
+    /// Hold `key` and these keys on one session.
+    pub session: Option<Vec<String>>,
 }
 
 pub async fn run(client: RaftLockClient, args: RunArgs) -> ExitCode {
@@ -32,6 +34,11 @@ pub async fn run(client: RaftLockClient, args: RunArgs) -> ExitCode {
         eprintln!("lockctl run: no command given (usage: lockctl run KEY -- CMD ARGS…)");
         return ExitCode::from(EXIT_ERROR);
     };
+    if let Some(more) = &args.session {
+        let mut keys = vec![args.key.clone()];
+        keys.extend(more.iter().cloned());
+        return run_on_session(client, &args, keys, program, rest).await;
+    }
     let acquired = match args.wait {
         Some(w) => client.try_acquire(&args.key, args.ttl, w).await,
         None => client
@@ -133,6 +140,103 @@ pub async fn run(client: RaftLockClient, args: RunArgs) -> ExitCode {
             args.key
         );
     }
+    exit_code_of(status)
+}
+
+/// `lockctl run --session`: every key held on one session, the command supervised as with one
+/// lock, everything given back in one entry when it exits.
+async fn run_on_session(
+    client: RaftLockClient,
+    args: &RunArgs,
+    keys: Vec<String>,
+    program: &str,
+    rest: &[String],
+) -> ExitCode {
+    let mut session = match client.open_session(args.ttl).await {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("lockctl run: cannot open a session: {e}");
+            return ExitCode::from(EXIT_ERROR);
+        }
+    };
+    session.auto_keep_alive();
+    let mut locks = Vec::new();
+    for key in &keys {
+        match session.acquire(key, args.wait).await {
+            Ok(lock) => locks.push(lock),
+            Err(ClientError::WaitTimeout { .. }) => {
+                eprintln!("lockctl run: {key} not acquired within the wait timeout");
+                let _ = session.end().await;
+                return ExitCode::from(EXIT_NOT_ACQUIRED);
+            }
+            Err(e) => {
+                eprintln!("lockctl run: cannot acquire {key}: {e}");
+                let _ = session.end().await;
+                return ExitCode::from(EXIT_ERROR);
+            }
+        }
+    }
+    let listed: Vec<String> = locks
+        .iter()
+        .map(|l| format!("{}={}", l.key, l.token))
+        .collect();
+    let mut child = match tokio::process::Command::new(program)
+        .args(rest)
+        .env("RAFTLOCK_KEY", &locks[0].key)
+        .env("RAFTLOCK_FENCING_TOKEN", locks[0].token.to_string())
+        .env(
+            "RAFTLOCK_FENCING_MAC",
+            locks[0].mac.as_deref().unwrap_or(""),
+        )
+        .env("RAFTLOCK_CLIENT_ID", session.owner_id())
+        .env("RAFTLOCK_LOCKS", listed.join(","))
+        .env("RAFTLOCK_SESSION", session.id().to_string())
+        .process_group(0)
+        .kill_on_drop(true)
+        .spawn()
+    {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("lockctl run: cannot start {program}: {e}");
+            let _ = session.end().await;
+            return ExitCode::from(EXIT_ERROR);
+        }
+    };
+    let pgid = child.id().map(|id| Pid::from_raw(id as i32));
+    let kill_group = |sig: Signal| {
+        if let Some(pgid) = pgid {
+            let _ = killpg(pgid, sig);
+        }
+    };
+    let ended = tokio::select! {
+        status = child.wait() => Some(status),
+        _ = session.lost() => None,
+        _ = tokio::signal::ctrl_c() => {
+            kill_group(Signal::SIGTERM);
+            tokio::select! {
+                status = child.wait() => Some(status),
+                _ = session.lost() => None,
+            }
+        }
+    };
+    let Some(status) = ended else {
+        kill_group(Signal::SIGKILL);
+        let _ = child.wait().await;
+        eprintln!(
+            "lockctl run: session {} lost; killed the command",
+            session.id()
+        );
+        return ExitCode::from(EXIT_LOCK_LOST);
+    };
+    kill_group(Signal::SIGKILL);
+    if let Err(e) = session.end().await {
+        eprintln!("lockctl run: ending the session failed: {e} (it lapses at its TTL)");
+    }
+    exit_code_of(status)
+}
+
+/// lockctl's exit code for the command's exit: its status, or 128 + the signal that ended it.
+fn exit_code_of(status: std::io::Result<std::process::ExitStatus>) -> ExitCode {
     match status {
         Ok(s) => {
             use std::os::unix::process::ExitStatusExt;

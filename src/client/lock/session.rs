@@ -109,6 +109,20 @@ impl LockSession {
         *self.valid_until.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Resolves once acting on the session's locks may no longer be safe: the latest
+    /// acknowledged keepalive, less the safety margin, has run out (keepalives failed, or the
+    /// session ended). Later keepalives push it back while it waits.
+    pub async fn lost(&self) {
+        loop {
+            let until = self.valid_until();
+            let now = Instant::now();
+            if now >= until {
+                return;
+            }
+            tokio::time::sleep(until - now).await;
+        }
+    }
+
     /// Keeps the session alive once now. `NO_SESSION`: it ended, with every lock on it.
     pub async fn keep_alive(&self) -> Result<(), ClientError> {
         let ttl_ms = duration_ms(self.ttl)?;
