@@ -730,7 +730,39 @@ impl SimClients {
         write_index: &BTreeMap<Vec<u8>, u64>,
         healed_at: Option<u64>,
         lease_drift_ppm: u64,
+        session_expiries: &[(String, u64, u64)],
     ) {
+        // No session expires inside a lease its client was acknowledged: the leader starts a
+        // session's lease when it applies the keepalive, after the client sent it, and times
+        // the TTL on a clock at most `lease_drift_ppm` fast.
+        for h in &self.history {
+            let (
+                ClientOp::KeepAlive {
+                    client_id, ttl_ms, ..
+                },
+                Some(ClientReply::SessionKept { session, .. }),
+            ) = (&h.op, &h.reply)
+            else {
+                continue;
+            };
+            let ttl_us = ttl_ms * 1_000;
+            let earliest = (h.invoke_us + ttl_us - (ttl_us * lease_drift_ppm).div_ceil(1_000_000))
+                .saturating_sub(1);
+            let early = session_expiries
+                .iter()
+                .find(|(c, s, at)| c == client_id && s == session && *at < earliest);
+            if let Some((_, _, at)) = early {
+                self.violations.push(Violation {
+                    invariant: "sessions expire only after their lease",
+                    detail: format!(
+                        "{client_id}'s session {session} expired at {at} µs, inside the lease of \
+                         its keepalive sent at {} µs (TTL {ttl_ms} ms) and acknowledged",
+                        h.invoke_us
+                    ),
+                });
+                return;
+            }
+        }
         // One holder at a time.
         for (key, beliefs) in &self.beliefs {
             // An answer that arrived after its own deadline gives no belief at all.
@@ -890,6 +922,13 @@ impl SimClients {
                         token: token.value,
                         ttl_us: ttl_ms * 1_000,
                     })
+                }
+                // An acquire attached to a session, retried after the session ended, is refused
+                // as having no session, although an earlier attempt may have been granted.
+                (ClientOp::Acquire { ttl_ms: 0, .. }, Some(ClientReply::Error(e)))
+                    if e.code == ErrorCode::InvalidRequest =>
+                {
+                    Some(LockOp::AcquireUnknown { ttl_us: 0 })
                 }
                 (ClientOp::Acquire { ttl_ms, .. }, Some(ClientReply::Error(e))) => match e.code {
                     ErrorCode::AlreadyHeld => Some(LockOp::AlreadyHeld {

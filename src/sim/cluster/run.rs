@@ -38,6 +38,7 @@ impl Cluster {
                     &self.write_index,
                     self.healed_at.filter(|_| self.marker_done),
                     NODE_DRIFT_PPM as u64,
+                    &self.locks.session_expiries,
                 );
                 self.collect_violations();
             }
