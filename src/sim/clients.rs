@@ -924,7 +924,8 @@ impl SimClients {
                     })
                 }
                 // An acquire attached to a session, retried after the session ended, is refused
-                // as having no session, although an earlier attempt may have been granted.
+                // as having no session, although an earlier attempt may have been granted: its
+                // effect is unknown, as if it had no answer (below).
                 (ClientOp::Acquire { ttl_ms: 0, .. }, Some(ClientReply::Error(e)))
                     if e.code == ErrorCode::InvalidRequest =>
                 {
@@ -1059,11 +1060,20 @@ impl SimClients {
                 }
                 .map(OpKind::Kv)
             });
+            let unknown_effect = matches!(
+                (&h.op, answered),
+                (ClientOp::Acquire { ttl_ms: 0, .. }, Some(ClientReply::Error(e)))
+                    if e.code == ErrorCode::InvalidRequest
+            );
             if let Some(kind) = kind {
                 out.entry(h.op.key().to_string()).or_default().push(LinOp {
                     client: h.client,
                     invoke: h.invoke_us,
-                    complete: h.reply.as_ref().and(h.complete_us),
+                    complete: h
+                        .reply
+                        .as_ref()
+                        .and(h.complete_us)
+                        .filter(|_| !unknown_effect),
                     kind,
                 });
             }
