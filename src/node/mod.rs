@@ -329,8 +329,12 @@ pub struct LockInfo {
     pub holder: Option<String>,
     pub fencing_token: Option<u64>,
     pub ttl_ms: Option<u64>,
-    /// Time left on the leader's lease (the leader only).
+    /// Time left on the leader's lease (the leader only): the holder's session's, for a lock
+    /// attached to one.
     pub expires_in_ms: Option<u64>,
+    /// The holder's session (the log index that opened it), for a lock attached to one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub session: Option<u64>,
     pub waiters: Vec<String>,
     /// The key's lock-delay (ms), if it has one.
     #[serde(skip_serializing_if = "Option::is_none")]

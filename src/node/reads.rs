@@ -52,16 +52,31 @@ impl<S: Storage, R> NodeCore<S, R> {
         self.sm
             .locks_with_prefix(prefix, limit)
             .into_iter()
-            .map(|(key, held, waiters)| LockInfo {
+            .map(|(key, held, waiters)| {
+                let attached_to = held
+                    .as_ref()
+                    .filter(|h| h.ttl_ms == 0)
+                    .and_then(|h| self.sm.session_lease(&h.client_id));
+                let deadline = match &attached_to {
+                    Some(s) => self
+                        .session_deadlines
+                        .get(s.client_id.as_str())
+                        .map(|d| d.at),
+                    None => held
+                        .as_ref()
+                        .and_then(|_| self.leases.get(key.as_str()))
+                        .map(|l| l.deadline),
+                };
+                (key, held, waiters, attached_to.map(|s| s.session), deadline)
+            })
+            .map(|(key, held, waiters, session, deadline)| LockInfo {
                 lock_delay_ms: self
                     .sm
                     .lock_delay(&key)
                     .map(|d| d.delay_ms)
                     .filter(|&ms| ms > 0),
-                expires_in_ms: held
-                    .as_ref()
-                    .and_then(|_| self.leases.get(key.as_str()))
-                    .map(|l| l.deadline.saturating_sub(self.now) / MS),
+                expires_in_ms: deadline.map(|at| at.saturating_sub(self.now) / MS),
+                session,
                 key,
                 holder: held.as_ref().map(|h| h.client_id.clone()),
                 fencing_token: held.as_ref().map(|h| h.token),
