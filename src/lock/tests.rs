@@ -419,8 +419,9 @@ impl Model {
 
     fn apply_command(&mut self, cmd: &Command) -> Outcome {
         self.index += 1;
-        // A TTL of 0 attaches to the client's session, which must be open (checked with the
-        // request's fields, before the exactly-once lookup).
+        // A TTL of 0 attaches to the client's session, which must be open (checked after the
+        // exactly-once lookup: a retry of an attached acquire gets its outcome back once the
+        // session has ended; a TTL of 0 before sessions is refused with the request's fields).
         let attaches = match cmd {
             Command::Acquire {
                 client_id, ttl_ms, ..
@@ -433,12 +434,17 @@ impl Model {
             } if *ttl_ms == 0 => Some(client_id),
             _ => None,
         };
-        if attaches.is_some_and(|c| self.version < 8 || !self.sessions.contains_key(c)) {
+        if attaches.is_some() && self.version < 8 {
             return Outcome::Rejected {
                 code: RejectCode::InvalidRequest,
                 message: String::new(),
             };
         }
+        let no_session = attaches.is_some_and(|c| !self.sessions.contains_key(c));
+        let session_refused = || Outcome::Rejected {
+            code: RejectCode::InvalidRequest,
+            message: String::new(),
+        };
         // Inputs in these tests are always within the size limits; see the targeted tests.
         if let Some((client, request)) = ids(cmd) {
             if let Some((o, op)) = self.remembered(client, request) {
@@ -456,12 +462,18 @@ impl Model {
                 }
                 return o;
             }
+            if no_session {
+                return session_refused();
+            }
             if !self.make_room(client) {
                 return Outcome::Rejected {
                     code: RejectCode::LimitReached,
                     message: String::new(),
                 };
             }
+        }
+        if no_session {
+            return session_refused();
         }
         let out = match cmd {
             Command::Acquire {
@@ -2576,4 +2588,54 @@ fn election_values_count_against_the_lock_byte_budget() {
     apply(&mut sm, campaign("c", "c1", 123));
     let restored = LockStateMachine::restore(&sm.snapshot(), Limits::default()).expect("restore");
     assert_eq!(restored.bytes_used(), sm.bytes_used());
+}
+
+#[test]
+fn a_retried_attached_acquire_gets_its_outcome_after_the_session_ended() {
+    // Found by simulator seed 867 (5 nodes, client sessions): an acquire attached to its
+    // client's session was granted, the session ended, and the client's retry with the same request id
+    // was refused as sessionless (`INVALID_REQUEST`, "nothing happened"), though the lock had
+    // been held and others had been refused meanwhile. The session is checked after the
+    // exactly-once table.
+    let mut s = Sm::new(Limits::default());
+    s.apply(Command::SetClusterVersion { version: 8 });
+    let session = match s
+        .apply(Command::KeepAlive {
+            client_id: "a".into(),
+            session: 0,
+            ttl_ms: 1_000,
+        })
+        .0
+    {
+        Outcome::SessionKept { session, .. } => session,
+        other => panic!("expected a session, got {other:?}"),
+    };
+    let attached = Command::Acquire {
+        key: "k".into(),
+        client_id: "a".into(),
+        request_id: "1".into(),
+        ttl_ms: 0,
+        wait_timeout_ms: None,
+    };
+    let token = s.token(attached.clone());
+    s.apply(Command::EndSession {
+        client_id: "a".into(),
+        session,
+    });
+    let retry = s.apply(attached).0;
+    assert!(
+        matches!(&retry, Outcome::StaleToken { .. } | Outcome::Granted { .. }),
+        "retry after the session ended (token {token}): {retry:?}"
+    );
+    // A new attached acquire without a session is still refused.
+    let fresh = s
+        .apply(Command::Acquire {
+            key: "k".into(),
+            client_id: "a".into(),
+            request_id: "2".into(),
+            ttl_ms: 0,
+            wait_timeout_ms: None,
+        })
+        .0;
+    assert_eq!(code(&fresh), Some(RejectCode::InvalidRequest), "{fresh:?}");
 }

@@ -858,6 +858,21 @@ fn a_learners_old_words_do_not_overwrite_its_new_record() {
 }
 
 #[test]
+fn no_second_disk_is_lost_while_a_wiped_voter_awaits_admission() {
+    // Regression: seed 313 (3 nodes, client sessions) wiped voter 6; a stale leader, paused,
+    // accepted it as a learner of its own outdated configuration, so the simulator took the
+    // node for back while the real leader still had it as a voter under its old incarnation
+    // (out of elections, awaiting admission). It then wiped node 1 too: two of four voters
+    // without their data, where no leader can be elected safely, and the liveness check
+    // failed. The fault schedule loses no second disk while a wiped node awaits admission and a
+    // configuration still has it as a voter under its old incarnation.
+    let mut cfg = SimConfig::new(313, 3);
+    cfg.client_sessions = true;
+    let outcome = run_clean(&cfg);
+    assert!(outcome.stats.wipes > 0, "no disk was wiped");
+}
+
+#[test]
 fn caught_promoted_before_admission() {
     // A learner promoted before its log holds the record of its incarnation is a voter that
     // stays out of elections: a cluster that needs its vote never elects again.

@@ -66,6 +66,7 @@ impl LockStateMachine {
             // No table to relieve, or a retry the table answers as it stands.
             return Ok(());
         }
+        self.check_session(command)?;
         let mark = self.sessions.get(client).map_or(0, |s| s.mark);
         if seq < mark {
             return Err(Outcome::rejected(

@@ -318,9 +318,37 @@ impl Cluster {
         }
     }
 
-    /// A node started on a wiped disk that is not a member again yet.
+    /// A node started on a wiped disk that is not back yet: still asking to join, the bootstrap
+    /// node deciding how to start, or awaiting admission while a running node's configuration
+    /// still has it as a voter under another incarnation (not replaced yet: a voter without its
+    /// data, out of elections). Seed 313 (3 nodes, client sessions): a stale, paused leader
+    /// accepted wiped voter 6 as a learner of its outdated configuration, the real leader still
+    /// had it as its old incarnation, and a second disk was lost then: two of four voters
+    /// without their data, where no leader can be elected safely.
     pub(super) fn volume_on_its_way_back(&self) -> bool {
-        self.nodes.values().any(|n| n.joining || n.undecided)
+        self.nodes.values().any(|n| {
+            n.joining
+                || n.undecided
+                || (n.awaiting_admission
+                    && !n.decommissioned
+                    && n.retire_at.is_none()
+                    && self.voter_as_another_incarnation(n.id, n.incarnation))
+        })
+    }
+
+    /// Whether a running node's configuration has `id` as a voter and its member records (the
+    /// log's, applied or not) name an incarnation of it other than `incarnation`.
+    fn voter_as_another_incarnation(&self, id: NodeId, incarnation: u64) -> bool {
+        self.nodes.values().any(|o| {
+            o.core.as_ref().is_some_and(|c| {
+                !o.decommissioned
+                    && o.retire_at.is_none()
+                    && c.raft().membership().voters.contains(&id)
+                    && c.known_members()
+                        .get(&id)
+                        .is_some_and(|m| m.incarnation != incarnation)
+            })
+        })
     }
 
     /// A node that lost its disk and is not a voter again yet, whose disk holds nothing a
