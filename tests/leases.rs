@@ -906,7 +906,10 @@ async fn a_session_holds_many_locks_and_ends_them_together() {
     let listed = lock_entry(&addr, "s/1").await;
     assert_eq!(listed["session"], session, "{listed}");
     assert_eq!(listed["ttlMs"], 0, "{listed}");
-    assert!(listed["expiresInMs"].as_u64().is_some_and(|ms| ms > 0), "{listed}");
+    assert!(
+        listed["expiresInMs"].as_u64().is_some_and(|ms| ms > 0),
+        "{listed}"
+    );
     // B waits for one of them.
     let mut b = ws_connect(&addr).await;
     ws_send(&mut b, &acquire("s/2", "B", "b1", 30_000, Some(20_000))).await;

@@ -64,9 +64,9 @@ struct Args {
     /// found.
     #[arg(long)]
     no_client_elections: bool,
-    /// Clients also keep sessions and attach locks to them (`sess-*` keys).
+    /// Clients leave sessions alone: the client mix from before sessions.
     #[arg(long)]
-    client_sessions: bool,
+    no_client_sessions: bool,
 }
 
 fn main() -> ExitCode {
@@ -87,7 +87,7 @@ fn main() -> ExitCode {
         cfg.segments_disk = args.segments_disk;
         cfg.corrupt_sector_ppm = args.corrupt_sector_ppm;
         cfg.client_elections = !args.no_client_elections;
-        cfg.client_sessions = args.client_sessions;
+        cfg.client_sessions = !args.no_client_sessions;
         cfg.trace = std::env::var_os("RAFTLOCK_SIM_TRACE").is_some();
         let outcome = run_seed(cfg.clone());
         total.add(&outcome.stats);

@@ -62,8 +62,8 @@ pub fn replay_command(cfg: &SimConfig) -> String {
     if !cfg.client_elections {
         cmd.push_str(" --no-client-elections");
     }
-    if cfg.client_sessions {
-        cmd.push_str(" --client-sessions");
+    if cfg.client_elections && !cfg.client_sessions {
+        cmd.push_str(" --no-client-sessions");
     }
     cmd
 }

@@ -125,12 +125,12 @@ pub struct SimConfig {
     /// the one from before elections and sessions: the regression seeds of bugs found with that
     /// mix replay as they were found.
     pub client_elections: bool,
-    /// Clients also keep sessions and attach locks to them (`sess-*` keys). Off by default for
-    /// now (CI runs a bounded number of seeds with it on). With it on, seed 313 (3 nodes) lost
-    /// a second disk while a wiped voter still awaited admission (a fault schedule no cluster
-    /// survives; the schedule no longer makes it), and seed 867 (5 nodes, with an earlier
-    /// version of that schedule fix) a retried attached acquire refused once its session had
-    /// ended (the session is now checked after the exactly-once table).
+    /// Clients also keep sessions and attach locks to them (`sess-*` keys); on by default (it
+    /// needs `client_elections`). Off, the mix is the one from before sessions. With it on,
+    /// seed 313 (3 nodes) lost a second disk while a wiped voter still awaited admission (a
+    /// fault schedule no cluster survives; the schedule no longer makes it), and seed 867 (5
+    /// nodes, with an earlier version of that schedule fix) a retried attached acquire refused
+    /// once its session had ended (the session is now checked after the exactly-once table).
     pub client_sessions: bool,
     #[cfg(test)]
     pub bugs: crate::raft::config::Bugs,
@@ -159,7 +159,7 @@ impl SimConfig {
             segments_disk: false,
             corrupt_sector_ppm: 400,
             client_elections: true,
-            client_sessions: false,
+            client_sessions: true,
             #[cfg(test)]
             bugs: Default::default(),
             #[cfg(any(test, feature = "mutations"))]
