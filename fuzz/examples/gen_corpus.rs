@@ -91,6 +91,14 @@ fn ws_request() {
             "escapes",
             r#"{"commandType":3,"key":"\u00e9\ud83d\ude00\n","clientId":"\"c\""}"#,
         ),
+        (
+            "keepalive",
+            r#"{"commandType":13,"clientId":"c","session":0,"ttl":5000,"requestId":"k1"}"#,
+        ),
+        (
+            "end-session",
+            r#"{"commandType":14,"clientId":"c","session":42,"requestId":"e1"}"#,
+        ),
     ];
     for (name, text) in seeds {
         write("ws_request", name, text.as_bytes());

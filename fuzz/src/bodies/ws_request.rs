@@ -31,17 +31,27 @@ pub fn run(data: &[u8]) {
     match parse_text(text, &LIMITS, 7) {
         Ok(op) => {
             let key = op.key();
+            // Session commands name no key; every other command a key within the limit.
+            let session_command = matches!(
+                op.request(),
+                ClientOp::KeepAlive { .. } | ClientOp::EndSession { .. }
+            );
             assert!(
-                !key.is_empty() && key.len() <= LIMITS.max_key_bytes,
+                (session_command || !key.is_empty()) && key.len() <= LIMITS.max_key_bytes,
                 "{op:?}"
             );
             if !matches!(op, ClientOp::Get { .. }) {
                 assert!(!op.client_id().is_empty(), "{op:?}");
             }
             match op.request() {
-                ClientOp::Acquire { ttl_ms, .. } => {
+                // 0: attached to the client's session.
+                ClientOp::Acquire { ttl_ms, .. } | ClientOp::Campaign { ttl_ms, .. } => {
+                    assert!((0..=LIMITS.max_ttl_ms).contains(ttl_ms), "{op:?}")
+                }
+                ClientOp::KeepAlive { ttl_ms, .. } => {
                     assert!((1..=LIMITS.max_ttl_ms).contains(ttl_ms), "{op:?}")
                 }
+                ClientOp::EndSession { session, .. } => assert!(*session > 0, "{op:?}"),
                 ClientOp::Put { value, .. } => {
                     assert!(value.len() <= LIMITS.max_value_bytes, "{op:?}")
                 }
