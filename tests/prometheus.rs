@@ -981,7 +981,7 @@ fn dashboard_and_alerts_name_only_exported_metrics() {
 }
 
 /// Span names lock-node creates, as written in its sources (`lock.*`, `kv.*`, `raft.*`,
-/// `election.*`).
+/// `election.*`, `session.*`).
 fn span_names() -> Vec<String> {
     let mut names = Vec::new();
     for file in [
@@ -997,7 +997,7 @@ fn span_names() -> Vec<String> {
         let path = format!("{}/{file}", env!("CARGO_MANIFEST_DIR"));
         let text = std::fs::read_to_string(&path).expect("source");
         for piece in text.split('"').skip(1).step_by(2) {
-            let named = ["lock.", "kv.", "raft.", "election."]
+            let named = ["lock.", "kv.", "raft.", "election.", "session."]
                 .iter()
                 .any(|p| piece.starts_with(p) && piece.len() > p.len());
             if named
