@@ -107,6 +107,15 @@ impl SimClient {
         (real as i128 * (1_000_000 + self.drift_ppm as i128) / 1_000_000) as u64
     }
 
+    /// The locks it believes it holds attached to its session: (key, token).
+    fn attached_locks(&self) -> Vec<(String, u64)> {
+        self.held
+            .iter()
+            .filter(|(_, h)| h.attached)
+            .map(|(k, h)| (k.clone(), h.token))
+            .collect()
+    }
+
     fn real(&self, local: u64) -> u64 {
         (local as i128 * 1_000_000 / (1_000_000 + self.drift_ppm as i128)) as u64
     }
@@ -322,12 +331,7 @@ impl SimClients {
             // Ending the session ends the belief in every attached lock when it is sent.
             if let ClientOp::EndSession { .. } = &op {
                 client.session = None;
-                let attached: Vec<(String, u64)> = client
-                    .held
-                    .iter()
-                    .filter(|(_, h)| h.attached)
-                    .map(|(k, h)| (k.clone(), h.token))
-                    .collect();
+                let attached = client.attached_locks();
                 for (key, token) in attached {
                     client.held.remove(&key);
                     end_belief(&mut self.beliefs, &key, c, token, now);
@@ -689,12 +693,7 @@ impl SimClients {
                 });
                 // Every attached lock the client still believes it holds lives on with the
                 // session; one whose belief already ran out is given up.
-                let attached: Vec<(String, u64)> = client
-                    .held
-                    .iter()
-                    .filter(|(_, h)| h.attached)
-                    .map(|(k, h)| (k.clone(), h.token))
-                    .collect();
+                let attached = client.attached_locks();
                 for (key, token) in attached {
                     let live = self.beliefs.get_mut(&key).and_then(|list| {
                         list.iter_mut()

@@ -87,43 +87,9 @@ pub async fn run(client: RaftLockClient, args: RunArgs) -> ExitCode {
             return ExitCode::from(EXIT_ERROR);
         }
     };
-    let pgid = child.id().map(|id| Pid::from_raw(id as i32));
-    let kill_group = |sig: Signal| {
-        if let Some(pgid) = pgid {
-            let _ = killpg(pgid, sig);
-        }
-    };
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-    let forwarded = async {
-        match term.as_mut() {
-            Some(t) => {
-                tokio::select! { _ = t.recv() => {}, _ = tokio::signal::ctrl_c() => {} }
-            }
-            None => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
-    };
-    tokio::pin!(forwarded);
-    // Ok: the command exited; Err: the lock was lost first.
-    let ended = tokio::select! {
-        status = child.wait() => Ok(status),
-        reason = renewer.lost() => Err(reason),
-        _ = &mut forwarded => {
-            // Ctrl-C or SIGTERM: pass it on to the command's group and wait for it (still
-            // bounded by the lease).
-            kill_group(Signal::SIGTERM);
-            tokio::select! {
-                status = child.wait() => Ok(status),
-                reason = renewer.lost() => Err(reason),
-            }
-        }
-    };
-    let status = match ended {
+    let status = match supervise(&mut child, renewer.lost()).await {
         Ok(status) => status,
         Err(reason) => {
-            kill_group(Signal::SIGKILL);
-            let _ = child.wait().await;
             eprintln!(
                 "lockctl run: lock {} lost ({reason}); killed the command",
                 args.key
@@ -132,8 +98,6 @@ pub async fn run(client: RaftLockClient, args: RunArgs) -> ExitCode {
         }
     };
     drop(renewer);
-    // Anything the command left running in its group goes with it.
-    kill_group(Signal::SIGKILL);
     if let Err(e) = lock.release().await {
         eprintln!(
             "lockctl run: release of {} failed: {e} (it lapses at its TTL)",
@@ -202,33 +166,13 @@ async fn run_on_session(
             return ExitCode::from(EXIT_ERROR);
         }
     };
-    let pgid = child.id().map(|id| Pid::from_raw(id as i32));
-    let kill_group = |sig: Signal| {
-        if let Some(pgid) = pgid {
-            let _ = killpg(pgid, sig);
-        }
-    };
-    let ended = tokio::select! {
-        status = child.wait() => Some(status),
-        _ = session.lost() => None,
-        _ = tokio::signal::ctrl_c() => {
-            kill_group(Signal::SIGTERM);
-            tokio::select! {
-                status = child.wait() => Some(status),
-                _ = session.lost() => None,
-            }
-        }
-    };
-    let Some(status) = ended else {
-        kill_group(Signal::SIGKILL);
-        let _ = child.wait().await;
+    let Ok(status) = supervise(&mut child, session.lost()).await else {
         eprintln!(
             "lockctl run: session {} lost; killed the command",
             session.id()
         );
         return ExitCode::from(EXIT_LOCK_LOST);
     };
-    kill_group(Signal::SIGKILL);
     if let Err(e) = session.end().await {
         eprintln!("lockctl run: ending the session failed: {e} (it lapses at its TTL)");
     }
@@ -251,4 +195,49 @@ fn exit_code_of(status: std::io::Result<std::process::ExitStatus>) -> ExitCode {
             ExitCode::from(EXIT_ERROR)
         }
     }
+}
+
+/// Waits for the command unless `lost` resolves first. Ctrl-C and SIGTERM are passed on to the
+/// command's process group (the wait stays bounded by `lost`). Once the command exited, or was
+/// killed (SIGKILL) because the lock was lost, anything left in its group is killed too.
+/// `Ok`: the command's exit; `Err`: what `lost` resolved with.
+async fn supervise<T>(
+    child: &mut tokio::process::Child,
+    lost: impl std::future::Future<Output = T>,
+) -> Result<std::io::Result<std::process::ExitStatus>, T> {
+    let pgid = child.id().map(|id| Pid::from_raw(id as i32));
+    let kill_group = |sig: Signal| {
+        if let Some(pgid) = pgid {
+            let _ = killpg(pgid, sig);
+        }
+    };
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    let forwarded = async {
+        match term.as_mut() {
+            Some(t) => {
+                tokio::select! { _ = t.recv() => {}, _ = tokio::signal::ctrl_c() => {} }
+            }
+            None => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    };
+    tokio::pin!(forwarded);
+    tokio::pin!(lost);
+    let ended = tokio::select! {
+        status = child.wait() => Ok(status),
+        reason = &mut lost => Err(reason),
+        _ = &mut forwarded => {
+            kill_group(Signal::SIGTERM);
+            tokio::select! {
+                status = child.wait() => Ok(status),
+                reason = &mut lost => Err(reason),
+            }
+        }
+    };
+    kill_group(Signal::SIGKILL);
+    if ended.is_err() {
+        let _ = child.wait().await;
+    }
+    ended
 }
