@@ -14,6 +14,11 @@
 //! input above, unchanged since the first release) or an election leader's term (the input
 //! above followed by a zero byte and `leader`). A value in decimal never contains a zero byte,
 //! so a leader's MAC never verifies as a lock's, nor a lock's as a leader's.
+//!
+//! A read-write lock's tokens are `reader` or `writer` tokens (the mode's name follows the
+//! value as a leader's does), and a semaphore's are `permit` tokens of a slot (`permit`, a zero
+//! byte and the slot in decimal follow the value): a reader's MAC never verifies as a writer's,
+//! nor one slot's as another's.
 
 use std::path::Path;
 
@@ -31,22 +36,57 @@ pub enum TokenMode {
     Lock,
     /// The leader of an election, for the term the token numbers.
     Leader,
+    /// A reader of a read-write lock (may read, never write).
+    Reader,
+    /// The writer of a read-write lock.
+    Writer,
+    /// A permit of a semaphore, in the slot it holds.
+    Permit(u32),
 }
 
 impl TokenMode {
-    /// The mode's name on the wire (`"lock"`, `"leader"`).
+    /// The mode's name on the wire (`"lock"`, `"leader"`, `"reader"`, `"writer"`, `"permit"`;
+    /// a permit's slot travels beside it).
     pub fn as_str(self) -> &'static str {
         match self {
             TokenMode::Lock => "lock",
             TokenMode::Leader => "leader",
+            TokenMode::Reader => "reader",
+            TokenMode::Writer => "writer",
+            TokenMode::Permit(_) => "permit",
         }
     }
 
-    /// The mode named `name` on the wire.
+    /// The mode named `name` on the wire (a permit's slot is `slot`, 0 when absent).
     pub fn parse(name: &str) -> Option<TokenMode> {
-        match name {
-            "lock" => Some(TokenMode::Lock),
-            "leader" => Some(TokenMode::Leader),
+        Self::parse_with_slot(name, None)
+    }
+
+    /// The mode named `name`, with a permit's `slot`; a slot is refused for any other mode.
+    pub fn parse_with_slot(name: &str, slot: Option<u32>) -> Option<TokenMode> {
+        match (name, slot) {
+            ("lock", None) => Some(TokenMode::Lock),
+            ("leader", None) => Some(TokenMode::Leader),
+            ("reader", None) => Some(TokenMode::Reader),
+            ("writer", None) => Some(TokenMode::Writer),
+            ("permit", slot) => Some(TokenMode::Permit(slot.unwrap_or(0))),
+            _ => None,
+        }
+    }
+
+    /// The mode of a grant of a read-write lock or semaphore.
+    pub fn of_shared(mode: crate::lock::LockMode, slot: u32) -> TokenMode {
+        match mode {
+            crate::lock::LockMode::Read => TokenMode::Reader,
+            crate::lock::LockMode::Write => TokenMode::Writer,
+            crate::lock::LockMode::Permit => TokenMode::Permit(slot),
+        }
+    }
+
+    /// A permit's slot (`None` for every other mode).
+    pub fn slot(self) -> Option<u32> {
+        match self {
+            TokenMode::Permit(slot) => Some(slot),
             _ => None,
         }
     }
@@ -120,6 +160,10 @@ impl FencingKey {
             mac.update(&[0]);
             mac.update(mode.as_str().as_bytes());
         }
+        if let TokenMode::Permit(slot) = mode {
+            mac.update(&[0]);
+            mac.update(slot.to_string().as_bytes());
+        }
         let digest = mac.finalize().into_bytes();
         let mut out = String::with_capacity(64);
         for b in digest {
@@ -171,7 +215,22 @@ mod tests {
             TokenMode::parse(TokenMode::Lock.as_str()),
             Some(TokenMode::Lock)
         );
-        assert_eq!(TokenMode::parse("writer"), None);
+        assert_eq!(TokenMode::parse("writer"), Some(TokenMode::Writer));
+        assert_eq!(TokenMode::parse("owner"), None);
+        assert_eq!(TokenMode::parse_with_slot("lock", Some(1)), None);
+        // A reader's MAC is not a writer's nor a lock's; one slot's permit is not another's.
+        let reader = k.mac_mode(TokenMode::Reader, "orders", 42);
+        assert!(k.verify_mode(TokenMode::Reader, "orders", 42, &reader));
+        assert!(!k.verify_mode(TokenMode::Writer, "orders", 42, &reader));
+        assert!(!k.verify("orders", 42, &reader));
+        let permit = k.mac_mode(TokenMode::Permit(1), "orders", 42);
+        assert!(k.verify_mode(TokenMode::Permit(1), "orders", 42, &permit));
+        assert!(!k.verify_mode(TokenMode::Permit(0), "orders", 42, &permit));
+        assert!(!k.verify_mode(TokenMode::Permit(11), "orders", 4, &permit));
+        assert_eq!(
+            TokenMode::parse_with_slot("permit", Some(3)),
+            Some(TokenMode::Permit(3))
+        );
         // Key and value are separated: ("a1", 2) and ("a", 12) differ.
         assert_ne!(k.mac("a1", 2), k.mac("a", 12));
     }

@@ -67,6 +67,9 @@ struct Args {
     /// Clients leave sessions alone: the client mix from before sessions.
     #[arg(long)]
     no_client_sessions: bool,
+    /// Clients leave read-write locks and semaphores alone: the client mix from before them.
+    #[arg(long)]
+    no_client_shared: bool,
 }
 
 fn main() -> ExitCode {
@@ -88,6 +91,7 @@ fn main() -> ExitCode {
         cfg.corrupt_sector_ppm = args.corrupt_sector_ppm;
         cfg.client_elections = !args.no_client_elections;
         cfg.client_sessions = !args.no_client_sessions;
+        cfg.client_shared = !args.no_client_shared;
         cfg.trace = std::env::var_os("RAFTLOCK_SIM_TRACE").is_some();
         let outcome = run_seed(cfg.clone());
         total.add(&outcome.stats);
@@ -102,7 +106,7 @@ fn main() -> ExitCode {
         }
     }
     println!(
-        "sim: seeds={} violations={} elections={} leader_changes={} partitions={} crashes={} pauses={} membership_changes={} committed={} grants={} expiries={} lock_delays={} lock_delays_ended={} leaders_elected={} proclaims={} sessions_opened={} sessions_closed={} sessions_expired={} attached_grants={} snapshots={} compactions={} transfers={} history_ops={} hold_intervals_checked={} reads_checked={} linearizability_checks={} lin_unchecked={} client_expiries={} redirects={} retries={} log_ticks={} acknowledging={} acknowledged_refusals={} overlapped_readies={} nodes_at_cluster_version={}/{} restarts_all={} wipes={} wipes_bootstrap_alone={} rewipes={} bootstrap_waits={} replacements={} joins={} power_cuts={} torn_writes={} corrupt_sectors={} damaged_disks={}",
+        "sim: seeds={} violations={} elections={} leader_changes={} partitions={} crashes={} pauses={} membership_changes={} committed={} grants={} expiries={} lock_delays={} lock_delays_ended={} leaders_elected={} proclaims={} sessions_opened={} sessions_closed={} sessions_expired={} attached_grants={} shared_grants={} snapshots={} compactions={} transfers={} history_ops={} hold_intervals_checked={} reads_checked={} linearizability_checks={} lin_unchecked={} client_expiries={} redirects={} retries={} log_ticks={} acknowledging={} acknowledged_refusals={} overlapped_readies={} nodes_at_cluster_version={}/{} restarts_all={} wipes={} wipes_bootstrap_alone={} rewipes={} bootstrap_waits={} replacements={} joins={} power_cuts={} torn_writes={} corrupt_sectors={} damaged_disks={}",
         args.seeds,
         violations,
         total.elections,
@@ -122,6 +126,7 @@ fn main() -> ExitCode {
         total.sessions_closed,
         total.sessions_expired,
         total.attached_grants,
+        total.shared_grants,
         total.snapshots_sent,
         total.compactions,
         total.transfers,

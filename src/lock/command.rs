@@ -195,6 +195,32 @@ pub enum Command {
         session: u64,
         lease_index: u64,
     },
+    /// Takes a read-write lock in `mode` `Read` or `Write`, or one permit of a semaphore
+    /// (`Permit`), on a key of its own (needs cluster version 9). Granted at once when the
+    /// key's queue is empty and the mode fits beside the holders (readers beside readers; a
+    /// writer alone; fewer holders than permits), queued in FIFO order across modes otherwise.
+    /// `permits`: for a permit, the size a semaphore not in use yet starts with (an admin's
+    /// `SetPermits`, or the size in use, wins); 0 for a read or write lock. `wait_timeout_ms`
+    /// as in [`Command::Acquire`]. Released, renewed, cancelled and expired by the plain
+    /// commands, each naming its holder's own token.
+    AcquireShared {
+        key: String,
+        client_id: String,
+        request_id: String,
+        ttl_ms: u64,
+        wait_timeout_ms: Option<u64>,
+        mode: LockMode,
+        permits: u32,
+    },
+    /// Sets semaphore `key`'s size to `permits` (needs cluster version 9): kept while the key
+    /// is unused, until set again; 0 forgets the setting. Lowering it below the holders lets
+    /// them keep their permits; new grants wait until they fit.
+    SetPermits {
+        key: String,
+        permits: u32,
+        client_id: String,
+        request_id: String,
+    },
     /// A client request that acknowledges earlier answers (needs cluster version 3). Its
     /// `command`'s request id is the request's sequence number in its client's session (decimal,
     /// from 1), and `ack_below` says the client has the answer of every request of its session
@@ -210,6 +236,37 @@ pub enum Command {
         ack_below: u64,
         command: Box<Command>,
     },
+}
+
+/// How a shared lock is held: a read-write lock's reader or writer, or a semaphore's permit.
+/// Fencing tokens carry it (the fencing MAC covers it), so a reader's token never passes as a
+/// writer's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum LockMode {
+    Read,
+    Write,
+    Permit,
+}
+
+impl LockMode {
+    /// The mode's name on the wire: `read`, `write` or `permit`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LockMode::Read => "read",
+            LockMode::Write => "write",
+            LockMode::Permit => "permit",
+        }
+    }
+
+    /// Parses a wire name ([`LockMode::as_str`]).
+    pub fn parse(name: &str) -> Option<LockMode> {
+        match name {
+            "read" => Some(LockMode::Read),
+            "write" => Some(LockMode::Write),
+            "permit" => Some(LockMode::Permit),
+            _ => None,
+        }
+    }
 }
 
 /// The fields of an acquire ([`Command::as_acquire`]).
@@ -276,7 +333,9 @@ impl Command {
             | Command::SetLockDelay { key, .. }
             | Command::EndLockDelay { key, .. }
             | Command::Campaign { key, .. }
-            | Command::Proclaim { key, .. } => key,
+            | Command::Proclaim { key, .. }
+            | Command::AcquireShared { key, .. }
+            | Command::SetPermits { key, .. } => key,
             Command::SetLimits { .. }
             | Command::SetLimitsV1 { .. }
             | Command::Tick { .. }
@@ -303,6 +362,14 @@ impl Command {
                 wait_timeout_ms,
             }
             | Command::Campaign {
+                key,
+                client_id,
+                request_id,
+                ttl_ms,
+                wait_timeout_ms,
+                ..
+            }
+            | Command::AcquireShared {
                 key,
                 client_id,
                 request_id,
@@ -373,6 +440,16 @@ impl Command {
                 ..
             }
             | Command::Proclaim {
+                client_id,
+                request_id,
+                ..
+            }
+            | Command::AcquireShared {
+                client_id,
+                request_id,
+                ..
+            }
+            | Command::SetPermits {
                 client_id,
                 request_id,
                 ..

@@ -11,15 +11,17 @@ mod machine;
 mod outcome;
 
 #[cfg(test)]
+mod shared_tests;
+#[cfg(test)]
 mod tests;
 
-pub use command::{AcquireParts, Command, DecodeError, FencingToken};
+pub use command::{AcquireParts, Command, DecodeError, FencingToken, LockMode};
 pub use limits::{identity_of, Limits, LimitsV1, Quotas};
 pub use machine::{
     sequence_number, stored_to_snapshot_pairs, ClusterIdentity, ElectionInfo, HeldLock,
-    LockDelayInfo, LockStateMachine, MachineBugs, MemberInfo, SessionInfo, StateLoader,
-    StoredToSnapshot, WaiterInfo, CLUSTER_VERSION, DEDUPE_BLOCK, ELECTION_VERSION,
-    LIFECYCLE_VERSION, LOCK_DELAY_VERSION, MEMBERS_MAX, MEMBER_ADDR_MAX, QUOTAS_VERSION,
-    SEQUENCED_VERSION, SESSION_VERSION,
+    LockDelayInfo, LockStateMachine, MachineBugs, MemberInfo, SessionInfo, SharedHolderInfo,
+    SharedLockInfo, SharedWaiterInfo, StateLoader, StoredToSnapshot, WaiterInfo, CLUSTER_VERSION,
+    DEDUPE_BLOCK, ELECTION_VERSION, LIFECYCLE_VERSION, LOCK_DELAY_VERSION, MEMBERS_MAX,
+    MEMBER_ADDR_MAX, QUOTAS_VERSION, SEQUENCED_VERSION, SESSION_VERSION, SHARED_VERSION,
 };
 pub use outcome::{Applied, Event, Outcome, RejectCode};

@@ -87,6 +87,16 @@ pub enum Outcome {
     /// The client has no such session: it ended (its attached locks are gone), or was never
     /// opened. Nothing changed.
     NoSession,
+    /// *Recorded.* The caller holds the read-write lock or semaphore `token.key` in `mode`
+    /// with `token` for a lease of `ttl_ms`; `slot` is a permit's slot (0 otherwise).
+    SharedGranted {
+        token: FencingToken,
+        ttl_ms: u64,
+        mode: super::command::LockMode,
+        slot: u32,
+    },
+    /// *Recorded.* The semaphore's size is now `permits` (0: the setting was forgotten).
+    PermitsSet { permits: u32 },
 }
 
 impl Outcome {
@@ -105,6 +115,8 @@ impl Outcome {
                 | Outcome::Deleted { .. }
                 | Outcome::LockDelaySet { .. }
                 | Outcome::Proclaimed { .. }
+                | Outcome::SharedGranted { .. }
+                | Outcome::PermitsSet { .. }
         )
     }
 
@@ -176,6 +188,16 @@ pub enum Event {
         client_id: String,
         token: FencingToken,
         value: Vec<u8>,
+    },
+    /// A queued acquire of a read-write lock or semaphore was granted by someone else's
+    /// command (a release, an expiry, a cancel ahead of it, a larger size), in the same apply.
+    SharedGranted {
+        client_id: String,
+        request_id: String,
+        token: FencingToken,
+        ttl_ms: u64,
+        mode: super::command::LockMode,
+        slot: u32,
     },
     /// A waiter left the queue without being granted (`CancelWait`: timeout, disconnect, or the
     /// client's own cancel).

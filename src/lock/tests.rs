@@ -476,6 +476,10 @@ impl Model {
             return session_refused();
         }
         let out = match cmd {
+            // Read-write locks and semaphores have a model of their own (`shared_tests`).
+            Command::AcquireShared { .. } | Command::SetPermits { .. } => {
+                unreachable!("the random commands of this model never include shared locks")
+            }
             Command::Acquire {
                 key,
                 client_id,
@@ -881,6 +885,8 @@ fn model_op(cmd: &Command) -> ModelOp {
         Command::SetLockDelay { .. } => "lock_delay",
         Command::Campaign { .. } => "campaign",
         Command::Proclaim { .. } => "proclaim",
+        Command::AcquireShared { .. } => "acquire_shared",
+        Command::SetPermits { .. } => "set_permits",
         Command::Expire { .. }
         | Command::EndLockDelay { .. }
         | Command::ExpireLease { .. }

@@ -2,7 +2,7 @@
 //! it, waiters granted or dropped by someone else's command, and replayed answers from the
 //! exactly-once table.
 
-use super::api::{ApiError, ClientReply, ErrorCode, QueuedInfo};
+use super::api::{ApiError, ClientReply, ErrorCode, QueuedInfo, SharedGrant};
 use super::{NodeCore, Observation, Pending, Waiting, MS};
 use crate::lock::{Command, Event, Outcome, RejectCode};
 use crate::storage::Storage;
@@ -25,6 +25,28 @@ impl<S: Storage, R> NodeCore<S, R> {
                         expires_in_ms: *ttl_ms,
                         queued: None,
                         leader: self.sm.is_election(&token.key),
+                        shared: None,
+                    },
+                ),
+                Event::SharedGranted {
+                    client_id,
+                    request_id,
+                    token,
+                    ttl_ms,
+                    mode,
+                    slot,
+                } => self.answer_waiter(
+                    client_id,
+                    request_id,
+                    ClientReply::Granted {
+                        token: token.clone(),
+                        expires_in_ms: *ttl_ms,
+                        queued: None,
+                        leader: false,
+                        shared: Some(SharedGrant {
+                            mode: *mode,
+                            slot: *slot,
+                        }),
                     },
                 ),
                 Event::Expired { .. }
@@ -61,10 +83,12 @@ impl<S: Storage, R> NodeCore<S, R> {
                 expires_in_ms,
                 queued: None,
                 leader,
+                shared,
             } => ClientReply::Granted {
                 token,
                 expires_in_ms,
                 leader,
+                shared,
                 queued: Some(QueuedInfo {
                     position: waiting.position,
                     waited_ms: self.now.saturating_sub(waiting.enqueued) / MS,
@@ -87,17 +111,32 @@ impl<S: Storage, R> NodeCore<S, R> {
     /// (expired, released, handed on), a retried acquire is told so (`STALE_TOKEN`) and a
     /// retried renew gets 0 ms left.
     pub(super) fn replayed_outcome(&self, outcome: Outcome) -> Result<Outcome, ClientReply> {
-        let (token, ttl_ms, renewed) = match outcome {
-            Outcome::Granted { token, ttl_ms } => (token, ttl_ms, false),
-            Outcome::Renewed { token, ttl_ms } => (token, ttl_ms, true),
+        let (token, ttl_ms, renewed, shared) = match outcome {
+            Outcome::Granted { token, ttl_ms } => (token, ttl_ms, false, None),
+            Outcome::SharedGranted {
+                token,
+                ttl_ms,
+                mode,
+                slot,
+            } => (token, ttl_ms, false, Some((mode, slot))),
+            Outcome::Renewed { token, ttl_ms } => (token, ttl_ms, true, None),
             other => return Ok(other),
         };
-        let holder = self.sm.holder(&token.key);
-        if renewed && holder.as_ref().is_none_or(|h| h.token != token.value) {
+        // The token's holder now: the plain lock's, or on a shared lock the token itself while
+        // it holds (another holder's token is not this one's "current").
+        let holder = match self.sm.shared_lock(&token.key) {
+            Some(lock) => lock
+                .holders
+                .iter()
+                .find(|h| h.token == token.value)
+                .map(|h| h.token),
+            None => self.sm.holder(&token.key).map(|h| h.token),
+        };
+        if renewed && holder != Some(token.value) {
             // The renew applied, and the hold has ended since: nothing is left of it.
             return Ok(Outcome::Renewed { token, ttl_ms: 0 });
         }
-        if holder.as_ref().is_none_or(|h| h.token != token.value) {
+        if holder != Some(token.value) {
             return Err(ClientReply::error(
                 ErrorCode::StaleToken,
                 format!(
@@ -106,18 +145,22 @@ impl<S: Storage, R> NodeCore<S, R> {
                      again with a new request id",
                     token.value,
                     token.key,
-                    holder.map_or("none (the lock is free)".to_string(), |h| h
-                        .token
-                        .to_string())
+                    holder.map_or("none (the lock is free)".to_string(), |h| h.to_string())
                 ),
             ));
         }
         let left_ms = self
-            .leases
-            .get(token.key.as_str())
-            .filter(|l| l.token == token.value)
+            .lease_of(&token.key, token.value)
             .map_or(ttl_ms, |l| l.deadline.saturating_sub(self.now) / MS)
             .min(ttl_ms);
+        if let Some((mode, slot)) = shared {
+            return Ok(Outcome::SharedGranted {
+                token,
+                ttl_ms: left_ms,
+                mode,
+                slot,
+            });
+        }
         Ok(if renewed {
             Outcome::Renewed {
                 token,
@@ -138,7 +181,21 @@ impl<S: Storage, R> NodeCore<S, R> {
                 token,
                 expires_in_ms: ttl_ms,
                 queued: None,
+                shared: None,
             },
+            Outcome::SharedGranted {
+                token,
+                ttl_ms,
+                mode,
+                slot,
+            } => ClientReply::Granted {
+                leader: false,
+                token,
+                expires_in_ms: ttl_ms,
+                queued: None,
+                shared: Some(SharedGrant { mode, slot }),
+            },
+            Outcome::PermitsSet { permits } => ClientReply::PermitsSet { permits },
             Outcome::AlreadyHeld { token, .. } => {
                 let mut err = ApiError::new(
                     ErrorCode::AlreadyHeld,
@@ -198,6 +255,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             Outcome::Released => ClientReply::Released,
             Outcome::Renewed { token, ttl_ms } => ClientReply::Renewed {
                 leader: self.sm.is_election(&token.key),
+                shared: self.shared_grant_of(&token),
                 token,
                 expires_in_ms: ttl_ms,
             },
@@ -261,6 +319,17 @@ impl<S: Storage, R> NodeCore<S, R> {
             }
         };
         self.send_answer(pending, reply);
+    }
+
+    /// The mode and slot `token` holds its read-write lock or semaphore in (`None`: a plain
+    /// lock's token, or one that no longer holds).
+    fn shared_grant_of(&self, token: &crate::lock::FencingToken) -> Option<SharedGrant> {
+        let lock = self.sm.shared_lock(&token.key)?;
+        let h = lock.holders.iter().find(|h| h.token == token.value)?;
+        Some(SharedGrant {
+            mode: h.mode,
+            slot: h.slot,
+        })
     }
 
     pub(super) fn send_answer(&mut self, mut pending: Pending<R>, reply: ClientReply) {

@@ -198,6 +198,26 @@ pub enum ClientOp {
     /// Ends the client's session `session`: every attached lock is released and every attached
     /// acquire leaves its queue, in one log entry.
     EndSession { client_id: String, session: u64 },
+    /// Takes read-write lock `key` as a reader or a writer, or a permit of semaphore `key`
+    /// (`permits`: the size a semaphore not in use starts with; 0 for read and write).
+    /// Answered like an acquire, its grant saying the mode and a permit's slot; released,
+    /// renewed and cancelled by the plain operations.
+    AcquireShared {
+        key: String,
+        client_id: String,
+        request_id: String,
+        ttl_ms: u64,
+        wait_timeout_ms: Option<u64>,
+        mode: crate::lock::LockMode,
+        permits: u32,
+    },
+    /// Sets semaphore `key`'s size (0 forgets the setting).
+    SetPermits {
+        key: String,
+        permits: u32,
+        client_id: String,
+        request_id: String,
+    },
 }
 
 /// What a client operation does to the exactly-once table (see `node::pacing`).
@@ -265,6 +285,8 @@ impl ClientOp {
             | ClientOp::Delete { request_id, .. }
             | ClientOp::SetLockDelay { request_id, .. }
             | ClientOp::Campaign { request_id, .. }
+            | ClientOp::AcquireShared { request_id, .. }
+            | ClientOp::SetPermits { request_id, .. }
                 if !request_id.is_empty() =>
             {
                 AnswerKind::Starts
@@ -295,6 +317,8 @@ impl ClientOp {
             ClientOp::Leader { .. } => "leader",
             ClientOp::KeepAlive { .. } => "keep_alive",
             ClientOp::EndSession { .. } => "end_session",
+            ClientOp::AcquireShared { .. } => "acquire_shared",
+            ClientOp::SetPermits { .. } => "set_permits",
             ClientOp::Get { .. } | ClientOp::Sequenced { .. } => "get",
         }
     }
@@ -314,6 +338,8 @@ impl ClientOp {
             ClientOp::Leader { .. } => "election.leader",
             ClientOp::KeepAlive { .. } => "session.keep_alive",
             ClientOp::EndSession { .. } => "session.end",
+            ClientOp::AcquireShared { .. } => "lock.acquire_shared",
+            ClientOp::SetPermits { .. } => "lock.set_permits",
             ClientOp::Get { .. } | ClientOp::Sequenced { .. } => "kv.get",
         }
     }
@@ -332,7 +358,9 @@ impl ClientOp {
             | ClientOp::Campaign { client_id, .. }
             | ClientOp::Proclaim { client_id, .. }
             | ClientOp::KeepAlive { client_id, .. }
-            | ClientOp::EndSession { client_id, .. } => client_id,
+            | ClientOp::EndSession { client_id, .. }
+            | ClientOp::AcquireShared { client_id, .. }
+            | ClientOp::SetPermits { client_id, .. } => client_id,
             ClientOp::Get { .. } | ClientOp::Leader { .. } | ClientOp::Sequenced { .. } => "",
         }
     }
@@ -351,7 +379,9 @@ impl ClientOp {
             | ClientOp::Campaign { client_id, .. }
             | ClientOp::Proclaim { client_id, .. }
             | ClientOp::KeepAlive { client_id, .. }
-            | ClientOp::EndSession { client_id, .. } => Some(client_id),
+            | ClientOp::EndSession { client_id, .. }
+            | ClientOp::AcquireShared { client_id, .. }
+            | ClientOp::SetPermits { client_id, .. } => Some(client_id),
             ClientOp::Get { .. } | ClientOp::Leader { .. } | ClientOp::Sequenced { .. } => None,
         }
     }
@@ -368,7 +398,9 @@ impl ClientOp {
             | ClientOp::Delete { request_id, .. }
             | ClientOp::SetLockDelay { request_id, .. }
             | ClientOp::Campaign { request_id, .. }
-            | ClientOp::Proclaim { request_id, .. } => request_id,
+            | ClientOp::Proclaim { request_id, .. }
+            | ClientOp::AcquireShared { request_id, .. }
+            | ClientOp::SetPermits { request_id, .. } => request_id,
             ClientOp::Get { .. }
             | ClientOp::Leader { .. }
             | ClientOp::KeepAlive { .. }
@@ -390,7 +422,9 @@ impl ClientOp {
             | ClientOp::Campaign { key, .. }
             | ClientOp::Proclaim { key, .. }
             | ClientOp::Get { key }
-            | ClientOp::Leader { key } => key,
+            | ClientOp::Leader { key }
+            | ClientOp::AcquireShared { key, .. }
+            | ClientOp::SetPermits { key, .. } => key,
             ClientOp::KeepAlive { .. }
             | ClientOp::EndSession { .. }
             | ClientOp::Sequenced { .. } => "",
@@ -420,6 +454,9 @@ pub enum ClientReply {
         /// The grant makes the client an election's leader (the token is its term).
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         leader: bool,
+        /// A read-write lock's or semaphore's grant: its mode and (a permit's) slot.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        shared: Option<SharedGrant>,
     },
     Released,
     Renewed {
@@ -428,6 +465,9 @@ pub enum ClientReply {
         /// The renewed lease is an election leader's.
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         leader: bool,
+        /// The renewed lease is a read-write lock's or semaphore's holder's: its mode and slot.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        shared: Option<SharedGrant>,
     },
     WaitCancelled,
     Stored,
@@ -461,6 +501,18 @@ pub enum ClientReply {
     SessionEnded {
         locks: u32,
     },
+    /// The semaphore's size is now `permits` (0: the admin's setting was forgotten).
+    PermitsSet {
+        permits: u32,
+    },
+}
+
+/// How a read-write lock or a semaphore was granted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SharedGrant {
+    pub mode: crate::lock::LockMode,
+    /// A permit's slot (0 for readers and writers).
+    pub slot: u32,
 }
 
 impl ClientReply {
@@ -482,6 +534,7 @@ impl ClientReply {
             ClientReply::Leader { .. } => "read",
             ClientReply::SessionKept { .. } => "kept",
             ClientReply::SessionEnded { .. } => "ended",
+            ClientReply::PermitsSet { .. } => "stored",
             ClientReply::Error(e) => e.code.as_str(),
         }
     }

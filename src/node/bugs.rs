@@ -52,6 +52,13 @@ pub struct NodeBugs {
     /// A new leader gives the sessions it inherits no time: they expire at once, although
     /// their clients may have kept them alive just before the election.
     pub no_session_wait_after_election: bool,
+    /// The state machine grants a reader beside a writer (when the key's queue is empty).
+    pub reader_beside_writer: bool,
+    /// The state machine hands out one permit more than a semaphore's size.
+    pub permit_over_size: bool,
+    /// The state machine cancels a shared lock's waiter without granting those behind it that
+    /// now fit (readers behind a cancelled writer wait on).
+    pub shared_cancel_skips_grant: bool,
 }
 
 impl NodeBugs {
@@ -79,6 +86,9 @@ impl NodeBugs {
             "session_end_keeps_waiters" => bugs.session_end_keeps_waiters = true,
             "session_expiry_ignores_keepalive" => bugs.session_expiry_ignores_keepalive = true,
             "no_session_wait_after_election" => bugs.no_session_wait_after_election = true,
+            "reader_beside_writer" => bugs.reader_beside_writer = true,
+            "permit_over_size" => bugs.permit_over_size = true,
+            "shared_cancel_skips_grant" => bugs.shared_cancel_skips_grant = true,
             _ => return None,
         }
         Some(bugs)
@@ -93,6 +103,9 @@ impl NodeBugs {
             elected_by_hand_off_without_value: self.elected_by_hand_off_without_value,
             session_end_keeps_waiters: self.session_end_keeps_waiters,
             session_expiry_ignores_keepalive: self.session_expiry_ignores_keepalive,
+            reader_beside_writer: self.reader_beside_writer,
+            permit_over_size: self.permit_over_size,
+            shared_cancel_skips_grant: self.shared_cancel_skips_grant,
         }
     }
 }

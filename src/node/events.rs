@@ -66,11 +66,15 @@ pub fn lock_events(command: &Command, applied: &Applied) -> Vec<LockEvent> {
     use LockEventKind as K;
     match (command, &applied.outcome) {
         (
-            Command::Acquire { key, client_id, .. } | Command::Campaign { key, client_id, .. },
-            Outcome::Granted { token, .. },
+            Command::Acquire { key, client_id, .. }
+            | Command::Campaign { key, client_id, .. }
+            | Command::AcquireShared { key, client_id, .. },
+            Outcome::Granted { token, .. } | Outcome::SharedGranted { token, .. },
         ) => out.push(event(K::Granted, key, client_id, Some(token.value), None)),
         (
-            Command::Acquire { key, client_id, .. } | Command::Campaign { key, client_id, .. },
+            Command::Acquire { key, client_id, .. }
+            | Command::Campaign { key, client_id, .. }
+            | Command::AcquireShared { key, client_id, .. },
             Outcome::Queued { position },
         ) => out.push(event(K::Queued, key, client_id, None, Some(*position))),
         (
@@ -100,6 +104,9 @@ pub fn lock_events(command: &Command, applied: &Applied) -> Vec<LockEvent> {
     for e in &applied.events {
         match e {
             Event::Granted {
+                client_id, token, ..
+            }
+            | Event::SharedGranted {
                 client_id, token, ..
             } => out.push(event(
                 K::Granted,

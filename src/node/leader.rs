@@ -3,6 +3,7 @@
 //! cluster's limits, quotas and version (with what each member said it runs).
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 
 use bytes::Bytes;
 
@@ -42,6 +43,7 @@ impl<S: Storage, R> NodeCore<S, R> {
                 leader: leader_id,
             });
             self.leases.clear();
+            self.shared_leases.clear();
             self.wait_deadlines.clear();
             self.lock_delays.clear();
             self.session_deadlines.clear();
@@ -114,6 +116,23 @@ impl<S: Storage, R> NodeCore<S, R> {
             }
         }
         let left = limit - commands.len();
+        for ((key, _), lease) in self.shared_leases.due_first(now, left) {
+            if lease.deadline <= now && due(lease.expiry_proposed_at) {
+                commands.push(if only_token {
+                    Command::Expire {
+                        key: key.to_string(),
+                        token: lease.token,
+                    }
+                } else {
+                    Command::ExpireLease {
+                        key: key.to_string(),
+                        token: lease.token,
+                        lease_index: lease.lease_index,
+                    }
+                });
+            }
+        }
+        let left = limit - commands.len();
         for (key, d) in self.lock_delays.due_first(now, left) {
             if d.at <= now && due(d.end_proposed_at) {
                 commands.push(Command::EndLockDelay {
@@ -149,9 +168,16 @@ impl<S: Storage, R> NodeCore<S, R> {
             if self.raft.propose(encoded).is_ok() || never_retry {
                 for cmd in &commands {
                     match cmd {
-                        Command::Expire { key, .. } | Command::ExpireLease { key, .. } => {
-                            self.leases
-                                .update(key.as_str(), |l| l.expiry_proposed_at = Some(now));
+                        Command::Expire { key, token }
+                        | Command::ExpireLease { key, token, .. } => {
+                            let shared = (Arc::from(key.as_str()), *token);
+                            if self.shared_leases.contains_key(&shared) {
+                                self.shared_leases
+                                    .update(&shared, |l| l.expiry_proposed_at = Some(now));
+                            } else {
+                                self.leases
+                                    .update(key.as_str(), |l| l.expiry_proposed_at = Some(now));
+                            }
                         }
                         Command::EndLockDelay { key, .. } => {
                             self.lock_delays
@@ -329,7 +355,7 @@ impl<S: Storage, R> NodeCore<S, R> {
     }
 
     /// Whether member `id` said it runs at least cluster version `version`.
-    fn said_version(&self, id: NodeId, version: u32) -> bool {
+    pub(super) fn said_version(&self, id: NodeId, version: u32) -> bool {
         self.peer_versions.get(&id).is_some_and(|v| *v >= version)
     }
 }

@@ -39,7 +39,129 @@ impl<S: Storage, R> NodeCore<S, R> {
             }
             return;
         }
-        self.follow_lease_of(command.key(), command, applied, local_started);
+        let key = command.key();
+        if self.sm.is_shared(key) || self.has_shared_leases(key) {
+            self.follow_shared_leases(key, applied, local_started);
+            return;
+        }
+        self.follow_lease_of(key, command, applied, local_started);
+    }
+
+    fn has_shared_leases(&self, key: &str) -> bool {
+        if self.shared_leases.len() == 0 {
+            return false;
+        }
+        let k: Arc<str> = Arc::from(key);
+        !self
+            .shared_leases
+            .range_keys((k.clone(), 0)..=(k, u64::MAX))
+            .is_empty()
+    }
+
+    /// The lease of fencing token `token` on `key`, a plain lock's or a shared lock's holder's.
+    pub(super) fn lease_of(&self, key: &str, token: u64) -> Option<&Lease> {
+        if let Some(lease) = self.leases.get(key).filter(|l| l.token == token) {
+            return Some(lease);
+        }
+        self.shared_leases.get(&(Arc::from(key), token))
+    }
+
+    /// The leases of a read-write lock's or semaphore's holders follow its state after an
+    /// apply: a new holder's lease starts (its full TTL from now), a renewed one restarts, a
+    /// holder gone takes its lease with it.
+    fn follow_shared_leases(
+        &mut self,
+        key: &str,
+        applied: &crate::lock::Applied,
+        local_started: Option<Micros>,
+    ) {
+        let holders = self
+            .sm
+            .shared_lock(key)
+            .map(|lock| lock.holders)
+            .unwrap_or_default();
+        let k: Arc<str> = Arc::from(key);
+        let expired = matches!(applied.outcome, Outcome::Expired { .. });
+        for id in self
+            .shared_leases
+            .range_keys((k.clone(), 0)..=(k.clone(), u64::MAX))
+        {
+            if holders.iter().any(|h| h.token == id.1) {
+                continue;
+            }
+            if let Some(lease) = self.shared_leases.remove(&id) {
+                let held_us = self.now.saturating_sub(lease.started);
+                self.observe(Observation::LeaseEnded { held_us, expired });
+            }
+        }
+        let now = self.now;
+        for h in holders {
+            let id = (k.clone(), h.token);
+            let started = match self.shared_leases.get(&id) {
+                Some(l) if l.lease_index == h.lease_index => continue,
+                Some(l) => Some(l.started),
+                None => None,
+            };
+            self.shared_leases.insert(
+                id,
+                Lease {
+                    token: h.token,
+                    lease_index: h.lease_index,
+                    deadline: now + h.ttl_ms * MS,
+                    started: started.unwrap_or(now),
+                    expiry_proposed_at: None,
+                },
+            );
+            if started.is_some() {
+                self.observe(Observation::Renewed);
+            } else {
+                let waited_us = self
+                    .waiting
+                    .get(&(h.client_id.clone(), h.request_id.clone()))
+                    .map(|w| w.enqueued)
+                    .or(local_started)
+                    .map(|at| now.saturating_sub(at));
+                self.observe(Observation::Granted { waited_us });
+            }
+        }
+    }
+
+    /// On election: every holder of a read-write lock or semaphore gets a full TTL from now,
+    /// every waiter its wait timeout or the reclaim window, as plain locks do (all at once:
+    /// shared locks are bounded by the held-locks limit like plain ones, and few in practice).
+    fn rebuild_shared(&mut self, since: Micros) {
+        self.shared_leases.clear();
+        let no_wait = self.bug(|b| b.no_lease_wait_after_election);
+        for lock in self.sm.shared_locks_after(None, usize::MAX) {
+            let k: Arc<str> = Arc::from(lock.key.as_str());
+            for h in &lock.holders {
+                let full_ttl = if no_wait { 0 } else { h.ttl_ms * MS };
+                self.shared_leases.insert(
+                    (k.clone(), h.token),
+                    Lease {
+                        token: h.token,
+                        lease_index: h.lease_index,
+                        deadline: since + full_ttl,
+                        started: since,
+                        expiry_proposed_at: None,
+                    },
+                );
+            }
+            for w in lock.waiters {
+                let mut at = since + self.cfg.waiter_reclaim_us;
+                if let Some(ms) = w.wait_timeout_ms {
+                    at = at.max(since + ms * MS);
+                }
+                self.wait_deadlines.insert(
+                    (w.client_id, w.request_id),
+                    WaitDeadline {
+                        key: lock.key.clone(),
+                        at,
+                        cancel_proposed_at: None,
+                    },
+                );
+            }
+        }
     }
 
     fn follow_lease_of(
@@ -294,6 +416,7 @@ impl<S: Storage, R> NodeCore<S, R> {
         self.wait_deadlines.clear();
         self.rebuild_lock_delays(self.now);
         self.rebuild_sessions(self.now);
+        self.rebuild_shared(self.now);
         self.rebuild = Some(Rebuild {
             since: self.now,
             after: None,

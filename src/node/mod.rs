@@ -355,6 +355,9 @@ pub struct NodeCore<S: Storage, R> {
     /// Leader only: the lease of every held lock, and when each falls due.
     /// Keyed by a shared string: the due-time index holds the same key, not a copy.
     leases: TimedMap<Arc<str>, Lease>,
+    /// Leader only: the lease of every holder of a read-write lock or semaphore, by key and
+    /// token.
+    shared_leases: TimedMap<(Arc<str>, u64), Lease>,
     /// Leader only: when queued waiters are cancelled.
     wait_deadlines: TimedMap<(String, String), WaitDeadline>,
     /// Leader only: when each running lock-delay ends (`EndLockDelay`).
@@ -487,6 +490,7 @@ impl<S: Storage, R> NodeCore<S, R> {
             pending: BTreeMap::new(),
             waiting: BTreeMap::new(),
             leases: TimedMap::new(retry, never_retry),
+            shared_leases: TimedMap::new(retry, never_retry),
             wait_deadlines: TimedMap::new(retry, never_retry),
             lock_delays: TimedMap::new(retry, never_retry),
             session_deadlines: TimedMap::new(retry, never_retry),
@@ -592,12 +596,17 @@ impl<S: Storage, R> NodeCore<S, R> {
         self.pending.len() + self.waiting.len() + self.reads.len()
     }
 
-    /// Leases the leader tracks (key, token, µs left).
+    /// Leases the leader tracks (key, token, µs left): plain locks', then shared locks'.
     pub fn leases(&self) -> Vec<(String, u64, Micros)> {
-        self.leases
+        let plain = self
+            .leases
             .iter()
-            .map(|(k, l)| (k.to_string(), l.token, l.deadline.saturating_sub(self.now)))
-            .collect()
+            .map(|(k, l)| (k.to_string(), l.token, l.deadline.saturating_sub(self.now)));
+        let shared = self
+            .shared_leases
+            .iter()
+            .map(|((k, _), l)| (k.to_string(), l.token, l.deadline.saturating_sub(self.now)));
+        plain.chain(shared).collect()
     }
 
     /// Whether a snapshot job is out; the shell must hand its result back before

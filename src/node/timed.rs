@@ -73,6 +73,11 @@ impl<K: Ord + Clone, V: Deadline> TimedMap<K, V> {
         self.map.len()
     }
 
+    /// The keys in `range`, in key order.
+    pub fn range_keys(&self, range: impl std::ops::RangeBounds<K>) -> Vec<K> {
+        self.map.range(range).map(|(k, _)| k.clone()).collect()
+    }
+
     pub fn iter(&self) -> impl Iterator<Item = (&K, &V)> {
         self.map.iter()
     }

@@ -659,7 +659,18 @@ impl Caller {
     /// the client id becomes `<identity>/<clientId>` (or `<identity>`).
     pub fn authorize(&self, op: &mut ClientOp) -> Result<(), ApiError> {
         let operation = match op.request() {
-            ClientOp::Acquire { .. } | ClientOp::Campaign { .. } => Operation::Acquire,
+            ClientOp::Acquire { .. }
+            | ClientOp::Campaign { .. }
+            | ClientOp::AcquireShared { .. } => Operation::Acquire,
+            // A semaphore's size holds back (or lets in) every client of the key: an operator's
+            // setting, like a lock-delay.
+            ClientOp::SetPermits { .. } if !self.sees_tokens() => {
+                return Err(ApiError::new(
+                    ErrorCode::PermissionDenied,
+                    "setting a semaphore's size needs an admin identity",
+                ))
+            }
+            ClientOp::SetPermits { .. } => Operation::Write,
             ClientOp::Proclaim { .. } => Operation::Renew,
             ClientOp::Leader { .. } => Operation::Read,
             ClientOp::Release { .. } | ClientOp::ReleaseHeld { .. } => Operation::Release,

@@ -25,7 +25,8 @@ use rand::Rng;
 
 use super::checker::Violation;
 use super::linearizability::{self, KvOp, LinOp, LockOp, OpKind};
-use crate::node::api::{ClientOp, ClientReply, ErrorCode};
+use crate::lock::LockMode;
+use crate::node::api::{ClientOp, ClientReply, ErrorCode, SharedGrant};
 use crate::raft::NodeId;
 
 /// Largest drift of a client's clock from real time, in parts per million.
@@ -63,6 +64,14 @@ struct Held {
     token: u64,
     /// Attached to the client's session: its lease is the session's.
     attached: bool,
+}
+
+/// Semaphores' size in the client mix (`sem-*` keys).
+pub const SEM_PERMITS: u32 = 2;
+
+/// Whether `key` is a read-write lock's or a semaphore's in the client mix.
+pub fn is_shared_key(key: &str) -> bool {
+    key.starts_with("rw-") || key.starts_with("sem-")
 }
 
 /// The client's session as it believes it.
@@ -128,6 +137,21 @@ struct Belief {
     token: u64,
     from: u64,
     until: u64,
+    /// How a read-write lock or semaphore is held (`None`: exclusively).
+    shared: Option<SharedGrant>,
+}
+
+/// Whether two holders may hold one key at once: readers beside readers, permits in
+/// different slots.
+fn may_share(a: Option<SharedGrant>, b: Option<SharedGrant>) -> bool {
+    match (a, b) {
+        (Some(a), Some(b)) => match (a.mode, b.mode) {
+            (LockMode::Read, LockMode::Read) => true,
+            (LockMode::Permit, LockMode::Permit) => a.slot != b.slot,
+            _ => false,
+        },
+        _ => false,
+    }
 }
 
 /// Counters for the summary line.
@@ -163,6 +187,8 @@ pub struct SimClients {
     pub elections: bool,
     /// Some operations keep a session and attach locks to it (drawn only when on).
     pub sessions: bool,
+    /// Some operations are on read-write locks and semaphores (drawn only when on).
+    pub shared: bool,
     pub stats: ClientStats,
     pub violations: Vec<Violation>,
 }
@@ -197,6 +223,7 @@ impl SimClients {
             trace: false,
             elections: true,
             sessions: true,
+            shared: true,
             stats: ClientStats::default(),
             violations: Vec::new(),
         }
@@ -339,6 +366,66 @@ impl SimClients {
             }
             return self.begin(c, now, op);
         }
+        // About one operation in seven is on a read-write lock (`rw-*`) or a semaphore of
+        // `SEM_PERMITS` permits (`sem-*`). (Drawn only with shared locks on: off, the mix and
+        // its draws are those from before.)
+        if self.shared && rng.random_bool(0.15) {
+            let rw = rng.random_bool(0.5);
+            let key = if rw {
+                format!("rw-{k}")
+            } else {
+                format!("sem-{k}")
+            };
+            let held = client.held.get(&key).cloned();
+            let roll = rng.random_range(0..100);
+            let op = match (roll, held) {
+                (0..=84, None) => ClientOp::AcquireShared {
+                    key,
+                    client_id,
+                    request_id,
+                    ttl_ms: rng.random_range(30..400),
+                    wait_timeout_ms: match rng.random_range(0..5) {
+                        0 => Some(0),
+                        1 => None,
+                        _ => Some(rng.random_range(20..600)),
+                    },
+                    mode: match (rw, rng.random_bool(0.7)) {
+                        (true, true) => LockMode::Read,
+                        (true, false) => LockMode::Write,
+                        (false, _) => LockMode::Permit,
+                    },
+                    permits: if rw { 0 } else { SEM_PERMITS },
+                },
+                (_, None) => ClientOp::CancelWait {
+                    key,
+                    client_id,
+                    request_id: numbered(
+                        client.next_request.saturating_sub(rng.random_range(1..6)),
+                    ),
+                },
+                (0..=49, Some(h)) => ClientOp::Release {
+                    key,
+                    client_id,
+                    request_id,
+                    token: h.token,
+                },
+                (50..=89, Some(h)) => ClientOp::Renew {
+                    key,
+                    client_id,
+                    request_id,
+                    token: h.token,
+                    ttl_ms: rng.random_range(30..400),
+                },
+                (_, Some(h)) => ClientOp::Release {
+                    key,
+                    client_id,
+                    request_id,
+                    // Now and then another holder's or a made-up token.
+                    token: h.token.saturating_sub(rng.random_range(0..3)),
+                },
+            };
+            return self.start_with(c, now, op);
+        }
         // One operation in five is on an election (`elect-*`) rather than a lock.
         // (Drawn only with elections on: off, the mix and its draws are those from before.)
         let election = self.elections && rng.random_bool(0.2);
@@ -452,6 +539,13 @@ impl SimClients {
                 request_id: numbered(client.next_request.saturating_sub(rng.random_range(1..6))),
             },
         };
+        self.start_with(c, now, op)
+    }
+
+    /// Sends a new operation, ending or shortening the client's beliefs first as its sending
+    /// allows.
+    fn start_with(&mut self, c: usize, now: u64, op: ClientOp) -> Option<Send> {
+        let client = &mut self.clients[c];
         // A release ends the belief when it is sent.
         if let ClientOp::Release { key, .. } = &op {
             if let Some(h) = client.held.remove(key) {
@@ -623,10 +717,13 @@ impl SimClients {
         let first_sent = inflight.first_sent_local;
         match (&entry.op, &reply) {
             (
-                ClientOp::Acquire { key, .. } | ClientOp::Campaign { key, .. },
+                ClientOp::Acquire { key, .. }
+                | ClientOp::Campaign { key, .. }
+                | ClientOp::AcquireShared { key, .. },
                 ClientReply::Granted {
                     token,
                     expires_in_ms,
+                    shared,
                     ..
                 },
             )
@@ -635,6 +732,7 @@ impl SimClients {
                 ClientReply::Renewed {
                     token,
                     expires_in_ms,
+                    shared,
                     ..
                 },
             ) => {
@@ -672,6 +770,7 @@ impl SimClients {
                         token: token.value,
                         from: now,
                         until: until.max(now),
+                        shared: *shared,
                     }),
                 }
             }
@@ -776,9 +875,20 @@ impl SimClients {
                     if b.from >= a.until {
                         continue;
                     }
-                    if a.client != b.client && b.from < a.until && a.from < b.until {
+                    if a.client != b.client
+                        && b.from < a.until
+                        && a.from < b.until
+                        && !may_share(a.shared, b.shared)
+                    {
+                        let invariant = match (a.shared, b.shared) {
+                            (Some(x), Some(_)) if x.mode == LockMode::Permit => {
+                                "at most N permit holders"
+                            }
+                            (Some(_), Some(_)) => "readers never beside a writer",
+                            _ => "one holder at a time",
+                        };
                         self.violations.push(Violation {
-                            invariant: "one holder at a time",
+                            invariant,
                             detail: format!(
                                 "{key}: client-{} believed it held token {} over [{}, {}) µs and client-{} token {} over [{}, {})",
                                 a.client, a.token, a.from, a.until, b.client, b.token, b.from, b.until
@@ -789,11 +899,31 @@ impl SimClients {
                 }
             }
         }
+        // A permit's slot is below the semaphore's size.
+        for (key, beliefs) in &self.beliefs {
+            let past = beliefs.iter().find(|b| {
+                b.shared
+                    .is_some_and(|g| g.mode == LockMode::Permit && g.slot >= SEM_PERMITS)
+            });
+            if let Some(b) = past {
+                self.violations.push(Violation {
+                    invariant: "at most N permit holders",
+                    detail: format!(
+                        "{key}: client-{} was granted a permit in slot {:?} of {SEM_PERMITS}",
+                        b.client,
+                        b.shared.map(|g| g.slot)
+                    ),
+                });
+                return;
+            }
+        }
         // Tokens grow in real time.
         let mut grants: BTreeMap<&str, Vec<(u64, u64, u64)>> = BTreeMap::new();
         for h in &self.history {
             if let (
-                ClientOp::Acquire { key, .. } | ClientOp::Campaign { key, .. },
+                ClientOp::Acquire { key, .. }
+                | ClientOp::Campaign { key, .. }
+                | ClientOp::AcquireShared { key, .. },
                 Some(ClientReply::Granted { token, .. }),
                 Some(done),
             ) = (&h.op, &h.reply, h.complete_us)
@@ -905,6 +1035,11 @@ impl SimClients {
         }
         let mut out: BTreeMap<String, Vec<LinOp>> = BTreeMap::new();
         for h in &self.history {
+            // Read-write locks and semaphores are judged by the holders' beliefs and the
+            // applied log's model, not by this exclusive-lock model.
+            if is_shared_key(h.op.key()) {
+                continue;
+            }
             let answered = h.reply.as_ref();
             let code = match answered {
                 Some(ClientReply::Error(e)) => Some(e.code),

@@ -13,6 +13,8 @@ use crate::raft::{Index, NodeId};
 
 use super::checker::Violation;
 
+mod shared;
+
 /// What the reference sequence says about one key.
 #[derive(Default)]
 struct KeyModel {
@@ -77,6 +79,10 @@ pub struct LockChecker {
     pub acknowledged_refusals: u64,
     /// Open sessions by client, from the keepalives applied.
     sessions: BTreeMap<String, SessionModel>,
+    /// Read-write locks and semaphores, by key.
+    shared: shared::SharedModels,
+    /// Grants of read-write locks and semaphores.
+    pub shared_grants: u64,
     /// Sessions opened, ended by their client, and expired; locks granted attached.
     pub sessions_opened: u64,
     pub sessions_closed: u64,
@@ -211,6 +217,9 @@ impl LockChecker {
             if remembered {
                 self.recorded.insert(id);
             }
+        }
+        if self.check_shared(index, command, applied) {
+            return;
         }
         match (&command, &applied.outcome) {
             (
@@ -356,6 +365,14 @@ impl LockChecker {
                 Event::LockDelayStarted { .. } | Event::LockDelayEnded { .. } => {}
                 // Checked by `check_election`.
                 Event::Proclaimed { .. } => {}
+                // Shared keys are judged by `check_shared`, which took every step on them.
+                Event::SharedGranted { token, .. } => self.fail(
+                    "shared grants keep their mode",
+                    format!(
+                        "index {index}: a shared grant of {} on a plain key",
+                        token.key
+                    ),
+                ),
             }
         }
         if let (Command::Expire { .. } | Command::ExpireLease { .. }, Outcome::Expired { .. }) =
@@ -723,5 +740,7 @@ fn documented_as_kept(command: &Command, outcome: &Outcome) -> bool {
             | Outcome::Deleted { .. }
             | Outcome::LockDelaySet { .. }
             | Outcome::Proclaimed { .. }
+            | Outcome::SharedGranted { .. }
+            | Outcome::PermitsSet { .. }
     )
 }

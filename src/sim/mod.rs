@@ -65,5 +65,8 @@ pub fn replay_command(cfg: &SimConfig) -> String {
     if cfg.client_elections && !cfg.client_sessions {
         cmd.push_str(" --no-client-sessions");
     }
+    if cfg.client_elections && cfg.client_sessions && !cfg.client_shared {
+        cmd.push_str(" --no-client-shared");
+    }
     cmd
 }

@@ -23,6 +23,7 @@ fn first_violation(
         cfg.figure8 = schedule.figure8;
         cfg.background_flushes = schedule.background_flushes;
         cfg.client_sessions = schedule.client_sessions;
+        cfg.client_shared = schedule.client_shared;
         if let Some(steps) = schedule.steps {
             cfg.steps = steps;
         }
@@ -56,6 +57,8 @@ struct Schedule {
     background_flushes: bool,
     /// Clients keep sessions ([`SimConfig::client_sessions`]).
     client_sessions: bool,
+    /// Clients take read-write locks and semaphores ([`SimConfig::client_shared`]).
+    client_shared: bool,
 }
 
 impl Default for Schedule {
@@ -68,6 +71,7 @@ impl Default for Schedule {
             nodes: &[3, 5],
             background_flushes: false,
             client_sessions: false,
+            client_shared: false,
         }
     }
 }
@@ -501,6 +505,70 @@ fn caught_election_hand_off_without_the_campaign_value() {
 }
 
 #[test]
+fn caught_reader_granted_beside_a_writer() {
+    assert_caught_with(
+        "reader_beside_writer",
+        400,
+        Schedule {
+            client_sessions: true,
+            client_shared: true,
+            ..Schedule::default()
+        },
+        Bugs::default(),
+        NodeBugs {
+            reader_beside_writer: true,
+            ..NodeBugs::default()
+        },
+        &[
+            "shared locks keep their modes and queue",
+            "readers never beside a writer",
+        ],
+    );
+}
+
+#[test]
+fn caught_semaphore_granting_a_permit_too_many() {
+    assert_caught_with(
+        "permit_over_size",
+        400,
+        Schedule {
+            client_sessions: true,
+            client_shared: true,
+            ..Schedule::default()
+        },
+        Bugs::default(),
+        NodeBugs {
+            permit_over_size: true,
+            ..NodeBugs::default()
+        },
+        &[
+            "shared locks keep their modes and queue",
+            "at most N permit holders",
+        ],
+    );
+}
+
+#[test]
+fn caught_cancel_that_leaves_fitting_waiters_queued() {
+    // Readers behind a cancelled writer wait on although they fit beside the holders.
+    assert_caught_with(
+        "shared_cancel_skips_grant",
+        3000,
+        Schedule {
+            client_sessions: true,
+            client_shared: true,
+            ..Schedule::default()
+        },
+        Bugs::default(),
+        NodeBugs {
+            shared_cancel_skips_grant: true,
+            ..NodeBugs::default()
+        },
+        &["shared locks keep their modes and queue"],
+    );
+}
+
+#[test]
 fn caught_session_end_that_leaves_attached_acquires_queued() {
     // A queued acquire left behind is granted later, attached to a session that is gone.
     assert_caught_with(
@@ -870,6 +938,8 @@ fn no_second_disk_is_lost_while_a_wiped_voter_awaits_admission() {
     // configuration still has it as a voter under its old incarnation.
     let mut cfg = SimConfig::new(313, 3);
     cfg.client_sessions = true;
+    // Found with the client mix from before read-write locks and semaphores.
+    cfg.client_shared = false;
     let outcome = run_clean(&cfg);
     assert!(outcome.stats.wipes > 0, "no disk was wiped");
 }

@@ -2,7 +2,7 @@
 //! commands handled in place (version, identity, members), the exactly-once replay of a retried
 //! request, and the validation of a request's sizes and fields against the limits.
 
-use super::super::command::{Command, FencingToken};
+use super::super::command::{Command, FencingToken, LockMode};
 use super::super::limits::Limits;
 use super::super::outcome::{Applied, Event, Outcome, RejectCode};
 use super::records::op_of;
@@ -177,10 +177,63 @@ impl LockStateMachine {
                 request_id,
                 ttl_ms,
                 wait_timeout_ms,
-            } => match self.refuse_acquire_of_election(key) {
+            } => match self
+                .refuse_acquire_of_election(key)
+                .or_else(|| self.refuse_exclusive_of_shared(key))
+            {
                 Some(refusal) => refusal,
                 None => self.acquire(key, client_id, request_id, *ttl_ms, *wait_timeout_ms),
             },
+            Command::AcquireShared {
+                key,
+                client_id,
+                request_id,
+                ttl_ms,
+                wait_timeout_ms,
+                mode,
+                permits,
+            } => self.acquire_shared(
+                key,
+                client_id,
+                request_id,
+                *ttl_ms,
+                *wait_timeout_ms,
+                *mode,
+                *permits,
+            ),
+            Command::SetPermits { key, permits, .. } => self.set_permits(key, *permits, events),
+            Command::Campaign { key, .. } if self.is_shared(key) => self
+                .refuse_exclusive_of_shared(key)
+                .unwrap_or(Outcome::NotHolder),
+            Command::Release {
+                key,
+                client_id,
+                token,
+                ..
+            } if self.is_shared(key) => self.release_shared(key, client_id, token.value, events),
+            Command::Renew {
+                key,
+                client_id,
+                token,
+                ttl_ms,
+                ..
+            } if self.is_shared(key) => self.renew_shared(key, client_id, token.value, *ttl_ms),
+            Command::CancelWait {
+                key,
+                client_id,
+                request_id,
+            } if self.is_shared(key) => self.cancel_shared_wait(key, client_id, request_id, events),
+            Command::ReleaseHeld { key, client_id, .. } if self.is_shared(key) => {
+                self.release_shared_held(key, client_id, events)
+            }
+            Command::Expire { key, token } if self.is_shared(key) => {
+                self.expire_shared(key, *token, None, events)
+            }
+            Command::ExpireLease {
+                key,
+                token,
+                lease_index,
+            } if self.is_shared(key) => self.expire_shared(key, *token, Some(*lease_index), events),
             Command::Campaign {
                 key,
                 client_id,
@@ -335,6 +388,16 @@ impl LockStateMachine {
                 client_id,
                 request_id,
                 ..
+            }
+            | Command::AcquireShared {
+                client_id,
+                request_id,
+                ..
+            }
+            | Command::SetPermits {
+                client_id,
+                request_id,
+                ..
             } => &[client_id, request_id],
             Command::Expire { .. }
             | Command::EndLockDelay { .. }
@@ -387,6 +450,63 @@ impl LockStateMachine {
                     return Err(Outcome::rejected(
                         RejectCode::InvalidRequest,
                         format!("wait timeout is limited to {} ms", l.wait_timeout_ms_max),
+                    ));
+                }
+            }
+            Command::AcquireShared {
+                client_id,
+                ttl_ms,
+                wait_timeout_ms,
+                mode,
+                permits,
+                ..
+            } => {
+                if client_id.is_empty() {
+                    return Err(Outcome::rejected(
+                        RejectCode::InvalidRequest,
+                        "clientId is required",
+                    ));
+                }
+                if *ttl_ms == 0 {
+                    return Err(Outcome::rejected(
+                        RejectCode::InvalidRequest,
+                        "read-write locks and semaphores are not attached to sessions: give a ttl",
+                    ));
+                }
+                check_ttl(*ttl_ms, l)?;
+                if wait_timeout_ms.is_some_and(|w| w > l.wait_timeout_ms_max) {
+                    return Err(Outcome::rejected(
+                        RejectCode::InvalidRequest,
+                        format!("wait timeout is limited to {} ms", l.wait_timeout_ms_max),
+                    ));
+                }
+                match mode {
+                    LockMode::Permit if *permits == 0 => {
+                        return Err(Outcome::rejected(
+                            RejectCode::InvalidRequest,
+                            "a permit names the semaphore's size: permits must be 1 or more",
+                        ))
+                    }
+                    LockMode::Permit if *permits as usize > l.waiters_per_key_max => {
+                        return Err(Outcome::rejected(
+                            RejectCode::InvalidRequest,
+                            format!("a semaphore has at most {} permits", l.waiters_per_key_max),
+                        ))
+                    }
+                    LockMode::Read | LockMode::Write if *permits != 0 => {
+                        return Err(Outcome::rejected(
+                            RejectCode::InvalidRequest,
+                            "permits is for semaphores: a read or write lock takes none",
+                        ))
+                    }
+                    _ => {}
+                }
+            }
+            Command::SetPermits { client_id, .. } => {
+                if client_id.is_empty() {
+                    return Err(Outcome::rejected(
+                        RejectCode::InvalidRequest,
+                        "clientId is required",
                     ));
                 }
             }

@@ -8,7 +8,7 @@ use super::{
     LockStateMachine, DATA_PREFIX, DEDUPE_BLOCK, DELAY_PREFIX, DIRTY_META_KEYS, ELECTION_PREFIX,
     LEGACY_BLOCKS_PER_WRITE, LOCK_PREFIX, META_ACK_PREFIX, META_APPLIED, META_CLOCK, META_CLUSTER,
     META_CLUSTER_VERSION, META_DEDUPE_BLOCK_PREFIX, META_DEDUPE_NEXT, META_DEDUPE_PREFIX,
-    META_LIMITS, META_MEMBERS, META_QUOTAS, META_SEQ, SESSION_PREFIX,
+    META_LIMITS, META_MEMBERS, META_QUOTAS, META_SEQ, SESSION_PREFIX, SHARED_PREFIX,
 };
 
 impl LockStateMachine {
@@ -43,6 +43,9 @@ impl LockStateMachine {
         }
         if let Some(client) = key.strip_prefix(SESSION_PREFIX) {
             return self.session_leases.get(client).map(encode_plain);
+        }
+        if let Some(k) = key.strip_prefix(SHARED_PREFIX) {
+            return self.shared.get(k).map(encode_plain);
         }
         if let Some(n) = key.strip_prefix(META_DEDUPE_PREFIX) {
             let n: u64 = n.parse().ok()?;

@@ -180,8 +180,14 @@ impl LockStateMachine {
             key: key.to_string(),
             token,
         });
-        // The key has no holder while a delay runs: hand it to the first waiter.
-        self.vacate(key, events);
+        // The key has no holder while a delay runs: hand it to the first waiter (the waiters
+        // that fit, on a shared lock).
+        if self.is_shared(key) {
+            self.grant_shared(key, events);
+            self.mark_shared(key);
+        } else {
+            self.vacate(key, events);
+        }
         Outcome::LockDelayEnded
     }
 }

@@ -13,6 +13,14 @@ impl LockStateMachine {
 
     fn guard_holds(&self, guard: Option<&FencingToken>) -> Result<(), Outcome> {
         let Some(guard) = guard else { return Ok(()) };
+        // A shared lock's writer or permit holder may write; a reader may not.
+        if let Some(writes) = self.shared_guard(&guard.key, guard.value) {
+            return if writes {
+                Ok(())
+            } else {
+                Err(Outcome::GuardRejected { current: None })
+            };
+        }
         let current = self
             .locks
             .get(guard.key.as_str())

@@ -11,7 +11,7 @@ use super::{
     LockStateMachine, DATA_PREFIX, DEDUPE_BLOCK, DELAY_PREFIX, ELECTION_PREFIX, LOCK_PREFIX,
     META_ACK_PREFIX, META_APPLIED, META_CLOCK, META_CLUSTER, META_CLUSTER_VERSION,
     META_DEDUPE_BLOCK_PREFIX, META_DEDUPE_NEXT, META_DEDUPE_PREFIX, META_LIMITS, META_MEMBERS,
-    META_QUOTAS, META_SEQ, SESSION_PREFIX,
+    META_QUOTAS, META_SEQ, SESSION_PREFIX, SHARED_PREFIX,
 };
 
 impl LockStateMachine {
@@ -90,6 +90,11 @@ impl StateLoader {
         } else if let Some(k) = key.strip_prefix(ELECTION_PREFIX) {
             let election: super::elections::Election = decode_plain(value)?;
             sm.elections.insert(Box::from(k), election);
+        } else if let Some(k) = key.strip_prefix(SHARED_PREFIX) {
+            let entry: super::shared::SharedEntry = decode_plain(value)?;
+            sm.locks_held += entry.holders.len();
+            sm.waiters += entry.waiters.len();
+            sm.shared.insert(Box::from(k), entry);
         } else if let Some(client) = key.strip_prefix(SESSION_PREFIX) {
             let lease: super::session_leases::SessionLease = decode_plain(value)?;
             sm.session_leases.insert(Box::from(client), lease);
@@ -202,7 +207,17 @@ impl StateLoader {
             .values()
             .filter_map(|e| e.holder.as_ref())
             .map(|h| h.token)
+            .chain(
+                sm.shared
+                    .values()
+                    .flat_map(|e| e.holders.iter().map(|h| h.token)),
+            )
             .max();
+        if let Some(key) = sm.shared.keys().find(|k| sm.locks.contains_key(&***k)) {
+            return Err(DecodeError::InvalidState(format!(
+                "{key:?} is both an exclusive and a shared lock"
+            )));
+        }
         if max_token.is_some_and(|t| t > sm.fencing_seq) {
             return Err(DecodeError::InvalidState(
                 "a held token is above the fencing sequence".into(),

@@ -103,23 +103,38 @@ impl LockStateMachine {
             .collect()
     }
 
-    /// Every waiter, by key and then queue order.
+    /// Every waiter, by key and then queue order: those of plain locks, then those of shared
+    /// locks.
     pub fn waiters(&self) -> Vec<WaiterInfo> {
-        self.locks
-            .iter()
-            .flat_map(|(key, entry)| {
-                entry.waiters.iter().map(move |w| WaiterInfo {
-                    key: key.to_string(),
-                    client_id: w.client_id.to_string(),
-                    request_id: w.request_id.to_string(),
-                    wait_timeout_ms: w.wait_timeout_ms,
-                })
+        let plain = self.locks.iter().flat_map(|(key, entry)| {
+            entry.waiters.iter().map(move |w| WaiterInfo {
+                key: key.to_string(),
+                client_id: w.client_id.to_string(),
+                request_id: w.request_id.to_string(),
+                wait_timeout_ms: w.wait_timeout_ms,
             })
-            .collect()
+        });
+        let shared = self.shared.iter().flat_map(|(key, entry)| {
+            entry.waiters.iter().map(move |w| WaiterInfo {
+                key: key.to_string(),
+                client_id: w.client_id.to_string(),
+                request_id: w.request_id.to_string(),
+                wait_timeout_ms: w.wait_timeout_ms,
+            })
+        });
+        plain.chain(shared).collect()
     }
 
     /// The queued acquire `(client_id, request_id)` of `key`, if it is still waiting.
     pub fn waiter(&self, key: &str, client_id: &str, request_id: &str) -> Option<WaiterInfo> {
+        if let Some((_, wait_timeout_ms)) = self.shared_waiter(key, client_id, request_id) {
+            return Some(WaiterInfo {
+                key: key.to_string(),
+                client_id: client_id.to_string(),
+                request_id: request_id.to_string(),
+                wait_timeout_ms,
+            });
+        }
         let entry = self.locks.get(key)?;
         entry
             .waiters
@@ -142,6 +157,9 @@ impl LockStateMachine {
     }
 
     pub(super) fn position_of(&self, key: &str, client: &str, request: &str) -> Option<u32> {
+        if let Some((position, _)) = self.shared_waiter(key, client, request) {
+            return Some(position);
+        }
         let entry = self.locks.get(key)?;
         entry
             .waiters
@@ -159,7 +177,7 @@ impl LockStateMachine {
         wait_timeout_ms: Option<u64>,
     ) -> Outcome {
         let exists = self.locks.contains_key(key);
-        if !exists && self.locks.len() >= self.limits.locks_held_max {
+        if !exists && self.locks.len() + self.shared.len() >= self.limits.locks_held_max {
             return limit_refusal("locks_held", "too many locks in use".into());
         }
         if let Err(refusal) = self.check_lock_quotas(key, client_id, request_id, wait_timeout_ms, 0)

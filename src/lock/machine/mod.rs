@@ -7,7 +7,7 @@
 //!                                              └──► dirty keys ──take_changes()──► storage batch
 //! ```
 //! State lives in one key space: `lock/<key>` (holder, token, ttl, FIFO waiters), `data/<key>`
-//! (replicated values), `delay/<key>` (lock-delay), `elect/<key>` (elections), `session/<client>` (session leases), `meta/seq` (the one fencing sequence), `meta/applied` and
+//! (replicated values), `delay/<key>` (lock-delay), `elect/<key>` (elections), `session/<client>` (session leases), `shared/<key>` (read-write locks and semaphores), `meta/seq` (the one fencing sequence), `meta/applied` and
 //! `meta/dedupe/<n>` (the exactly-once table, grouped into client sessions), `meta/clock` (the log
 //! clock). That is the state as snapshots carry it ([`LockStateMachine::to_kv`]). The changes
 //! written to the node's own storage ([`LockStateMachine::take_changes`]) keep the dedupe records
@@ -37,6 +37,7 @@
 //! - `delays`: lock-delay, the time a key stays unavailable after its holder's lease expired.
 //! - `elections`: leader election on a key's lock (campaign, proclaim; resign is a release).
 //! - `session_leases`: sessions that cover many locks (keepalive, end, expiry).
+//! - `shared`: read-write locks and counting semaphores (many holders per key).
 //! - `sessions` (and `records`, one kept answer): client sessions, the exactly-once table, `Tick`.
 //! - `acks`: acknowledgements of answers ([`Command::Sequenced`]).
 //! - `quotas`: byte budgets, per-identity quotas, replicated limits.
@@ -56,6 +57,7 @@ mod quotas;
 mod records;
 mod session_leases;
 mod sessions;
+mod shared;
 mod snapshot;
 
 #[cfg(test)]
@@ -80,6 +82,7 @@ pub use elections::ElectionInfo;
 pub use loader::StateLoader;
 pub use locks::{HeldLock, WaiterInfo};
 pub use session_leases::SessionInfo;
+pub use shared::{SharedHolderInfo, SharedLockInfo, SharedWaiterInfo};
 pub use snapshot::{stored_to_snapshot_pairs, StoredToSnapshot};
 
 const LOCK_PREFIX: &str = "lock/";
@@ -91,6 +94,8 @@ const DELAY_PREFIX: &str = "delay/";
 const ELECTION_PREFIX: &str = "elect/";
 /// A client's session lease (`session_leases::SessionLease`); absent while it has none.
 const SESSION_PREFIX: &str = "session/";
+/// A read-write lock or semaphore (`shared::SharedEntry`); absent while the key is unused.
+const SHARED_PREFIX: &str = "shared/";
 const META_SEQ: &str = "meta/seq";
 const META_APPLIED: &str = "meta/applied";
 /// One key per dedupe record, as written before records were stored in blocks (read back, and
@@ -132,7 +137,12 @@ const META_QUOTAS: &str = "meta/quotas";
 /// 7: [`Command::Campaign`] and [`Command::Proclaim`], the `elect/` keys.
 /// 8: [`Command::KeepAlive`], [`Command::EndSession`] and [`Command::ExpireSession`], locks
 /// attached to a session (a TTL of 0), the `session/` keys.
-pub const CLUSTER_VERSION: u32 = 8;
+/// 9: [`Command::AcquireShared`] and [`Command::SetPermits`] (read-write locks and
+/// semaphores), the `shared/` keys.
+pub const CLUSTER_VERSION: u32 = 9;
+
+/// The cluster version read-write locks and semaphores need.
+pub const SHARED_VERSION: u32 = 9;
 
 /// The cluster version sessions need.
 pub const SESSION_VERSION: u32 = 8;
@@ -216,6 +226,8 @@ pub struct LockStateMachine {
     running_delays: usize,
     /// Elections by key: the leader's value and the queued candidates' values.
     elections: BTreeMap<Box<str>, elections::Election>,
+    /// Read-write locks and semaphores by key.
+    shared: BTreeMap<Box<str>, shared::SharedEntry>,
     /// Session leases by client id.
     session_leases: BTreeMap<Box<str>, session_leases::SessionLease>,
     /// Keys with a holder or a waiter attached to each client's session (derived: read off
@@ -278,6 +290,12 @@ pub struct MachineBugs {
     pub session_end_keeps_waiters: bool,
     /// A session's expiry applies although a keepalive restarted its lease since.
     pub session_expiry_ignores_keepalive: bool,
+    /// A reader is granted beside a writer (when the queue is empty).
+    pub reader_beside_writer: bool,
+    /// A semaphore hands out one permit more than its size (when the queue is empty).
+    pub permit_over_size: bool,
+    /// Cancelling a shared lock's waiter does not grant the waiters behind it that now fit.
+    pub shared_cancel_skips_grant: bool,
 }
 
 impl PartialEq for LockStateMachine {

@@ -152,6 +152,7 @@ impl LockStateMachine {
             locks: self.locks.clone(),
             data: self.data.clone(),
             elections: self.elections.clone(),
+            shared: self.shared.clone(),
             ..Default::default()
         };
         fresh.recount();
@@ -176,6 +177,20 @@ impl LockStateMachine {
                 }
             }
             for w in entry.waiters.iter() {
+                lock_bytes += lock_cost(key, &w.client_id, &w.request_id);
+                if by_identity {
+                    count_use(&mut uses, &w.client_id, 0, 1);
+                }
+            }
+        }
+        for (key, entry) in &self.shared {
+            for h in &entry.holders {
+                lock_bytes += lock_cost(key, &h.client_id, &h.request_id);
+                if by_identity {
+                    count_use(&mut uses, &h.client_id, 1, 0);
+                }
+            }
+            for w in &entry.waiters {
                 lock_bytes += lock_cost(key, &w.client_id, &w.request_id);
                 if by_identity {
                     count_use(&mut uses, &w.client_id, 0, 1);

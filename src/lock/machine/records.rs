@@ -225,6 +225,8 @@ pub(super) fn op_of(command: &Command) -> (u8, &str) {
         Command::SetLockDelay { .. } => 7,
         Command::Campaign { .. } => 8,
         Command::Proclaim { .. } => 9,
+        Command::AcquireShared { .. } => 10,
+        Command::SetPermits { .. } => 11,
         Command::Expire { .. }
         | Command::ExpireLease { .. }
         | Command::SetLimits { .. }

@@ -12,7 +12,7 @@ use super::{
     LockStateMachine, DATA_PREFIX, DEDUPE_BLOCK, DELAY_PREFIX, ELECTION_PREFIX, LOCK_PREFIX,
     META_ACK_PREFIX, META_APPLIED, META_CLOCK, META_CLUSTER, META_CLUSTER_VERSION,
     META_DEDUPE_BLOCK_PREFIX, META_DEDUPE_NEXT, META_DEDUPE_PREFIX, META_LIMITS, META_MEMBERS,
-    META_QUOTAS, META_SEQ, SESSION_PREFIX,
+    META_QUOTAS, META_SEQ, SESSION_PREFIX, SHARED_PREFIX,
 };
 
 const SNAPSHOT_VERSION: u8 = 1;
@@ -34,6 +34,7 @@ impl LockStateMachine {
                 .keys()
                 .map(|k| format!("{SESSION_PREFIX}{k}")),
         );
+        keys.extend(self.shared.keys().map(|k| format!("{SHARED_PREFIX}{k}")));
         keys.extend(self.dedupe.keys().map(|&n| dedupe_key(n)));
         keys.extend(
             self.sessions

@@ -8,7 +8,7 @@ use serde_json::{json, Value};
 use super::WsRequest;
 use crate::fencing::{FencingKey, TokenMode};
 use crate::lock::FencingToken;
-use crate::node::api::{ApiError, ClientReply, ErrorCode};
+use crate::node::api::{ApiError, ClientReply, ErrorCode, SharedGrant};
 
 /// What a reply repeats from its request: `key` and `requestId`, as the client sent them.
 #[derive(Clone, Debug)]
@@ -70,6 +70,9 @@ struct TokenJson<'a> {
     mac: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     mode: Option<&'static str>,
+    /// A permit's slot.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    slot: Option<u32>,
     value: u64,
 }
 
@@ -80,15 +83,21 @@ impl<'a> TokenJson<'a> {
             key: &token.key,
             mac: key.map(|k| k.mac_mode(mode, &token.key, token.value)),
             mode: (mode != TokenMode::Lock).then_some(mode.as_str()),
+            slot: mode.slot(),
             value: token.value,
         }
     }
 
-    fn of(token: &'a FencingToken, key: Option<&FencingKey>, leader: bool) -> Self {
-        let mode = if leader {
-            TokenMode::Leader
-        } else {
-            TokenMode::Lock
+    fn of(
+        token: &'a FencingToken,
+        key: Option<&FencingKey>,
+        leader: bool,
+        shared: Option<SharedGrant>,
+    ) -> Self {
+        let mode = match shared {
+            Some(g) => TokenMode::of_shared(g.mode, g.slot),
+            None if leader => TokenMode::Leader,
+            None => TokenMode::Lock,
         };
         Self::with_mode(token, key, mode)
     }
@@ -116,6 +125,8 @@ struct OkReply<'a> {
     leader: Option<Option<&'a str>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     lock_delay: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    permits: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     proclaimed: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -148,6 +159,7 @@ pub(super) fn reply_json(
         leader: None,
         lock_delay: None,
         locks: None,
+        permits: None,
         proclaimed: None,
         released: None,
         renewed: None,
@@ -161,9 +173,10 @@ pub(super) fn reply_json(
             token,
             expires_in_ms,
             leader,
+            shared,
             ..
         } => {
-            ok.fencing_token = Some(TokenJson::of(token, fencing_key, *leader));
+            ok.fencing_token = Some(TokenJson::of(token, fencing_key, *leader, *shared));
             ok.expires_in_ms = Some(*expires_in_ms);
         }
         ClientReply::Proclaimed { token } => {
@@ -189,9 +202,10 @@ pub(super) fn reply_json(
             token,
             expires_in_ms,
             leader,
+            shared,
         } => {
             ok.renewed = Some(true);
-            ok.fencing_token = Some(TokenJson::of(token, fencing_key, *leader));
+            ok.fencing_token = Some(TokenJson::of(token, fencing_key, *leader, *shared));
             ok.expires_in_ms = Some(*expires_in_ms);
         }
         ClientReply::WaitCancelled => ok.cancelled = Some(true),
@@ -203,6 +217,7 @@ pub(super) fn reply_json(
             ok.expires_in_ms = Some(*expires_in_ms);
         }
         ClientReply::SessionEnded { locks } => ok.locks = Some(*locks),
+        ClientReply::PermitsSet { permits } => ok.permits = Some(*permits),
         ClientReply::Stored => {}
         ClientReply::Deleted { existed } => ok.deleted = Some(*existed),
         ClientReply::Value(v) => ok.value = Some(v.as_deref().map(String::from_utf8_lossy)),

@@ -94,6 +94,7 @@ fn replies_keep_their_wire_form() {
                 expires_in_ms: 5000,
                 queued: None,
                 leader: false,
+                shared: None,
             },
             r#"{"expiresInMs":5000,"fencingToken":{"key":"jobs/a","value":42},"key":"jobs/a","requestId":"r1","success":true}"#,
         ),
@@ -106,8 +107,26 @@ fn replies_keep_their_wire_form() {
                 token: token(),
                 expires_in_ms: 7,
                 leader: false,
+                shared: None,
             },
             r#"{"expiresInMs":7,"fencingToken":{"key":"jobs/a","value":42},"key":"jobs/a","renewed":true,"requestId":"r1","success":true}"#,
+        ),
+        (
+            ClientReply::Granted {
+                token: token(),
+                expires_in_ms: 9,
+                queued: None,
+                leader: false,
+                shared: Some(crate::node::api::SharedGrant {
+                    mode: crate::lock::LockMode::Permit,
+                    slot: 3,
+                }),
+            },
+            r#"{"expiresInMs":9,"fencingToken":{"key":"jobs/a","mode":"permit","slot":3,"value":42},"key":"jobs/a","requestId":"r1","success":true}"#,
+        ),
+        (
+            ClientReply::PermitsSet { permits: 4 },
+            r#"{"key":"jobs/a","permits":4,"requestId":"r1","success":true}"#,
         ),
         (
             ClientReply::WaitCancelled,
@@ -152,6 +171,7 @@ fn replies_keep_their_wire_form() {
             expires_in_ms: 1,
             queued: None,
             leader: false,
+            shared: None,
         },
         false,
         Some(&key),

@@ -210,11 +210,23 @@ impl Cluster {
                     );
                 }
                 let delay = self.rng.random_range(0..500_000);
-                // Added again since (a replaced member's new incarnation): it stays.
-                let again = self.nodes[&id]
-                    .core
-                    .as_ref()
+                // Added again since (a replaced member's new incarnation): it stays. Judged by
+                // the newest configuration any node has, not only by the node that applied the
+                // removal: a learner catching up applies the removals of a replacement's history
+                // long after the member was added back (simulator seed 615, 3 nodes: node 4
+                // retired that way while still a voter, and a later lost disk left one voter of
+                // three).
+                let newest = self
+                    .nodes
+                    .values()
+                    .filter_map(|n| n.core.as_ref())
+                    .max_by_key(|c| c.raft().last_index())
                     .is_some_and(|c| c.raft().membership().contains(gone));
+                let again = newest
+                    || self.nodes[&id]
+                        .core
+                        .as_ref()
+                        .is_some_and(|c| c.raft().membership().contains(gone));
                 if let Some(node) = self.nodes.get_mut(&gone).filter(|_| !again) {
                     // Not the new incarnation of a replaced member, still asking to join or
                     // to be admitted.

@@ -66,6 +66,13 @@ impl Cluster {
                 });
                 return;
             }
+            if let Some(detail) = sm.shared_mismatch() {
+                self.checker.violations.push(Violation {
+                    invariant: "shared locks keep their modes and queue",
+                    detail: format!("node {id} at applied index {applied}: {detail}"),
+                });
+                return;
+            }
         }
         if commit > node.last_commit {
             let from = node.last_commit + 1;

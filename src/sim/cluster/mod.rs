@@ -132,6 +132,9 @@ pub struct SimConfig {
     /// nodes, with an earlier version of that schedule fix) a retried attached acquire refused
     /// once its session had ended (the session is now checked after the exactly-once table).
     pub client_sessions: bool,
+    /// Clients also take read-write locks (`rw-*`) and semaphore permits (`sem-*`); on by
+    /// default (it needs `client_sessions`). Off, the mix is the one from before them.
+    pub client_shared: bool,
     #[cfg(test)]
     pub bugs: crate::raft::config::Bugs,
     #[cfg(any(test, feature = "mutations"))]
@@ -160,6 +163,7 @@ impl SimConfig {
             corrupt_sector_ppm: 400,
             client_elections: true,
             client_sessions: true,
+            client_shared: true,
             #[cfg(test)]
             bugs: Default::default(),
             #[cfg(any(test, feature = "mutations"))]
@@ -194,6 +198,8 @@ pub struct SimStats {
     pub sessions_closed: u64,
     pub sessions_expired: u64,
     pub attached_grants: u64,
+    /// Grants of read-write locks and semaphore permits.
+    pub shared_grants: u64,
     pub pauses: u64,
     pub history_ops: u64,
     pub beliefs_checked: u64,
@@ -254,6 +260,7 @@ impl SimStats {
         self.sessions_closed += other.sessions_closed;
         self.sessions_expired += other.sessions_expired;
         self.attached_grants += other.attached_grants;
+        self.shared_grants += other.shared_grants;
         self.pauses += other.pauses;
         self.history_ops += other.history_ops;
         self.beliefs_checked += other.beliefs_checked;
@@ -439,6 +446,8 @@ impl Cluster {
         clients.elections = cfg.client_elections;
         // Sessions came after elections: the mix from before elections has neither.
         clients.sessions = cfg.client_elections && cfg.client_sessions;
+        // Shared locks came after sessions.
+        clients.shared = clients.sessions && cfg.client_shared;
         let mut cluster = Cluster {
             clients,
             locks: LockChecker::with_node_drift(NODE_DRIFT_PPM.unsigned_abs()),

@@ -97,6 +97,7 @@ impl Cluster {
         self.stats.sessions_closed = self.locks.sessions_closed;
         self.stats.sessions_expired = self.locks.sessions_expired;
         self.stats.attached_grants = self.locks.attached_grants;
+        self.stats.shared_grants = self.locks.shared_grants;
         self.stats.ticks = self.locks.ticks;
         self.stats.acknowledging = self.locks.acknowledging;
         self.stats.acknowledged_refusals = self.locks.acknowledged_refusals;
