@@ -282,7 +282,9 @@ impl Cluster {
 
     /// A node on a wiped disk asks the leader to join, as lock-node's join loop does.
     pub(super) fn ask_to_join(&mut self, id: NodeId) {
-        let Some(leader) = self.leader() else { return };
+        let Some(leader) = self.running_leader() else {
+            return;
+        };
         if self.network.is_blocked(id, leader) || self.network.is_blocked(leader, id) {
             return;
         }

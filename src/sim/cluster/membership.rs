@@ -9,13 +9,15 @@ use crate::raft::{Membership, NodeId};
 
 impl Cluster {
     fn leader_core(&mut self) -> Option<(NodeId, &mut Core)> {
-        let leader = self.leader()?;
+        let leader = self.running_leader()?;
         let core = self.nodes.get_mut(&leader)?.core.as_mut()?;
         Some((leader, core))
     }
 
     pub(super) fn change_membership(&mut self) {
-        let Some(leader) = self.leader() else { return };
+        let Some(leader) = self.running_leader() else {
+            return;
+        };
         // No operator removes members while a lost volume is still on its way back: that would
         // take the configuration below a majority of intact disks.
         let volume_lost = self.volume_on_its_way_back();

@@ -700,6 +700,14 @@ impl Cluster {
             .collect()
     }
 
+    /// The leader, if it runs now: a paused process answers no join request and makes no
+    /// membership change or transfer (one did, on a clock 400 ms stale, and started a
+    /// lock-delay that ended early in real time: simulator seed 494, 3 nodes, segments disk).
+    fn running_leader(&self) -> Option<NodeId> {
+        self.leader()
+            .filter(|id| self.nodes.get(id).is_some_and(|n| !n.paused(self.now_us)))
+    }
+
     fn leader(&self) -> Option<NodeId> {
         self.nodes
             .iter()
