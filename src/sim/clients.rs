@@ -366,15 +366,17 @@ impl SimClients {
             }
             return self.begin(c, now, op);
         }
-        // About one operation in seven is on a read-write lock (`rw-*`) or a semaphore of
+        // About one operation in six is on a read-write lock (`rw-*`) or a semaphore of
         // `SEM_PERMITS` permits (`sem-*`). (Drawn only with shared locks on: off, the mix and
         // its draws are those from before.)
-        if self.shared && rng.random_bool(0.15) {
+        if self.shared && rng.random_bool(0.2) {
+            // Two keys of each kind, so that holders and waiters meet (a writer queued
+            // between readers, a full semaphore).
             let rw = rng.random_bool(0.5);
             let key = if rw {
-                format!("rw-{k}")
+                format!("rw-{}", k % 2)
             } else {
-                format!("sem-{k}")
+                format!("sem-{}", k % 2)
             };
             let held = client.held.get(&key).cloned();
             let roll = rng.random_range(0..100);

@@ -549,26 +549,6 @@ fn caught_semaphore_granting_a_permit_too_many() {
 }
 
 #[test]
-fn caught_cancel_that_leaves_fitting_waiters_queued() {
-    // Readers behind a cancelled writer wait on although they fit beside the holders.
-    assert_caught_with(
-        "shared_cancel_skips_grant",
-        3000,
-        Schedule {
-            client_sessions: true,
-            client_shared: true,
-            ..Schedule::default()
-        },
-        Bugs::default(),
-        NodeBugs {
-            shared_cancel_skips_grant: true,
-            ..NodeBugs::default()
-        },
-        &["shared locks keep their modes and queue"],
-    );
-}
-
-#[test]
 fn caught_session_end_that_leaves_attached_acquires_queued() {
     // A queued acquire left behind is granted later, attached to a session that is gone.
     assert_caught_with(

@@ -56,6 +56,12 @@ pub const LEADER: u64 = 12;
 pub const KEEP_ALIVE: u64 = 13;
 /// `commandType` of the end of a session (`session`): every attached lock is released.
 pub const END_SESSION: u64 = 14;
+/// `commandType` of an acquire of a read-write lock (`mode` `read` or `write`) or of a
+/// semaphore's permit (`mode` `permit`, `permits` the size a semaphore not in use starts with).
+/// Answered like an acquire; its `fencingToken` says the mode (and a permit's `slot`).
+pub const ACQUIRE_SHARED: u64 = 15;
+/// `commandType` of an admin's setting of a semaphore's size (`permits`; 0 forgets it).
+pub const SET_PERMITS: u64 = 16;
 
 /// A request's fields (the strings borrowed from the frame or the parsed JSON where they need no
 /// unescaping). Unknown fields are refused here: the general path counts them and removes them
@@ -98,6 +104,12 @@ struct WsRequest<'a> {
     /// KeepAlive and EndSession: the session (the log index that opened it; 0 opens one).
     #[serde(default)]
     session: Option<u64>,
+    /// AcquireShared: `read`, `write` or `permit`.
+    #[serde(default, borrow)]
+    mode: Option<Cow<'a, str>>,
+    /// AcquireShared of a permit, and SetPermits: a semaphore's size.
+    #[serde(default)]
+    permits: Option<u32>,
 }
 
 /// The top-level fields of a request (`WsRequest`'s); others are ignored, and counted.
@@ -116,6 +128,8 @@ const KNOWN_FIELDS: &[&str] = &[
     "traceparent",
     "ackBelow",
     "session",
+    "mode",
+    "permits",
 ];
 
 #[derive(Debug, Deserialize)]

@@ -9,8 +9,9 @@ use serde_json::Value;
 
 use super::reply::{error_json, error_reply, Echo};
 use super::{
-    strip_unknown_fields, WsRequest, APPEND_DATA, CAMPAIGN, CANCEL_WAIT, END_SESSION, KEEP_ALIVE,
-    LEADER, LOCK_ACQUIRE, LOCK_RELEASE, LOCK_RENEW, PROCLAIM, READ, SET_LOCK_DELAY, WATCH_COMMAND,
+    strip_unknown_fields, WsRequest, ACQUIRE_SHARED, APPEND_DATA, CAMPAIGN, CANCEL_WAIT,
+    END_SESSION, KEEP_ALIVE, LEADER, LOCK_ACQUIRE, LOCK_RELEASE, LOCK_RENEW, PROCLAIM, READ,
+    SET_LOCK_DELAY, SET_PERMITS, WATCH_COMMAND,
 };
 use crate::lock::FencingToken;
 use crate::node::api::{ApiError, ClientOp, ErrorCode};
@@ -93,7 +94,7 @@ pub(super) fn to_op(
     // (A cancel names the acquire it cancels by id: sent without one, it gets a fresh one, which
     // cancels nothing, as it always did.)
     let needs_id = match r.command_type {
-        LOCK_ACQUIRE | CAMPAIGN => r.wait_timeout != Some(0),
+        LOCK_ACQUIRE | CAMPAIGN | ACQUIRE_SHARED => r.wait_timeout != Some(0),
         CANCEL_WAIT => true,
         _ => false,
     };
@@ -119,139 +120,191 @@ pub(super) fn to_op(
     let token = r.fencing_token.map(|t| t.value);
     let key = r.key.into_owned();
     let ack_below = r.ack_below;
-    let op = match r.command_type {
-        LOCK_ACQUIRE => {
-            let ttl_ms = r.ttl.unwrap_or(limits.default_ttl_ms);
-            // 0: the lock's lease is the client's session (which must be open).
-            if ttl_ms > limits.max_ttl_ms {
-                return Err(invalid(&format!(
-                    "`ttl` must be 1..={} ms, or 0 to attach the lock to the client's session",
-                    limits.max_ttl_ms
-                )));
-            }
-            ClientOp::Acquire {
-                key,
-                client_id,
-                request_id,
-                ttl_ms,
-                wait_timeout_ms: r.wait_timeout,
-            }
-        }
-        LOCK_RELEASE => match token {
-            Some(token) => ClientOp::Release {
-                key,
-                client_id,
-                request_id,
-                token,
-            },
-            // Seed 000's release names no token: it releases if `clientId` holds the lock.
-            None => ClientOp::ReleaseHeld {
-                key,
-                client_id,
-                request_id,
-            },
-        },
-        LOCK_RENEW => ClientOp::Renew {
-            key,
-            client_id,
-            request_id,
-            token: token.ok_or_else(|| invalid("`fencingToken` is required to renew"))?,
-            ttl_ms: r.ttl.unwrap_or(limits.default_ttl_ms),
-        },
-        CANCEL_WAIT => ClientOp::CancelWait {
-            key,
-            client_id,
-            request_id,
-        },
-        APPEND_DATA => {
-            if r.delete.unwrap_or(false) {
-                ClientOp::Delete {
+    let op =
+        match r.command_type {
+            LOCK_ACQUIRE => {
+                let ttl_ms = r.ttl.unwrap_or(limits.default_ttl_ms);
+                // 0: the lock's lease is the client's session (which must be open).
+                if ttl_ms > limits.max_ttl_ms {
+                    return Err(invalid(&format!(
+                        "`ttl` must be 1..={} ms, or 0 to attach the lock to the client's session",
+                        limits.max_ttl_ms
+                    )));
+                }
+                ClientOp::Acquire {
                     key,
-                    guard: guard.clone(),
                     client_id,
                     request_id,
+                    ttl_ms,
+                    wait_timeout_ms: r.wait_timeout,
                 }
-            } else {
-                let value = r.value.ok_or_else(|| invalid("`value` is required"))?;
-                if value.len() > limits.max_value_bytes {
-                    return Err(ApiError::new(
-                        ErrorCode::TooLarge,
-                        "value exceeds the limit",
-                    ));
-                }
-                ClientOp::Put {
+            }
+            LOCK_RELEASE => match token {
+                Some(token) => ClientOp::Release {
                     key,
-                    value: value.into_owned().into_bytes(),
-                    guard: guard.clone(),
                     client_id,
                     request_id,
-                }
-            }
-        }
-        READ => ClientOp::Get { key },
-        CAMPAIGN => {
-            let ttl_ms = r.ttl.unwrap_or(limits.default_ttl_ms);
-            // 0: the lock's lease is the client's session (which must be open).
-            if ttl_ms > limits.max_ttl_ms {
-                return Err(invalid(&format!(
-                    "`ttl` must be 1..={} ms, or 0 to attach the lock to the client's session",
-                    limits.max_ttl_ms
-                )));
-            }
-            ClientOp::Campaign {
+                    token,
+                },
+                // Seed 000's release names no token: it releases if `clientId` holds the lock.
+                None => ClientOp::ReleaseHeld {
+                    key,
+                    client_id,
+                    request_id,
+                },
+            },
+            LOCK_RENEW => ClientOp::Renew {
                 key,
                 client_id,
                 request_id,
-                ttl_ms,
-                wait_timeout_ms: r.wait_timeout,
+                token: token.ok_or_else(|| invalid("`fencingToken` is required to renew"))?,
+                ttl_ms: r.ttl.unwrap_or(limits.default_ttl_ms),
+            },
+            CANCEL_WAIT => ClientOp::CancelWait {
+                key,
+                client_id,
+                request_id,
+            },
+            APPEND_DATA => {
+                if r.delete.unwrap_or(false) {
+                    ClientOp::Delete {
+                        key,
+                        guard: guard.clone(),
+                        client_id,
+                        request_id,
+                    }
+                } else {
+                    let value = r.value.ok_or_else(|| invalid("`value` is required"))?;
+                    if value.len() > limits.max_value_bytes {
+                        return Err(ApiError::new(
+                            ErrorCode::TooLarge,
+                            "value exceeds the limit",
+                        ));
+                    }
+                    ClientOp::Put {
+                        key,
+                        value: value.into_owned().into_bytes(),
+                        guard: guard.clone(),
+                        client_id,
+                        request_id,
+                    }
+                }
+            }
+            READ => ClientOp::Get { key },
+            CAMPAIGN => {
+                let ttl_ms = r.ttl.unwrap_or(limits.default_ttl_ms);
+                // 0: the lock's lease is the client's session (which must be open).
+                if ttl_ms > limits.max_ttl_ms {
+                    return Err(invalid(&format!(
+                        "`ttl` must be 1..={} ms, or 0 to attach the lock to the client's session",
+                        limits.max_ttl_ms
+                    )));
+                }
+                ClientOp::Campaign {
+                    key,
+                    client_id,
+                    request_id,
+                    ttl_ms,
+                    wait_timeout_ms: r.wait_timeout,
+                    value: election_value(r.value, limits)?,
+                }
+            }
+            PROCLAIM => ClientOp::Proclaim {
+                key,
+                client_id,
+                request_id,
+                token: token
+                    .ok_or_else(|| invalid("`fencingToken` (the term) is required to proclaim"))?,
                 value: election_value(r.value, limits)?,
+            },
+            LEADER => ClientOp::Leader { key },
+            KEEP_ALIVE => {
+                let ttl_ms = r.ttl.unwrap_or(limits.default_ttl_ms);
+                if ttl_ms == 0 || ttl_ms > limits.max_ttl_ms {
+                    return Err(invalid(&format!(
+                        "a session's `ttl` must be 1..={} ms",
+                        limits.max_ttl_ms
+                    )));
+                }
+                ClientOp::KeepAlive {
+                    client_id,
+                    session: r.session.unwrap_or(0),
+                    ttl_ms,
+                }
             }
-        }
-        PROCLAIM => ClientOp::Proclaim {
-            key,
-            client_id,
-            request_id,
-            token: token
-                .ok_or_else(|| invalid("`fencingToken` (the term) is required to proclaim"))?,
-            value: election_value(r.value, limits)?,
-        },
-        LEADER => ClientOp::Leader { key },
-        KEEP_ALIVE => {
-            let ttl_ms = r.ttl.unwrap_or(limits.default_ttl_ms);
-            if ttl_ms == 0 || ttl_ms > limits.max_ttl_ms {
-                return Err(invalid(&format!(
-                    "a session's `ttl` must be 1..={} ms",
+            END_SESSION => ClientOp::EndSession {
+                client_id,
+                session: r.session.filter(|&s| s > 0).ok_or_else(|| {
+                    invalid("`session` (the id a keepalive answered) is required")
+                })?,
+            },
+            ACQUIRE_SHARED => {
+                let ttl_ms = r.ttl.unwrap_or(limits.default_ttl_ms);
+                if ttl_ms == 0 || ttl_ms > limits.max_ttl_ms {
+                    return Err(invalid(&format!(
+                    "`ttl` must be 1..={} ms (read-write locks and semaphores are not attached \
+                     to sessions)",
                     limits.max_ttl_ms
                 )));
+                }
+                let mode = match r.mode.as_deref() {
+                    Some(name) => crate::lock::LockMode::parse(name).ok_or_else(|| {
+                        invalid(&format!(
+                            "`mode` must be \"read\", \"write\" or \"permit\", not {name:?}"
+                        ))
+                    })?,
+                    None => {
+                        return Err(invalid(
+                            "`mode` (\"read\", \"write\" or \"permit\") is required",
+                        ))
+                    }
+                };
+                let permits =
+                    match (mode, r.permits) {
+                        (crate::lock::LockMode::Permit, Some(n)) if n > 0 => n,
+                        (crate::lock::LockMode::Permit, _) => return Err(invalid(
+                            "`permits` (the semaphore's size, 1 or more) is required for a permit",
+                        )),
+                        (_, None | Some(0)) => 0,
+                        (_, Some(_)) => {
+                            return Err(invalid(
+                                "`permits` is for semaphores: a read or write lock takes none",
+                            ))
+                        }
+                    };
+                ClientOp::AcquireShared {
+                    key,
+                    client_id,
+                    request_id,
+                    ttl_ms,
+                    wait_timeout_ms: r.wait_timeout,
+                    mode,
+                    permits,
+                }
             }
-            ClientOp::KeepAlive {
+            SET_PERMITS => ClientOp::SetPermits {
+                key,
+                permits: r.permits.ok_or_else(|| {
+                    invalid("`permits` (the semaphore's size; 0 forgets it) is required")
+                })?,
                 client_id,
-                session: r.session.unwrap_or(0),
-                ttl_ms,
+                request_id,
+            },
+            SET_LOCK_DELAY => ClientOp::SetLockDelay {
+                key,
+                delay_ms: r
+                    .lock_delay
+                    .ok_or_else(|| invalid("`lockDelay` (ms) is required"))?,
+                client_id,
+                request_id,
+            },
+            0 | 1 => {
+                return Err(invalid(
+                    "membership commands are for peers and admins, not clients",
+                ))
             }
-        }
-        END_SESSION => ClientOp::EndSession {
-            client_id,
-            session: r
-                .session
-                .filter(|&s| s > 0)
-                .ok_or_else(|| invalid("`session` (the id a keepalive answered) is required"))?,
-        },
-        SET_LOCK_DELAY => ClientOp::SetLockDelay {
-            key,
-            delay_ms: r
-                .lock_delay
-                .ok_or_else(|| invalid("`lockDelay` (ms) is required"))?,
-            client_id,
-            request_id,
-        },
-        0 | 1 => {
-            return Err(invalid(
-                "membership commands are for peers and admins, not clients",
-            ))
-        }
-        other => return Err(invalid(&format!("unknown commandType {other}"))),
-    };
+            other => return Err(invalid(&format!("unknown commandType {other}"))),
+        };
     ClientOp::sequenced(op, ack_below)
 }
 
