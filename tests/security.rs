@@ -361,6 +361,8 @@ async fn a_leaders_term_passes_the_data_store_only_as_a_leaders() {
     let (status, body) = post("billing/ledger", lock_token, &lock_mac, Some("leader")).await;
     assert_eq!(status, 403, "{body}");
     let (status, body) = post("billing/shard-1", term, &mac, Some("writer")).await;
+    assert_eq!(status, 403, "{body}");
+    let (status, body) = post("billing/shard-1", term, &mac, Some("owner")).await;
     assert_eq!(status, 400, "{body}");
     // Each with its own mode writes.
     let (status, body) = post("billing/shard-1", term, &mac, Some("leader")).await;
@@ -374,6 +376,118 @@ async fn a_leaders_term_passes_the_data_store_only_as_a_leaders() {
     let r = ws_request(&mut ws, &renew).await;
     assert_eq!(r["fencingToken"]["mode"], "leader", "{r}");
     assert_eq!(r["fencingToken"]["mac"], json!(mac), "{r}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readers_writers_and_permits_pass_the_data_store_only_in_their_own_mode() {
+    let files = tempfile::tempdir().unwrap();
+    let cluster = secured_cluster(&files);
+    let key_file = files.path().join("fencing.key").display().to_string();
+    let store = DataStoreProc::start_with(&["--fencing-key-file".into(), key_file]).await;
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let addr = cluster.client_addr_of(leader);
+    common::wait_for_cluster_version(&addr, 9).await;
+    let mut ws = ws_as(&addr, Some(BILLING)).await;
+    let shared = |key: &str, client: &str, request: &str, mode: &str, permits: Option<u32>| {
+        let mut r = json!({"commandType": 15, "key": key, "clientId": client,
+                           "requestId": request, "ttl": 10_000, "mode": mode});
+        if let Some(n) = permits {
+            r["permits"] = json!(n);
+        }
+        r
+    };
+    // Two readers share the key; a writer waits for them (asked not to wait: refused at once).
+    let r1 = ws_request(&mut ws, &shared("billing/doc", "r1", "a", "read", None)).await;
+    let r2 = ws_request(&mut ws, &shared("billing/doc", "r2", "a", "read", None)).await;
+    assert_eq!(r1["fencingToken"]["mode"], "reader", "{r1}");
+    assert_eq!(r2["fencingToken"]["mode"], "reader", "{r2}");
+    let mut busy = shared("billing/doc", "w", "a", "write", None);
+    busy["waitTimeout"] = json!(0);
+    let b = ws_request(&mut ws, &busy).await;
+    assert_eq!(b["error"]["code"], "WAIT_TIMEOUT", "{b}");
+    // Bad input is refused with a reason.
+    for bad in [
+        shared("billing/doc", "x", "b", "owner", None),
+        shared("billing/doc", "x", "c", "read", Some(2)),
+        shared("billing/pool", "x", "d", "permit", None),
+    ] {
+        let e = ws_request(&mut ws, &bad).await;
+        assert_eq!(e["error"]["code"], "INVALID_REQUEST", "{bad}: {e}");
+    }
+    let token_of = |g: &serde_json::Value| g["fencingToken"].clone();
+    let post = |token: serde_json::Value| {
+        let body = json!({"clientID": "w1", "fencingToken": token, "data": "x"}).to_string();
+        let store = store.addr.clone();
+        async move {
+            request_as(
+                &store,
+                "POST",
+                "/write",
+                Some(&body),
+                Duration::from_secs(5),
+                None,
+            )
+            .await
+            .unwrap()
+        }
+    };
+    // A reader's token never writes, and its MAC does not pass as a writer's.
+    let (status, body) = post(token_of(&r1)).await;
+    assert_eq!(status, 403, "{body}");
+    assert!(body.contains("reader"), "{body}");
+    let mut as_writer = token_of(&r1);
+    as_writer["mode"] = json!("writer");
+    let (status, body) = post(as_writer).await;
+    assert_eq!(status, 403, "{body}");
+    assert!(body.contains("does not verify"), "{body}");
+    // Once both readers release, the writer is granted and writes.
+    for (g, client) in [(&r1, "r1"), (&r2, "r2")] {
+        let release = json!({"commandType": 4, "key": "billing/doc", "clientId": client,
+                             "requestId": "rel", "fencingToken": token_of(g)});
+        let out = ws_request(&mut ws, &release).await;
+        assert_eq!(out["released"], true, "{out}");
+    }
+    let w = ws_request(&mut ws, &shared("billing/doc", "w", "e", "write", None)).await;
+    assert_eq!(w["fencingToken"]["mode"], "writer", "{w}");
+    let (status, body) = post(token_of(&w)).await;
+    assert_eq!(status, 200, "{body}");
+    // A semaphore of two: two permits in slots 0 and 1, each writing its own slot's record;
+    // a third waits. A permit's MAC does not pass for another slot.
+    let p1 = ws_request(
+        &mut ws,
+        &shared("billing/pool", "p1", "a", "permit", Some(2)),
+    )
+    .await;
+    let p2 = ws_request(
+        &mut ws,
+        &shared("billing/pool", "p2", "a", "permit", Some(2)),
+    )
+    .await;
+    assert_eq!(p1["fencingToken"]["slot"], 0, "{p1}");
+    assert_eq!(p2["fencingToken"]["slot"], 1, "{p2}");
+    let mut third = shared("billing/pool", "p3", "a", "permit", Some(2));
+    third["waitTimeout"] = json!(0);
+    let t = ws_request(&mut ws, &third).await;
+    assert_eq!(t["error"]["code"], "WAIT_TIMEOUT", "{t}");
+    for p in [&p1, &p2] {
+        let (status, body) = post(token_of(p)).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    let mut moved = token_of(&p1);
+    moved["slot"] = json!(1);
+    let (status, body) = post(moved).await;
+    assert_eq!(status, 403, "{body}");
+    // The store keeps each slot's record apart.
+    let (_, data) = http_get(&store.addr, "/data").await.unwrap();
+    assert!(
+        data.contains("billing/pool#0") && data.contains("billing/pool#1"),
+        "{data}"
+    );
+    // Setting a semaphore's size needs an admin identity.
+    let set = json!({"commandType": 16, "key": "billing/pool", "clientId": "w1",
+                     "requestId": "s", "permits": 3});
+    let e = ws_request(&mut ws, &set).await;
+    assert_eq!(e["error"]["code"], "PERMISSION_DENIED", "{e}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,6 +1,8 @@
 //! The data store: the resource RaftLock protects. It accepts a write only with a fencing token at
 //! least as high as any it has seen for that lock key (equal = the same holder writing again), so
-//! a paused or partitioned former holder cannot overwrite the work of the next one.
+//! a paused or partitioned former holder cannot overwrite the work of the next one. A read-write
+//! lock's reader never writes (its token is refused); its writer writes as a lock's holder does.
+//! A semaphore's permit writes to the record of its slot, `<key>#<slot>`, fenced per slot.
 //!
 //! What makes a token believable, strongest first:
 //! - a fencing key (`with_fencing_key`): the token must carry the lock service's MAC;
@@ -535,10 +537,14 @@ struct Token {
     /// The lock service's MAC of (key, value); required when the store has a fencing key.
     #[serde(default)]
     mac: Option<String>,
-    /// What the token was granted for (`"leader"`: an election's term); absent: a lock. The
+    /// What the token was granted for (`"leader"`: an election's term; `"reader"`, `"writer"`:
+    /// a read-write lock's; `"permit"`: a semaphore's, with its `slot`); absent: a lock. The
     /// MAC covers it.
     #[serde(default)]
     mode: Option<String>,
+    /// A permit's slot.
+    #[serde(default)]
+    slot: Option<u32>,
 }
 
 fn bad_request(store: &DataStore, reason: String) -> Response {
@@ -612,18 +618,34 @@ async fn write(
         return bad_request(&store, format!("data exceeds {} bytes", l.max_data_bytes));
     }
     let token = request.fencing_token.value;
+    let slot = request.fencing_token.slot;
     let mode = match request.fencing_token.mode.as_deref() {
-        None | Some("") => crate::fencing::TokenMode::Lock,
-        Some(name) => match crate::fencing::TokenMode::parse(name) {
+        None | Some("") if slot.is_none() => crate::fencing::TokenMode::Lock,
+        name => match crate::fencing::TokenMode::parse_with_slot(name.unwrap_or(""), slot) {
             Some(mode) => mode,
             None => {
                 return bad_request(
                     &store,
-                    format!("fencingToken.mode must be \"lock\" or \"leader\", not {name:?}"),
+                    format!(
+                        "fencingToken.mode must be \"lock\", \"leader\", \"reader\", \"writer\" \
+                         or \"permit\" (a slot only with \"permit\"), not {name:?} with slot \
+                         {slot:?}"
+                    ),
                 )
             }
         },
     };
+    if mode == crate::fencing::TokenMode::Reader {
+        return refused(
+            &store,
+            "reader",
+            StatusCode::FORBIDDEN,
+            format!(
+                "fencing token {token} for {key:?} is a reader's: a read-write lock's readers \
+                 share the key and none of them may write; acquire it as the writer"
+            ),
+        );
+    }
     if let Some(fencing_key) = &store.fencing_key {
         let verified = request
             .fencing_token
@@ -641,6 +663,12 @@ async fn write(
             return refused(&store, "forged", StatusCode::FORBIDDEN, error.into());
         }
     }
+    // A semaphore's permits are fenced per slot: each slot's holders hold increasing tokens,
+    // and the slot's writes are kept under `<key>#<slot>`.
+    let key = match mode {
+        crate::fencing::TokenMode::Permit(slot) => format!("{key}#{slot}"),
+        _ => key,
+    };
     // A token above the highest accepted for the key is news: without a MAC to prove it, the
     // lock cluster (when configured) must confirm it is the current holder's. An equal token is
     // the same holder writing again, a lower one stale: neither needs asking.

@@ -522,10 +522,10 @@ fn random_command(rng: &mut Rng, n: u64, model: &Model, sent: &[Command]) -> Com
     }
 }
 
-fn view(
-    sm: &LockStateMachine,
-    key: &str,
-) -> Option<(u32, bool, Vec<MHolder>, Vec<(String, String, LockMode)>)> {
+/// A shared key as both sides show it: size, fixed, holders, waiters (client, request, mode).
+type View = (u32, bool, Vec<MHolder>, Vec<(String, String, LockMode)>);
+
+fn view(sm: &LockStateMachine, key: &str) -> Option<View> {
     let lock = sm.shared_lock(key)?;
     Some((
         lock.permits,
@@ -549,10 +549,7 @@ fn view(
     ))
 }
 
-fn model_view(
-    m: &Model,
-    key: &str,
-) -> Option<(u32, bool, Vec<MHolder>, Vec<(String, String, LockMode)>)> {
+fn model_view(m: &Model, key: &str) -> Option<View> {
     let e = m.keys.get(key)?;
     Some((
         e.permits,
