@@ -1114,3 +1114,85 @@ async fn a_session_keeps_many_locks_with_one_keepalive() {
          {renews} renewals"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readers_share_a_writer_waits_and_a_semaphore_counts_its_permits() {
+    use raftlock::client::ClientError;
+    use raftlock::lock::LockMode;
+    let cluster = Cluster::start(3);
+    let addr = leader_addr(&cluster).await;
+    wait_for_cluster_version(&addr, 9).await;
+    let a = client(&endpoints(&cluster), "sdk-rw-a");
+    let b = client(&endpoints(&cluster), "sdk-rw-b");
+    let ttl = Duration::from_secs(10);
+
+    // Two readers at once; the writer, asked not to wait, is refused.
+    let r1 = a.acquire_read("rw/doc").await.expect("reader a");
+    let r2 = b.acquire_read("rw/doc").await.expect("reader b");
+    assert_eq!((r1.mode(), r1.token_mode()), (LockMode::Read, "reader"));
+    assert!(r2.fencing_token() > r1.fencing_token());
+    let refused = a
+        .acquire_shared_with("rw/doc", LockMode::Write, 0, ttl, Some(Duration::ZERO))
+        .await;
+    assert!(
+        matches!(refused, Err(ClientError::WaitTimeout { .. })),
+        "{refused:?}"
+    );
+    // A waiting writer is granted once both readers are gone (one released, one dropped), and
+    // a reader arriving after it waits for it.
+    let writer = {
+        let a = a.clone();
+        tokio::spawn(async move { a.acquire_write("rw/doc").await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let late_reader = b
+        .acquire_shared_with(
+            "rw/doc",
+            LockMode::Read,
+            0,
+            ttl,
+            Some(Duration::from_millis(300)),
+        )
+        .await;
+    assert!(
+        matches!(late_reader, Err(ClientError::WaitTimeout { .. })),
+        "a reader behind a waiting writer waits: {late_reader:?}"
+    );
+    let readers_max = r2.fencing_token();
+    r1.release().await.expect("release");
+    drop(r2);
+    let w = tokio::time::timeout(Duration::from_secs(10), writer)
+        .await
+        .expect("writer granted in time")
+        .expect("task")
+        .expect("writer");
+    assert_eq!(w.token_mode(), "writer");
+    assert!(w.fencing_token() > readers_max);
+    w.renew().await.expect("a writer renews");
+    w.release().await.expect("release");
+
+    // A semaphore of two: two permits in slots 0 and 1, a third waits until one is released.
+    let p1 = a.acquire_permit("sem/pool", 2).await.expect("permit 1");
+    let p2 = b.acquire_permit("sem/pool", 2).await.expect("permit 2");
+    let mut slots = [p1.slot(), p2.slot()];
+    slots.sort();
+    assert_eq!(slots, [Some(0), Some(1)]);
+    let c = client(&endpoints(&cluster), "sdk-rw-c");
+    let none = c
+        .acquire_shared_with("sem/pool", LockMode::Permit, 2, ttl, Some(Duration::ZERO))
+        .await;
+    assert!(
+        matches!(none, Err(ClientError::WaitTimeout { .. })),
+        "{none:?}"
+    );
+    let freed = p1.slot();
+    p1.release().await.expect("release");
+    let p3 = c.acquire_permit("sem/pool", 2).await.expect("permit 3");
+    assert_eq!(p3.slot(), freed, "the freed slot is taken again");
+    // Bad input is refused before it is sent.
+    let bad = c
+        .acquire_shared_with("sem/pool", LockMode::Permit, 0, ttl, None)
+        .await;
+    assert!(matches!(bad, Err(ClientError::Config(_))), "{bad:?}");
+    drop((p2, p3));
+}

@@ -42,7 +42,7 @@ pub use conn::{is_traceparent, TlsConfig, TraceContext};
 pub use error::ClientError;
 pub use lock::{
     AdvancedClient, AutoRenewer, ClientBuilder, LeaderInfo, LeaderObserver, Leadership, LockHandle,
-    LockSession, LossReason, PendingAcquire, RaftLockClient, SessionLock,
+    LockSession, LossReason, PendingAcquire, RaftLockClient, SessionLock, SharedLock,
 };
 pub use watch::{Watch, WatchEvent};
 

@@ -46,6 +46,10 @@ pub(crate) struct Request<'a> {
     /// A session's id, for `commandType` 13 (0: open one) and 14.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub session: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mode: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub permits: Option<u32>,
 }
 
 impl<'a> Request<'a> {
@@ -65,6 +69,8 @@ impl<'a> Request<'a> {
             ack_below: None,
             lock_delay: None,
             session: None,
+            mode: None,
+            permits: None,
         }
     }
 
@@ -128,6 +134,8 @@ pub(crate) struct ReplyBody {
 pub(crate) struct TokenReply {
     pub value: Option<u64>,
     pub mac: Option<String>,
+    /// A permit's slot.
+    pub slot: Option<u32>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -108,7 +108,15 @@ impl RaftLockClient {
         let owner = self.inner.take_owner();
         let number = self.number_request(&owner);
         let result = self
-            .grant_request(election, ttl, wait, &owner, &number, &policy, Some(value))
+            .grant_request(
+                election,
+                ttl,
+                wait,
+                &owner,
+                &number,
+                &policy,
+                super::Grant::Campaign(value),
+            )
             .await;
         drop(number);
         self.settle_owner(owner, &result);

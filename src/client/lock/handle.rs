@@ -24,6 +24,8 @@ pub struct LockHandle {
     released: AtomicBool,
     /// The token's MAC, when the cluster has a fencing key.
     pub(super) mac: Option<String>,
+    /// A semaphore permit's slot.
+    pub(super) slot: Option<u32>,
 }
 
 impl std::fmt::Debug for LockHandle {
@@ -55,6 +57,7 @@ impl LockHandle {
             valid_until: Arc::new(StdMutex::new(valid_until)),
             released: AtomicBool::new(false),
             mac: None,
+            slot: None,
         }
     }
 

@@ -15,6 +15,7 @@ mod handle;
 mod ids;
 mod renewer;
 mod session;
+mod shared;
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::AtomicU64;
@@ -32,6 +33,16 @@ pub use election::{LeaderInfo, LeaderObserver, Leadership};
 pub use handle::LockHandle;
 pub use renewer::{AutoRenewer, LossReason};
 pub use session::{LockSession, SessionLock};
+pub use shared::SharedLock;
+
+/// What an acquire asks for: a lock, an election's leadership (showing a value), or a
+/// read-write lock or semaphore in a mode (with a semaphore's size).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Grant<'a> {
+    Lock,
+    Campaign(&'a str),
+    Shared(crate::lock::LockMode, u32),
+}
 
 /// Longest client id accepted by the builder, and longest owner id sent: the server's default
 /// limit on ids (`Limits::id_bytes_max`).
@@ -178,7 +189,7 @@ impl RaftLockClient {
         number: &RequestNumber,
         policy: &RetryPolicy,
     ) -> Result<LockHandle, ClientError> {
-        self.grant_request(key, ttl, wait, owner, number, policy, None)
+        self.grant_request(key, ttl, wait, owner, number, policy, Grant::Lock)
             .await
     }
 
@@ -193,17 +204,28 @@ impl RaftLockClient {
         owner: &str,
         number: &RequestNumber,
         policy: &RetryPolicy,
-        campaign: Option<&str>,
+        grant: Grant<'_>,
     ) -> Result<LockHandle, ClientError> {
         check_key(key)?;
         let ttl_ms = duration_ms(ttl)?;
-        let command = if campaign.is_some() { 10 } else { 3 };
+        let (command, value, mode, permits) = match grant {
+            Grant::Lock => (3, None, None, None),
+            Grant::Campaign(value) => (10, Some(value), None, None),
+            Grant::Shared(mode, permits) => (
+                15,
+                None,
+                Some(mode.as_str()),
+                (mode == crate::lock::LockMode::Permit).then_some(permits),
+            ),
+        };
         let request = Request {
             client_id: Some(owner),
             ttl: Some(ttl_ms),
             wait_timeout: wait.map(|w| w.as_millis() as u64),
             ack_below: number.ack_below,
-            value: campaign,
+            value,
+            mode,
+            permits,
             ..Request::new(command, key, &number.id)
         };
         // The lease on the server starts when the grant is applied, which is after this point;
@@ -230,7 +252,9 @@ impl RaftLockClient {
             ttl,
             sent + ttl.saturating_sub(self.margin_for(ttl)),
         );
-        handle.mac = reply.body.fencing_token.and_then(|t| t.mac);
+        let token_reply = reply.body.fencing_token.unwrap_or_default();
+        handle.mac = token_reply.mac;
+        handle.slot = token_reply.slot;
         Ok(handle)
     }
 
