@@ -262,6 +262,28 @@ fn acquire_prints_the_owner_id_release_needs() {
     assert_eq!(code, Some(0), "resign: {v} {err}");
     let (_, v, _) = json_of(&["leader", "e/shard"]);
     assert_eq!(v["leader"], serde_json::Value::Null, "{v}");
+    // A read-write lock: two readers, a writer refused while they hold; a semaphore of one.
+    rt.block_on(wait_for_cluster_version(&eps[0], 9));
+    for _ in 0..2 {
+        let (code, v, err) = json_of(&["acquire", "rw/doc", "--read", "--ttl", "20s"]);
+        assert_eq!(code, Some(0), "{v} {err}");
+        assert_eq!(v["mode"], "reader", "{v}");
+    }
+    let (code, v, _) = json_of(&["acquire", "rw/doc", "--write"]);
+    assert_eq!(code, Some(75), "readers hold: {v}");
+    let (code, _, err) = json_of(&["acquire", "rw/doc", "--permits", "2"]);
+    assert_ne!(code, Some(0), "a read-write lock has no permits: {err}");
+    let (code, v, err) = json_of(&["acquire", "sem/one", "--permits", "1", "--ttl", "20s"]);
+    assert_eq!(code, Some(0), "{v} {err}");
+    assert_eq!(
+        (v["mode"].as_str(), v["slot"].as_u64()),
+        (Some("permit"), Some(0)),
+        "{v}"
+    );
+    let (code, v, _) = json_of(&["acquire", "sem/one", "--permits", "1"]);
+    assert_eq!(code, Some(75), "the one permit is taken: {v}");
+    let (code, _, err) = json_of(&["acquire", "sem/one", "--permits", "0"]);
+    assert_ne!(code, Some(0), "a semaphore has a size: {err}");
 }
 
 fn is_running(pid: u32) -> bool {

@@ -93,7 +93,8 @@ enum Cmd {
         action: NodeCmd,
     },
     /// Acquire a lock and print its fencing token. The lock stays held until released or until
-    /// its TTL passes.
+    /// its TTL passes. With --read or --write, KEY is a read-write lock (many readers or one
+    /// writer); with --permits N, one permit of semaphore KEY of N permits (its slot printed).
     Acquire {
         key: String,
         /// Lease length, e.g. 30s.
@@ -102,6 +103,15 @@ enum Cmd {
         /// Wait at most this long in the queue (default: do not wait).
         #[arg(long, value_parser = humantime::parse_duration)]
         wait: Option<Duration>,
+        /// Take read-write lock KEY as a reader.
+        #[arg(long, conflicts_with_all = ["write", "permits"])]
+        read: bool,
+        /// Take read-write lock KEY as its writer.
+        #[arg(long, conflicts_with = "permits")]
+        write: bool,
+        /// Take one permit of semaphore KEY, whose size is N if no one uses it yet.
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+        permits: Option<u32>,
     },
     /// Release a lock held with TOKEN (--client-id: the owner id `acquire` printed).
     Release {
@@ -645,11 +655,64 @@ async fn dispatch(args: Args) -> ExitCode {
             Err(e) => fail(e),
         },
         Cmd::Members { action } => members(&args, action, json_out).await,
-        Cmd::Acquire { key, ttl, wait } => {
+        Cmd::Acquire {
+            key,
+            ttl,
+            wait,
+            read,
+            write,
+            permits,
+        } => {
             let client = match make_client(&args) {
                 Ok(c) => c,
                 Err(e) => return fail(e),
             };
+            let mode = match (read, write, permits) {
+                (true, _, _) => Some((raftlock::lock::LockMode::Read, 0)),
+                (_, true, _) => Some((raftlock::lock::LockMode::Write, 0)),
+                (_, _, Some(n)) => Some((raftlock::lock::LockMode::Permit, *n)),
+                _ => None,
+            };
+            if let Some((mode, n)) = mode {
+                let wait = wait.unwrap_or(Duration::ZERO);
+                return match client
+                    .acquire_shared_with(key, mode, n, *ttl, Some(wait))
+                    .await
+                {
+                    Ok(lock) => {
+                        let token = lock.fencing_token();
+                        let owner = lock.owner_id().to_string();
+                        let mut out = json!({"acquired": true, "key": key, "fencingToken": token,
+                                             "mode": lock.token_mode(), "clientId": owner,
+                                             "ttlMs": ttl.as_millis() as u64});
+                        if let Some(slot) = lock.slot() {
+                            out["slot"] = json!(slot);
+                        }
+                        if let Some(mac) = lock.fencing_mac() {
+                            out["fencingMac"] = json!(mac);
+                        }
+                        let mode = lock.token_mode();
+                        let slot = lock.slot();
+                        std::mem::forget(lock); // stays held after lockctl exits
+                        emit(json_out, out, || {
+                            let slot = slot.map(|s| format!(" in slot {s}")).unwrap_or_default();
+                            println!(
+                                "acquired {key} as {mode}{slot}: fencing token {token}, client id \
+                                 {owner}, ttl {}",
+                                humantime::format_duration(*ttl)
+                            )
+                        });
+                        ExitCode::SUCCESS
+                    }
+                    Err(raftlock::client::ClientError::WaitTimeout { .. }) => {
+                        emit(json_out, json!({"acquired": false, "key": key}), || {
+                            println!("{key} cannot be granted in this mode now")
+                        });
+                        ExitCode::from(run::EXIT_NOT_ACQUIRED)
+                    }
+                    Err(e) => fail(e),
+                };
+            }
             match client
                 .try_acquire(key, *ttl, wait.unwrap_or(Duration::ZERO))
                 .await
