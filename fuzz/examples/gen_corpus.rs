@@ -99,6 +99,18 @@ fn ws_request() {
             "end-session",
             r#"{"commandType":14,"clientId":"c","session":42,"requestId":"e1"}"#,
         ),
+        (
+            "acquire-read",
+            r#"{"commandType":15,"key":"rw/doc","clientId":"c1","requestId":"r1","ttl":5000,"mode":"read"}"#,
+        ),
+        (
+            "acquire-permit",
+            r#"{"commandType":15,"key":"sem/pool","clientId":"c1","requestId":"r2","ttl":5000,"waitTimeout":0,"mode":"permit","permits":3}"#,
+        ),
+        (
+            "set-permits",
+            r#"{"commandType":16,"key":"sem/pool","clientId":"admin","requestId":"r3","permits":2}"#,
+        ),
     ];
     for (name, text) in seeds {
         write("ws_request", name, text.as_bytes());

@@ -52,6 +52,21 @@ pub fn run(data: &[u8]) {
                     assert!((1..=LIMITS.max_ttl_ms).contains(ttl_ms), "{op:?}")
                 }
                 ClientOp::EndSession { session, .. } => assert!(*session > 0, "{op:?}"),
+                // Never attached to a session; a permit names the semaphore's size, a read or
+                // write lock none.
+                ClientOp::AcquireShared {
+                    ttl_ms,
+                    mode,
+                    permits,
+                    ..
+                } => {
+                    assert!((1..=LIMITS.max_ttl_ms).contains(ttl_ms), "{op:?}");
+                    assert_eq!(
+                        *mode == raftlock::lock::LockMode::Permit,
+                        *permits > 0,
+                        "{op:?}"
+                    );
+                }
                 ClientOp::Put { value, .. } => {
                     assert!(value.len() <= LIMITS.max_value_bytes, "{op:?}")
                 }
