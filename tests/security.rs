@@ -488,6 +488,33 @@ async fn readers_writers_and_permits_pass_the_data_store_only_in_their_own_mode(
                      "requestId": "s", "permits": 3});
     let e = ws_request(&mut ws, &set).await;
     assert_eq!(e["error"]["code"], "PERMISSION_DENIED", "{e}");
+    // The same through gRPC: a reader's token, its MAC covering the mode.
+    let mut grpc = LockServiceClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+    let mut request = tonic::Request::new(raftlock::server::proto::lock::AcquireSharedRequest {
+        key: "billing/grpc-doc".into(),
+        owner_id: "g1".into(),
+        mode: "read".into(),
+        permits: 0,
+        ttl_ms: 5_000,
+        wait_timeout_ms: Some(0),
+        request_id: "g1".into(),
+    });
+    request.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {BILLING}").parse().unwrap(),
+    );
+    let r = grpc.acquire_shared(request).await.unwrap().into_inner();
+    assert!(r.acquired, "{r:?}");
+    let t = r.fencing_token.expect("token");
+    assert_eq!(t.mode, "reader", "{t:?}");
+    let token = json!({"key": t.key, "value": t.value, "mac": t.mac, "mode": t.mode});
+    let (status, body) = post(token).await;
+    assert_eq!(
+        status, 403,
+        "a reader's token from gRPC does not write either: {body}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

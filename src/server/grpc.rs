@@ -95,7 +95,9 @@ refused_by_code_and_message!(
     lpb::ProclaimResponse,
     lpb::LeaderResponse,
     lpb::KeepAliveResponse,
-    lpb::EndSessionResponse
+    lpb::EndSessionResponse,
+    lpb::AcquireSharedResponse,
+    lpb::SetPermitsResponse
 );
 
 /// A reply's error, with where the leader is: the fields every election response has.
@@ -125,6 +127,7 @@ impl LockApi {
             value: token.value,
             mac,
             mode: TokenMode::Leader.as_str().into(),
+            slot: 0,
         }
     }
 }
@@ -239,6 +242,7 @@ impl lpb::lock_service_server::LockService for LockApi {
                     value: token.value,
                     mac,
                     mode: String::new(),
+                    slot: 0,
                 });
             }
             ClientReply::Error(e) => fail(&mut out, e),
@@ -374,6 +378,116 @@ impl lpb::lock_service_server::LockService for LockApi {
                 format!("unexpected {other:?}"),
             )),
         }))
+    }
+
+    async fn acquire_shared(
+        &self,
+        request: Request<lpb::AcquireSharedRequest>,
+    ) -> Result<Response<lpb::AcquireSharedResponse>, Status> {
+        use crate::lock::LockMode;
+        let traceparent = super::exec::traceparent_header(request.metadata());
+        let caller = caller_of(&self.state, &request);
+        let r = request.into_inner();
+        let mut out = lpb::AcquireSharedResponse::default();
+        if let Err(e) = check_key(&self.state, &r.key, &r.owner_id) {
+            return Ok(Response::new(out.refused(e)));
+        }
+        let limits = &self.state.limits;
+        let ttl_ms = if r.ttl_ms == 0 {
+            limits.default_ttl_ms
+        } else {
+            r.ttl_ms
+        };
+        let mode = LockMode::parse(&r.mode);
+        let valid = match mode {
+            Some(LockMode::Permit) => r.permits > 0,
+            Some(_) => r.permits == 0,
+            None => false,
+        };
+        if ttl_ms > limits.max_ttl_ms || !valid {
+            let e = ApiError::new(
+                ErrorCode::InvalidRequest,
+                format!(
+                    "mode must be \"read\" or \"write\" (permits 0) or \"permit\" (permits 1 or \
+                     more), and ttl_ms 1..={}",
+                    limits.max_ttl_ms
+                ),
+            );
+            return Ok(Response::new(out.refused(e)));
+        }
+        let mut op = ClientOp::AcquireShared {
+            key: r.key,
+            client_id: r.owner_id,
+            request_id: if r.request_id.is_empty() && r.wait_timeout_ms != Some(0) {
+                new_request_id()
+            } else {
+                r.request_id
+            },
+            ttl_ms,
+            wait_timeout_ms: r.wait_timeout_ms,
+            mode: mode.unwrap_or(LockMode::Read),
+            permits: r.permits,
+        };
+        if let Err(e) = caller.authorize(&mut op) {
+            return Ok(Response::new(out.refused(e)));
+        }
+        match super::exec::execute_call(op, &self.state, "grpc", traceparent.as_deref()).await {
+            ClientReply::Granted {
+                token,
+                expires_in_ms,
+                shared: Some(grant),
+                ..
+            } => {
+                let mode = crate::fencing::TokenMode::of_shared(grant.mode, grant.slot);
+                let mac = self
+                    .state
+                    .security
+                    .fencing_key
+                    .as_ref()
+                    .map(|k| k.mac_mode(mode, &token.key, token.value))
+                    .unwrap_or_default();
+                out.acquired = true;
+                out.expires_in_ms = expires_in_ms;
+                out.fencing_token = Some(lpb::FencingToken {
+                    key: token.key,
+                    value: token.value,
+                    mac,
+                    mode: mode.as_str().into(),
+                    slot: grant.slot,
+                });
+            }
+            ClientReply::Error(e) => with_error!(out, e),
+            other => out.error_message = format!("unexpected {other:?}"),
+        }
+        Ok(Response::new(out))
+    }
+
+    async fn set_permits(
+        &self,
+        request: Request<lpb::SetPermitsRequest>,
+    ) -> Result<Response<lpb::SetPermitsResponse>, Status> {
+        let traceparent = super::exec::traceparent_header(request.metadata());
+        let caller = caller_of(&self.state, &request);
+        let r = request.into_inner();
+        let mut out = lpb::SetPermitsResponse::default();
+        if let Err(e) = check_key(&self.state, &r.key, &r.owner_id) {
+            return Ok(Response::new(out.refused(e)));
+        }
+        let mut op = ClientOp::SetPermits {
+            key: r.key,
+            permits: r.permits,
+            client_id: r.owner_id,
+            request_id: r.request_id,
+        };
+        if let Err(e) = caller.authorize(&mut op) {
+            return Ok(Response::new(out.refused(e)));
+        }
+        match super::exec::execute_call(op, &self.state, "grpc", traceparent.as_deref()).await {
+            ClientReply::PermitsSet { permits } => out.permits = permits,
+            ClientReply::Error(e) => with_error!(out, e),
+            other => out.error_message = format!("unexpected {other:?}"),
+        }
+        Ok(Response::new(out))
     }
 
     async fn campaign(
