@@ -825,7 +825,7 @@ fn recipes_in_the_docs_run() {
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     rt.block_on(cluster.wait_for_leader(Duration::from_secs(20)));
     let eps = endpoints(&cluster);
-    rt.block_on(wait_for_cluster_version(&eps[0], 7));
+    rt.block_on(wait_for_cluster_version(&eps[0], 9));
     for args in commands {
         let out = lockctl(&eps).args(&args).output().expect("lockctl");
         assert!(

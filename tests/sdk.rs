@@ -990,6 +990,45 @@ async fn recipe_leader(endpoints: Vec<String>) -> Result<(), Box<dyn std::error:
     Ok(())
 }
 
+static CACHE_TOKENS: std::sync::Mutex<Vec<u64>> = std::sync::Mutex::new(Vec::new());
+
+async fn warm_cache(token: u64) {
+    CACHE_TOKENS.lock().unwrap().push(token);
+}
+
+async fn read_cache(token: u64) {
+    CACHE_TOKENS.lock().unwrap().push(token);
+}
+
+async fn recipe_cache(endpoints: Vec<String>) -> Result<(), Box<dyn std::error::Error>> {
+    // recipe: cache
+    let client = RaftLockClient::builder().endpoints(endpoints).build()?;
+    let writer = client.acquire_write("cache/prices").await?;
+    warm_cache(writer.fencing_token()).await;
+    writer.release().await?;
+    let reader = client.acquire_read("cache/prices").await?;
+    read_cache(reader.fencing_token()).await;
+    reader.release().await?;
+    // recipe end
+    Ok(())
+}
+
+static GPU_SLOT: std::sync::Mutex<Option<(Option<u32>, u64)>> = std::sync::Mutex::new(None);
+
+async fn run_on_gpu(slot: Option<u32>, token: u64) {
+    *GPU_SLOT.lock().unwrap() = Some((slot, token));
+}
+
+async fn recipe_pool(endpoints: Vec<String>) -> Result<(), Box<dyn std::error::Error>> {
+    // recipe: pool
+    let client = RaftLockClient::builder().endpoints(endpoints).build()?;
+    let permit = client.acquire_permit("pool/gpus", 4).await?;
+    run_on_gpu(permit.slot(), permit.fencing_token()).await;
+    permit.release().await?;
+    // recipe end
+    Ok(())
+}
+
 /// Every Rust recipe in docs/recipes.md is the code of a function here, and runs against a real
 /// cluster.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -999,10 +1038,10 @@ async fn recipes_in_the_docs_run() {
         .filter(|l| l.trim().starts_with("// recipe: "))
         .count();
     assert_eq!(
-        in_doc, 3,
+        in_doc, 5,
         "docs/recipes.md has recipes this test does not run"
     );
-    for name in ["run-once", "lock-delay", "leader"] {
+    for name in ["run-once", "lock-delay", "leader", "cache", "pool"] {
         let doc = recipe_lines(RECIPES_DOC, name);
         assert!(!doc.is_empty(), "no recipe {name} in docs/recipes.md");
         assert_eq!(
@@ -1013,7 +1052,7 @@ async fn recipes_in_the_docs_run() {
     }
     let cluster = Cluster::start(3);
     let addr = leader_addr(&cluster).await;
-    wait_for_cluster_version(&addr, 7).await;
+    wait_for_cluster_version(&addr, 9).await;
     recipe_run_once(endpoints(&cluster))
         .await
         .expect("run-once recipe");
@@ -1025,6 +1064,14 @@ async fn recipes_in_the_docs_run() {
         .await
         .expect("leader recipe");
     assert!(SERVED_AS_LEADER.load(std::sync::atomic::Ordering::SeqCst) > 0);
+    recipe_cache(endpoints(&cluster))
+        .await
+        .expect("cache recipe");
+    let tokens = CACHE_TOKENS.lock().unwrap().clone();
+    assert!(tokens.len() == 2 && tokens[0] < tokens[1], "{tokens:?}");
+    recipe_pool(endpoints(&cluster)).await.expect("pool recipe");
+    let gpu = *GPU_SLOT.lock().unwrap();
+    assert!(matches!(gpu, Some((Some(0), t)) if t > 0), "{gpu:?}");
 }
 
 /// A session through the SDK: locks attached to it live while it is kept alive, a second
