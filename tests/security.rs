@@ -488,6 +488,27 @@ async fn readers_writers_and_permits_pass_the_data_store_only_in_their_own_mode(
                      "requestId": "s", "permits": 3});
     let e = ws_request(&mut ws, &set).await;
     assert_eq!(e["error"]["code"], "PERMISSION_DENIED", "{e}");
+    // `/locks` shows the shared locks' holders with their modes, and hides their tokens from an
+    // identity that is not an admin, as it hides a lock's.
+    let (status, body) = get_as(&addr, "/locks", Some(BILLING)).await;
+    assert_eq!(status, 200, "{body}");
+    let pool = body["locks"]
+        .as_array()
+        .and_then(|l| l.iter().find(|l| l["key"] == "billing/pool"))
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(pool["shared"]["permits"], 2, "{body}");
+    let holders = pool["shared"]["holders"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(holders.len(), 2, "{body}");
+    assert!(
+        holders
+            .iter()
+            .all(|h| h["mode"] == "permit" && h.get("fencingToken").is_none()),
+        "{body}"
+    );
     // The same through gRPC: a reader's token, its MAC covering the mode.
     let mut grpc = LockServiceClient::connect(format!("http://{addr}"))
         .await

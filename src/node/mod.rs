@@ -339,6 +339,32 @@ pub struct LockInfo {
     /// The key's lock-delay (ms), if it has one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lock_delay_ms: Option<u64>,
+    /// A read-write lock's or semaphore's holders (`holder` and `fencingToken` are then absent).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shared: Option<SharedLockView>,
+}
+
+/// A read-write lock or semaphore as `/locks` shows it.
+#[derive(Clone, Debug, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SharedLockView {
+    /// 0: a read-write lock; otherwise the semaphore's size.
+    pub permits: u32,
+    pub holders: Vec<SharedHolderView>,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SharedHolderView {
+    pub holder: String,
+    pub fencing_token: u64,
+    /// `reader`, `writer` or `permit`.
+    pub mode: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slot: Option<u32>,
+    pub ttl_ms: u64,
+    /// Time left on the leader's lease of this holder (the leader only).
+    pub expires_in_ms: Option<u64>,
 }
 
 /// The deterministic node.

@@ -47,8 +47,59 @@ impl<S: Storage, R> NodeCore<S, R> {
         }
     }
 
-    /// Locks and waiters whose key starts with `prefix` (at most `limit`).
+    /// Locks and waiters whose key starts with `prefix` (at most `limit`), read-write locks and
+    /// semaphores among them, in key order.
     pub fn list_locks(&self, prefix: &str, limit: usize) -> Vec<LockInfo> {
+        let mut out = self.list_plain_locks(prefix, limit);
+        out.extend(
+            self.sm
+                .shared_locks_with_prefix(prefix, limit)
+                .into_iter()
+                .map(|lock| self.shared_lock_info(lock)),
+        );
+        out.sort_by(|a, b| a.key.cmp(&b.key));
+        out.truncate(limit);
+        out
+    }
+
+    fn shared_lock_info(&self, lock: crate::lock::SharedLockInfo) -> LockInfo {
+        let key: std::sync::Arc<str> = std::sync::Arc::from(lock.key.as_str());
+        let holders = lock
+            .holders
+            .iter()
+            .map(|h| super::SharedHolderView {
+                holder: h.client_id.clone(),
+                fencing_token: h.token,
+                mode: crate::fencing::TokenMode::of_shared(h.mode, h.slot).as_str(),
+                slot: (h.mode == crate::lock::LockMode::Permit).then_some(h.slot),
+                ttl_ms: h.ttl_ms,
+                expires_in_ms: self
+                    .shared_leases
+                    .get(&(key.clone(), h.token))
+                    .map(|l| l.deadline.saturating_sub(self.now) / MS),
+            })
+            .collect();
+        LockInfo {
+            lock_delay_ms: self
+                .sm
+                .lock_delay(&lock.key)
+                .map(|d| d.delay_ms)
+                .filter(|&ms| ms > 0),
+            key: lock.key,
+            holder: None,
+            fencing_token: None,
+            ttl_ms: None,
+            expires_in_ms: None,
+            session: None,
+            waiters: lock.waiters.into_iter().map(|w| w.client_id).collect(),
+            shared: Some(super::SharedLockView {
+                permits: lock.permits,
+                holders,
+            }),
+        }
+    }
+
+    fn list_plain_locks(&self, prefix: &str, limit: usize) -> Vec<LockInfo> {
         self.sm
             .locks_with_prefix(prefix, limit)
             .into_iter()
@@ -82,6 +133,7 @@ impl<S: Storage, R> NodeCore<S, R> {
                 fencing_token: held.as_ref().map(|h| h.token),
                 ttl_ms: held.as_ref().map(|h| h.ttl_ms),
                 waiters: waiters.into_iter().map(|w| w.client_id).collect(),
+                shared: None,
             })
             .collect()
     }

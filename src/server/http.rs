@@ -204,6 +204,16 @@ async fn locks(
                     for l in list.iter_mut() {
                         if let Some(o) = l.as_object_mut() {
                             o.remove("fencingToken");
+                            // A read-write lock's or semaphore's holders carry theirs too.
+                            let holders = o
+                                .get_mut("shared")
+                                .and_then(|v| v.get_mut("holders"))
+                                .and_then(|v| v.as_array_mut());
+                            for h in holders.into_iter().flatten() {
+                                if let Some(h) = h.as_object_mut() {
+                                    h.remove("fencingToken");
+                                }
+                            }
                         }
                     }
                 }
