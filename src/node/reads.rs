@@ -70,7 +70,11 @@ impl<S: Storage, R> NodeCore<S, R> {
             .map(|h| super::SharedHolderView {
                 holder: h.client_id.clone(),
                 fencing_token: h.token,
-                mode: crate::fencing::TokenMode::of_shared(h.mode, h.slot).as_str(),
+                mode: match h.mode {
+                    crate::lock::LockMode::Read => "reader",
+                    crate::lock::LockMode::Write => "writer",
+                    crate::lock::LockMode::Permit => "permit",
+                },
                 slot: (h.mode == crate::lock::LockMode::Permit).then_some(h.slot),
                 ttl_ms: h.ttl_ms,
                 expires_in_ms: self
