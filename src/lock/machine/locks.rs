@@ -371,20 +371,32 @@ impl LockStateMachine {
             return Outcome::NotWaiting;
         };
         entry.waiters.remove(pos);
+        self.waiter_left(key, client_id, request_id, events);
+        self.forget_candidate(key, client_id, request_id);
+        self.mark_lock(key);
+        Outcome::WaitCancelled
+    }
+
+    /// The bookkeeping of a cancelled waiter taken out of `key`'s queue (a plain or a shared
+    /// lock's): counts, byte budget, identity use, its kept answer and the event.
+    pub(super) fn waiter_left(
+        &mut self,
+        key: &str,
+        client_id: &str,
+        request_id: &str,
+        events: &mut Vec<Event>,
+    ) {
         self.waiters -= 1;
         self.lock_bytes = self
             .lock_bytes
             .saturating_sub(lock_cost(key, client_id, request_id));
         self.count_identity(client_id, 0, -1);
-        self.forget_candidate(key, client_id, request_id);
-        self.mark_lock(key);
         self.update_record(client_id, request_id, Outcome::WaitCancelled);
         events.push(Event::WaiterRemoved {
             key: key.to_string(),
             client_id: client_id.to_string(),
             request_id: request_id.to_string(),
         });
-        Outcome::WaitCancelled
     }
 
     pub(super) fn mark_lock(&mut self, key: &str) {

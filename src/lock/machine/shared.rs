@@ -615,17 +615,7 @@ impl LockStateMachine {
             return Outcome::NotWaiting;
         };
         e.waiters.remove(pos);
-        self.waiters -= 1;
-        self.lock_bytes = self
-            .lock_bytes
-            .saturating_sub(lock_cost(key, client_id, request_id));
-        self.count_identity(client_id, 0, -1);
-        self.update_record(client_id, request_id, Outcome::WaitCancelled);
-        events.push(Event::WaiterRemoved {
-            key: key.to_string(),
-            client_id: client_id.to_string(),
-            request_id: request_id.to_string(),
-        });
+        self.waiter_left(key, client_id, request_id, events);
         // The head may have been what kept the waiters behind it out (a writer before readers).
         if !self.bug(|b| b.shared_cancel_skips_grant) {
             self.grant_shared(key, events);
