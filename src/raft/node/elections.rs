@@ -63,11 +63,23 @@ impl Raft {
     /// appended but not committed: it can hold the only up-to-date copy of that entry (a leader
     /// that removed itself and then lost contact), and without it the remaining voters could never
     /// elect anyone. Its candidacy counts only the voters of its latest configuration.
+    ///
+    /// So may a learner whose log runs past its commit index. A voter's configuration can name
+    /// it a voter (its promotion appended there, on another branch of the log), and then the
+    /// voters can need its vote while it refuses every one of them, its log being the newest:
+    /// it may hold the only copy of the last leader's entries (simulator seed 694, segments
+    /// disk: that leader's disk was then lost). Elected by its own configuration's voters, it
+    /// leads only until it commits those entries, then steps down (`maybe_commit`), and a
+    /// learner whose log is all committed never campaigns.
     pub(super) fn promotable(&self) -> bool {
         if self.state_pending || !self.in_elections {
             return false;
         }
         if self.membership.is_voter(self.id) {
+            return true;
+        }
+        if self.membership.learners.contains(&self.id) && self.log.last_index() > self.log.committed
+        {
             return true;
         }
         self.membership_index > self.log.committed

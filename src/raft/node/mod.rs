@@ -446,6 +446,10 @@ impl std::fmt::Debug for Raft {
             .field("last_index", &self.log.last_index())
             .field("commit", &self.log.committed)
             .field("voters", &self.membership.voters)
+            .field("learners", &self.membership.learners)
+            .field("membership_index", &self.membership_index)
+            .field("in_elections", &self.in_elections)
+            .field("state_pending", &self.state_pending)
             .field("election_elapsed", &self.election_elapsed)
             .finish()
     }
