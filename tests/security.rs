@@ -521,6 +521,7 @@ async fn readers_writers_and_permits_pass_the_data_store_only_in_their_own_mode(
         ttl_ms: 5_000,
         wait_timeout_ms: Some(0),
         request_id: "g1".into(),
+        attach_to_session: false,
     });
     request.metadata_mut().insert(
         "authorization",

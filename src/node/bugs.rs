@@ -59,6 +59,9 @@ pub struct NodeBugs {
     /// The state machine cancels a shared lock's waiter without granting those behind it that
     /// now fit (readers behind a cancelled writer wait on).
     pub shared_cancel_skips_grant: bool,
+    /// The state machine ends a session without ending its read-write locks and permits, held
+    /// or queued.
+    pub session_end_skips_shared: bool,
 }
 
 impl NodeBugs {
@@ -89,6 +92,7 @@ impl NodeBugs {
             "reader_beside_writer" => bugs.reader_beside_writer = true,
             "permit_over_size" => bugs.permit_over_size = true,
             "shared_cancel_skips_grant" => bugs.shared_cancel_skips_grant = true,
+            "session_end_skips_shared" => bugs.session_end_skips_shared = true,
             _ => return None,
         }
         Some(bugs)
@@ -106,6 +110,7 @@ impl NodeBugs {
             reader_beside_writer: self.reader_beside_writer,
             permit_over_size: self.permit_over_size,
             shared_cancel_skips_grant: self.shared_cancel_skips_grant,
+            session_end_skips_shared: self.session_end_skips_shared,
         }
     }
 }

@@ -26,16 +26,20 @@ impl<S: Storage, R> NodeCore<S, R> {
                 .events
                 .iter()
                 .filter_map(|e| match e {
-                    Event::Granted { token, .. } | Event::Expired { token, .. } => {
-                        Some(token.key.clone())
-                    }
+                    Event::Granted { token, .. }
+                    | Event::SharedGranted { token, .. }
+                    | Event::Expired { token, .. } => Some(token.key.clone()),
                     _ => None,
                 })
                 .collect();
             keys.sort();
             keys.dedup();
             for key in keys {
-                self.follow_lease_of(&key, command, applied, local_started);
+                if self.sm.is_shared(&key) || self.has_shared_leases(&key) {
+                    self.follow_shared_leases(&key, applied, local_started);
+                } else {
+                    self.follow_lease_of(&key, command, applied, local_started);
+                }
             }
             return;
         }
@@ -75,11 +79,16 @@ impl<S: Storage, R> NodeCore<S, R> {
         applied: &crate::lock::Applied,
         local_started: Option<Micros>,
     ) {
-        let holders = self
+        // A holder attached to its client's session has no lease of its own: the session's
+        // lease covers it.
+        let holders: Vec<_> = self
             .sm
             .shared_lock(key)
             .map(|lock| lock.holders)
-            .unwrap_or_default();
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|h| h.ttl_ms != 0)
+            .collect();
         let k: Arc<str> = Arc::from(key);
         let expired = matches!(applied.outcome, Outcome::Expired { .. });
         for id in self
@@ -134,7 +143,7 @@ impl<S: Storage, R> NodeCore<S, R> {
         let no_wait = self.bug(|b| b.no_lease_wait_after_election);
         for lock in self.sm.shared_locks_after(None, usize::MAX) {
             let k: Arc<str> = Arc::from(lock.key.as_str());
-            for h in &lock.holders {
+            for h in lock.holders.iter().filter(|h| h.ttl_ms != 0) {
                 let full_ttl = if no_wait { 0 } else { h.ttl_ms * MS };
                 self.shared_leases.insert(
                     (k.clone(), h.token),

@@ -423,7 +423,7 @@ impl lpb::lock_service_server::LockService for LockApi {
             } else {
                 r.request_id
             },
-            ttl_ms,
+            ttl_ms: if r.attach_to_session { 0 } else { ttl_ms },
             wait_timeout_ms: r.wait_timeout_ms,
             mode: mode.unwrap_or(LockMode::Read),
             permits: r.permits,

@@ -24,7 +24,7 @@ use std::collections::BTreeMap;
 use rand::Rng;
 
 use super::checker::Violation;
-use super::linearizability::{self, KvOp, LinOp, LockOp, OpKind};
+use super::linearizability::{self, HoldMode, KvOp, LinOp, LockOp, OpKind, SharedOp};
 use crate::lock::LockMode;
 use crate::node::api::{ClientOp, ClientReply, ErrorCode, SharedGrant};
 use crate::raft::NodeId;
@@ -380,12 +380,15 @@ impl SimClients {
             };
             let held = client.held.get(&key).cloned();
             let roll = rng.random_range(0..100);
+            // A third of the acquires of a client with a session are attached to it (drawn
+            // only then: without sessions, the mix and its draws are those from before).
+            let attach = self.sessions && client.session.is_some() && rng.random_bool(0.3);
             let op = match (roll, held) {
                 (0..=84, None) => ClientOp::AcquireShared {
                     key,
                     client_id,
                     request_id,
-                    ttl_ms: rng.random_range(30..400),
+                    ttl_ms: if attach { 0 } else { rng.random_range(30..400) },
                     wait_timeout_ms: match rng.random_range(0..5) {
                         0 => Some(0),
                         1 => None,
@@ -744,7 +747,9 @@ impl SimClients {
                 // session does.
                 let attached = matches!(
                     &entry.op,
-                    ClientOp::Acquire { ttl_ms: 0, .. } | ClientOp::Renew { ttl_ms: 0, .. }
+                    ClientOp::Acquire { ttl_ms: 0, .. }
+                        | ClientOp::AcquireShared { ttl_ms: 0, .. }
+                        | ClientOp::Renew { ttl_ms: 0, .. }
                 );
                 let until = match &client.session {
                     Some(s) if attached => s.until,
@@ -1037,12 +1042,28 @@ impl SimClients {
         }
         let mut out: BTreeMap<String, Vec<LinOp>> = BTreeMap::new();
         for h in &self.history {
-            // Read-write locks and semaphores are judged by the holders' beliefs and the
-            // applied log's model, not by this exclusive-lock model.
+            let answered = h.reply.as_ref();
+            // Read-write locks and semaphores have a model of their own.
             if is_shared_key(h.op.key()) {
+                if let Some(kind) = shared_lin_op(&h.op, answered) {
+                    let unknown_effect = matches!(
+                        (&h.op, answered),
+                        (ClientOp::AcquireShared { ttl_ms: 0, .. }, Some(ClientReply::Error(e)))
+                            if e.code == ErrorCode::InvalidRequest
+                    );
+                    out.entry(h.op.key().to_string()).or_default().push(LinOp {
+                        client: h.client,
+                        invoke: h.invoke_us,
+                        complete: h
+                            .reply
+                            .as_ref()
+                            .and(h.complete_us)
+                            .filter(|_| !unknown_effect),
+                        kind: OpKind::Shared(kind),
+                    });
+                }
                 continue;
             }
-            let answered = h.reply.as_ref();
             let code = match answered {
                 Some(ClientReply::Error(e)) => Some(e.code),
                 _ => None,
@@ -1220,6 +1241,81 @@ impl SimClients {
     /// Number of operations and belief intervals checked.
     pub fn checked(&self) -> (u64, u64) {
         (self.history.len() as u64, self.stats.beliefs)
+    }
+}
+
+/// What an operation on a read-write lock or semaphore did, for the linearizability check.
+fn shared_lin_op(op: &ClientOp, answered: Option<&ClientReply>) -> Option<SharedOp> {
+    let mode_of = |mode: LockMode| match mode {
+        LockMode::Read => HoldMode::Read,
+        LockMode::Write => HoldMode::Write,
+        LockMode::Permit => HoldMode::Permit,
+    };
+    let code = match answered {
+        Some(ClientReply::Error(e)) => Some(e.code),
+        _ => None,
+    };
+    match (op, answered) {
+        (
+            ClientOp::AcquireShared {
+                ttl_ms,
+                mode,
+                permits,
+                ..
+            },
+            _,
+        ) => {
+            let unknown = SharedOp::AcquireUnknown {
+                ttl_us: ttl_ms * 1_000,
+                mode: mode_of(*mode),
+                permits: *permits,
+            };
+            match answered {
+                None => Some(unknown),
+                Some(ClientReply::Granted { token, shared, .. }) => Some(SharedOp::Granted {
+                    token: token.value,
+                    ttl_us: ttl_ms * 1_000,
+                    mode: mode_of(*mode),
+                    slot: shared
+                        .filter(|g| g.mode == LockMode::Permit)
+                        .map(|g| g.slot),
+                    permits: *permits,
+                }),
+                Some(ClientReply::Error(e)) => match e.code {
+                    ErrorCode::AlreadyHeld => Some(SharedOp::AlreadyHeld {
+                        token: e.current_token,
+                    }),
+                    ErrorCode::WaitTimeout => Some(SharedOp::HeldByOther),
+                    // A retry told that its grant has already ended; an attached acquire
+                    // retried after its session ended (refused as having none): the grant may
+                    // have happened.
+                    ErrorCode::StaleToken => Some(unknown),
+                    ErrorCode::InvalidRequest if *ttl_ms == 0 => Some(unknown),
+                    _ => None,
+                },
+                Some(_) => None,
+            }
+        }
+        (ClientOp::Release { token, .. }, None) => Some(SharedOp::ReleaseUnknown { token: *token }),
+        (ClientOp::Release { token, .. }, Some(ClientReply::Released)) => {
+            Some(SharedOp::Released { token: *token })
+        }
+        (ClientOp::Renew { token, ttl_ms, .. }, None) => Some(SharedOp::RenewUnknown {
+            token: *token,
+            ttl_us: ttl_ms * 1_000,
+        }),
+        (ClientOp::Renew { token, ttl_ms, .. }, Some(ClientReply::Renewed { .. })) => {
+            Some(SharedOp::Renewed {
+                token: *token,
+                ttl_us: ttl_ms * 1_000,
+            })
+        }
+        (ClientOp::Release { token, .. } | ClientOp::Renew { token, .. }, Some(_)) => match code {
+            Some(ErrorCode::StaleToken) => Some(SharedOp::StaleToken { token: *token }),
+            Some(ErrorCode::NotHolder) => Some(SharedOp::NotHolder { token: *token }),
+            _ => None,
+        },
+        _ => None,
     }
 }
 

@@ -221,6 +221,7 @@ impl LockChecker {
         if self.check_shared(index, command, applied) {
             return;
         }
+        let shared_keys = self.check_shared_session_end(index, command, applied);
         match (&command, &applied.outcome) {
             (
                 Command::Acquire {
@@ -301,6 +302,16 @@ impl LockChecker {
             _ => {}
         }
         for event in &applied.events {
+            let on_shared = match event {
+                Event::SharedGranted { token, .. } | Event::Expired { token, .. } => {
+                    shared_keys.contains(&token.key)
+                }
+                Event::WaiterRemoved { key, .. } => shared_keys.contains(key),
+                _ => false,
+            };
+            if on_shared {
+                continue;
+            }
             match event {
                 Event::Granted {
                     client_id,

@@ -549,6 +549,47 @@ fn caught_semaphore_granting_a_permit_too_many() {
 }
 
 #[test]
+fn caught_shared_cancel_that_leaves_fitting_waiters_queued() {
+    // A writer's wait ends (its timeout, or its session's end) while readers hold the key and
+    // another reader waits behind it: that reader must be granted in the same entry.
+    assert_caught_with(
+        "shared_cancel_skips_grant",
+        400,
+        Schedule {
+            client_sessions: true,
+            client_shared: true,
+            ..Schedule::default()
+        },
+        Bugs::default(),
+        NodeBugs {
+            shared_cancel_skips_grant: true,
+            ..NodeBugs::default()
+        },
+        &["shared locks keep their modes and queue"],
+    );
+}
+
+#[test]
+fn caught_session_end_that_leaves_read_write_locks_and_permits() {
+    // A read lock or permit attached to a session outlives it.
+    assert_caught_with(
+        "session_end_skips_shared",
+        400,
+        Schedule {
+            client_sessions: true,
+            client_shared: true,
+            ..Schedule::default()
+        },
+        Bugs::default(),
+        NodeBugs {
+            session_end_skips_shared: true,
+            ..NodeBugs::default()
+        },
+        &["attached locks end with their session"],
+    );
+}
+
+#[test]
 fn caught_session_end_that_leaves_attached_acquires_queued() {
     // A queued acquire left behind is granted later, attached to a session that is gone.
     assert_caught_with(
@@ -920,6 +961,22 @@ fn no_second_disk_is_lost_while_a_wiped_voter_awaits_admission() {
     cfg.client_sessions = true;
     // Found with the client mix from before read-write locks and semaphores.
     cfg.client_shared = false;
+    let outcome = run_clean(&cfg);
+    assert!(outcome.stats.wipes > 0, "no disk was wiped");
+}
+
+#[test]
+fn a_learner_with_the_newest_log_may_campaign() {
+    // Regression: seed 694 (3 nodes, segments disk). Leader 3 appended the promotion of learner
+    // 4 (index 75, term 5) and lost leadership before committing it; leader 2 (term 6) wrote
+    // its own entries 75-76 on itself and on node 4 only, and then lost its disk. Node 3 needed
+    // 3 votes of {1, 2, 3, 4}: node 2 was out of elections awaiting admission, and node 4, a
+    // learner in its own log, refused every candidate (its log was the newest) and never
+    // campaigned. Nobody was ever elected. A learner whose log runs past its commit index may
+    // now campaign, elected by its own configuration's voters, and steps down once it has
+    // committed.
+    let mut cfg = SimConfig::new(694, 3);
+    cfg.segments_disk = true;
     let outcome = run_clean(&cfg);
     assert!(outcome.stats.wipes > 0, "no disk was wiped");
 }

@@ -135,6 +135,15 @@ enum Cmd {
         #[arg(value_parser = humantime::parse_duration)]
         delay: Duration,
     },
+    /// Set semaphore KEY's size to N permits: kept while no one uses KEY, and in force over the
+    /// size the first permit asked for. Raising it grants the waiters that now fit; lowering it
+    /// lets the holders keep their permits (new grants wait until they fit); 0 forgets the
+    /// setting. Needs an admin identity when the cluster checks identities.
+    Permits {
+        key: String,
+        #[arg(value_name = "N")]
+        permits: u32,
+    },
     /// Campaign to lead ELECTION, showing VALUE once elected; prints the term (a fencing token
     /// with mode "leader") and the leader's owner id. The leadership lasts until resigned
     /// (`lockctl release ELECTION --token TERM --client-id OWNER`) or until its TTL passes
@@ -890,6 +899,22 @@ async fn dispatch(args: Args) -> ExitCode {
                                 "{key}: lock-delay {} after an expiry",
                                 humantime::format_duration(now)
                             )
+                        }
+                    });
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail(e),
+            },
+            Err(e) => fail(e),
+        },
+        Cmd::Permits { key, permits } => match make_client(&args) {
+            Ok(c) => match c.set_permits(key, *permits).await {
+                Ok(n) => {
+                    emit(json_out, json!({"key": key, "permits": n}), || {
+                        if n == 0 {
+                            println!("{key}: size setting removed")
+                        } else {
+                            println!("{key}: {n} permits")
                         }
                     });
                     ExitCode::SUCCESS

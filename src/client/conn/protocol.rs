@@ -116,6 +116,8 @@ pub(crate) struct ReplyBody {
     pub fencing_token: Option<TokenReply>,
     pub value: Option<String>,
     pub lock_delay: Option<u64>,
+    /// A semaphore's size (the answer to setting it).
+    pub permits: Option<u32>,
     /// A leader read: the leader's client id (`null`, read as `None`, while no one leads).
     pub leader: Option<String>,
     pub candidates: Option<u32>,

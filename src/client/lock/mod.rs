@@ -373,6 +373,34 @@ impl RaftLockClient {
         ))
     }
 
+    /// Sets semaphore `key`'s size to `permits`: kept while no one uses the key, and in force
+    /// over the size the first permit asked for. Raising it grants the waiters that now fit;
+    /// lowering it below the holders lets them keep their permits (new grants wait until they
+    /// fit); 0 forgets the setting (the size then lasts while the semaphore is in use). Needs an
+    /// admin identity when the cluster checks identities. Returns the size set.
+    pub async fn set_permits(&self, key: &str, permits: u32) -> Result<u32, ClientError> {
+        check_key(key)?;
+        let owner = self.inner.client_id.clone();
+        let number = self.number_request(&owner);
+        let request = Request {
+            client_id: Some(&owner),
+            permits: Some(permits),
+            ack_below: number.ack_below,
+            ..Request::new(16, key, &number.id)
+        };
+        let reply = self
+            .inner
+            .session
+            .request(
+                &request,
+                ReplyKind::Normal,
+                None,
+                &self.inner.session.cfg.retry,
+            )
+            .await?;
+        Ok(reply.body.permits.unwrap_or(permits))
+    }
+
     /// Linearizable read of a replicated KV key.
     pub async fn get(&self, key: &str) -> Result<Option<String>, ClientError> {
         check_key(key)?;

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use super::super::conn::{ReplyKind, Request};
 use super::super::error::ClientError;
 use super::{check_key, duration_ms, RaftLockClient};
+use crate::lock::LockMode;
 
 /// A session this client keeps: a lease covering every lock acquired through it.
 #[derive(Debug)]
@@ -35,6 +36,10 @@ pub struct SessionLock {
     pub token: u64,
     /// The token's MAC when the cluster has a fencing key.
     pub mac: Option<String>,
+    /// How a read-write lock or semaphore is held (`None`: an exclusive lock).
+    pub mode: Option<LockMode>,
+    /// A permit's slot.
+    pub slot: Option<u32>,
 }
 
 impl RaftLockClient {
@@ -198,6 +203,59 @@ impl LockSession {
             key: key.to_string(),
             token,
             mac: reply.body.fencing_token.and_then(|t| t.mac),
+            mode: None,
+            slot: None,
+        })
+    }
+
+    /// Takes `key` in `mode` attached to the session (a read or write lock, or — with
+    /// `permits`, the size a semaphore not in use yet starts with — a permit), waiting at most
+    /// `wait` in the queue (`Some(ZERO)`: do not wait; `None`: until granted). It ends with the
+    /// session like every lock on it. `WaitTimeout` when the wait ran out.
+    pub async fn acquire_shared(
+        &self,
+        key: &str,
+        mode: LockMode,
+        permits: u32,
+        wait: Option<Duration>,
+    ) -> Result<SessionLock, ClientError> {
+        check_key(key)?;
+        if (mode == LockMode::Permit) != (permits > 0) {
+            return Err(ClientError::Config(
+                "a permit names the semaphore's size (1 or more); a read or write lock none".into(),
+            ));
+        }
+        let number = self.client.number_request(&self.owner);
+        let request = Request {
+            client_id: Some(&self.owner),
+            ttl: Some(0),
+            wait_timeout: wait.map(|w| w.as_millis() as u64),
+            ack_below: number.ack_below,
+            mode: Some(mode.as_str()),
+            permits: (mode == LockMode::Permit).then_some(permits),
+            ..Request::new(15, key, &number.id)
+        };
+        let reply = self
+            .client
+            .inner
+            .session
+            .request(
+                &request,
+                ReplyKind::Normal,
+                wait,
+                &self.client.inner.session.cfg.retry,
+            )
+            .await?;
+        let token = reply.body.fencing_token.as_ref().and_then(|t| t.value);
+        let token = token
+            .ok_or_else(|| ClientError::Protocol(format!("grant without a token: {reply}")))?;
+        let token_reply = reply.body.fencing_token.unwrap_or_default();
+        Ok(SessionLock {
+            key: key.to_string(),
+            token,
+            mac: token_reply.mac,
+            mode: Some(mode),
+            slot: token_reply.slot,
         })
     }
 

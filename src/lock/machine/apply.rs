@@ -467,13 +467,7 @@ impl LockStateMachine {
                         "clientId is required",
                     ));
                 }
-                if *ttl_ms == 0 {
-                    return Err(Outcome::rejected(
-                        RejectCode::InvalidRequest,
-                        "read-write locks and semaphores are not attached to sessions: give a ttl",
-                    ));
-                }
-                check_ttl(*ttl_ms, l)?;
+                self.check_lease_ttl(*ttl_ms)?;
                 if wait_timeout_ms.is_some_and(|w| w > l.wait_timeout_ms_max) {
                     return Err(Outcome::rejected(
                         RejectCode::InvalidRequest,
@@ -583,6 +577,9 @@ impl LockStateMachine {
             client_id, ttl_ms, ..
         }
         | Command::Campaign {
+            client_id, ttl_ms, ..
+        }
+        | Command::AcquireShared {
             client_id, ttl_ms, ..
         }
         | Command::Renew {

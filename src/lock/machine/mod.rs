@@ -296,6 +296,8 @@ pub struct MachineBugs {
     pub permit_over_size: bool,
     /// Cancelling a shared lock's waiter does not grant the waiters behind it that now fit.
     pub shared_cancel_skips_grant: bool,
+    /// Ending a session leaves its read-write locks and permits (held and queued) in place.
+    pub session_end_skips_shared: bool,
 }
 
 impl PartialEq for LockStateMachine {

@@ -24,6 +24,7 @@ use serde::{Deserialize, Serialize};
 
 use super::super::command::FencingToken;
 use super::super::outcome::{Event, Outcome, RejectCode};
+use super::shared::SharedEntry;
 use super::{LockStateMachine, SESSION_PREFIX, SESSION_VERSION};
 
 /// One client's session lease.
@@ -208,7 +209,15 @@ impl LockStateMachine {
             .unwrap_or_default();
         let keep_waiters = self.bug(|b| b.session_end_keeps_waiters);
         let mut ended = 0u32;
+        let skip_shared = self.bug(|b| b.session_end_skips_shared);
         for key in keys {
+            if self.shared.contains_key(&*key) {
+                if !skip_shared {
+                    ended +=
+                        self.end_shared_attached(&key, client_id, expired, keep_waiters, events);
+                }
+                continue;
+            }
             let Some(entry) = self.locks.get(&*key) else {
                 continue;
             };
@@ -256,10 +265,11 @@ impl LockStateMachine {
         if self.session_leases.is_empty() && self.attached_by_key.is_empty() {
             return;
         }
-        let now = self
-            .locks
-            .get(key)
-            .map_or_else(Vec::new, |e| attached_clients(e));
+        let now = match (self.locks.get(key), self.shared.get(key)) {
+            (Some(e), _) => attached_clients(e),
+            (None, Some(e)) => shared_attached_clients(e),
+            (None, None) => Vec::new(),
+        };
         let before = if now.is_empty() {
             self.attached_by_key.remove(key).unwrap_or_default()
         } else {
@@ -288,7 +298,7 @@ impl LockStateMachine {
 
     /// Rebuilds the attachments from the lock entries (at load).
     pub(super) fn rebuild_attachments(&mut self) {
-        let (attached, by_key) = attachments_of(&self.locks);
+        let (attached, by_key) = attachments_of(&self.locks, &self.shared);
         self.attached = attached;
         self.attached_by_key = by_key;
     }
@@ -297,7 +307,7 @@ impl LockStateMachine {
     /// of a client without an open session, or kept attachments that differ from the lock
     /// entries (the simulator checks this after every applied index).
     pub fn session_mismatch(&self) -> Option<String> {
-        let (attached, by_key) = attachments_of(&self.locks);
+        let (attached, by_key) = attachments_of(&self.locks, &self.shared);
         if let Some(client) = attached
             .keys()
             .find(|c| !self.session_leases.contains_key(*c))
@@ -322,11 +332,17 @@ type Attachments = (
     BTreeMap<Box<str>, Vec<Box<str>>>,
 );
 
-fn attachments_of(locks: &BTreeMap<Box<str>, Box<super::LockEntry>>) -> Attachments {
+fn attachments_of(
+    locks: &BTreeMap<Box<str>, Box<super::LockEntry>>,
+    shared: &BTreeMap<Box<str>, SharedEntry>,
+) -> Attachments {
     let mut attached: BTreeMap<Box<str>, BTreeSet<Box<str>>> = BTreeMap::new();
     let mut by_key: BTreeMap<Box<str>, Vec<Box<str>>> = BTreeMap::new();
-    for (key, e) in locks {
-        let clients = attached_clients(e);
+    let plain = locks.iter().map(|(key, e)| (key, attached_clients(e)));
+    let shared = shared
+        .iter()
+        .map(|(key, e)| (key, shared_attached_clients(e)));
+    for (key, clients) in plain.chain(shared) {
         if clients.is_empty() {
             continue;
         }
@@ -342,6 +358,26 @@ fn attachments_of(locks: &BTreeMap<Box<str>, Box<super::LockEntry>>) -> Attachme
 fn attached_clients(e: &super::LockEntry) -> Vec<Box<str>> {
     let mut clients: Vec<Box<str>> = e
         .holder
+        .iter()
+        .filter(|h| h.ttl_ms == 0)
+        .map(|h| h.client_id.clone())
+        .chain(
+            e.waiters
+                .iter()
+                .filter(|w| w.ttl_ms == 0)
+                .map(|w| w.client_id.clone()),
+        )
+        .collect();
+    clients.sort();
+    clients.dedup();
+    clients
+}
+
+/// The clients with a holder or a waiter of a read-write lock or semaphore attached to their
+/// session, sorted.
+fn shared_attached_clients(e: &SharedEntry) -> Vec<Box<str>> {
+    let mut clients: Vec<Box<str>> = e
+        .holders
         .iter()
         .filter(|h| h.ttl_ms == 0)
         .map(|h| h.client_id.clone())

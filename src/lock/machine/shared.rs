@@ -537,12 +537,6 @@ impl LockStateMachine {
         token: u64,
         ttl_ms: u64,
     ) -> Outcome {
-        if ttl_ms == 0 {
-            return Outcome::rejected(
-                RejectCode::InvalidRequest,
-                "read-write locks and semaphores are not attached to sessions: renew with a ttl",
-            );
-        }
         let i = match self.shared_holder_at(key, client_id, token) {
             Ok(i) => i,
             Err(refusal) => return refusal,
@@ -622,6 +616,65 @@ impl LockStateMachine {
         }
         self.mark_shared(key);
         Outcome::WaitCancelled
+    }
+
+    /// Ends what `client_id`'s session holds and waits for on shared `key`: its attached
+    /// waiter leaves the queue (unless `keep_waiters`, a mutation switch), its attached holder
+    /// gives its lock or permit up — an expiry as a lease's would (lock-delay), a close as a
+    /// release. Returns how many ended.
+    pub(super) fn end_shared_attached(
+        &mut self,
+        key: &str,
+        client_id: &str,
+        expired: bool,
+        keep_waiters: bool,
+        events: &mut Vec<Event>,
+    ) -> u32 {
+        let Some(e) = self.shared.get(key) else {
+            return 0;
+        };
+        let waiting: Vec<Box<str>> = e
+            .waiters
+            .iter()
+            .filter(|w| *w.client_id == *client_id && w.ttl_ms == 0)
+            .map(|w| w.request_id.clone())
+            .collect();
+        let held = e
+            .holders
+            .iter()
+            .find(|h| *h.client_id == *client_id && h.ttl_ms == 0)
+            .map(|h| h.token);
+        let mut ended = 0;
+        if !keep_waiters {
+            for request_id in waiting {
+                if self.cancel_shared_wait(key, client_id, &request_id, events)
+                    == Outcome::WaitCancelled
+                {
+                    ended += 1;
+                }
+            }
+        }
+        if let Some(token) = held {
+            if expired {
+                events.push(Event::Expired {
+                    client_id: client_id.to_string(),
+                    token: FencingToken {
+                        key: key.to_string(),
+                        value: token,
+                    },
+                });
+                self.start_lock_delay(key, token, events);
+            }
+            let at = self
+                .shared
+                .get(key)
+                .and_then(|e| e.holders.iter().position(|h| h.token == token));
+            if let Some(i) = at {
+                self.remove_shared_holder(key, i, events);
+                ended += 1;
+            }
+        }
+        ended
     }
 
     /// The waiter `(client_id, request_id)` of shared `key`: its place (1-based) and timeout.
@@ -734,5 +787,6 @@ impl LockStateMachine {
             self.shared.remove(key);
         }
         self.mark_dirty(SHARED_PREFIX, key);
+        self.follow_attachments(key);
     }
 }

@@ -240,12 +240,13 @@ pub(super) fn to_op(
             },
             ACQUIRE_SHARED => {
                 let ttl_ms = r.ttl.unwrap_or(limits.default_ttl_ms);
-                if ttl_ms == 0 || ttl_ms > limits.max_ttl_ms {
+                // 0: the lease is the client's session (which must be open).
+                if ttl_ms > limits.max_ttl_ms {
                     return Err(invalid(&format!(
-                    "`ttl` must be 1..={} ms (read-write locks and semaphores are not attached \
-                     to sessions)",
-                    limits.max_ttl_ms
-                )));
+                        "`ttl` must be 1..={} ms, or 0 to attach the lock or permit to the \
+                         client's session",
+                        limits.max_ttl_ms
+                    )));
                 }
                 let mode = match r.mode.as_deref() {
                     Some(name) => crate::lock::LockMode::parse(name).ok_or_else(|| {

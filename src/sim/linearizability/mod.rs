@@ -20,6 +20,11 @@
 //!   An election (`elect-*`) is a lock whose state also has the value its leader shows: a
 //!   campaign's grant shows the campaign's value, a proclaim by the holder replaces it, a
 //!   release or expiry clears it, and a leader read returns the holder's term and value.
+//! - **shared locks** (`rw-*`, `sem-*`; [`shared`]): the state is the set of holders, each
+//!   with its mode (reader, writer, permit and its slot), token and earliest lease end. A grant
+//!   fits beside the holders (readers beside readers, a writer alone, fewer permits than the
+//!   size in distinct slots) with a token above every earlier grant's; each holder's lease may
+//!   run out on its own.
 //! - **KV** (`data-*`): a register; puts write, gets return the latest write.
 //!
 //! An operation without an answer (the client gave up, or the run ended first) may take effect
@@ -32,6 +37,11 @@
 //! explores more than [`STEP_BUDGET`] states, is counted as unchecked rather than failed.
 
 use std::collections::{BTreeMap, BTreeSet};
+
+mod shared;
+
+use shared::Shared;
+pub use shared::{HoldMode, SharedOp};
 
 /// Keys with more operations than this are not checked (the set of linearized operations is a
 /// fixed-width bitset).
@@ -135,6 +145,8 @@ pub enum KvOp {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OpKind {
     Lock(LockOp),
+    /// An operation on a read-write lock or semaphore.
+    Shared(SharedOp),
     Kv(KvOp),
 }
 
@@ -181,6 +193,8 @@ struct State {
     value: Option<u32>,
     /// A lower bound on the real time of the current linearization point.
     time_lb: u64,
+    /// A read-write lock's or semaphore's holders.
+    shared: Shared,
 }
 
 type Bits = [u64; WORDS];
@@ -202,6 +216,8 @@ struct Search<'a> {
     /// Largest clock drift of a node, in parts per million.
     drift_ppm: u64,
     seen: BTreeSet<(Bits, State)>,
+    /// A semaphore's size (0: a read-write lock, or not a shared key).
+    permits: u32,
     steps: u64,
     budget: u64,
     /// The most operations any partial linearization placed, and the earliest-answered
@@ -214,12 +230,17 @@ pub fn check_key(ops: &[LinOp], drift_ppm: u64, budget: u64) -> Verdict {
     if ops.len() > MAX_OPS_PER_KEY {
         return Verdict::Unchecked;
     }
+    let clients: BTreeSet<usize> = ops.iter().map(|op| op.client).collect();
+    if clients.len() > shared::HOLDERS_MAX {
+        return Verdict::Unchecked;
+    }
     let mut sorted = ops.to_vec();
     sorted.sort_by_key(|op| (op.invoke, op.complete.unwrap_or(u64::MAX)));
     let mut search = Search {
         ops: &sorted,
         drift_ppm,
         seen: BTreeSet::new(),
+        permits: shared::permits_of(ops),
         steps: 0,
         budget,
         deepest: (0, None),
@@ -231,6 +252,7 @@ pub fn check_key(ops: &[LinOp], drift_ppm: u64, budget: u64) -> Verdict {
         floor: 0,
         value: None,
         time_lb: 0,
+        shared: Shared::default(),
     };
     match search.dfs([0; WORDS], 0, start) {
         Err(Exhausted) => Verdict::Unchecked,
@@ -293,6 +315,11 @@ impl Search<'_> {
             }
         }
         if let Some(next) = self.end_delay(&state, min_resp) {
+            if self.dfs(done, placed, next)? {
+                return Ok(true);
+            }
+        }
+        for next in self.expire_shared(&state, min_resp) {
             if self.dfs(done, placed, next)? {
                 return Ok(true);
             }
@@ -478,6 +505,7 @@ impl Search<'_> {
                     }
                 }
             },
+            OpKind::Shared(op) => return self.apply_shared(next, me, now, op),
             OpKind::Kv(kv) => match kv {
                 KvOp::Put { value, .. } => next.value = Some(value),
                 KvOp::Delete { existed } => {

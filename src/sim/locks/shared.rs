@@ -2,7 +2,7 @@
 //! holders and queue, judged at every step for readers never beside a writer, at most N permit
 //! holders (distinct slots below N), FIFO grants across modes, and tokens that increase.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use crate::lock::{Applied, Command, Event, LockMode, Outcome};
 use crate::raft::Index;
@@ -19,6 +19,9 @@ pub(super) struct SharedModel {
     /// (client, request, mode) of each waiter, in queue order.
     queue: VecDeque<(String, String, LockMode)>,
     last_token: u64,
+    /// Tokens of the holders attached to their client's session (granted or renewed with a
+    /// TTL of 0).
+    attached: BTreeSet<u64>,
 }
 
 impl LockChecker {
@@ -75,6 +78,10 @@ impl LockChecker {
                     );
                 }
                 self.shared_grant(index, key, client_id, request_id, token.value, *mode, *slot);
+                if command.as_acquire().is_some_and(|a| a.ttl_ms == 0) {
+                    self.shared_attach(key, token.value, true);
+                    self.attached_grants += 1;
+                }
             }
             (
                 Command::AcquireShared {
@@ -114,12 +121,145 @@ impl LockChecker {
                 self.expiries += 1;
                 self.shared_remove_holder(key, |h| h.2 == *token);
             }
+            (Command::Renew { token, ttl_ms, .. }, Outcome::Renewed { .. }) => {
+                self.shared_attach(key, token.value, *ttl_ms == 0);
+            }
             (Command::SetPermits { permits, .. }, Outcome::PermitsSet { .. }) if *permits > 0 => {
                 self.shared.entry(key.to_string()).or_default().permits = *permits;
             }
             _ => {}
         }
+        self.shared_events(index, command, applied, |_| true);
+        if self
+            .shared
+            .get(key)
+            .is_some_and(|m| m.holders.is_empty() && m.queue.is_empty())
+        {
+            self.shared.remove(key);
+        }
+        true
+    }
+
+    /// A session's end (by its client or by expiry) on the shared keys: every holder attached
+    /// to it leaves — by expiry exactly when the session expired — every waiter attached to it
+    /// leaves the queue, and those behind are granted in the same entry. Returns the shared
+    /// keys the entry touched; the plain lock model takes the others.
+    pub(super) fn check_shared_session_end(
+        &mut self,
+        index: Index,
+        command: &Command,
+        applied: &Applied,
+    ) -> BTreeSet<String> {
+        let (Command::EndSession { client_id, .. } | Command::ExpireSession { client_id, .. }) =
+            command
+        else {
+            return BTreeSet::new();
+        };
+        if !matches!(applied.outcome, Outcome::SessionEnded { .. }) {
+            return BTreeSet::new();
+        }
+        let expiry = matches!(command, Command::ExpireSession { .. });
+        let touched: BTreeSet<String> = applied
+            .events
+            .iter()
+            .filter_map(|e| match e {
+                Event::SharedGranted { token, .. } | Event::Expired { token, .. } => {
+                    Some(token.key.as_str())
+                }
+                Event::WaiterRemoved { key, .. } => Some(key.as_str()),
+                _ => None,
+            })
+            .filter(|key| self.shared.contains_key(*key))
+            .map(str::to_string)
+            .collect();
+        // The attached holders of the client, each expired by an event when the session
+        // expired; released otherwise.
+        let mut ended: Vec<(String, u64)> = Vec::new();
+        for (key, model) in &self.shared {
+            for h in &model.holders {
+                if h.0 == *client_id && model.attached.contains(&h.2) {
+                    ended.push((key.clone(), h.2));
+                }
+            }
+        }
+        for (key, token) in &ended {
+            let expired = applied.events.iter().any(|e| {
+                matches!(e, Event::Expired { token: t, .. } if t.key == *key && t.value == *token)
+            });
+            if expired != expiry {
+                self.fail(
+                    "attached locks end with their session",
+                    format!(
+                        "index {index}: {client_id}'s {key} (token {token}), attached to its \
+                         session, expired: {expired}, by {command:?}"
+                    ),
+                );
+            }
+            self.shared_remove_holder(key, |h| h.2 == *token);
+        }
+        let ended_keys: BTreeSet<&String> = ended.iter().map(|(k, _)| k).collect();
+        if let Some(key) = touched
+            .iter()
+            .find(|k| !ended_keys.contains(k) && !self.shared_has_waiter_of(k, client_id))
+        {
+            self.fail(
+                "attached locks end with their session",
+                format!(
+                    "index {index}: {command:?} changed {key}, which the session had nothing of"
+                ),
+            );
+        }
+        self.shared_events(index, command, applied, |key| touched.contains(key));
+        for key in &touched {
+            if self
+                .shared
+                .get(key)
+                .is_some_and(|m| m.holders.is_empty() && m.queue.is_empty())
+            {
+                self.shared.remove(key);
+            }
+        }
+        touched
+    }
+
+    fn shared_has_waiter_of(&self, key: &str, client_id: &str) -> bool {
+        self.shared
+            .get(key)
+            .is_some_and(|m| m.queue.iter().any(|w| w.0 == client_id))
+    }
+
+    fn shared_attach(&mut self, key: &str, token: u64, attached: bool) {
+        if let Some(model) = self.shared.get_mut(key) {
+            if attached {
+                model.attached.insert(token);
+            } else {
+                model.attached.remove(&token);
+            }
+        }
+    }
+
+    /// The entry's events on the shared keys `on` admits (the command's key for a shared
+    /// command; the keys a session's end touched).
+    fn shared_events(
+        &mut self,
+        index: Index,
+        command: &Command,
+        applied: &Applied,
+        on: impl Fn(&str) -> bool,
+    ) {
+        let key = command.key();
         for event in &applied.events {
+            let event_key = match event {
+                Event::SharedGranted { token, .. }
+                | Event::Granted { token, .. }
+                | Event::Expired { token, .. } => token.key.as_str(),
+                Event::WaiterRemoved { key, .. } => key.as_str(),
+                _ => key,
+            };
+            let key = if event_key.is_empty() { key } else { event_key };
+            if !on(key) {
+                continue;
+            }
             match event {
                 Event::SharedGranted {
                     client_id,
@@ -127,7 +267,7 @@ impl LockChecker {
                     token,
                     mode,
                     slot,
-                    ..
+                    ttl_ms,
                 } => {
                     let model = self.shared.entry(key.to_string()).or_default();
                     let front = model.queue.pop_front();
@@ -141,6 +281,8 @@ impl LockChecker {
                         );
                     }
                     self.shared_grant(index, key, client_id, request_id, token.value, *mode, *slot);
+                    self.shared_attach(key, token.value, *ttl_ms == 0);
+                    self.attached_grants += u64::from(*ttl_ms == 0);
                 }
                 Event::WaiterRemoved {
                     client_id,
@@ -165,14 +307,6 @@ impl LockChecker {
                 | Event::Proclaimed { .. } => {}
             }
         }
-        if self
-            .shared
-            .get(key)
-            .is_some_and(|m| m.holders.is_empty() && m.queue.is_empty())
-        {
-            self.shared.remove(key);
-        }
-        true
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -264,7 +398,8 @@ impl LockChecker {
     ) {
         if let Some(model) = self.shared.get_mut(key) {
             if let Some(i) = model.holders.iter().position(which) {
-                model.holders.remove(i);
+                let gone = model.holders.remove(i);
+                model.attached.remove(&gone.2);
             }
         }
     }
