@@ -284,6 +284,15 @@ fn acquire_prints_the_owner_id_release_needs() {
     assert_eq!(code, Some(75), "the one permit is taken: {v}");
     let (code, _, err) = json_of(&["acquire", "sem/one", "--permits", "0"]);
     assert_ne!(code, Some(0), "a semaphore has a size: {err}");
+    // An admin raises its size: a second permit fits, in slot 1.
+    let (code, v, err) = json_of(&["permits", "sem/one", "2"]);
+    assert_eq!(code, Some(0), "{v} {err}");
+    assert_eq!(v["permits"], 2, "{v}");
+    let (code, v, err) = json_of(&["acquire", "sem/one", "--permits", "1", "--ttl", "20s"]);
+    assert_eq!(code, Some(0), "the size grew: {v} {err}");
+    assert_eq!(v["slot"].as_u64(), Some(1), "{v}");
+    let (code, _, err) = json_of(&["permits", "rw/doc", "2"]);
+    assert_ne!(code, Some(0), "a read-write lock has no size: {err}");
 }
 
 fn is_running(pid: u32) -> bool {

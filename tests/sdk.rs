@@ -1243,3 +1243,79 @@ async fn readers_share_a_writer_waits_and_a_semaphore_counts_its_permits() {
     assert!(matches!(bad, Err(ClientError::Config(_))), "{bad:?}");
     drop((p2, p3));
 }
+
+/// A read lock and a permit taken through a session end with it, in one entry: a writer and a
+/// permit waiting behind them are granted when the session ends. An admin's `set_permits`
+/// raises a semaphore's size and grants the waiter that now fits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_locks_and_permits_on_a_session_end_with_it_and_set_permits_grants_waiters() {
+    use raftlock::lock::LockMode;
+    let cluster = Cluster::start(3);
+    let addr = leader_addr(&cluster).await;
+    wait_for_cluster_version(&addr, 9).await;
+    let a = client(&endpoints(&cluster), "sdk-ss-a");
+    let b = client(&endpoints(&cluster), "sdk-ss-b");
+
+    let session = a
+        .open_session(Duration::from_secs(10))
+        .await
+        .expect("session");
+    let read = session
+        .acquire_shared("ss/doc", LockMode::Read, 0, Some(Duration::ZERO))
+        .await
+        .expect("reader on the session");
+    assert_eq!(read.mode, Some(LockMode::Read));
+    let permit = session
+        .acquire_shared("ss/pool", LockMode::Permit, 1, Some(Duration::ZERO))
+        .await
+        .expect("permit on the session");
+    assert_eq!(
+        (permit.mode, permit.slot),
+        (Some(LockMode::Permit), Some(0))
+    );
+    // Others wait behind them.
+    let writer = {
+        let b = b.clone();
+        tokio::spawn(async move { b.acquire_write("ss/doc").await })
+    };
+    let second = {
+        let b = b.clone();
+        tokio::spawn(async move { b.acquire_permit("ss/pool", 1).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!writer.is_finished() && !second.is_finished());
+    assert_eq!(
+        session.end().await.expect("end"),
+        2,
+        "both ended with the session"
+    );
+    let w = tokio::time::timeout(Duration::from_secs(10), writer)
+        .await
+        .expect("writer granted in time")
+        .expect("task")
+        .expect("writer");
+    assert!(w.fencing_token() > read.token);
+    let p = tokio::time::timeout(Duration::from_secs(10), second)
+        .await
+        .expect("permit granted in time")
+        .expect("task")
+        .expect("permit");
+    assert_eq!(p.slot(), Some(0), "the session's slot is free again");
+
+    // The semaphore is full (size 1); raising it to 2 grants the waiter at once.
+    let c = client(&endpoints(&cluster), "sdk-ss-c");
+    let third = {
+        let c = c.clone();
+        tokio::spawn(async move { c.acquire_permit("ss/pool", 1).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!third.is_finished(), "a permit past the size waits");
+    assert_eq!(a.set_permits("ss/pool", 2).await.expect("set permits"), 2);
+    let p3 = tokio::time::timeout(Duration::from_secs(10), third)
+        .await
+        .expect("granted once the size grew")
+        .expect("task")
+        .expect("permit");
+    assert_eq!(p3.slot(), Some(1));
+    drop((w, p, p3));
+}
