@@ -70,6 +70,9 @@ struct Args {
     /// Clients leave read-write locks and semaphores alone: the client mix from before them.
     #[arg(long)]
     no_client_shared: bool,
+    /// Clients attach no campaigns to their sessions: the client mix from before that.
+    #[arg(long)]
+    no_client_attached_campaigns: bool,
 }
 
 fn main() -> ExitCode {
@@ -92,6 +95,7 @@ fn main() -> ExitCode {
         cfg.client_elections = !args.no_client_elections;
         cfg.client_sessions = !args.no_client_sessions;
         cfg.client_shared = !args.no_client_shared;
+        cfg.client_attached_campaigns = !args.no_client_attached_campaigns;
         cfg.trace = std::env::var_os("RAFTLOCK_SIM_TRACE").is_some();
         let outcome = run_seed(cfg.clone());
         total.add(&outcome.stats);

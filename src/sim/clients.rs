@@ -189,6 +189,8 @@ pub struct SimClients {
     pub sessions: bool,
     /// Some operations are on read-write locks and semaphores (drawn only when on).
     pub shared: bool,
+    /// Campaigns may be attached to the client's session.
+    pub attached_campaigns: bool,
     pub stats: ClientStats,
     pub violations: Vec<Violation>,
 }
@@ -224,6 +226,7 @@ impl SimClients {
             elections: true,
             sessions: true,
             shared: true,
+            attached_campaigns: true,
             stats: ClientStats::default(),
             violations: Vec::new(),
         }
@@ -448,7 +451,15 @@ impl SimClients {
                 key,
                 client_id,
                 request_id,
-                ttl_ms: rng.random_range(30..400),
+                // A third of the campaigns of a client with a session are attached to it.
+                ttl_ms: if self.attached_campaigns
+                    && client.session.is_some()
+                    && rng.random_bool(0.3)
+                {
+                    0
+                } else {
+                    rng.random_range(30..400)
+                },
                 wait_timeout_ms: match rng.random_range(0..5) {
                     0 => Some(0),
                     1 => None,
@@ -749,6 +760,7 @@ impl SimClients {
                     &entry.op,
                     ClientOp::Acquire { ttl_ms: 0, .. }
                         | ClientOp::AcquireShared { ttl_ms: 0, .. }
+                        | ClientOp::Campaign { ttl_ms: 0, .. }
                         | ClientOp::Renew { ttl_ms: 0, .. }
                 );
                 let until = match &client.session {
@@ -1134,6 +1146,19 @@ impl SimClients {
                     ttl_us: ttl_ms * 1_000,
                     value: value_id(key, value, &mut values),
                 }),
+                // An attached campaign retried after its session ended: as an acquire's.
+                (
+                    ClientOp::Campaign {
+                        ttl_ms: 0,
+                        key,
+                        value,
+                        ..
+                    },
+                    Some(ClientReply::Error(e)),
+                ) if e.code == ErrorCode::InvalidRequest => Some(LockOp::CampaignUnknown {
+                    ttl_us: 0,
+                    value: value_id(key, value, &mut values),
+                }),
                 (
                     ClientOp::Campaign {
                         ttl_ms, key, value, ..
@@ -1219,8 +1244,10 @@ impl SimClients {
             });
             let unknown_effect = matches!(
                 (&h.op, answered),
-                (ClientOp::Acquire { ttl_ms: 0, .. }, Some(ClientReply::Error(e)))
-                    if e.code == ErrorCode::InvalidRequest
+                (
+                    ClientOp::Acquire { ttl_ms: 0, .. } | ClientOp::Campaign { ttl_ms: 0, .. },
+                    Some(ClientReply::Error(e))
+                ) if e.code == ErrorCode::InvalidRequest
             );
             if let Some(kind) = kind {
                 out.entry(h.op.key().to_string()).or_default().push(LinOp {

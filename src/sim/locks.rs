@@ -302,14 +302,16 @@ impl LockChecker {
             _ => {}
         }
         for event in &applied.events {
-            let on_shared = match event {
+            let shared_key = match event {
                 Event::SharedGranted { token, .. } | Event::Expired { token, .. } => {
-                    shared_keys.contains(&token.key)
+                    Some(&token.key)
                 }
-                Event::WaiterRemoved { key, .. } => shared_keys.contains(key),
-                _ => false,
+                Event::WaiterRemoved { key, .. } => Some(key),
+                _ => None,
             };
-            if on_shared {
+            if let Some(key) = shared_key.filter(|k| shared_keys.contains(*k)) {
+                let key = key.clone();
+                self.shared_event(index, &key, event);
                 continue;
             }
             match event {
@@ -386,6 +388,7 @@ impl LockChecker {
                 ),
             }
         }
+        self.shared_tidy(&shared_keys);
         if let (Command::Expire { .. } | Command::ExpireLease { .. }, Outcome::Expired { .. }) =
             (&command, &applied.outcome)
         {

@@ -68,5 +68,12 @@ pub fn replay_command(cfg: &SimConfig) -> String {
     if cfg.client_elections && cfg.client_sessions && !cfg.client_shared {
         cmd.push_str(" --no-client-shared");
     }
+    if cfg.client_elections
+        && cfg.client_sessions
+        && cfg.client_shared
+        && !cfg.client_attached_campaigns
+    {
+        cmd.push_str(" --no-client-attached-campaigns");
+    }
     cmd
 }

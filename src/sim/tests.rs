@@ -977,8 +977,20 @@ fn a_learner_with_the_newest_log_may_campaign() {
     // committed.
     let mut cfg = SimConfig::new(694, 3);
     cfg.segments_disk = true;
+    // Found with the client mix from before attached campaigns.
+    cfg.client_attached_campaigns = false;
     let outcome = run_clean(&cfg);
     assert!(outcome.stats.wipes > 0, "no disk was wiped");
+}
+
+#[test]
+fn a_session_end_judges_its_grants_in_the_entrys_order() {
+    // Regression (the simulator's checker): seed 1795 (3 nodes) ended a session that held an
+    // election (`elect-*`, handed on with token 9) and a read-write lock (`rw-*`, handed on
+    // with token 10) in one entry. The checker judged the shared keys' grants before the plain
+    // keys' and reported token 9 after 10; it now takes the entry's events in their order.
+    let outcome = run_clean(&SimConfig::new(1795, 3));
+    assert!(outcome.stats.sessions_opened > 0, "no session opened");
 }
 
 #[test]

@@ -135,6 +135,10 @@ pub struct SimConfig {
     /// Clients also take read-write locks (`rw-*`) and semaphore permits (`sem-*`); on by
     /// default (it needs `client_sessions`). Off, the mix is the one from before them.
     pub client_shared: bool,
+    /// Clients also attach campaigns to their sessions; on by default (it needs
+    /// `client_shared`). Off, the mix is the one from before, under which seed 694 (3 nodes,
+    /// segments disk) was found.
+    pub client_attached_campaigns: bool,
     #[cfg(test)]
     pub bugs: crate::raft::config::Bugs,
     #[cfg(any(test, feature = "mutations"))]
@@ -164,6 +168,7 @@ impl SimConfig {
             client_elections: true,
             client_sessions: true,
             client_shared: true,
+            client_attached_campaigns: true,
             #[cfg(test)]
             bugs: Default::default(),
             #[cfg(any(test, feature = "mutations"))]
@@ -448,6 +453,8 @@ impl Cluster {
         clients.sessions = cfg.client_elections && cfg.client_sessions;
         // Shared locks came after sessions.
         clients.shared = clients.sessions && cfg.client_shared;
+        // Attached campaigns came after shared locks.
+        clients.attached_campaigns = clients.shared && cfg.client_attached_campaigns;
         let mut cluster = Cluster {
             clients,
             locks: LockChecker::with_node_drift(NODE_DRIFT_PPM.unsigned_abs()),

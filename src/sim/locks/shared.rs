@@ -141,9 +141,9 @@ impl LockChecker {
     }
 
     /// A session's end (by its client or by expiry) on the shared keys: every holder attached
-    /// to it leaves — by expiry exactly when the session expired — every waiter attached to it
-    /// leaves the queue, and those behind are granted in the same entry. Returns the shared
-    /// keys the entry touched; the plain lock model takes the others.
+    /// to it leaves — by expiry exactly when the session expired. Returns the shared keys the
+    /// entry touched, whose events (waiters leaving, grants to those behind) the caller hands to
+    /// `shared_event` in the entry's order; the plain lock model takes the others.
     pub(super) fn check_shared_session_end(
         &mut self,
         index: Index,
@@ -209,8 +209,12 @@ impl LockChecker {
                 ),
             );
         }
-        self.shared_events(index, command, applied, |key| touched.contains(key));
-        for key in &touched {
+        touched
+    }
+
+    /// Forgets the models of `keys` left without holders and waiters.
+    pub(super) fn shared_tidy(&mut self, keys: &BTreeSet<String>) {
+        for key in keys {
             if self
                 .shared
                 .get(key)
@@ -219,7 +223,6 @@ impl LockChecker {
                 self.shared.remove(key);
             }
         }
-        touched
     }
 
     fn shared_has_waiter_of(&self, key: &str, client_id: &str) -> bool {
@@ -257,9 +260,16 @@ impl LockChecker {
                 _ => key,
             };
             let key = if event_key.is_empty() { key } else { event_key };
-            if !on(key) {
-                continue;
+            if on(key) {
+                self.shared_event(index, key, event);
             }
+        }
+    }
+
+    /// One event of an entry on shared `key`, judged in the entry's order (a session's end
+    /// interleaves them with the plain keys' events, and tokens must grow across both).
+    pub(super) fn shared_event(&mut self, index: Index, key: &str, event: &Event) {
+        {
             match event {
                 Event::SharedGranted {
                     client_id,
