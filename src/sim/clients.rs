@@ -1055,22 +1055,26 @@ impl SimClients {
         let mut out: BTreeMap<String, Vec<LinOp>> = BTreeMap::new();
         for h in &self.history {
             let answered = h.reply.as_ref();
+            // An acquire or campaign attached to a session, retried after the session ended, is
+            // refused as having no session, although an earlier attempt may have been granted:
+            // its effect is unknown, as if it had no answer.
+            let unknown_effect = matches!(
+                (&h.op, answered),
+                (
+                    ClientOp::Acquire { ttl_ms: 0, .. }
+                        | ClientOp::Campaign { ttl_ms: 0, .. }
+                        | ClientOp::AcquireShared { ttl_ms: 0, .. },
+                    Some(ClientReply::Error(e))
+                ) if e.code == ErrorCode::InvalidRequest
+            );
+            let complete = answered.and(h.complete_us).filter(|_| !unknown_effect);
             // Read-write locks and semaphores have a model of their own.
             if is_shared_key(h.op.key()) {
                 if let Some(kind) = shared_lin_op(&h.op, answered) {
-                    let unknown_effect = matches!(
-                        (&h.op, answered),
-                        (ClientOp::AcquireShared { ttl_ms: 0, .. }, Some(ClientReply::Error(e)))
-                            if e.code == ErrorCode::InvalidRequest
-                    );
                     out.entry(h.op.key().to_string()).or_default().push(LinOp {
                         client: h.client,
                         invoke: h.invoke_us,
-                        complete: h
-                            .reply
-                            .as_ref()
-                            .and(h.complete_us)
-                            .filter(|_| !unknown_effect),
+                        complete,
                         kind: OpKind::Shared(kind),
                     });
                 }
@@ -1242,22 +1246,11 @@ impl SimClients {
                 }
                 .map(OpKind::Kv)
             });
-            let unknown_effect = matches!(
-                (&h.op, answered),
-                (
-                    ClientOp::Acquire { ttl_ms: 0, .. } | ClientOp::Campaign { ttl_ms: 0, .. },
-                    Some(ClientReply::Error(e))
-                ) if e.code == ErrorCode::InvalidRequest
-            );
             if let Some(kind) = kind {
                 out.entry(h.op.key().to_string()).or_default().push(LinOp {
                     client: h.client,
                     invoke: h.invoke_us,
-                    complete: h
-                        .reply
-                        .as_ref()
-                        .and(h.complete_us)
-                        .filter(|_| !unknown_effect),
+                    complete,
                     kind,
                 });
             }

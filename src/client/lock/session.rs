@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use super::super::conn::{ReplyKind, Request};
 use super::super::error::ClientError;
+use super::shared::check_permits;
 use super::{check_key, duration_ms, RaftLockClient};
 use crate::lock::LockMode;
 
@@ -176,36 +177,7 @@ impl LockSession {
         key: &str,
         wait: Option<Duration>,
     ) -> Result<SessionLock, ClientError> {
-        check_key(key)?;
-        let number = self.client.number_request(&self.owner);
-        let request = Request {
-            client_id: Some(&self.owner),
-            ttl: Some(0),
-            wait_timeout: wait.map(|w| w.as_millis() as u64),
-            ack_below: number.ack_below,
-            ..Request::new(3, key, &number.id)
-        };
-        let reply = self
-            .client
-            .inner
-            .session
-            .request(
-                &request,
-                ReplyKind::Normal,
-                wait,
-                &self.client.inner.session.cfg.retry,
-            )
-            .await?;
-        let token = reply.body.fencing_token.as_ref().and_then(|t| t.value);
-        let token = token
-            .ok_or_else(|| ClientError::Protocol(format!("grant without a token: {reply}")))?;
-        Ok(SessionLock {
-            key: key.to_string(),
-            token,
-            mac: reply.body.fencing_token.and_then(|t| t.mac),
-            mode: None,
-            slot: None,
-        })
+        self.attached_grant(key, wait, None).await
     }
 
     /// Takes `key` in `mode` attached to the session (a read or write lock, or — with
@@ -219,21 +191,36 @@ impl LockSession {
         permits: u32,
         wait: Option<Duration>,
     ) -> Result<SessionLock, ClientError> {
+        check_permits(mode, permits)?;
+        self.attached_grant(key, wait, Some((mode, permits))).await
+    }
+
+    /// An acquire attached to the session: of a lock, or with `shared` of a read-write lock or
+    /// semaphore in that mode.
+    async fn attached_grant(
+        &self,
+        key: &str,
+        wait: Option<Duration>,
+        shared: Option<(LockMode, u32)>,
+    ) -> Result<SessionLock, ClientError> {
         check_key(key)?;
-        if (mode == LockMode::Permit) != (permits > 0) {
-            return Err(ClientError::Config(
-                "a permit names the semaphore's size (1 or more); a read or write lock none".into(),
-            ));
-        }
         let number = self.client.number_request(&self.owner);
+        let (command, mode, permits) = match shared {
+            None => (3, None, None),
+            Some((mode, permits)) => (
+                15,
+                Some(mode.as_str()),
+                (mode == LockMode::Permit).then_some(permits),
+            ),
+        };
         let request = Request {
             client_id: Some(&self.owner),
             ttl: Some(0),
             wait_timeout: wait.map(|w| w.as_millis() as u64),
             ack_below: number.ack_below,
-            mode: Some(mode.as_str()),
-            permits: (mode == LockMode::Permit).then_some(permits),
-            ..Request::new(15, key, &number.id)
+            mode,
+            permits,
+            ..Request::new(command, key, &number.id)
         };
         let reply = self
             .client
@@ -254,8 +241,8 @@ impl LockSession {
             key: key.to_string(),
             token,
             mac: token_reply.mac,
-            mode: Some(mode),
-            slot: token_reply.slot,
+            mode: shared.map(|(mode, _)| mode),
+            slot: shared.and(token_reply.slot),
         })
     }
 

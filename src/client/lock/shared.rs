@@ -119,11 +119,7 @@ impl RaftLockClient {
         ttl: Duration,
         wait: Option<Duration>,
     ) -> Result<SharedLock, ClientError> {
-        if (mode == LockMode::Permit) != (permits > 0) {
-            return Err(ClientError::Config(
-                "a permit names the semaphore's size (1 or more); a read or write lock none".into(),
-            ));
-        }
+        check_permits(mode, permits)?;
         let policy = self.inner.session.cfg.retry.clone();
         let owner = self.inner.take_owner();
         let number = self.number_request(&owner);
@@ -142,4 +138,14 @@ impl RaftLockClient {
         self.settle_owner(owner, &result);
         result.map(|handle| SharedLock { handle, mode })
     }
+}
+
+/// A permit names the semaphore's size (1 or more); a read or write lock none.
+pub(super) fn check_permits(mode: LockMode, permits: u32) -> Result<(), ClientError> {
+    if (mode == LockMode::Permit) != (permits > 0) {
+        return Err(ClientError::Config(
+            "a permit names the semaphore's size (1 or more); a read or write lock none".into(),
+        ));
+    }
+    Ok(())
 }

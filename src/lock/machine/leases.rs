@@ -6,6 +6,25 @@ use super::super::outcome::{Event, Outcome};
 use super::LockStateMachine;
 
 impl LockStateMachine {
+    /// A holder's lease ran out (its own, or its session's): the `Expired` event, and the
+    /// key's lock-delay starts.
+    pub(super) fn report_expiry(
+        &mut self,
+        key: &str,
+        client_id: &str,
+        token: u64,
+        events: &mut Vec<Event>,
+    ) {
+        events.push(Event::Expired {
+            client_id: client_id.to_string(),
+            token: FencingToken {
+                key: key.to_string(),
+                value: token,
+            },
+        });
+        self.start_lock_delay(key, token, events);
+    }
+
     pub(super) fn renew(&mut self, key: &str, client_id: &str, token: u64, ttl_ms: u64) -> Outcome {
         if let Err(refusal) = self.check_holder(key, client_id, token) {
             return refusal;
@@ -46,14 +65,7 @@ impl LockStateMachine {
                 }
             }
             Some(h) if h.token == token => {
-                events.push(Event::Expired {
-                    client_id: h.client_id.to_string(),
-                    token: FencingToken {
-                        key: key.to_string(),
-                        value: token,
-                    },
-                });
-                self.start_lock_delay(key, token, events);
+                self.report_expiry(key, &h.client_id, token, events);
                 self.vacate(key, events);
                 Outcome::Expired {
                     client_id: h.client_id.into(),

@@ -22,7 +22,6 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
-use super::super::command::FencingToken;
 use super::super::outcome::{Event, Outcome, RejectCode};
 use super::shared::SharedEntry;
 use super::{LockStateMachine, SESSION_PREFIX, SESSION_VERSION};
@@ -243,14 +242,7 @@ impl LockStateMachine {
             }
             if let Some(token) = held {
                 if expired {
-                    events.push(Event::Expired {
-                        client_id: client_id.to_string(),
-                        token: FencingToken {
-                            key: key.to_string(),
-                            value: token,
-                        },
-                    });
-                    self.start_lock_delay(&key, token, events);
+                    self.report_expiry(&key, client_id, token, events);
                 }
                 self.vacate(&key, events);
                 ended += 1;
@@ -356,37 +348,21 @@ fn attachments_of(
 
 /// The clients with a holder or a waiter attached to their session on this entry, sorted.
 fn attached_clients(e: &super::LockEntry) -> Vec<Box<str>> {
-    let mut clients: Vec<Box<str>> = e
-        .holder
-        .iter()
-        .filter(|h| h.ttl_ms == 0)
-        .map(|h| h.client_id.clone())
-        .chain(
-            e.waiters
-                .iter()
-                .filter(|w| w.ttl_ms == 0)
-                .map(|w| w.client_id.clone()),
-        )
-        .collect();
-    clients.sort();
-    clients.dedup();
-    clients
+    let holder = e.holder.iter().map(|h| (&h.client_id, h.ttl_ms));
+    sorted_attached(holder.chain(e.waiters.iter().map(|w| (&w.client_id, w.ttl_ms))))
 }
 
-/// The clients with a holder or a waiter of a read-write lock or semaphore attached to their
-/// session, sorted.
+/// The same for a read-write lock or semaphore.
 fn shared_attached_clients(e: &SharedEntry) -> Vec<Box<str>> {
-    let mut clients: Vec<Box<str>> = e
-        .holders
-        .iter()
-        .filter(|h| h.ttl_ms == 0)
-        .map(|h| h.client_id.clone())
-        .chain(
-            e.waiters
-                .iter()
-                .filter(|w| w.ttl_ms == 0)
-                .map(|w| w.client_id.clone()),
-        )
+    let holders = e.holders.iter().map(|h| (&h.client_id, h.ttl_ms));
+    sorted_attached(holders.chain(e.waiters.iter().map(|w| (&w.client_id, w.ttl_ms))))
+}
+
+/// The distinct clients among `(client, ttl)` whose TTL is 0 (attached), sorted.
+fn sorted_attached<'a>(all: impl Iterator<Item = (&'a Box<str>, u64)>) -> Vec<Box<str>> {
+    let mut clients: Vec<Box<str>> = all
+        .filter(|(_, ttl_ms)| *ttl_ms == 0)
+        .map(|(client, _)| client.clone())
         .collect();
     clients.sort();
     clients.dedup();

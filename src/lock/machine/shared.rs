@@ -577,14 +577,7 @@ impl LockStateMachine {
                 lease_index: h.lease_index,
             };
         }
-        events.push(Event::Expired {
-            client_id: h.client_id.to_string(),
-            token: FencingToken {
-                key: key.to_string(),
-                value: token,
-            },
-        });
-        self.start_lock_delay(key, token, events);
+        self.report_expiry(key, &h.client_id, token, events);
         self.remove_shared_holder(key, i, events);
         Outcome::Expired {
             client_id: h.client_id.into(),
@@ -656,14 +649,7 @@ impl LockStateMachine {
         }
         if let Some(token) = held {
             if expired {
-                events.push(Event::Expired {
-                    client_id: client_id.to_string(),
-                    token: FencingToken {
-                        key: key.to_string(),
-                        value: token,
-                    },
-                });
-                self.start_lock_delay(key, token, events);
+                self.report_expiry(key, client_id, token, events);
             }
             let at = self
                 .shared

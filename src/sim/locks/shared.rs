@@ -129,7 +129,10 @@ impl LockChecker {
             }
             _ => {}
         }
-        self.shared_events(index, command, applied, |_| true);
+        // A shared command's events are all on its key.
+        for event in &applied.events {
+            self.shared_event(index, key, event);
+        }
         if self
             .shared
             .get(key)
@@ -241,81 +244,54 @@ impl LockChecker {
         }
     }
 
-    /// The entry's events on the shared keys `on` admits (the command's key for a shared
-    /// command; the keys a session's end touched).
-    fn shared_events(
-        &mut self,
-        index: Index,
-        command: &Command,
-        applied: &Applied,
-        on: impl Fn(&str) -> bool,
-    ) {
-        let key = command.key();
-        for event in &applied.events {
-            let event_key = match event {
-                Event::SharedGranted { token, .. }
-                | Event::Granted { token, .. }
-                | Event::Expired { token, .. } => token.key.as_str(),
-                Event::WaiterRemoved { key, .. } => key.as_str(),
-                _ => key,
-            };
-            let key = if event_key.is_empty() { key } else { event_key };
-            if on(key) {
-                self.shared_event(index, key, event);
-            }
-        }
-    }
-
     /// One event of an entry on shared `key`, judged in the entry's order (a session's end
     /// interleaves them with the plain keys' events, and tokens must grow across both).
     pub(super) fn shared_event(&mut self, index: Index, key: &str, event: &Event) {
-        {
-            match event {
-                Event::SharedGranted {
-                    client_id,
-                    request_id,
-                    token,
-                    mode,
-                    slot,
-                    ttl_ms,
-                } => {
-                    let model = self.shared.entry(key.to_string()).or_default();
-                    let front = model.queue.pop_front();
-                    if front.as_ref() != Some(&(client_id.clone(), request_id.clone(), *mode)) {
-                        self.fail(
-                            "FIFO grants",
-                            format!(
-                                "index {index}: {key} granted to {client_id}/{request_id} \
+        match event {
+            Event::SharedGranted {
+                client_id,
+                request_id,
+                token,
+                mode,
+                slot,
+                ttl_ms,
+            } => {
+                let model = self.shared.entry(key.to_string()).or_default();
+                let front = model.queue.pop_front();
+                if front.as_ref() != Some(&(client_id.clone(), request_id.clone(), *mode)) {
+                    self.fail(
+                        "FIFO grants",
+                        format!(
+                            "index {index}: {key} granted to {client_id}/{request_id} \
                                  ({mode:?}), queue front was {front:?}"
-                            ),
-                        );
-                    }
-                    self.shared_grant(index, key, client_id, request_id, token.value, *mode, *slot);
-                    self.shared_attach(key, token.value, *ttl_ms == 0);
-                    self.attached_grants += u64::from(*ttl_ms == 0);
+                        ),
+                    );
                 }
-                Event::WaiterRemoved {
-                    client_id,
-                    request_id,
-                    ..
-                } => {
-                    let model = self.shared.entry(key.to_string()).or_default();
-                    model
-                        .queue
-                        .retain(|w| (&w.0, &w.1) != (client_id, request_id));
-                }
-                Event::Granted { token, .. } => self.fail(
-                    "shared grants keep their mode",
-                    format!(
-                        "index {index}: an exclusive grant of {} on a shared key",
-                        token.key
-                    ),
-                ),
-                Event::Expired { .. }
-                | Event::LockDelayStarted { .. }
-                | Event::LockDelayEnded { .. }
-                | Event::Proclaimed { .. } => {}
+                self.shared_grant(index, key, client_id, request_id, token.value, *mode, *slot);
+                self.shared_attach(key, token.value, *ttl_ms == 0);
+                self.attached_grants += u64::from(*ttl_ms == 0);
             }
+            Event::WaiterRemoved {
+                client_id,
+                request_id,
+                ..
+            } => {
+                let model = self.shared.entry(key.to_string()).or_default();
+                model
+                    .queue
+                    .retain(|w| (&w.0, &w.1) != (client_id, request_id));
+            }
+            Event::Granted { token, .. } => self.fail(
+                "shared grants keep their mode",
+                format!(
+                    "index {index}: an exclusive grant of {} on a shared key",
+                    token.key
+                ),
+            ),
+            Event::Expired { .. }
+            | Event::LockDelayStarted { .. }
+            | Event::LockDelayEnded { .. }
+            | Event::Proclaimed { .. } => {}
         }
     }
 
