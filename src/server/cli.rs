@@ -207,8 +207,8 @@ struct Args {
     storage_cache_mb: Option<u64>,
     /// Where the Raft log is kept: sled (in the sled store with everything else) or segments
     /// (files of its own under the store's directory: an append is one write and a flush one
-    /// fdatasync, without sled's I/O threads). A store keeps the engine it was written with.
-    /// Default sled
+    /// fdatasync, without sled's I/O threads). A store keeps the engine it was written with;
+    /// auto opens a store with the engine it has and gives a new one segments. Default auto
     #[arg(long)]
     raft_log_engine: Option<String>,
     /// Where storage flushes run: auto (on a thread of their own while the node is busy, so

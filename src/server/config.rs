@@ -155,8 +155,8 @@ pub struct NodeConfig {
     pub max_answers: usize,
     /// Memory sled's page cache may hold, in MiB (the applied state is in memory anyway).
     pub storage_cache_mb: u64,
-    /// Where the Raft log is kept: `sled` (with the rest of the store) or `segments` (files
-    /// of its own beside it).
+    /// Where the Raft log is kept: `sled` (with the rest of the store), `segments` (files
+    /// of its own beside it) or `auto` (the engine a written store has, segments for a new one).
     pub raft_log_engine: String,
     /// Where flushes run: `auto` (on a thread of their own while the node is busy, so that it
     /// goes on taking and writing requests meanwhile; on the driver's thread otherwise),
@@ -206,7 +206,7 @@ pub const DEFAULTS: &[(&str, &str)] = &[
     ("dedupe_retain", "1m"),
     ("max_answers", "1000000"),
     ("storage_cache_mb", "64"),
-    ("raft_log_engine", "sled"),
+    ("raft_log_engine", "auto"),
     ("background_flush", "auto"),
     ("peer_stream", "plain"),
     ("io_threads", "0"),
@@ -532,10 +532,12 @@ mod tests {
     }
 
     #[test]
-    fn the_raft_log_engine_defaults_to_sled_and_takes_segments() {
-        assert_eq!(load_with(&[]).unwrap().raft_log_engine, "sled");
-        let engine = load_with(&[("raft_log_engine", "segments")]).unwrap();
-        assert_eq!(engine.raft_log_engine, "segments");
+    fn the_raft_log_engine_defaults_to_auto_and_takes_sled_and_segments() {
+        assert_eq!(load_with(&[]).unwrap().raft_log_engine, "auto");
+        for engine in ["sled", "segments"] {
+            let cfg = load_with(&[("raft_log_engine", engine)]).unwrap();
+            assert_eq!(cfg.raft_log_engine, engine);
+        }
         let err = load_with(&[("raft_log_engine", "rocksdb")])
             .unwrap_err()
             .to_string();

@@ -171,9 +171,9 @@ pub fn bench_sled_appends(
     }
     let elapsed = started.elapsed();
     Ok(finish(
-        match engine {
-            LogEngine::Sled => "sled append+flush",
+        match store.log_engine() {
             LogEngine::Segments => "segments append+flush",
+            _ => "sled append+flush",
         },
         batch,
         elapsed,

@@ -275,7 +275,7 @@ fn command(index: Index, term: Term) -> Entry {
 }
 
 /// Entries `lo..=hi`, all in `term`.
-fn commands(lo: Index, hi: Index, term: Term) -> Vec<Entry> {
+pub(crate) fn commands(lo: Index, hi: Index, term: Term) -> Vec<Entry> {
     (lo..=hi).map(|index| command(index, term)).collect()
 }
 

@@ -118,9 +118,9 @@ enum Command {
         /// Where results.md and results.json are written.
         #[arg(long, default_value = "docs/bench")]
         out: std::path::PathBuf,
-        /// Where the RaftLock nodes keep their Raft log: sled or segments
-        /// (`--raft-log-engine`).
-        #[arg(long, default_value = "sled", value_parser = ["sled", "segments"])]
+        /// Where the RaftLock nodes keep their Raft log: segments (what a node gives a new
+        /// data directory) or sled (`--raft-log-engine`).
+        #[arg(long, default_value = "segments", value_parser = ["sled", "segments"])]
         raft_log_engine: String,
         /// The systems measured beside RaftLock, each started here on 127.0.0.1: etcd (needs
         /// the `etcd` feature), zookeeper (a three-node ensemble; the `zookeeper` feature),
@@ -145,9 +145,9 @@ enum Command {
         /// cluster; the CPU table then says where a cycle's CPU goes under load).
         #[arg(long, default_value_t = 1)]
         clients: usize,
-        /// Where the RaftLock nodes keep their Raft log: sled or segments
-        /// (`--raft-log-engine`).
-        #[arg(long, default_value = "sled", value_parser = ["sled", "segments"])]
+        /// Where the RaftLock nodes keep their Raft log: segments (what a node gives a new
+        /// data directory) or sled (`--raft-log-engine`).
+        #[arg(long, default_value = "segments", value_parser = ["sled", "segments"])]
         raft_log_engine: String,
     },
     /// Two RaftLock clusters side by side, trace export off and on (every span sent over OTLP

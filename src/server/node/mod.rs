@@ -188,7 +188,7 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
     )?;
     let mut recovered = storage.recover()?;
     tracing::info!(
-        raft_log_engine = %cfg.raft_log_engine,
+        raft_log_engine = %storage.log_engine(),
         log_segments = storage.log_segments().unwrap_or(0),
         snapshot_index = recovered.snapshot_meta.index,
         last_index = recovered.last_index(),

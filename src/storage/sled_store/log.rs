@@ -1,7 +1,6 @@
 //! The Raft log in the `log_runs` tree: runs of entries (appending, reading, the membership at
 //! an index), and the background thread that deletes compacted entries.
 
-#[cfg(doc)]
 use super::LogEngine;
 #[cfg(test)]
 use super::OLD_LOG_TREE;
@@ -161,6 +160,15 @@ impl SledStorage {
     }
 
     /// Number of log segment files under [`LogEngine::Segments`].
+    /// The engine this store keeps its Raft log in (never [`LogEngine::Auto`]: the one it chose).
+    pub fn log_engine(&self) -> LogEngine {
+        if self.segments.is_some() {
+            LogEngine::Segments
+        } else {
+            LogEngine::Sled
+        }
+    }
+
     pub fn log_segments(&self) -> Option<usize> {
         self.segments.as_ref().map(SegmentLog::segment_count)
     }

@@ -106,25 +106,34 @@ impl SledStorage {
         };
         let log = tree(LOG_TREE)?;
         migrate_old_log(&db, &log)?;
-        let segments = match options.log_engine {
-            LogEngine::Sled => {
-                if SegmentLog::exists_in(&segment_dir)? {
-                    return Err(StorageError::LogEngineMismatch {
-                        found: LogEngine::Segments.name(),
-                        asked: LogEngine::Sled.name(),
-                    });
-                }
-                None
+        let meta = tree("meta")?;
+        // Auto keeps a written store's engine (sled unless it has segments) and gives a store
+        // that was never written (no log, no hard state or snapshot point) segments.
+        let engine = match options.log_engine {
+            LogEngine::Auto
+                if SegmentLog::exists_in(&segment_dir)? || (log.is_empty() && meta.is_empty()) =>
+            {
+                LogEngine::Segments
             }
-            LogEngine::Segments => {
-                if !log.is_empty() {
-                    return Err(StorageError::LogEngineMismatch {
-                        found: LogEngine::Sled.name(),
-                        asked: LogEngine::Segments.name(),
-                    });
-                }
-                Some(SegmentLog::open(&segment_dir, options.segment_bytes)?)
+            LogEngine::Auto => LogEngine::Sled,
+            chosen => chosen,
+        };
+        let segments = if engine == LogEngine::Sled {
+            if SegmentLog::exists_in(&segment_dir)? {
+                return Err(StorageError::LogEngineMismatch {
+                    found: LogEngine::Segments.name(),
+                    asked: LogEngine::Sled.name(),
+                });
             }
+            None
+        } else {
+            if !log.is_empty() {
+                return Err(StorageError::LogEngineMismatch {
+                    found: LogEngine::Sled.name(),
+                    asked: LogEngine::Segments.name(),
+                });
+            }
+            Some(SegmentLog::open(&segment_dir, options.segment_bytes)?)
         };
         let db_file = std::fs::File::open(&db_path).map_err(|source| StorageError::Io {
             action: "opening sled's log file to sync it",
@@ -135,7 +144,7 @@ impl SledStorage {
             flusher: None,
             trimmer: LogTrimmer::start(log.clone()),
             log,
-            meta: tree("meta")?,
+            meta,
             state: tree("state")?,
             staging: tree("staging")?,
             db,
@@ -280,4 +289,71 @@ fn migrate_old_log(db: &sled::Db, log: &sled::Tree) -> Result<(), StorageError> 
         .map_err(|e| StorageError::sled("flushing after the log migration", e))?;
     tracing::info!(entries, "moved the log into runs (tree log_runs)");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::storage::conformance::{commands, reopen_sled_with};
+    use crate::storage::Storage;
+
+    fn with(log_engine: LogEngine) -> SledOptions {
+        SledOptions {
+            log_engine,
+            ..SledOptions::default()
+        }
+    }
+
+    /// `auto` gives a new store segments and keeps every written store on its own engine, so
+    /// an upgraded node whose default changed reads the log it wrote.
+    #[test]
+    fn auto_chooses_segments_for_a_new_store_and_keeps_a_written_ones_engine() {
+        let new = tempfile::tempdir().unwrap();
+        let mut store = reopen_sled_with(new.path(), with(LogEngine::Auto)).unwrap();
+        assert_eq!(store.log_engine(), LogEngine::Segments);
+        store.append(&commands(1, 3, 1)).unwrap();
+        store.flush().unwrap();
+        drop(store);
+        let store = reopen_sled_with(new.path(), with(LogEngine::Auto)).unwrap();
+        assert_eq!(store.log_engine(), LogEngine::Segments);
+        assert_eq!(store.recover().unwrap().entries, commands(1, 3, 1));
+        drop(store);
+
+        let written = tempfile::tempdir().unwrap();
+        let mut store = reopen_sled_with(written.path(), with(LogEngine::Sled)).unwrap();
+        store.append(&commands(1, 2, 1)).unwrap();
+        store.flush().unwrap();
+        drop(store);
+        let mut store = reopen_sled_with(written.path(), with(LogEngine::Auto)).unwrap();
+        assert_eq!(store.log_engine(), LogEngine::Sled);
+        assert_eq!(store.recover().unwrap().entries, commands(1, 2, 1));
+        store.append(&commands(3, 3, 1)).unwrap();
+        store.flush().unwrap();
+        drop(store);
+        // Still sled, and sled named explicitly opens it too.
+        let mut store = reopen_sled_with(written.path(), with(LogEngine::Sled)).unwrap();
+        assert_eq!(store.recover().unwrap().entries, commands(1, 3, 1));
+        // Compacted to its last entry, its log tree may be empty: it stays sled all the same.
+        store.apply(3, &[]).unwrap();
+        store.compact(3).unwrap();
+        store.flush().unwrap();
+        drop(store);
+        let mut store = reopen_sled_with(written.path(), with(LogEngine::Auto)).unwrap();
+        assert_eq!(store.log_engine(), LogEngine::Sled);
+        assert_eq!(store.last_index(), 3);
+        store.append(&commands(4, 4, 1)).unwrap();
+        store.flush().unwrap();
+        drop(store);
+        let store = reopen_sled_with(written.path(), with(LogEngine::Auto)).unwrap();
+        assert_eq!(store.log_engine(), LogEngine::Sled);
+        assert_eq!(store.recover().unwrap().entries, commands(4, 4, 1));
+    }
+
+    #[test]
+    fn auto_parses_and_names_itself() {
+        assert_eq!("auto".parse::<LogEngine>(), Ok(LogEngine::Auto));
+        assert_eq!(LogEngine::Auto.to_string(), "auto");
+        let err = "rocksdb".parse::<LogEngine>().unwrap_err();
+        assert!(err.contains("auto, sled or segments"), "{err}");
+    }
 }

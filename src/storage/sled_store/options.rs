@@ -7,7 +7,7 @@ use super::SledStorage;
 /// Where a [`SledStorage`] keeps the Raft log; everything else is always in sled.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum LogEngine {
-    /// In sled's `log_runs` tree, with the rest of the store (the default).
+    /// In sled's `log_runs` tree, with the rest of the store.
     #[default]
     Sled,
     /// In segment files of its own under `log/` in the store's directory: an append is one
@@ -15,6 +15,10 @@ pub enum LogEngine {
     /// `docs/bench/storage.md` for what that is worth). Hard state, membership, snapshot point
     /// and applied state stay in sled.
     Segments,
+    /// The engine the store was written with, and [`LogEngine::Segments`] for a store that was
+    /// never written: a store keeps its engine, so a node upgraded to this default reads the
+    /// log it wrote. The lock node's default (`--raft-log-engine auto`).
+    Auto,
 }
 
 impl LogEngine {
@@ -22,6 +26,7 @@ impl LogEngine {
         match self {
             LogEngine::Sled => "sled",
             LogEngine::Segments => "segments",
+            LogEngine::Auto => "auto",
         }
     }
 }
@@ -38,7 +43,8 @@ impl std::str::FromStr for LogEngine {
         match s {
             "sled" => Ok(LogEngine::Sled),
             "segments" => Ok(LogEngine::Segments),
-            other => Err(format!("unknown log engine `{other}` (sled or segments)")),
+            "auto" => Ok(LogEngine::Auto),
+            other => Err(format!("unknown log engine `{other}` (auto, sled or segments)")),
         }
     }
 }
