@@ -1061,3 +1061,120 @@ async fn plain_and_grpc_raft_streams_mix_in_one_cluster() {
         }
     }
 }
+
+/// Several requests in one WebSocket frame (a JSON array): each runs and is answered as if it
+/// had come alone, and takes one of the connection's in-flight slots; a batch that is empty,
+/// too long or not a JSON array is refused whole and runs nothing. The upgrade's answer says
+/// the node takes batches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_of_requests_in_one_frame() {
+    let cluster = Cluster::start_with(3, |_| {
+        vec!["--max-inflight-per-connection".into(), "4".into()]
+    });
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let addr = cluster.client_addr_of(leader);
+    let (mut ws, response) = tokio_tungstenite::connect_async(format!("ws://{addr}/ws"))
+        .await
+        .expect("connect");
+    assert_eq!(response.headers()["raftlock-batch-max"], "64");
+    assert!(
+        response
+            .headers()
+            .contains_key("raftlock-max-message-bytes"),
+        "{:?}",
+        response.headers()
+    );
+    let ok = ws_request(&mut ws, &acquire("warmup", "c", "w", 1_000)).await;
+    assert_eq!(ok["success"], true, "{ok}");
+
+    // Two acquires and a request the node does not know, in one frame.
+    let batch = json!([
+        acquire("batch/1", "c", "b1", 10_000),
+        acquire("batch/2", "c", "b2", 10_000),
+        {"commandType": 99, "key": "batch/3", "clientId": "c", "requestId": "b3"},
+    ]);
+    ws_send(&mut ws, &batch).await;
+    let mut answers = std::collections::BTreeMap::new();
+    while answers.len() < 3 {
+        let r = ws_recv(&mut ws, Duration::from_secs(10))
+            .await
+            .expect("an answer to each request of the batch");
+        answers.insert(r["requestId"].as_str().unwrap().to_string(), r);
+    }
+    assert_eq!(answers["b1"]["success"], true, "{}", answers["b1"]);
+    assert_eq!(answers["b2"]["success"], true, "{}", answers["b2"]);
+    assert_eq!(answers["b1"]["key"], "batch/1");
+    assert!(token_of(&answers["b1"]) != token_of(&answers["b2"]));
+    assert_eq!(
+        error_code(&answers["b3"]),
+        "INVALID_REQUEST",
+        "{}",
+        answers["b3"]
+    );
+
+    // Refused whole: one answer each, without a request id, and nothing runs.
+    let too_long = Value::Array(
+        (0..65)
+            .map(|i| acquire("batch/long", &format!("x{i}"), &format!("l{i}"), 10_000))
+            .collect(),
+    );
+    for bad in [
+        "[]".to_string(),
+        too_long.to_string(),
+        "[{\"commandType\":3,".into(),
+    ] {
+        ws_send_raw(&mut ws, &bad).await;
+        let r = ws_recv(&mut ws, Duration::from_secs(10))
+            .await
+            .expect("an answer");
+        assert_eq!(error_code(&r), "INVALID_REQUEST", "{bad}: {r}");
+        assert!(r.get("requestId").is_none_or(Value::is_null), "{r}");
+    }
+    let mut other = ws_connect(&addr).await;
+    let free = json!({"commandType": 3, "key": "batch/long", "clientId": "y",
+                      "requestId": "y1", "ttl": 10_000, "waitTimeout": 0});
+    let r = ws_request(&mut other, &free).await;
+    assert_eq!(
+        r["success"], true,
+        "no request of the refused batch ran: {r}"
+    );
+
+    // Each request takes an in-flight slot: four waiters fill the connection's four, and the
+    // last two of the batch are answered BUSY at once.
+    let waiters = Value::Array(
+        (1..=6)
+            .map(|i| {
+                json!({"commandType": 3, "key": "batch/long", "clientId": format!("w{i}"),
+                       "requestId": format!("q{i}"), "ttl": 10_000, "waitTimeout": 30_000})
+            })
+            .collect(),
+    );
+    ws_send(&mut ws, &waiters).await;
+    let mut busy = Vec::new();
+    while busy.len() < 2 {
+        let r = ws_recv(&mut ws, Duration::from_secs(10))
+            .await
+            .expect("BUSY answers for the requests over the limit");
+        assert_eq!(error_code(&r), "BUSY", "{r}");
+        busy.push(r["requestId"].as_str().unwrap().to_string());
+    }
+    busy.sort();
+    assert_eq!(busy, ["q5", "q6"]);
+    // A waiter is granted once the holder releases (the requests of a batch run side by side,
+    // as requests in frames of their own do: which one queued first is not fixed).
+    let r = ws_request(&mut other, &release("batch/long", "y", "y2", token_of(&r))).await;
+    assert_eq!(r["success"], true, "{r}");
+    let granted = ws_recv(&mut ws, Duration::from_secs(10))
+        .await
+        .expect("the head waiter's grant");
+    assert!(
+        ["q1", "q2", "q3", "q4"].contains(&granted["requestId"].as_str().unwrap_or("")),
+        "{granted}"
+    );
+    assert_eq!(granted["success"], true, "{granted}");
+    let metrics = http_get(&addr, "/metrics").await.unwrap().1;
+    assert!(
+        metric_sum(&metrics, "raftlock_websocket_batched_requests_total", &[]) >= 9.0,
+        "the three and the six batched requests are counted"
+    );
+}

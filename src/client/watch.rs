@@ -121,7 +121,7 @@ impl Watch {
         let failed = |e: String| StartError::Failed(format!("{addr}: {e}"));
         let connect =
             super::conn::open_ws(addr, self.auth_token.as_deref(), self.tls.as_ref(), None);
-        let mut socket = tokio::time::timeout(self.connect_timeout, connect)
+        let (mut socket, _) = tokio::time::timeout(self.connect_timeout, connect)
             .await
             .map_err(|_| failed("connect timed out".into()))?
             .map_err(|e| match e {

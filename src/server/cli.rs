@@ -163,6 +163,11 @@ struct Args {
     /// Maximum requests in flight per client connection. Default 1024
     #[arg(long)]
     max_inflight_per_connection: Option<usize>,
+    /// Requests one WebSocket frame may carry as a JSON array, each its own request with its
+    /// own answer (the SDK sends the requests that are ready together so); 1 takes no
+    /// batches. Default 64
+    #[arg(long)]
+    ws_batch_max: Option<usize>,
     /// Maximum bytes of one client or peer message. Default 1048576
     #[arg(long)]
     max_message_bytes: Option<usize>,
@@ -278,6 +283,7 @@ impl Args {
             identity_max_waiters,
             identity_max_sessions,
             max_inflight_per_connection,
+            ws_batch_max,
             max_message_bytes,
             max_key_bytes,
             max_value_bytes,

@@ -87,11 +87,13 @@ async fn ws_upgrade(
         return (StatusCode::SERVICE_UNAVAILABLE, "too many connections").into_response();
     };
     let max = state.limits.max_message_bytes;
+    let batch_max = state.limits.ws_batch_max;
     // Small buffers: the library's defaults (128 KiB to read and 128 KiB to write, per
     // connection) cost a node with 10,000 clients more than a gigabyte. A message larger than
     // the read buffer is still read whole (up to `max`); the write buffer may grow past its
     // target only while a client does not read, and never past one message more than `max`.
-    ws.read_buffer_size(WS_READ_BUFFER_BYTES)
+    let response = ws
+        .read_buffer_size(WS_READ_BUFFER_BYTES)
         .write_buffer_size(WS_WRITE_BUFFER_BYTES)
         .max_write_buffer_size(WS_WRITE_BUFFER_BYTES + 2 * max)
         .max_message_size(max)
@@ -99,7 +101,20 @@ async fn ws_upgrade(
         .on_upgrade(move |socket| async move {
             super::ws::serve_socket(socket, state, caller).await;
             drop(permit);
-        })
+        });
+    let mut response = response;
+    if batch_max > 1 {
+        let headers = response.headers_mut();
+        headers.insert(
+            super::ws::BATCH_HEADER,
+            axum::http::HeaderValue::from(batch_max),
+        );
+        headers.insert(
+            super::ws::MESSAGE_BYTES_HEADER,
+            axum::http::HeaderValue::from(max),
+        );
+    }
+    response
 }
 
 /// The status page: members, leader, replication lag, held locks and recent events, live from

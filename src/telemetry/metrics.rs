@@ -56,6 +56,7 @@ pub struct NodeMetrics {
     pub peer_connections_refused_total: IntCounterVec,
     pub limit_refusals_total: IntCounterVec,
     pub ignored_fields_total: IntCounter,
+    pub websocket_batched_requests_total: IntCounter,
     pub requests_total: IntCounterVec,
     pub requests_received_total: IntCounterVec,
     pub requests_forwarded_total: IntCounterVec,
@@ -328,6 +329,10 @@ impl NodeMetrics {
             ignored_fields_total: reg!(counter(
                 "raftlock_ignored_fields_total",
                 "Fields of client WebSocket requests that the node does not know and ignored."
+            )),
+            websocket_batched_requests_total: reg!(counter(
+                "raftlock_websocket_batched_requests_total",
+                "Client WebSocket requests that came in batches (several requests in one frame)."
             )),
             requests_total: reg!(IntCounterVec::new(
                 Opts::new(

@@ -38,7 +38,7 @@ pub(crate) use protocol::{ReplyKind, Request, TokenRef};
 pub use session::{is_traceparent, TraceContext};
 pub(crate) use session::{Session, SessionConfig};
 pub use websocket::TlsConfig;
-pub(crate) use websocket::{open_ws, OpenError};
+pub(crate) use websocket::{open_ws, BatchLimit, OpenError};
 
 struct Slot {
     kind: ReplyKind,
@@ -76,6 +76,8 @@ pub(crate) struct Conn {
     pending: Pending,
     closed: Arc<AtomicBool>,
     max_inflight: usize,
+    /// How many requests the node takes in one frame (a JSON array), in how many bytes.
+    batch: BatchLimit,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -121,7 +123,7 @@ impl Conn {
         config.read_buffer_size = READ_BUFFER_BYTES;
         config.write_buffer_size = WRITE_BUFFER_BYTES;
         let connect = open_ws(addr, auth_token, tls, Some(config));
-        let socket = match tokio::time::timeout(timeout, connect).await {
+        let (socket, batch) = match tokio::time::timeout(timeout, connect).await {
             Ok(Ok(s)) => s,
             Ok(Err(OpenError::Request(e))) => return Err(ConnFailure::Retry(e)),
             Ok(Err(OpenError::Refused(e))) => return Err(ConnFailure::Refused(e)),
@@ -239,6 +241,7 @@ impl Conn {
             pending,
             closed,
             max_inflight,
+            batch,
             tasks,
         })
     }
@@ -344,15 +347,18 @@ impl Conn {
                 (sink, None)
             }
         };
-        let mut wrote = false;
-        for frame in own.into_iter().chain(self.take_outbox()) {
-            sink.feed(Message::Text(frame)).await.map_err(drop)?;
-            wrote = true;
+        let frames: Vec<Utf8Bytes> = own.into_iter().chain(self.take_outbox()).collect();
+        if frames.is_empty() {
+            return Ok(());
         }
-        if wrote {
-            sink.flush().await.map_err(drop)?;
+        // Requests ready together go out as batches: one frame for as many as the node takes
+        // in one, which it reads and parses as one.
+        for group in batches(&frames, self.batch) {
+            sink.feed(Message::Text(batch_frame(group)))
+                .await
+                .map_err(drop)?;
         }
-        Ok(())
+        sink.flush().await.map_err(drop)
     }
 
     fn take_outbox(&self) -> Vec<Utf8Bytes> {
@@ -363,6 +369,43 @@ impl Conn {
         let mut map = self.pending.lock().unwrap_or_else(|p| p.into_inner());
         map.remove(request_id);
     }
+}
+
+/// `frames` cut into runs that each fit in one batch of `limit` (a frame alone when batches
+/// are not taken, or when it is too large to share a frame).
+fn batches(frames: &[Utf8Bytes], limit: BatchLimit) -> Vec<&[Utf8Bytes]> {
+    let mut out = Vec::new();
+    let (mut start, mut bytes) = (0, 1);
+    for (i, frame) in frames.iter().enumerate() {
+        let fits = i - start < limit.requests && bytes + frame.len() + 1 <= limit.bytes;
+        if i > start && !fits {
+            out.push(&frames[start..i]);
+            (start, bytes) = (i, 1);
+        }
+        bytes += frame.len() + 1;
+    }
+    if start < frames.len() {
+        out.push(&frames[start..]);
+    }
+    out
+}
+
+/// One frame for several requests: a JSON array of their frames (a lone request stays as it is).
+fn batch_frame(requests: &[Utf8Bytes]) -> Utf8Bytes {
+    if let [one] = requests {
+        return one.clone();
+    }
+    let len = requests.iter().map(|r| r.len() + 1).sum::<usize>() + 1;
+    let mut text = String::with_capacity(len);
+    text.push('[');
+    for (i, request) in requests.iter().enumerate() {
+        if i > 0 {
+            text.push(',');
+        }
+        text.push_str(request);
+    }
+    text.push(']');
+    text.into()
 }
 
 /// Removes a caller's frame from a connection's outbox if the caller stops waiting before the

@@ -164,14 +164,32 @@ async fn a_peer_that_stops_reading_cannot_hold_a_call() {
     );
 }
 
-/// A node that reports every text frame it reads.
+/// A node that reports every text frame it reads (a node of an older release: it takes no
+/// batches).
 async fn recording_node() -> (String, tokio::sync::mpsc::UnboundedReceiver<String>) {
+    recording_node_with(&[]).await
+}
+
+/// A node that reports every text frame it reads and answers the upgrade with `headers`.
+async fn recording_node_with(
+    headers: &[(&'static str, &'static str)],
+) -> (String, tokio::sync::mpsc::UnboundedReceiver<String>) {
+    use tokio_tungstenite::tungstenite::handshake::server::{Request, Response};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let headers = headers.to_vec();
     tokio::spawn(async move {
         let (tcp, _) = listener.accept().await.unwrap();
-        let mut ws = tokio_tungstenite::accept_async(tcp).await.unwrap();
+        let answer = move |_: &Request, mut response: Response| {
+            for (name, value) in &headers {
+                response.headers_mut().insert(*name, value.parse().unwrap());
+            }
+            Ok(response)
+        };
+        let mut ws = tokio_tungstenite::accept_hdr_async(tcp, answer)
+            .await
+            .unwrap();
         while let Some(Ok(msg)) = ws.next().await {
             if let Message::Text(t) = msg {
                 let _ = tx.send(t.to_string());
@@ -255,4 +273,108 @@ async fn queued_requests_go_out_together_and_a_caller_that_gives_up_takes_its_ba
             .is_err(),
         "nothing else was written"
     );
+}
+
+/// Requests queued together go to a node that takes batches as JSON arrays, no more requests
+/// and no more bytes in one than the node said it takes (its upgrade's answer).
+#[tokio::test]
+async fn queued_requests_go_out_as_batches_the_node_takes() {
+    let (addr, mut received) = recording_node_with(&[
+        ("raftlock-batch-max", "3"),
+        ("raftlock-max-message-bytes", "1024"),
+    ])
+    .await;
+    let conn = Arc::new(
+        Conn::connect(&addr, Duration::from_secs(5), 64, 1 << 20, None, None, None)
+            .await
+            .unwrap(),
+    );
+    assert_eq!(
+        conn.batch,
+        BatchLimit {
+            requests: 3,
+            bytes: 1024
+        }
+    );
+    let busy = conn.sink.lock().await;
+    let big = "x".repeat(700);
+    let waiting: Vec<_> = (0..6)
+        .map(|i| {
+            let conn = conn.clone();
+            let pad = if i == 4 { big.clone() } else { String::new() };
+            tokio::spawn(async move {
+                let id = format!("q{i}");
+                let text: Utf8Bytes = format!(r#"{{"requestId":"{id}","pad":"{pad}"}}"#).into();
+                conn.call(
+                    &id,
+                    ReplyKind::Normal,
+                    &text,
+                    Some(Duration::from_millis(300)),
+                )
+                .await
+            })
+        })
+        .collect();
+    let queued = Instant::now();
+    while conn.outbox.lock().unwrap().len() < 6 {
+        assert!(queued.elapsed() < Duration::from_secs(5));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let order: Vec<String> = conn
+        .outbox
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|f| serde_json::from_str::<Value>(f).unwrap()["requestId"].to_string())
+        .collect();
+    drop(busy);
+    let mut frames = Vec::new();
+    let mut requests = Vec::new();
+    while requests.len() < 6 {
+        let frame = tokio::time::timeout(Duration::from_secs(5), received.recv())
+            .await
+            .expect("the queued requests reach the node")
+            .unwrap();
+        assert!(frame.len() <= 1024, "{} bytes", frame.len());
+        let value: Value = serde_json::from_str(&frame).unwrap();
+        let ids: Vec<String> = match value {
+            Value::Array(items) => items.iter().map(|r| r["requestId"].to_string()).collect(),
+            one => vec![one["requestId"].to_string()],
+        };
+        frames.push(ids.len());
+        requests.extend(ids);
+    }
+    assert_eq!(requests, order, "every request once, in the outbox's order");
+    assert!(frames.iter().all(|&n| n <= 3), "{frames:?}");
+    assert!(frames.len() < 6, "some requests shared a frame: {frames:?}");
+    for w in waiting {
+        assert!(matches!(w.await.unwrap(), Err(CallError::Timeout)));
+    }
+}
+
+#[test]
+fn batches_keep_to_the_nodes_bounds() {
+    let frames: Vec<Utf8Bytes> = ["a", "bb", "ccc", "dddd", "e"]
+        .iter()
+        .map(|s| Utf8Bytes::from(s.to_string()))
+        .collect();
+    let lens = |limit| -> Vec<usize> { batches(&frames, limit).iter().map(|b| b.len()).collect() };
+    let old = BatchLimit {
+        requests: 1,
+        bytes: 0,
+    };
+    assert_eq!(lens(old), [1, 1, 1, 1, 1]);
+    let by_count = BatchLimit {
+        requests: 2,
+        bytes: 1000,
+    };
+    assert_eq!(lens(by_count), [2, 2, 1]);
+    // "[a,bb]" is 6 bytes, "[a,bb,ccc]" 10: a limit of 9 cuts after bb, and "[ccc,dddd]" is 10.
+    let by_bytes = BatchLimit {
+        requests: 64,
+        bytes: 9,
+    };
+    assert_eq!(lens(by_bytes), [2, 1, 2]);
+    assert_eq!(batch_frame(&frames[..3]).as_str(), "[a,bb,ccc]");
+    assert_eq!(batch_frame(&frames[..1]).as_str(), "a");
 }

@@ -11,19 +11,49 @@ pub type TlsConfig = Arc<rustls::ClientConfig>;
 pub(crate) type WsSocket =
     tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
 
+/// The header of a node's answer to the upgrade that says it takes batches (several requests
+/// in one frame, as a JSON array) and how many requests one may hold.
+const BATCH_HEADER: &str = "raftlock-batch-max";
+/// The header with the largest frame the node reads: a batch must fit in it.
+const MESSAGE_BYTES_HEADER: &str = "raftlock-max-message-bytes";
+
+/// How a node takes batches: up to `requests` requests in one frame of at most `bytes` bytes.
+/// A node of an older release takes none (`requests` 1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct BatchLimit {
+    pub requests: usize,
+    pub bytes: usize,
+}
+
 /// Opens a WebSocket to a node's `/ws`: over TLS when `tls` is given, with
-/// `Authorization: Bearer <auth_token>` when a token is given.
+/// `Authorization: Bearer <auth_token>` when a token is given. Also returns how many requests
+/// the node takes in one frame.
 pub(crate) async fn open_ws(
     addr: &str,
     auth_token: Option<&str>,
     tls: Option<&TlsConfig>,
     config: Option<tokio_tungstenite::tungstenite::protocol::WebSocketConfig>,
-) -> Result<WsSocket, OpenError> {
+) -> Result<(WsSocket, BatchLimit), OpenError> {
     let request = ws_request(addr, auth_token, tls.is_some()).map_err(OpenError::Request)?;
     let connector = tls.map(|c| tokio_tungstenite::Connector::Rustls(c.clone()));
     tokio_tungstenite::connect_async_tls_with_config(request, config, true, connector)
         .await
-        .map(|(socket, _)| socket)
+        .map(|(socket, response)| {
+            let header = |name: &str| {
+                response
+                    .headers()
+                    .get(name)
+                    .and_then(|v| v.to_str().ok()?.parse::<usize>().ok())
+            };
+            let limit = match (header(BATCH_HEADER), header(MESSAGE_BYTES_HEADER)) {
+                (Some(requests), Some(bytes)) if requests > 1 => BatchLimit { requests, bytes },
+                _ => BatchLimit {
+                    requests: 1,
+                    bytes: 0,
+                },
+            };
+            (socket, limit)
+        })
         .map_err(|e| match e {
             tokio_tungstenite::tungstenite::Error::Http(response)
                 if matches!(response.status().as_u16(), 401 | 403) =>

@@ -3,8 +3,9 @@
 //! `requestId`. Bad input is answered with an error code and changes nothing; the connection
 //! stays usable.
 //!
-//! Here: the request's wire fields and a connection's life (reading frames, running requests as
-//! tasks, writing the answers in batches, draining at shutdown). Its children:
+//! Here: the request's wire fields and a connection's life (reading frames, a frame holding a
+//! JSON array of requests taken as that many requests, running requests as tasks, writing the
+//! answers in batches, draining at shutdown). Its children:
 //! - `parse`: a text frame into a client operation, within the client port's limits;
 //! - `reply`: the JSON answers, repeating the request's `key` and `requestId`;
 //! - `watches`: a watch's stream of lock events on the connection.
@@ -177,6 +178,16 @@ impl From<String> for Outgoing {
 /// Answers a connection's writer gathers into one write at most (see `serve_socket`).
 const WRITE_BATCH_FRAMES: usize = 64;
 
+/// The header of the WebSocket upgrade's answer that says this node takes batches (a frame
+/// that holds a JSON array of requests, each its own request with its own answer frame and
+/// one of the connection's in-flight slots), and how many requests one may hold
+/// (`--ws-batch-max`): a client sends arrays only to a node that names it.
+pub const BATCH_HEADER: &str = "raftlock-batch-max";
+
+/// The header of the WebSocket upgrade's answer with the largest frame the node reads
+/// (`--max-message-bytes`): a batch must fit in it whole.
+pub const MESSAGE_BYTES_HEADER: &str = "raftlock-max-message-bytes";
+
 /// A connection's handles to one histogram per operation label, looked up once each: asking the
 /// labelled family for a child hashes the label and takes its lock on every call.
 struct OpHistograms {
@@ -313,29 +324,26 @@ pub async fn serve_socket(socket: WebSocket, state: AppState, caller: Caller) {
             WsMessage::Close(_) => break,
             _ => continue,
         };
-        let Ok(permit) = inflight.clone().try_acquire_owned() else {
-            let raw: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
-            let err = ApiError::new(
-                ErrorCode::Busy,
-                "too many requests in flight on this connection",
-            );
-            let text = error_json(&raw, &err);
-            let timed = Some((read_at, INVALID_OP));
-            let _ = shared.out.send(Outgoing { text, timed }).await;
-            continue;
-        };
-        let shared = shared.clone();
-        // The request's future is large (parsing, the driver call, tracing; the forward is
-        // boxed on its own): boxed, it is written once to the heap, where a task of that size
-        // was copied whole into its slot when spawned and again when it finished (`memcpy` was
-        // about 3% of the leader's instructions per lock cycle at 4 KB).
-        tokio::spawn(async move {
-            if let Some((text, op)) = Box::pin(handle_text(&text, conn, &shared)).await {
-                let timed = Some((read_at, op));
-                let _ = shared.out.send(Outgoing { text, timed }).await;
+        if text.trim_start().starts_with('[') {
+            // A batch: each request in it runs as if it had come in a frame of its own.
+            match batch_items(&text, shared.state.limits.ws_batch_max) {
+                Ok(items) => {
+                    let batched = &shared.state.metrics.websocket_batched_requests_total;
+                    batched.inc_by(items.len() as u64);
+                    for range in items {
+                        start_request(&shared, &inflight, conn, read_at, text.clone(), range).await;
+                    }
+                }
+                Err(e) => {
+                    let text = error_json(&Value::Null, &e);
+                    let timed = Some((read_at, INVALID_OP));
+                    let _ = shared.out.send(Outgoing { text, timed }).await;
+                }
             }
-            drop(permit);
-        });
+            continue;
+        }
+        let whole = 0..text.len();
+        start_request(&shared, &inflight, conn, read_at, text, whole).await;
     }
     let _ = closed_tx.send(true);
     let _ = shared.state.driver.send(Input::Disconnected { conn }).await;
@@ -345,6 +353,72 @@ pub async fn serve_socket(socket: WebSocket, state: AppState, caller: Caller) {
     let _ = writer.await;
     websocket.dec();
     http.inc();
+}
+
+/// Starts one request, `frame[range]`, as a task of its own holding one of the connection's
+/// in-flight slots; a connection without a free slot is answered `BUSY` for it.
+async fn start_request(
+    shared: &Arc<Connection>,
+    inflight: &Arc<Semaphore>,
+    conn: u64,
+    read_at: Instant,
+    frame: Utf8Bytes,
+    range: std::ops::Range<usize>,
+) {
+    let Ok(permit) = inflight.clone().try_acquire_owned() else {
+        let raw: Value = serde_json::from_str(&frame[range]).unwrap_or(Value::Null);
+        let err = ApiError::new(
+            ErrorCode::Busy,
+            "too many requests in flight on this connection",
+        );
+        let text = error_json(&raw, &err);
+        let timed = Some((read_at, INVALID_OP));
+        let _ = shared.out.send(Outgoing { text, timed }).await;
+        return;
+    };
+    let shared = shared.clone();
+    // The request's future is large (parsing, the driver call, tracing; the forward is
+    // boxed on its own): boxed, it is written once to the heap, where a task of that size
+    // was copied whole into its slot when spawned and again when it finished (`memcpy` was
+    // about 3% of the leader's instructions per lock cycle at 4 KB).
+    tokio::spawn(async move {
+        let text = &frame[range];
+        if let Some((text, op)) = Box::pin(handle_text(text, conn, &shared)).await {
+            let timed = Some((read_at, op));
+            let _ = shared.out.send(Outgoing { text, timed }).await;
+        }
+        drop(permit);
+    });
+}
+
+/// Where each request of a batch frame (a JSON array of requests) lies in the frame. An array
+/// that does not parse, is empty or holds more than `max` requests (`--ws-batch-max`) is
+/// refused whole, and none of its requests runs; a request in it that is not a valid request
+/// is answered like a frame of its own would be.
+fn batch_items(frame: &str, max: usize) -> Result<Vec<std::ops::Range<usize>>, ApiError> {
+    let items: Vec<&serde_json::value::RawValue> = serde_json::from_str(frame).map_err(|err| {
+        ApiError::new(
+            ErrorCode::InvalidRequest,
+            format!("malformed batch (a JSON array of requests): {err}"),
+        )
+    })?;
+    if items.is_empty() || items.len() > max {
+        return Err(ApiError::new(
+            ErrorCode::InvalidRequest,
+            format!(
+                "a batch holds 1 to {max} requests, this one {}",
+                items.len()
+            ),
+        ));
+    }
+    let base = frame.as_ptr() as usize;
+    Ok(items
+        .iter()
+        .map(|item| {
+            let start = item.get().as_ptr() as usize - base;
+            start..start + item.get().len()
+        })
+        .collect())
 }
 
 /// Parses, validates and executes one request; returns the JSON reply and the request's

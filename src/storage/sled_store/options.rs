@@ -44,7 +44,9 @@ impl std::str::FromStr for LogEngine {
             "sled" => Ok(LogEngine::Sled),
             "segments" => Ok(LogEngine::Segments),
             "auto" => Ok(LogEngine::Auto),
-            other => Err(format!("unknown log engine `{other}` (auto, sled or segments)")),
+            other => Err(format!(
+                "unknown log engine `{other}` (auto, sled or segments)"
+            )),
         }
     }
 }
