@@ -6,8 +6,9 @@
 # one client's request step by step (docs/bench/latency.md, scripts/latency-timeline.sh), a
 # snapshot install's memory (docs/bench/snapshot-install.md) and the scale runs
 # (docs/bench/scale.md, `raftlock-bench scale`); last, the etcd comparison and one client's
-# latency again with the Raft log in segment files (`--raft-log-engine segments`,
-# docs/bench/segments/).
+# latency again with the Raft log in sled, the engine of data directories that earlier builds
+# wrote (`--raft-log-engine sled`, docs/bench/segments/sled-log/; the rest runs on segments,
+# what a node gives a new data directory).
 #
 #   scripts/bench-vs-etcd.sh            # full run: 1, 8, 32, 128, 512 clients, 5 s per run, 2 rounds
 #   scripts/bench-vs-etcd.sh --quick    # 1 and 32 clients, 2 s per run, 1 round
@@ -113,24 +114,18 @@ echo "== installing a million-lock snapshot into a new store: memory and time by
 
 echo "== scale"
 "$BIN/raftlock-bench" scale "${SCALE[@]}" --out docs/bench
-echo "== the Raft log in segment files: the etcd comparison and one client's cycle"
-mkdir -p docs/bench/segments
-"$BIN/raftlock-bench" compare --raft-log-engine segments "${ARGS[@]}" "$@" --out docs/bench/segments
+echo "== the Raft log in sled (data directories of earlier builds): the etcd comparison and one client's cycle"
+mkdir -p docs/bench/segments/sled-log
+"$BIN/raftlock-bench" compare --raft-log-engine sled "${ARGS[@]}" "$@" --out docs/bench/segments/sled-log
 {
-  echo "# Where one client's lock cycle goes, with the Raft log in segment files"
+  echo "# Where one client's lock cycle goes, with the Raft log in sled"
   echo
-  echo "$(date +%F) · \`raftlock-bench latency --raft-log-engine segments --seconds 10\` (and the same with \`--clients 32\`; the default engine's are in ../latency.md)"
+  echo "$(date +%F) · \`raftlock-bench latency --raft-log-engine sled --seconds 10\` (and the same with \`--clients 32\`; the default engine's, segments, are in ../../latency.md)"
   echo
-  "$BIN/raftlock-bench" latency --raft-log-engine segments --seconds 10
+  "$BIN/raftlock-bench" latency --raft-log-engine sled --seconds 10
   echo
   echo "## The same with 32 clients"
   echo
-  "$BIN/raftlock-bench" latency --raft-log-engine segments --seconds 10 --clients 32
-  echo
-  echo "## One request step by step, from the nodes' own clocks"
-  echo
-  echo "\`scripts/latency-timeline.sh 10 --raft-log-engine segments\`: as in ../latency.md, with the log in segments."
-  echo
-  scripts/latency-timeline.sh 10 --raft-log-engine segments
-} > docs/bench/segments/latency.md
+  "$BIN/raftlock-bench" latency --raft-log-engine sled --seconds 10 --clients 32
+} > docs/bench/segments/sled-log/latency.md
 echo "== done: docs/bench/results.md, chart.png, five-nodes/results.md, cpu-budget.md, latency.md, storage.md, snapshot-install.md, scale.md, segments/"

@@ -1177,4 +1177,73 @@ async fn batches_of_requests_in_one_frame() {
         metric_sum(&metrics, "raftlock_websocket_batched_requests_total", &[]) >= 9.0,
         "the three and the six batched requests are counted"
     );
+
+    // gRPC's Batch: each operation answered on the stream with its index.
+    use raftlock::server::proto::lock::{batch_operation::Op, batch_response::Result as Answer};
+    use raftlock::server::proto::lock::{BatchOperation, BatchRequest};
+    let mut grpc = LockServiceClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+    let grpc_acquire = |key: &str, id: &str| AcquireLockRequest {
+        resource_name: key.into(),
+        owner_id: "g".into(),
+        client_timeout_ms: 0,
+        request_id: id.into(),
+        ttl_ms: 10_000,
+        ack_below: None,
+        attach_to_session: false,
+    };
+    let operations = vec![
+        BatchOperation {
+            op: Some(Op::Acquire(grpc_acquire("grpc/1", "g1"))),
+        },
+        BatchOperation {
+            op: Some(Op::Release(ReleaseLockRequest {
+                resource_name: "grpc/none".into(),
+                owner_id: "g".into(),
+                fencing_token: 1,
+                request_id: "g2".into(),
+                ack_below: None,
+            })),
+        },
+        BatchOperation {
+            op: Some(Op::Acquire(grpc_acquire("grpc/3", "g3"))),
+        },
+    ];
+    let mut stream = grpc
+        .batch(BatchRequest { operations })
+        .await
+        .expect("the batch is taken")
+        .into_inner();
+    let mut answers = std::collections::BTreeMap::new();
+    while let Some(answer) = stream.message().await.expect("the stream") {
+        answers.insert(answer.index, answer.result.expect("a result"));
+    }
+    assert_eq!(answers.len(), 3, "{answers:?}");
+    match (&answers[&0], &answers[&1], &answers[&2]) {
+        (Answer::Acquire(a), Answer::Release(r), Answer::Acquire(c)) => {
+            assert!(a.acquired && c.acquired, "{a:?} {c:?}");
+            assert!(!r.released && !r.error_code.is_empty(), "{r:?}");
+        }
+        other => panic!("answers out of place: {other:?}"),
+    }
+    // Refused whole: empty, too long, an operation that names none.
+    let too_long = (0..65)
+        .map(|i| BatchOperation {
+            op: Some(Op::Acquire(grpc_acquire("grpc/long", &format!("l{i}")))),
+        })
+        .collect();
+    for operations in [vec![], too_long, vec![BatchOperation { op: None }]] {
+        let err = grpc
+            .batch(BatchRequest { operations })
+            .await
+            .expect_err("refused whole");
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    }
+    let other_owner = AcquireLockRequest {
+        owner_id: "h".into(),
+        ..grpc_acquire("grpc/long", "free")
+    };
+    let r = grpc.acquire_lock(other_owner).await.unwrap().into_inner();
+    assert!(r.acquired, "no operation of the refused batch ran: {r:?}");
 }

@@ -167,7 +167,7 @@ struct Args {
     /// own answer (the SDK sends the requests that are ready together so); 1 takes no
     /// batches. Default 64
     #[arg(long)]
-    ws_batch_max: Option<usize>,
+    max_batch: Option<usize>,
     /// Maximum bytes of one client or peer message. Default 1048576
     #[arg(long)]
     max_message_bytes: Option<usize>,
@@ -283,7 +283,7 @@ impl Args {
             identity_max_waiters,
             identity_max_sessions,
             max_inflight_per_connection,
-            ws_batch_max,
+            max_batch,
             max_message_bytes,
             max_key_bytes,
             max_value_bytes,

@@ -132,7 +132,7 @@ pub struct NodeConfig {
     pub identity_max_sessions: u64,
     pub max_inflight_per_connection: usize,
     /// Requests one WebSocket frame may carry as a JSON array (1: no batches).
-    pub ws_batch_max: usize,
+    pub max_batch: usize,
     pub max_message_bytes: usize,
     pub max_key_bytes: usize,
     pub max_value_bytes: usize,
@@ -196,7 +196,7 @@ pub const DEFAULTS: &[(&str, &str)] = &[
     ("identity_max_waiters", "250000"),
     ("identity_max_sessions", "2500"),
     ("max_inflight_per_connection", "1024"),
-    ("ws_batch_max", "64"),
+    ("max_batch", "64"),
     ("max_message_bytes", "1048576"),
     ("max_key_bytes", "512"),
     ("max_value_bytes", "65536"),
@@ -399,8 +399,8 @@ impl NodeConfig {
                 "per-address, byte and per-identity limits must be positive",
             );
         }
-        if !(1..=1024).contains(&self.ws_batch_max) {
-            return invalid("ws_batch_max", "must be 1 (no batches) to 1024");
+        if !(1..=1024).contains(&self.max_batch) {
+            return invalid("max_batch", "must be 1 (no batches) to 1024");
         }
         if self.max_connections == 0 || self.max_message_bytes < 1024 {
             return invalid(
@@ -554,12 +554,12 @@ mod tests {
     }
 
     #[test]
-    fn ws_batch_max_defaults_to_64_and_stays_within_1_to_1024() {
-        assert_eq!(load_with(&[]).unwrap().ws_batch_max, 64);
-        assert_eq!(load_with(&[("ws_batch_max", "1")]).unwrap().ws_batch_max, 1);
+    fn max_batch_defaults_to_64_and_stays_within_1_to_1024() {
+        assert_eq!(load_with(&[]).unwrap().max_batch, 64);
+        assert_eq!(load_with(&[("max_batch", "1")]).unwrap().max_batch, 1);
         for bad in ["0", "1025"] {
-            let err = load_with(&[("ws_batch_max", bad)]).unwrap_err().to_string();
-            assert!(err.contains("ws_batch_max"), "{err}");
+            let err = load_with(&[("max_batch", bad)]).unwrap_err().to_string();
+            assert!(err.contains("max_batch"), "{err}");
         }
     }
 

@@ -20,7 +20,7 @@ pub struct ClientLimits {
     pub max_connections: usize,
     pub max_inflight_per_connection: usize,
     /// Requests one WebSocket frame may carry as a JSON array (1: no batches).
-    pub ws_batch_max: usize,
+    pub max_batch: usize,
     pub max_message_bytes: usize,
     pub max_key_bytes: usize,
     pub max_value_bytes: usize,

@@ -20,6 +20,7 @@ const GRPC_OPS: &[(&str, &str, &str)] = &[
     ("raftlock.lock.v1.LockService", "RenewLock", "renew"),
     ("raftlock.lock.v1.LockService", "GetStatus", "status"),
     ("raftlock.lock.v1.LockService", "ListMembers", "members"),
+    ("raftlock.lock.v1.LockService", "Batch", "batch"),
     ("api.LockService", "AcquireLock", "acquire"),
     ("api.LockService", "ReleaseLock", "release"),
 ];
@@ -157,8 +158,86 @@ pub fn caller_of<T>(state: &AppState, request: &Request<T>) -> super::auth::Call
     state.security.caller(authorization, None)
 }
 
+/// The answers of a `Batch` call, each sent as soon as its operation is answered.
+pub type BatchStream = std::pin::Pin<
+    Box<dyn futures::Stream<Item = Result<lpb::BatchResponse, Status>> + Send + 'static>,
+>;
+
+impl LockApi {
+    /// Runs one operation of a batch as the call of its own it stands for, with the batch's
+    /// metadata (its bearer token and trace context).
+    async fn batch_operation(
+        &self,
+        metadata: tonic::metadata::MetadataMap,
+        op: lpb::batch_operation::Op,
+    ) -> Result<lpb::batch_response::Result, Status> {
+        use lpb::batch_operation::Op;
+        use lpb::batch_response::Result as Answer;
+        use lpb::lock_service_server::LockService;
+        fn call<T>(metadata: tonic::metadata::MetadataMap, message: T) -> Request<T> {
+            Request::from_parts(metadata, tonic::Extensions::default(), message)
+        }
+        Ok(match op {
+            Op::Acquire(m) => {
+                Answer::Acquire(self.acquire_lock(call(metadata, m)).await?.into_inner())
+            }
+            Op::Release(m) => {
+                Answer::Release(self.release_lock(call(metadata, m)).await?.into_inner())
+            }
+            Op::Renew(m) => Answer::Renew(self.renew_lock(call(metadata, m)).await?.into_inner()),
+            Op::AcquireShared(m) => {
+                Answer::AcquireShared(self.acquire_shared(call(metadata, m)).await?.into_inner())
+            }
+            Op::KeepAlive(m) => {
+                Answer::KeepAlive(self.keep_alive(call(metadata, m)).await?.into_inner())
+            }
+        })
+    }
+}
+
 #[tonic::async_trait]
 impl lpb::lock_service_server::LockService for LockApi {
+    type BatchStream = BatchStream;
+
+    async fn batch(
+        &self,
+        request: Request<lpb::BatchRequest>,
+    ) -> Result<Response<BatchStream>, Status> {
+        let max = self.state.limits.max_batch;
+        let (metadata, _, batch) = request.into_parts();
+        let count = batch.operations.len();
+        if count == 0 || count > max {
+            return Err(Status::invalid_argument(format!(
+                "a batch holds 1 to {max} operations, this one {count}"
+            )));
+        }
+        let mut ops = Vec::with_capacity(count);
+        for (index, operation) in batch.operations.into_iter().enumerate() {
+            let op = operation.op.ok_or_else(|| {
+                Status::invalid_argument(format!("operation {index} of the batch names none"))
+            })?;
+            ops.push(op);
+        }
+        let api = std::sync::Arc::new(LockApi {
+            state: self.state.clone(),
+        });
+        let (tx, rx) = tokio::sync::mpsc::channel(count);
+        for (index, op) in ops.into_iter().enumerate() {
+            let (api, tx, metadata) = (api.clone(), tx.clone(), metadata.clone());
+            tokio::spawn(async move {
+                let answer = Box::pin(api.batch_operation(metadata, op)).await;
+                let _ = tx
+                    .send(answer.map(|result| lpb::BatchResponse {
+                        index: index as u32,
+                        result: Some(result),
+                    }))
+                    .await;
+            });
+        }
+        let answers = tokio_stream::wrappers::ReceiverStream::new(rx);
+        Ok(Response::new(Box::pin(answers) as BatchStream))
+    }
+
     async fn acquire_lock(
         &self,
         request: Request<lpb::AcquireLockRequest>,

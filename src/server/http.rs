@@ -87,7 +87,7 @@ async fn ws_upgrade(
         return (StatusCode::SERVICE_UNAVAILABLE, "too many connections").into_response();
     };
     let max = state.limits.max_message_bytes;
-    let batch_max = state.limits.ws_batch_max;
+    let batch_max = state.limits.max_batch;
     // Small buffers: the library's defaults (128 KiB to read and 128 KiB to write, per
     // connection) cost a node with 10,000 clients more than a gigabyte. A message larger than
     // the read buffer is still read whole (up to `max`); the write buffer may grow past its

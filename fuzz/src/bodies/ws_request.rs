@@ -14,6 +14,7 @@ use raftlock::server::ws::parse_text;
 const LIMITS: ClientLimits = ClientLimits {
     max_connections: 10_000,
     max_inflight_per_connection: 1024,
+    max_batch: 64,
     max_message_bytes: 1 << 20,
     max_key_bytes: 512,
     max_value_bytes: 65_536,

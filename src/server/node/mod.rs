@@ -449,7 +449,7 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
         limits: Arc::new(ClientLimits {
             max_connections: cfg.max_connections,
             max_inflight_per_connection: cfg.max_inflight_per_connection,
-            ws_batch_max: cfg.ws_batch_max,
+            max_batch: cfg.max_batch,
             max_message_bytes: cfg.max_message_bytes,
             max_key_bytes: cfg.max_key_bytes,
             max_value_bytes: cfg.max_value_bytes,

@@ -181,7 +181,7 @@ const WRITE_BATCH_FRAMES: usize = 64;
 /// The header of the WebSocket upgrade's answer that says this node takes batches (a frame
 /// that holds a JSON array of requests, each its own request with its own answer frame and
 /// one of the connection's in-flight slots), and how many requests one may hold
-/// (`--ws-batch-max`): a client sends arrays only to a node that names it.
+/// (`--max-batch`): a client sends arrays only to a node that names it.
 pub const BATCH_HEADER: &str = "raftlock-batch-max";
 
 /// The header of the WebSocket upgrade's answer with the largest frame the node reads
@@ -326,7 +326,7 @@ pub async fn serve_socket(socket: WebSocket, state: AppState, caller: Caller) {
         };
         if text.trim_start().starts_with('[') {
             // A batch: each request in it runs as if it had come in a frame of its own.
-            match batch_items(&text, shared.state.limits.ws_batch_max) {
+            match batch_items(&text, shared.state.limits.max_batch) {
                 Ok(items) => {
                     let batched = &shared.state.metrics.websocket_batched_requests_total;
                     batched.inc_by(items.len() as u64);
@@ -392,7 +392,7 @@ async fn start_request(
 }
 
 /// Where each request of a batch frame (a JSON array of requests) lies in the frame. An array
-/// that does not parse, is empty or holds more than `max` requests (`--ws-batch-max`) is
+/// that does not parse, is empty or holds more than `max` requests (`--max-batch`) is
 /// refused whole, and none of its requests runs; a request in it that is not a valid request
 /// is answered like a frame of its own would be.
 fn batch_items(frame: &str, max: usize) -> Result<Vec<std::ops::Range<usize>>, ApiError> {

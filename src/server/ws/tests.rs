@@ -15,7 +15,7 @@ fn typed_fast_path_parses_and_answers_as_the_general_path() {
     let limits = ClientLimits {
         max_connections: 10,
         max_inflight_per_connection: 10,
-        ws_batch_max: 64,
+        max_batch: 64,
         max_message_bytes: 65536,
         max_key_bytes: 64,
         max_value_bytes: 1024,
