@@ -188,23 +188,40 @@ def by_component(dump):
 # the functions that begin it. A function inlined into its caller has no entry of its own; the
 # instructions of all stages together are compared with the whole and the rest is reported as
 # "runtime and other" (scheduling, parking and waking threads, timers).
+def method(path, typ, name):
+    """A method of `path::typ` as callgrind names it: `path::typ::name`, or, for a method in an
+    `impl` block of a submodule, `path::module::<impl path::typ>::name`."""
+    p, t = re.escape(path), re.escape(typ)
+    return rf"^{p}::(?:{t}|\w+::<impl {p}::{t}>)::{name}$"
+
+
+def storage(impl, name):
+    """A `Storage` method of `impl` (`<impl as Storage>::name`, or the impl block's name)."""
+    i, trait = re.escape(impl), re.escape("raftlock::storage::Storage")
+    return rf"^(?:<{i} as {trait}>|[\w:]+::<impl {trait} for {i}>)::{name}$"
+
+
+DRIVER = ("raftlock::server::driver", "Driver")
+NODE = ("raftlock::node", "NodeCore<S,R>")
+TIMED = r"raftlock::server::driver::(?:timed_storage::)?TimedStorage<S>"
 STAGES = [
     ("client: WebSocket frames, JSON parse, reply",
      [r"^axum::extract::ws::WebSocketUpgrade<F>::on_upgrade::\{\{closure\}\}$",
-      r"^raftlock::server::ws::serve_socket::\{\{closure\}\}::\{\{closure\}\}$"]),
-    ("driver: take inputs, propose", [r"^raftlock::server::driver::Driver::handle_inputs$"]),
+      r"^raftlock::server::ws::serve_socket::\{\{closure\}\}::\{\{closure\}\}$",
+      r"^raftlock::server::ws::start_request::\{\{closure\}\}::\{\{closure\}\}$"]),
+    ("driver: take inputs, propose", [method(*DRIVER, "handle_inputs")]),
     # The driver runs a drive in its two halves (NodeCore::drive is the two back to back).
     ("driver: Raft, persistence, apply (NodeCore::drive)",
-     [r"^raftlock::node::NodeCore<S,R>::drive_until_flush$",
-      r"^raftlock::node::NodeCore<S,R>::finish_drive$"]),
-    ("  of which log append and flush (sled)",
-     [r"^<raftlock::storage::sled_store::SledStorage as raftlock::storage::Storage>::append$",
-      r"^<raftlock::server::driver::TimedStorage<S> as raftlock::storage::Storage>::flush$",
-      r"^<raftlock::storage::sled_store::SledStorage as raftlock::storage::Storage>::set_hard_state$"]),
-    ("  of which lock state machine apply", [r"^raftlock::lock::machine::LockStateMachine::apply$"]),
-    ("driver: send messages, answer clients", [r"^raftlock::server::driver::Driver::handle_effects$"]),
-    ("driver: status and metrics", [r"^raftlock::server::driver::Driver::publish_status$"]),
-    ("driver: ticks (applied-state write every 100 ms)", [r"^raftlock::node::NodeCore<S,R>::tick$"]),
+     [method(*NODE, "drive_until_flush"), method(*NODE, "finish_drive")]),
+    ("  of which the Raft log's appends and flushes, hard state",
+     [rf"^<{TIMED} as raftlock::storage::Storage>::append$",
+      rf"^<{TIMED} as raftlock::storage::Storage>::flush$",
+      storage("raftlock::storage::sled_store::SledStorage", "set_hard_state")]),
+    ("  of which lock state machine apply",
+     [method("raftlock::lock::machine", "LockStateMachine", "apply")]),
+    ("driver: send messages, answer clients", [method(*DRIVER, "handle_effects")]),
+    ("driver: status and metrics", [method(*DRIVER, "publish_status")]),
+    ("driver: ticks (applied-state write every 100 ms)", [method(*NODE, "tick")]),
     ("peers: outgoing gRPC streams (encode, HTTP/2, write)",
      [r"^<hyper::proto::h2::client::H2ClientFuture<B,T,E> as core::future::future::Future>::poll$"]),
     ("peers: incoming gRPC streams (read, HTTP/2, decode)",
@@ -214,11 +231,11 @@ STAGES = [
     # was queued (and heartbeats); the driver's thread frames and writes the rest itself, inside
     # the driver stages above (the row after these, not added to the total again).
     ("peers: incoming plain Raft streams (read, decode, hand to the driver)",
-     [r"^raftlock::server::node::sort_peer_connections::\{\{closure\}\}::\{\{closure\}\}$"]),
+     [r"^raftlock::server::node::(?:listeners::)?sort_peer_connections::\{\{closure\}\}::\{\{closure\}\}$"]),
     ("peers: outgoing stream tasks (queued messages, heartbeats)",
-     [r"^raftlock::server::transport::PeerSender::run::\{\{closure\}\}$"]),
+     [method("raftlock::server::transport", "PeerSender", r"run::\{\{closure\}\}")]),
     ("  of the driver stages: Raft messages framed and written on the driver's thread",
-     [r"^raftlock::server::transport::PeerTransport::send$"]),
+     [method("raftlock::server::transport", "PeerTransport", "send")]),
     ("storage: sled background threads", [r"^sled::threadpool::perform_work$"]),
 ]
 
@@ -469,7 +486,7 @@ def main():
         if os.environ.get("CPU_BUDGET_KEEP"):
             print(f"kept {work}", file=sys.stderr)
         else:
-            shutil.rmtree(work, ignore_errors=True)
+            if not os.environ.get("CPU_BUDGET_KEEP"): shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -154,9 +154,21 @@ pub fn init(json: bool, default_filter: &str, service: Option<&str>) -> Telemetr
     // is not made for the log alone (it cost about a seventh of the throughput with JSON logs);
     // RUST_LOG=raftlock::server::exec=debug turns it on.
     let request_spans = exporting;
+    // Each filter says the most verbose level it can let through. Without that hint the
+    // subscriber's level is TRACE, the bridge from the `log` crate then passes every debug and
+    // trace record of the dependencies (the WebSocket library's, sled's) into the filters to be
+    // dropped there: that was a third of the leader's instructions per lock cycle
+    // (docs/bench/cpu-budget.md, "metrics and tracing").
+    use tracing_subscriber::filter::LevelFilter;
+    let span_level = if request_spans {
+        LevelFilter::DEBUG
+    } else {
+        LevelFilter::OFF
+    };
     let fmt_filter = filter.or(tracing_subscriber::filter::filter_fn(move |meta| {
         request_spans && meta.is_span() && meta.name() == "lock.request"
-    }));
+    })
+    .with_max_level_hint(span_level));
     let mut provider = None;
     let mut otel_layer = None;
     if let Some(service) = service.filter(|_| exporting) {
@@ -172,7 +184,8 @@ pub fn init(json: bool, default_filter: &str, service: Option<&str>) -> Telemetr
                 // Spans, and events from info up (a debug log line is not a span event).
                 let events = tracing_subscriber::filter::filter_fn(|meta| {
                     meta.is_span() || *meta.level() <= tracing::Level::INFO
-                });
+                })
+                .with_max_level_hint(LevelFilter::DEBUG);
                 otel_layer = Some(
                     tracing_opentelemetry::layer()
                         .with_tracer(tracer)
