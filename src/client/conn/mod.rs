@@ -377,7 +377,8 @@ fn batches(frames: &[Utf8Bytes], limit: BatchLimit) -> Vec<&[Utf8Bytes]> {
     let mut out = Vec::new();
     let (mut start, mut bytes) = (0, 1);
     for (i, frame) in frames.iter().enumerate() {
-        let fits = i - start < limit.requests && bytes + frame.len() + 1 <= limit.bytes;
+        // With the frame and the comma or `]` after it, the batch still fits.
+        let fits = i - start < limit.requests && bytes + frame.len() < limit.bytes;
         if i > start && !fits {
             out.push(&frames[start..i]);
             (start, bytes) = (i, 1);

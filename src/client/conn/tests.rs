@@ -181,6 +181,8 @@ async fn recording_node_with(
     let headers = headers.to_vec();
     tokio::spawn(async move {
         let (tcp, _) = listener.accept().await.unwrap();
+        // The library's callback returns its own (large) error type.
+        #[allow(clippy::result_large_err)]
         let answer = move |_: &Request, mut response: Response| {
             for (name, value) in &headers {
                 response.headers_mut().insert(*name, value.parse().unwrap());

@@ -169,6 +169,9 @@ pub(super) async fn connections_part(n: usize, base: &Path, run: &str) -> Result
         &mut procs,
         &[
             ("RAFTLOCK_MAX_CONNECTIONS", limit.as_str()),
+            // Every connection comes from 127.0.0.1 here: the bound per source address
+            // (2500 by default) would refuse the rest.
+            ("RAFTLOCK_MAX_CONNECTIONS_PER_ADDRESS", limit.as_str()),
             ("RAFTLOCK_MAX_SESSIONS", limit.as_str()),
         ],
     )?;
