@@ -1,7 +1,7 @@
 //! Three real `lock-node` processes on 127.0.0.1: locks over WebSocket and gRPC, redirects, FIFO
 //! hand-off with increasing tokens, TTL expiry, SIGKILL of the leader, joining and removing a
-//! node, bad input, the timing of WebSocket requests in `/metrics`, and plain and gRPC Raft
-//! streams in one cluster.
+//! node, bad input, the timing of WebSocket requests in `/metrics`, plain and gRPC Raft
+//! streams in one cluster, batches, and the commit delay's waits.
 
 mod common;
 
@@ -1246,4 +1246,75 @@ async fn batches_of_requests_in_one_frame() {
     };
     let r = grpc.acquire_lock(other_owner).await.unwrap().into_inner();
     assert!(r.acquired, "no operation of the refused batch ran: {r:?}");
+}
+
+/// `rounds` hand-offs of one key between two WebSocket clients on `addr`: each release's commit
+/// answers the holder and grants the waiter; the old holder queues again at once, the new one
+/// releases only 3 ms later. Checks every grant and its token, and returns the node's metrics.
+async fn hand_offs_with_a_late_release(addr: &str, rounds: usize) -> String {
+    let key = "handoff/late";
+    let mut holder = (ws_connect(addr).await, "a");
+    let mut waiter = (ws_connect(addr).await, "b");
+    let r = ws_request(&mut holder.0, &acquire(key, "a", "a0", 30_000)).await;
+    assert_eq!(r["success"], true, "{r}");
+    let mut token = token_of(&r);
+    let queue = |client: &str, request: String| {
+        json!({"commandType": 3, "key": key, "clientId": client, "requestId": request,
+               "ttl": 30_000, "waitTimeout": 30_000})
+    };
+    ws_send(&mut waiter.0, &queue("b", "b0".into())).await;
+    for i in 1..=rounds {
+        let r = ws_request(
+            &mut holder.0,
+            &release(key, holder.1, &format!("{}r{i}", holder.1), token),
+        )
+        .await;
+        assert_eq!(r["success"], true, "{r}");
+        let granted = ws_recv(&mut waiter.0, Duration::from_secs(10))
+            .await
+            .expect("the waiter's grant");
+        assert_eq!(granted["success"], true, "{granted}");
+        let next = token_of(&granted);
+        assert!(next > token, "tokens increase: {next} after {token}");
+        token = next;
+        ws_send(&mut holder.0, &queue(holder.1, format!("{}q{i}", holder.1))).await;
+        tokio::time::sleep(Duration::from_millis(3)).await;
+        std::mem::swap(&mut holder, &mut waiter);
+    }
+    http_get(addr, "/metrics").await.unwrap().1
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_commit_delay_waits_for_clients_just_answered_and_can_be_turned_off() {
+    // The old holder's request comes alone while the new holder, answered by the same commit,
+    // has not sent yet: the batch waits for it (and, since it comes 3 ms later, times out).
+    let cluster = Cluster::start(3);
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let metrics = hand_offs_with_a_late_release(&cluster.client_addr_of(leader), 20).await;
+    let timed_out = metric_sum(
+        &metrics,
+        "raftlock_commit_delay_waits_total",
+        &["outcome=\"timed_out\""],
+    );
+    // Waits that time out teach the node to stop: seven of them bring the share of hits below
+    // one half, then one chance in sixteen is taken.
+    assert!(
+        (5.0..=12.0).contains(&timed_out),
+        "timed-out waits: {timed_out}"
+    );
+    let waits = metric_sum(&metrics, "raftlock_commit_delay_seconds_count", &[]);
+    assert!(
+        waits >= timed_out,
+        "{waits} waits timed, {timed_out} timed out"
+    );
+    drop(cluster);
+
+    let cluster = Cluster::start_with(1, |_| vec!["--commit-delay".into(), "0".into()]);
+    let leader = cluster.wait_for_leader(LEADER_TIMEOUT).await;
+    let metrics = hand_offs_with_a_late_release(&cluster.client_addr_of(leader), 10).await;
+    assert_eq!(
+        metric_sum(&metrics, "raftlock_commit_delay_seconds_count", &[]),
+        0.0,
+        "--commit-delay 0 never waits"
+    );
 }

@@ -222,6 +222,12 @@ struct Args {
     /// Answers wait for the sync that covers them in every mode. Default auto
     #[arg(long)]
     background_flush: Option<String>,
+    /// How long a batch of client requests may wait, before it is proposed, for the next
+    /// request of the clients the node just answered, so that one flush covers theirs too (a
+    /// lock's hand-off: the holder takes it again while the next holder releases it); the node
+    /// learns from its waits and stops while they do not pay. 0 never waits. Default 100us
+    #[arg(long)]
+    commit_delay: Option<String>,
     /// How Raft messages travel to peers: plain (length-prefixed frames on the peer port; a
     /// peer that does not take them gets gRPC) or grpc. Default plain
     #[arg(long)]
@@ -298,6 +304,7 @@ impl Args {
             storage_cache_mb,
             raft_log_engine,
             background_flush,
+            commit_delay,
             peer_stream,
             io_threads,
             log_format

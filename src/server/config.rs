@@ -165,6 +165,10 @@ pub struct NodeConfig {
     /// `always` (on their own thread) or `never` (on the driver's thread). Answers wait for the
     /// flush that covers them in every mode.
     pub background_flush: String,
+    /// How long a batch of client requests may wait for the next request of the clients just
+    /// answered (0: never).
+    #[serde(deserialize_with = "duration")]
+    pub commit_delay: Duration,
     /// How Raft messages travel to peers: `plain` (length-prefixed protobuf frames on the peer
     /// port, falling back to gRPC for a peer that does not take them) or `grpc` (the
     /// `Peer.Raft` stream only). A node takes both kinds from its peers either way.
@@ -211,6 +215,7 @@ pub const DEFAULTS: &[(&str, &str)] = &[
     ("storage_cache_mb", "64"),
     ("raft_log_engine", "auto"),
     ("background_flush", "auto"),
+    ("commit_delay", "100us"),
     ("peer_stream", "plain"),
     ("io_threads", "0"),
     ("log_format", "text"),
@@ -398,6 +403,9 @@ impl NodeConfig {
                 "max_connections_per_address",
                 "per-address, byte and per-identity limits must be positive",
             );
+        }
+        if self.commit_delay > Duration::from_millis(1) {
+            return invalid("commit_delay", "must be at most 1ms (0 never waits)");
         }
         if !(1..=1024).contains(&self.max_batch) {
             return invalid("max_batch", "must be 1 (no batches) to 1024");
@@ -587,6 +595,29 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("io_threads"), "{err}");
+    }
+
+    #[test]
+    fn commit_delay_defaults_to_100us_and_stays_within_1ms() {
+        assert_eq!(
+            load_with(&[]).unwrap().commit_delay,
+            Duration::from_micros(100)
+        );
+        assert_eq!(
+            load_with(&[("commit_delay", "0")]).unwrap().commit_delay,
+            Duration::ZERO
+        );
+        let err = load_with(&[("commit_delay", "5ms")])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("commit_delay"), "{err}");
+        let err = load_with(&[("commit_delay", "soon")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("commit_delay") || err.contains("soon"),
+            "{err}"
+        );
     }
 
     #[test]

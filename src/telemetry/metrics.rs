@@ -57,6 +57,8 @@ pub struct NodeMetrics {
     pub limit_refusals_total: IntCounterVec,
     pub ignored_fields_total: IntCounter,
     pub websocket_batched_requests_total: IntCounter,
+    pub commit_delay_waits_total: IntCounterVec,
+    pub commit_delay_seconds: Histogram,
     pub requests_total: IntCounterVec,
     pub requests_received_total: IntCounterVec,
     pub requests_forwarded_total: IntCounterVec,
@@ -334,6 +336,20 @@ impl NodeMetrics {
                 "raftlock_websocket_batched_requests_total",
                 "Client WebSocket requests that came in batches (several requests in one frame)."
             )),
+            commit_delay_waits_total: reg!(IntCounterVec::new(
+                Opts::new(
+                    "raftlock_commit_delay_waits_total",
+                    "Batches of client requests that waited for the next request of clients just \
+                     answered (--commit-delay), by outcome: arrived (every client awaited came) \
+                     or timed_out."
+                ),
+                &["outcome"]
+            )),
+            commit_delay_seconds: reg!(hist(
+                "raftlock_commit_delay_seconds",
+                "How long each such batch waited before it was proposed (--commit-delay).",
+                &[5e-6, 10e-6, 20e-6, 40e-6, 80e-6, 160e-6, 320e-6, 640e-6, 1.28e-3]
+            )),
             requests_total: reg!(IntCounterVec::new(
                 Opts::new(
                     "raftlock_requests_total",
@@ -420,6 +436,11 @@ impl NodeMetrics {
         }
         for protocol in ["websocket", "grpc", "http"] {
             metrics.client_connections.with_label_values(&[protocol]);
+        }
+        for outcome in ["arrived", "timed_out"] {
+            metrics
+                .commit_delay_waits_total
+                .with_label_values(&[outcome]);
         }
         register_process_and_build(&metrics.registry);
         metrics

@@ -64,6 +64,7 @@ impl Driver {
                 Effect::Send(msg) => self.send_peer(&msg),
                 Effect::Reply(tx, reply) => {
                     crate::server::probe::event("replied");
+                    self.arrival.answered();
                     let reply = match reply {
                         ClientReply::Error(e) => ClientReply::Error(self.with_leader_addr(e)),
                         other => other,

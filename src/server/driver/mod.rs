@@ -13,12 +13,14 @@
 //! committed on a quorum.
 //!
 //! Here: the driver's inputs and settings, the [`Driver`] and how it is built. Its children:
+//! - `arrival`: the commit delay, a batch's short wait for the clients just answered;
 //! - `run`: the loop, one turn at a time, and the graceful shutdown;
 //! - `inputs`: what comes off the input queue, handed to the core;
 //! - `effects`: what the core asks for (sends, answers, snapshot builds, observations);
 //! - `status`: [`NodeStatus`], the gauges and the replication lag, published after each turn;
 //! - `timed_storage`: storage timed for the metrics, flushing inline or on the flush thread.
 
+mod arrival;
 mod effects;
 mod inputs;
 mod run;
@@ -133,6 +135,9 @@ pub struct DriverConfig {
     pub max_batch_inputs: usize,
     /// Where flushes run ([`SledStorage::flush_in_background`]).
     pub flush_mode: FlushMode,
+    /// The longest a batch of client requests waits for the next request of the clients just
+    /// answered (`--commit-delay`; zero: never). See `arrival`.
+    pub commit_delay: Duration,
     /// Limits this node proposes for a cluster whose limits were never set.
     pub limits: crate::lock::Limits,
     pub quotas: crate::lock::Quotas,
@@ -172,6 +177,8 @@ pub struct Driver {
     appends_sent: Arc<AtomicBool>,
     /// Set when answers were queued on `on_thread` during a turn.
     answers_sent: Arc<AtomicBool>,
+    /// The commit delay: the clients answered and not heard from since, what waits taught.
+    arrival: arrival::ArrivalWait,
     addresses: AddressBook,
     metrics: NodeMetrics,
     cfg: DriverConfig,
@@ -338,6 +345,7 @@ impl Driver {
             on_thread,
             appends_sent,
             answers_sent,
+            arrival: arrival::ArrivalWait::new(cfg.commit_delay),
             addresses,
             metrics,
             cfg,

@@ -9,6 +9,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::{error, info, warn};
 
+use super::arrival::WaitOutcome;
 use super::{Driver, Input, SLOW_TURN, TURN_BUDGET};
 use crate::storage::StorageError;
 
@@ -62,6 +63,7 @@ impl Driver {
                             Err(_) => break,
                         }
                     }
+                    self.await_answered_clients(&mut batch).await;
                     // Traced only when it carries work: a client request, or entries from the
                     // leader. Heartbeats and their answers (tens a second on an idle cluster)
                     // make no trace.
@@ -145,6 +147,47 @@ impl Driver {
         self.handle_effects();
     }
 
+    /// The commit delay (`arrival`): while clients answered by the last turns have not sent
+    /// their next request, a batch of client requests waits for them, up to the learned window,
+    /// so that one flush covers theirs too. The wait spins (yielding to the streams on this
+    /// thread): the runtime's timers are too coarse for tens of microseconds.
+    async fn await_answered_clients(&mut self, batch: &mut Vec<Input>) {
+        let clients = batch.iter().filter(|i| is_client(i)).count();
+        let Some(window) = self.arrival.window(clients) else {
+            if clients > 0 {
+                self.arrival.finished(None);
+            }
+            return;
+        };
+        let started = std::time::Instant::now();
+        let mut outcome = WaitOutcome::TimedOut;
+        while batch.len() < self.cfg.max_batch_inputs && started.elapsed() < window {
+            match self.inputs.try_recv() {
+                Ok(more) => {
+                    let client = is_client(&more);
+                    batch.push(more);
+                    if client && self.arrival.arrived() {
+                        outcome = WaitOutcome::Arrived;
+                        break;
+                    }
+                }
+                Err(_) => tokio::task::yield_now().await,
+            }
+        }
+        let waited = started.elapsed();
+        self.arrival.finished(Some((outcome, waited)));
+        self.metrics
+            .commit_delay_waits_total
+            .with_label_values(&[match outcome {
+                WaitOutcome::Arrived => "arrived",
+                WaitOutcome::TimedOut => "timed_out",
+            }])
+            .inc();
+        self.metrics
+            .commit_delay_seconds
+            .observe(waited.as_secs_f64());
+    }
+
     /// A tick: where the next flushes run, a finished snapshot job, and the core's clock.
     fn on_tick(&mut self) -> Result<(), StorageError> {
         self.core.storage_mut().choose_flush_thread();
@@ -205,6 +248,10 @@ impl Driver {
             }
         }
     }
+}
+
+fn is_client(input: &Input) -> bool {
+    matches!(input, Input::Client { .. })
 }
 
 /// Whether an input is work a trace should show: a client request, or log entries to append.

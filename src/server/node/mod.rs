@@ -318,6 +318,7 @@ pub async fn run(cfg: NodeConfig, mut shutdown: watch::Receiver<bool>) -> Result
             waiter_reclaim: cfg.waiter_reclaim,
             max_batch_inputs: 1024,
             flush_mode: cfg.background_flush.parse().map_err(NodeError::Config)?,
+            commit_delay: cfg.commit_delay,
             limits: lock_limits(&cfg),
             quotas: lock_quotas(&cfg),
             watch: watch_hub.clone(),
