@@ -67,20 +67,26 @@ impl ArrivalWait {
     }
 
     /// A batch holding `clients` requests was taken from the queue: how long it may wait for
-    /// more (`None`: propose it now). Counts those requests against the clients awaited.
+    /// more (`None`: propose it now). Counts those requests against the clients awaited; a
+    /// batch of requests that does not wait forgets the rest (the next batch waits only for
+    /// clients answered after this one). A batch of peer messages alone changes nothing.
     pub fn window(&mut self, clients: usize) -> Option<Duration> {
-        self.awaited = self.awaited.saturating_sub(clients);
-        if clients == 0 || self.awaited == 0 || self.max.is_zero() {
+        if clients == 0 {
+            return None;
+        }
+        let awaited = self.awaited.saturating_sub(clients);
+        self.awaited = 0;
+        if awaited == 0 || self.max.is_zero() {
             return None;
         }
         if self.hit_rate < MIN_HIT_RATE {
             self.passed += 1;
             if self.passed < RETRY_EVERY {
-                self.awaited = 0;
                 return None;
             }
         }
         self.passed = 0;
+        self.awaited = awaited;
         let learned = Duration::from_secs_f64(self.typical_us * 3.0 / 1e6);
         Some(learned.clamp(MIN_WINDOW.min(self.max), self.max))
     }
@@ -91,18 +97,23 @@ impl ArrivalWait {
         self.awaited == 0
     }
 
-    /// The wait (if any) is over after `waited`: learns from it, and forgets the clients not
-    /// heard from (the next batch waits only for clients answered after this one).
-    pub fn finished(&mut self, outcome: Option<(WaitOutcome, Duration)>) {
-        if let Some((outcome, waited)) = outcome {
-            let hit = outcome == WaitOutcome::Arrived;
-            self.hit_rate = self.hit_rate * (1.0 - WEIGHT) + if hit { WEIGHT } else { 0.0 };
-            if hit {
-                let us = waited.as_secs_f64() * 1e6;
-                self.typical_us = self.typical_us * (1.0 - WEIGHT) + us * WEIGHT;
-            }
+    /// The wait is over after `waited`: learns from it, and forgets the clients not heard from.
+    pub fn finished(&mut self, outcome: WaitOutcome, waited: Duration) {
+        let hit = outcome == WaitOutcome::Arrived;
+        self.hit_rate = self.hit_rate * (1.0 - WEIGHT) + if hit { WEIGHT } else { 0.0 };
+        if hit {
+            let us = waited.as_secs_f64() * 1e6;
+            self.typical_us = self.typical_us * (1.0 - WEIGHT) + us * WEIGHT;
         }
         self.awaited = 0;
+    }
+
+    /// The label of `outcome` in `raftlock_commit_delay_waits_total`.
+    pub fn label(outcome: WaitOutcome) -> &'static str {
+        match outcome {
+            WaitOutcome::Arrived => "arrived",
+            WaitOutcome::TimedOut => "timed_out",
+        }
     }
 
     /// Clients answered and not heard from since the last batch.
@@ -124,7 +135,6 @@ mod tests {
         for _ in 0..100 {
             w.answered();
             assert_eq!(w.window(1), None);
-            w.finished(None);
         }
     }
 
@@ -137,7 +147,7 @@ mod tests {
         let window = w.window(1).expect("one answered client has not sent yet");
         assert!(window >= MIN_WINDOW && window <= MAX, "{window:?}");
         assert!(w.arrived(), "the second client was the last one awaited");
-        w.finished(Some((WaitOutcome::Arrived, Duration::from_micros(10))));
+        w.finished(WaitOutcome::Arrived, Duration::from_micros(10));
         assert_eq!(w.awaited(), 0);
     }
 
@@ -169,12 +179,9 @@ mod tests {
         for _ in 0..200 {
             w.answered();
             w.answered();
-            match w.window(1) {
-                Some(window) => {
-                    taken += 1;
-                    w.finished(Some((WaitOutcome::TimedOut, window)));
-                }
-                None => w.finished(None),
+            if let Some(window) = w.window(1) {
+                taken += 1;
+                w.finished(WaitOutcome::TimedOut, window);
             }
         }
         // Seven misses bring the hit rate below one half (0.9^7 < 0.5); after that one chance
@@ -196,9 +203,7 @@ mod tests {
             w.answered();
             w.answered();
             if let Some(window) = w.window(1) {
-                w.finished(Some((WaitOutcome::TimedOut, window)));
-            } else {
-                w.finished(None);
+                w.finished(WaitOutcome::TimedOut, window);
             }
         }
         // Clients that now answer at once: the retries hit, and the node waits every time again.
@@ -206,12 +211,9 @@ mod tests {
         for _ in 0..300 {
             w.answered();
             w.answered();
-            match w.window(1) {
-                Some(window) => {
-                    windows.push(window);
-                    w.finished(Some((WaitOutcome::Arrived, Duration::from_micros(8))));
-                }
-                None => w.finished(None),
+            if let Some(window) = w.window(1) {
+                windows.push(window);
+                w.finished(WaitOutcome::Arrived, Duration::from_micros(8));
             }
         }
         let last = &windows[windows.len() - 20..];

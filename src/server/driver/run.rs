@@ -9,7 +9,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::{error, info, warn};
 
-use super::arrival::WaitOutcome;
+use super::arrival::{ArrivalWait, WaitOutcome};
 use super::{Driver, Input, SLOW_TURN, TURN_BUDGET};
 use crate::storage::StorageError;
 
@@ -154,9 +154,6 @@ impl Driver {
     async fn await_answered_clients(&mut self, batch: &mut Vec<Input>) {
         let clients = batch.iter().filter(|i| is_client(i)).count();
         let Some(window) = self.arrival.window(clients) else {
-            if clients > 0 {
-                self.arrival.finished(None);
-            }
             return;
         };
         let started = std::time::Instant::now();
@@ -175,13 +172,10 @@ impl Driver {
             }
         }
         let waited = started.elapsed();
-        self.arrival.finished(Some((outcome, waited)));
+        self.arrival.finished(outcome, waited);
         self.metrics
             .commit_delay_waits_total
-            .with_label_values(&[match outcome {
-                WaitOutcome::Arrived => "arrived",
-                WaitOutcome::TimedOut => "timed_out",
-            }])
+            .with_label_values(&[ArrivalWait::label(outcome)])
             .inc();
         self.metrics
             .commit_delay_seconds
